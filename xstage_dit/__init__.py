@@ -1,0 +1,34 @@
+"""xstage_dit: fast multi-GPU serving of diffusers Diffusion Transformers.
+
+Public API (imported lazily so that `import xstage_dit` stays cheap):
+
+- ``parallelize(pipe, ParallelConfig(...))``: sequence / expert / CFG parallelism for a diffusers pipeline.
+- ``calibrate(...)``: measure remote-store issue, drain and capacity on this machine (X-Stage model).
+- ``XStageParams``: the three calibrated numbers of the X-Stage model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it; resolved on first attribute access.
+_LAZY = {
+    "XStageParams": "xstage_dit.xstage",
+    "calibrate": "xstage_dit.calibration",
+    "CalibrationConfig": "xstage_dit.calibration",
+    "parallelize": "xstage_dit.patches",
+    "ParallelConfig": "xstage_dit.patches",
+    "load_pipeline": "xstage_dit.models",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'xstage_dit' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,1 @@
+"""Subcommands of the `xstage-dit` command, one module each."""

@@ -1,0 +1,163 @@
+"""Process groups, symmetric-memory buffers and pointer tables, launch helpers.
+
+Everything that talks to `torch.distributed` or torch symmetric memory goes through this module, so
+the ops stay free of process-group plumbing:
+
+- ``init_distributed()`` joins the processes started by torchrun (NCCL on GPUs, gloo on CPUs).
+- ``SymmetricBuffer`` is one tensor per rank plus a device table ``ptr_table: int64[world]`` whose
+  entry ``r`` is the address of rank ``r``'s tensor, for remote stores from Triton kernels
+  (``tl.load(ptr_table + r).to(tl.pointer_type(elem))``).
+- ``symmetric_buffer(...)`` allocates such a buffer once per (name, shape, dtype, group) and caches it:
+  nothing allocates or rendezvouses on the hot path.
+- ``local_buffer_table(tensors)`` builds the same kind of table over plain tensors of one process:
+  world size 1 (``rendezvous`` refuses a world of 1) and the "virtual ranks" of the CPU tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# NVLink multicast can take a shared host's GPUs out of service: keep it off everywhere we start.
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+for _k, _v in SAFE_ENV.items():
+    os.environ.setdefault(_k, _v)
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits: global rank, world size, local rank and its torch device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def _device_for_local_rank(local_rank: int) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    # Several ranks may share one GPU (TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1 on a 1-GPU machine).
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> RankInfo:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
+
+    Without that environment this is a single process: returns rank 0 of 1 and creates no group.
+    backend: None picks NCCL when every rank has its own GPU, gloo otherwise (CPU, or ranks sharing
+    a GPU, which NCCL refuses).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _device_for_local_rank(local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not dist.is_initialized():
+        if backend is None:
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
+            own_gpu = device.type == "cuda" and torch.cuda.device_count() >= local_world
+            backend = "nccl" if own_gpu else "gloo"
+        dist.init_process_group(
+            backend=backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+        log.info("rank %d/%d joined with %s on %s", rank, world_size, backend, device)
+    return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, world_size) in `group`; (0, 1) when no process group exists."""
+    if group is None and not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def local_buffer_table(tensors: Sequence[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+    """int64 table of the data pointers of `tensors`, on `device` (default: the tensors' device).
+
+    Used for world size 1 and for virtual ranks in one process (tests, benchmarks): the kernel
+    stores through the table exactly as it would through a symmetric-memory peer table.
+    """
+    if not tensors:
+        raise ValueError("expected at least one tensor, got none")
+    device = device or tensors[0].device
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+
+@dataclass
+class SymmetricBuffer:
+    """One tensor per rank of a group and the device table of everyone's copy of it.
+
+    tensor: this rank's buffer (shape and dtype as allocated).
+    ptr_table: int64[world_size] on the buffer's device; entry r = address of rank r's buffer.
+    signal_table: int64[world_size] of the ranks' signal pads (flags), or None for a local table.
+    """
+
+    tensor: torch.Tensor
+    ptr_table: torch.Tensor
+    rank: int
+    world_size: int
+    handle: object | None = None
+    signal_table: torch.Tensor | None = None
+
+    def barrier(self) -> None:
+        """Block until every rank reaches this point (device-side for symmetric memory)."""
+        if self.handle is not None:
+            self.handle.barrier()
+
+
+_BUFFERS: dict[tuple, SymmetricBuffer] = {}
+
+
+def symmetric_buffer(
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+) -> SymmetricBuffer:
+    """The cached symmetric buffer `name` of `shape`/`dtype` over `group` (allocated on first call).
+
+    Collective on first call for a key (every rank of `group` must call it); later calls are a
+    dictionary lookup. World size 1 allocates a plain tensor and a local table: no rendezvous.
+    """
+    rank, world_size = world_of(group)
+    key = (name, tuple(shape), dtype, str(device), id(group) if group is not None else None)
+    buf = _BUFFERS.get(key)
+    if buf is not None:
+        return buf
+    if world_size == 1:
+        tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+        buf = SymmetricBuffer(tensor, local_buffer_table([tensor]), 0, 1)
+    else:
+        if device.type != "cuda":
+            raise RuntimeError(f"symmetric memory needs a CUDA device, got {device}")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        tensor = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+        handle = symm_mem.rendezvous(tensor, group if group is not None else dist.group.WORLD)
+        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+        buf = SymmetricBuffer(tensor, ptrs, handle.rank, handle.world_size, handle, sigs)
+    _BUFFERS[key] = buf
+    return buf
+
+
+def free_symmetric_buffers() -> None:
+    """Drop every cached buffer (tests; a server changing models)."""
+    _BUFFERS.clear()
