@@ -48,6 +48,7 @@ class ParallelHandle:
     calibration: Any = None
     schedule_choices: dict = field(default_factory=dict)
     num_moe_layers: int = 0
+    cfg_hook: Any = None  # the CFG hook (its .stats count the parallel pairs / split calls)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -232,5 +233,6 @@ def _apply(pipe, transformer, plan, handle: ParallelHandle, xparams) -> None:
 
                 vae.decode = checked_decode
                 handle._undo.append(lambda: vae.__dict__.pop("decode", None))
+        handle.cfg_hook = hook
         registry.register_hook(hook, name)  # registered last = outermost: splits before the sequence hooks
         handle._undo.append(lambda: registry.remove_hook(name, recurse=False))

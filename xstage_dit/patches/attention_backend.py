@@ -12,8 +12,12 @@ that object to the backend untouched). The context says how the key/value tokens
   (NucleusMoE: image queries attend to image + text keys). The text tail is cut to this rank's
   share with the one split rule, so after the All-to-All every key appears exactly once.
 
-Key-padding masks (``(batch, seq_k)`` or ``(batch, 1, 1, seq_k)``) take the gather-KV path (keys,
-values and mask all-gathered, local queries): correct for any mask, logged once, never silent.
+The op takes equal chunks of one sequence. A rank's attention sequence is a concatenation of
+several split pieces (FLUX: its text shard then its image shard), which is an equal chunk exactly
+when every piece divides by sp (the served shapes: 512 text + 4096 image tokens over 2/4/8). When
+some piece does not (decided from the split totals, the same on every rank), or a key-padding mask
+(``(batch, seq_k)`` / ``(batch, 1, 1, seq_k)``) is given, the call takes the gather-KV path instead
+(keys, values and mask all-gathered, local queries): correct for any layout, logged once.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ class AttentionContext:
     name: str = ""
     xparams: object | None = None
     choices: dict = field(default_factory=dict)
+    state: object | None = None  # the SequenceState of the model's split hooks (split totals)
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -57,6 +62,15 @@ class AttentionContext:
 
 
 _LOGGED: set[str] = set()
+
+# Calls per path since import ("ulysses" = the op, "local" = no exchange, "gather_kv" = fallback):
+# lets tests prove which path ran. Not updated while torch.compile traces.
+PATH_COUNTS: dict[str, int] = {"ulysses": 0, "local": 0, "gather_kv": 0}
+
+
+def _count(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        PATH_COUNTS[path] += 1
 
 
 def _log_once(key: str, msg: str, *args) -> None:
@@ -129,13 +143,20 @@ def _sdpa(q, k, v, mask, scale):
     return out.transpose(1, 2)
 
 
-def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext):
-    """Masked fallback: all-gather k, v (and mask) over the sp group; local queries attend to all."""
+def _even_pieces(ctx: AttentionContext, *extra_totals: int) -> bool:
+    """True when every split piece of this forward divides by the sp degree (rank-independent)."""
+    totals = list(getattr(ctx.state, "totals", ())) + list(extra_totals)
+    return all(t % ctx.world == 0 for t in totals)
+
+
+def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext, why: str):
+    """Fallback: all-gather k, v (and mask) over the sp group; local queries attend to all keys."""
     _log_once(
-        f"gather-kv:{ctx.name}",
-        "attention %s has a mask: gather-KV path (keys/values all-gathered) instead of the Ulysses op",
-        ctx.name or "?",
+        f"gather-kv:{ctx.name}:{why}",
+        "attention %s: %s: gather-KV path (keys/values all-gathered) instead of the Ulysses op",
+        ctx.name or "?", why,
     )
+    _count("gather_kv")
     k_all = sharding.gather(k, 1, ctx.group)
     v_all = sharding.gather(v, 1, ctx.group)
     m_all = None if mask is None else sharding.gather(mask, 1, ctx.group)
@@ -174,9 +195,12 @@ def xstage_attention(
     if ctx is None or ctx.world == 1 or ctx.kv_layout == "replicated":
         if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
             schedule = _schedule_for(ctx, query, seq_q)
-            return _ulysses_op()(query, key, value, group=None, schedule=schedule, scale=scale)
+            _count("ulysses")
+            return _ulysses_op()(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+        _count("local")
         return _sdpa(query, key, value, mask, scale)
 
+    tail = 0
     if ctx.kv_layout == "replicated_tail":
         tail = key.shape[1] - seq_q
         if tail < 0:
@@ -187,7 +211,9 @@ def xstage_attention(
             mask = torch.cat([mask[:, :seq_q], sharding.shard(mask[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
 
     if mask is not None:
-        return _gather_kv_attention(query, key, value, mask, scale, ctx)
+        return _gather_kv_attention(query, key, value, mask, scale, ctx, "attention mask")
+    if not _even_pieces(ctx, *([tail] if tail else [])):
+        return _gather_kv_attention(query, key, value, None, scale, ctx, "sequence pieces not divisible by sp")
 
     seq_k = key.shape[1]
     q = query
@@ -198,5 +224,6 @@ def xstage_attention(
             raise ValueError(f"expected at most as many local queries as keys, got {seq_q} > {seq_k}")
         q = torch.cat([query, query.new_zeros((batch, seq_k - seq_q, *query.shape[2:]))], dim=1)
     schedule = _schedule_for(ctx, q, seq_k * ctx.world)
-    out = _ulysses_op()(q, key, value, group=ctx.group, schedule=schedule, scale=scale)
+    _count("ulysses")
+    out = _ulysses_op()(q, key, value, group=ctx.group, schedule=schedule, scale=scale, seq_len=seq_k * ctx.world)
     return out[:, :seq_q] if seq_q != seq_k else out

@@ -60,6 +60,7 @@ class BatchedCFGHook(ModelHook):
 
     def __init__(self, group, cfg_rank: int, batch_dims: dict[str, int], model_cls: type) -> None:
         super().__init__()
+        self.stats = {"split_calls": 0}
         self.group = group
         self.cfg_rank = cfg_rank
         self.batch_dims = batch_dims
@@ -91,6 +92,7 @@ class BatchedCFGHook(ModelHook):
         return tuple(args), kwargs
 
     def post_forward(self, module, output):
+        self.stats["split_calls"] += 1
         first, second = _exchange(_sample(output), self.group, self.cfg_rank)
         return _wrap_like(output, torch.cat([first, second], dim=0))
 
@@ -107,6 +109,8 @@ class PairedCFGHook(ModelHook):
         self.tracker = private.context_tracker()
         self.pending: dict | None = None
         self.shapes: dict[tuple, tuple[torch.Size, torch.dtype]] = {}
+        # pairs run concurrently on the two groups / pairs whose cond ran at the first call (new shape)
+        self.stats = {"parallel_pairs": 0, "first_pairs": 0}
 
     def reset_state(self, module):
         self.pending = None
@@ -159,7 +163,9 @@ class PairedCFGHook(ModelHook):
             self.check_no_pending("the next conditional call")
         self.pending = None
         if pending["done"] is not None:
+            self.stats["first_pairs"] += 1
             return forward(*args, **kwargs)  # cond already computed at the first call
+        self.stats["parallel_pairs"] += 1
         if self.cfg_rank == 0:
             output = forward(*pending["args"], **pending["kwargs"])
         else:

@@ -17,7 +17,12 @@ from xstage_dit.patches.config import ParallelConfig
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in the layout and its groups (None where the degree is 1)."""
+    """This rank's place in the layout and its groups.
+
+    sp_group is a real group whenever the world has more than one rank, even for sp=1 (a group of
+    one): ``None`` means the WORLD to torch.distributed and to the ops, which would be wrong there.
+    cfg_group is None when cfg=1.
+    """
 
     rank: int
     world_size: int
@@ -49,7 +54,7 @@ def build_groups(config: ParallelConfig) -> ParallelGroups:
         # new_group is collective over the WORLD: every rank creates every group, keeps its own.
         for branch in range(config.cfg):
             ranks = list(range(branch * config.sp, (branch + 1) * config.sp))
-            group = dist.new_group(ranks) if config.sp > 1 else None
+            group = dist.new_group(ranks)
             if rank in ranks:
                 sp_group = group
         for shard in range(config.sp):

@@ -191,13 +191,17 @@ def attention_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
 
 
 def check_heads(model: torch.nn.Module, sp: int) -> None:
-    """Raise ValueError naming the module if an attention's head count is not divisible by sp."""
+    """Raise ValueError naming the module if an attention has fewer heads than sp ranks.
+
+    The Ulysses op splits heads unevenly when they do not divide (the first ``heads % sp`` ranks take
+    one more), so the only head count sp cannot split is one below sp.
+    """
     for name, module in attention_modules(model):
         heads = getattr(module, "heads", None)
-        if heads is not None and heads % sp != 0:
+        if heads is not None and heads < sp:
             raise ValueError(
-                f"expected the head count of every attention to be divisible by sp={sp}, got heads={heads} in "
-                f"{type(model).__name__}.{name}"
+                f"expected at least sp={sp} heads in every attention (Ulysses gives each rank >= 1 head), got "
+                f"heads={heads} in {type(model).__name__}.{name}"
             )
 
 
@@ -270,7 +274,7 @@ def apply_sequence_parallel(
             original = module.processor
             ctx = AttentionContext(
                 group=group, rank=rank, world=world, kv_layout=_layout_for(name, spec.kv_layouts),
-                schedule=schedule, name=name, xparams=xparams, choices=choices,
+                schedule=schedule, name=name, xparams=xparams, choices=choices, state=state,
             )
             swap = spec.processor_swaps.get(type(original).__name__)
             if swap is not None:

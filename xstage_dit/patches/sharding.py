@@ -1,9 +1,10 @@
 """The one sequence split rule, and the shard / gather collectives built on it.
 
-Split rule (`split_sizes`): ``total`` tokens over ``parts`` ranks, the first ``total % parts`` ranks get
-one token more (the same as ``torch.tensor_split``). Every place that decides which tokens a rank owns
-(the entry hooks, the attention backend for replicated tails, the exit gather) calls this function,
-so the attention op sees shards that agree on token ownership.
+Split rule (`split_sizes`): the ``torch.chunk`` convention of `xstage_dit.ops.ulysses_attention`
+(``shard_bounds``): chunks of ``ceil(total / parts)`` tokens in rank order, so only the last ranks are
+short (possibly empty). Every place that decides which tokens a rank owns (the entry hooks, the
+attention backend for replicated tails, the exit gather) calls this function, so the shards agree
+with the attention op on token ownership (a test checks the two functions give the same bounds).
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import torch.distributed as dist
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
-    """Tokens per rank: ``[ceil] * (total % parts) + [floor] * (parts - total % parts)``.
+    """Tokens per rank: chunks of ``ceil(total / parts)``, the remainder on the last non-empty rank.
 
-    Example: ``split_sizes(10, 4) == [3, 3, 2, 2]``.
+    Example: ``split_sizes(10, 4) == [3, 3, 3, 1]``, ``split_sizes(5, 4) == [2, 2, 1, 0]``.
     """
     if parts < 1:
         raise ValueError(f"expected parts >= 1, got {parts}")
     if total < 0:
         raise ValueError(f"expected total >= 0, got {total}")
-    base, extra = divmod(total, parts)
-    return [base + 1 if r < extra else base for r in range(parts)]
+    chunk = -(-total // parts)
+    return [max(0, min(chunk, total - r * chunk)) for r in range(parts)]
 
 
 def split_offsets(total: int, parts: int) -> list[int]:
