@@ -91,6 +91,16 @@ def _output(pipe, kwargs) -> np.ndarray:
     return np.asarray(arr, dtype=np.float32)
 
 
+def _die_case(info) -> int:
+    """Rank 1 fails after joining; the others wait in a collective that can never complete."""
+    import torch.distributed as dist
+
+    if info.rank == 1:
+        raise SystemExit(3)
+    dist.barrier()
+    return 0
+
+
 def main() -> int:
     out_path, names = sys.argv[1], sys.argv[2:]
     from xstage_dit.distributed import init_distributed
@@ -99,6 +109,8 @@ def main() -> int:
 
     info = init_distributed(backend="gloo", timeout_s=float(os.environ.get("XSTAGE_TEST_TIMEOUT", "60")))
     torch.set_num_threads(1)
+    if names == ["die"]:
+        return _die_case(info)
     results = {}
     for name in names:
         build, kwargs, degrees = CASES[name]

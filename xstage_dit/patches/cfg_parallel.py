@@ -27,6 +27,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit.patches import _diffusers_private as private
+from xstage_dit.patches.sharding import _all_gather_single
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ def _exchange(mine: torch.Tensor, group, cfg_rank: int) -> tuple[torch.Tensor, t
     """(branch 0 output, branch 1 output) on both cfg ranks."""
     mine = mine.contiguous()
     out = mine.new_empty((2, *mine.shape))
-    dist.all_gather_into_tensor(out, mine.unsqueeze(0), group=group)
+    _all_gather_single(out, mine.unsqueeze(0), group=group)
     return out[0], out[1]
 
 

@@ -264,5 +264,31 @@ def supported_models_markdown() -> str:
     return "\n".join(rows)
 
 
+README_BEGIN = "<!-- supported-models:begin (generated: python -m xstage_dit.patches.plans --readme README.md) -->"
+README_END = "<!-- supported-models:end -->"
+
+
+def update_readme(path: str) -> bool:
+    """Write the table between the README markers (appending a section if absent); True if changed."""
+    from pathlib import Path
+
+    readme = Path(path)
+    text = readme.read_text() if readme.exists() else ""
+    block = f"{README_BEGIN}\n{supported_models_markdown()}\n{README_END}"
+    if README_BEGIN in text and README_END in text:
+        head, rest = text.split(README_BEGIN, 1)
+        new = head + block + rest.split(README_END, 1)[1]
+    else:
+        new = text.rstrip("\n") + ("\n\n" if text else "") + "## Models `parallelize` supports\n\n" + block + "\n"
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(supported_models_markdown())
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--readme":
+        print("updated" if update_readme(sys.argv[2]) else "up to date", sys.argv[2])
+    else:
+        print(supported_models_markdown())

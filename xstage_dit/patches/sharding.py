@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 
 
+# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); the GPU machine has 2.11.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def split_sizes(total: int, parts: int) -> list[int]:
     """Tokens per rank: chunks of ``ceil(total / parts)``, the remainder on the last non-empty rank.
 
@@ -66,7 +70,7 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, total: int | Non
     # Equal-size all_gather_into_tensor on dim 0 is the fastest collective on both NCCL and gloo.
     moved = x.movedim(dim, 0).contiguous()
     out = moved.new_empty((world * pad_to, *moved.shape[1:]))
-    dist.all_gather_into_tensor(out, moved, group=group)
+    _all_gather_single(out, moved, group=group)
     pieces = [out[r * pad_to : r * pad_to + sizes[r]] for r in range(world)]
     return torch.cat(pieces, dim=0).movedim(0, dim)
 
@@ -77,5 +81,5 @@ def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) 
     sizes_device = torch.device("cpu") if backend == "gloo" else device
     mine = torch.tensor([local], dtype=torch.int64, device=sizes_device)
     out = torch.empty(world, dtype=torch.int64, device=sizes_device)
-    dist.all_gather_into_tensor(out, mine, group=group)
+    _all_gather_single(out, mine, group=group)
     return [int(s) for s in out.tolist()]
