@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import torch._dynamo  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 NEG = "blurry"
@@ -59,6 +60,9 @@ CASES = {
     # FLUX.1 (guidance-distilled like FLUX.1-dev): 64x64 -> 16 image + 8 text tokens (even pieces: Ulysses op)
     "flux": (lambda: _flux(), dict(prompt=PROMPT, height=64, width=64, num_inference_steps=2, max_sequence_length=8,
                                    guidance_scale=3.5), lambda w: dict(sp=w)),
+    # same, with the transformer under torch.compile (dynamo only: backend="eager"); graph breaks counted
+    "flux-compile": (lambda: _flux(), dict(prompt=PROMPT, height=64, width=64, num_inference_steps=2,
+                                           max_sequence_length=8, guidance_scale=3.5), lambda w: dict(sp=w)),
     # 48x48 -> 9 image + 7 text tokens: pieces not divisible by sp (gather-KV path)
     "flux-uneven": (lambda: _flux(), dict(prompt=PROMPT, height=48, width=48, num_inference_steps=2,
                                           max_sequence_length=7, guidance_scale=3.5), lambda w: dict(sp=w)),
@@ -119,8 +123,13 @@ def main() -> int:
         pipe.set_progress_bar_config(disable=True)
         ref = _output(pipe, kwargs)
         handle = parallelize(pipe, ParallelConfig(**degrees(info.world_size)))
+        if name.endswith("-compile"):
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            pipe.transformer.compile(backend="eager")
         before = dict(PATH_COUNTS)
         par = _output(pipe, kwargs)
+        graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) if name.endswith("-compile") else None
         paths = {k: PATH_COUNTS[k] - before[k] for k in PATH_COUNTS}
         cfg_stats = dict(handle.cfg_hook.stats) if handle.cfg_hook is not None else {}
         moe_layers = handle.num_moe_layers
@@ -141,6 +150,7 @@ def main() -> int:
             "paths": paths,
             "cfg": cfg_stats,
             "moe_layers": moe_layers,
+            "graph_breaks": graph_breaks,
             "seconds": time.perf_counter() - t0,
         }
     if info.rank == 0:

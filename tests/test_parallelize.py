@@ -125,6 +125,23 @@ def test_world1_same_output_restore_and_twice_is_an_error():
     parallelize(pipe).restore()  # after restore it can be parallelized again
 
 
+def test_world1_compiles_in_one_graph():
+    from xstage_dit import parallelize
+
+    pipe = _tiny_flux(heads=2)
+    t = pipe.transformer
+    g = torch.Generator().manual_seed(0)
+    kw = dict(hidden_states=torch.randn(1, 16, 16, generator=g), encoder_hidden_states=torch.randn(1, 8, 32, generator=g),
+              pooled_projections=torch.randn(1, 32, generator=g), timestep=torch.tensor([0.5]),
+              guidance=torch.tensor([3.5]), img_ids=torch.zeros(16, 3), txt_ids=torch.zeros(8, 3), return_dict=False)
+    with torch.no_grad():
+        ref = t(**kw)[0]
+        with parallelize(pipe):
+            torch._dynamo.reset()
+            out = torch.compile(t, fullgraph=True, backend="eager")(**kw)[0]  # fullgraph: a break raises
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
 def test_supported_models_table_lists_the_required_families():
     from xstage_dit.patches.plans import supported_models, supported_models_markdown
 
@@ -144,7 +161,7 @@ def test_supported_models_table_lists_the_required_families():
 # ---------------------------------------------------------------------------------- multi-process
 
 # NucleusMoE first: see the report (its EP layer misbehaved after a HiDream run in one process).
-CASES = ["nucleusmoe", "flux", "flux-uneven", "flux-cfg", "wan", "wan-cfg", "hidream", "hidream-cfg"]
+CASES = ["nucleusmoe", "flux", "flux-compile", "flux-uneven", "flux-cfg", "wan", "wan-cfg", "hidream", "hidream-cfg"]
 
 
 def _run_group(world: int, tmp_path: Path) -> dict:
@@ -169,6 +186,7 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         assert "already patched" in r["twice"], (name, r)
     paths = {name: r["paths"] for name, r in results.items()}
     # The subject ran: the Ulysses op on even shapes, gather-KV only where pieces do not divide.
+    assert results["flux-compile"]["graph_breaks"] == 0, results["flux-compile"]  # torch.compile: one graph
     for name in ("nucleusmoe", "flux", "wan", "hidream", "flux-cfg", "wan-cfg", "hidream-cfg"):
         assert paths[name]["ulysses"] > 0 and paths[name]["gather_kv"] == 0, (name, paths[name])
     assert paths["flux-uneven"]["gather_kv"] > 0, paths["flux-uneven"]

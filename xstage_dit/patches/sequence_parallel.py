@@ -246,6 +246,12 @@ def apply_sequence_parallel(
     """
     _, cp_output_cls = private.cp_types()
     backend = private.register_attention_backend(xstage_attention)
+    if group is not None:
+        # The op names groups by string across the custom-op boundary; register ours now, eagerly, so a
+        # torch.compile'd model (which traces, not runs, the registration) can resolve the name.
+        from xstage_dit.ops.registry import group_name
+
+        group_name(group)
     state = SequenceState(rank=rank, world=world, group=group)
     hooked: list[tuple[torch.nn.Module, str]] = []
     processors: list[tuple[torch.nn.Module, Any]] = []
