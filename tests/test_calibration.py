@@ -252,3 +252,46 @@ def test_build_is_cached_and_can_be_refused(tmp_path, monkeypatch):
         build.arch_flag((6, 1))
     with pytest.raises(build.BuildError, match="expected CUDA sources"):
         build.build_library("x", ["missing.cu"], (9, 0))
+
+
+def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
+    """sweep_target -> fit_sweep with the kernel replaced by a stage that follows the laws (plus noise):
+    checks the sweep's bookkeeping (roles, volumes, warm-up bursts dropped, gaps from zero-gap periods)."""
+    import numpy as np
+
+    from xstage_dit.csrc import burst
+
+    truth = PCIE_LIKE
+    rng = np.random.default_rng(0)
+    calls = []
+
+    def fake_run_bursts(target, *, bytes_per_producer, num_producers, num_bursts, gap_s, clock_hz, threads=512, tag=0):
+        v = bytes_per_producer * num_producers
+        calls.append((bytes_per_producer, num_bursts, gap_s))
+        g = gap_s + 0.2e-6
+        if num_bursts == 1:
+            iss = np.full((num_producers, 1), isolated_issue_time(truth, v))
+        else:
+            iss = np.full((num_producers, num_bursts), issue_time(truth, v, g))
+            iss[:, :2] *= 3.0  # a cold start the warm-up drop must hide
+        iss = iss * (1 + 0.01 * rng.standard_normal(iss.shape))
+        gaps = np.full((num_producers, num_bursts - 1), g)
+        return burst.BurstTiming(bytes_per_producer, num_producers, num_bursts, gap_s, iss, gaps,
+                                 iss[:, :-1] + gaps, np.arange(num_producers), clock_hz, 0.0)
+
+    monkeypatch.setattr(burst, "run_bursts", fake_run_bursts)
+    plan = cal.plan_for("host", quick=True)
+    target = burst.BurstTarget("host", 0, plan.max_kib * KIB * 132, None)
+    sweep = cal.sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9)
+    roles = [r["role"] for r in sweep["periodic"]]
+    vols = set(plan.gap_kib) | set(plan.isolated_kib)
+    assert roles.count("zero") == len(vols) and roles.count("plateau") == len(vols) * len(plan.plateau_fractions)
+    assert roles.count("sweep") == len(plan.gap_kib) * (len(plan.gap_fractions) - 1)
+    assert len(sweep["isolated"]) == len(plan.isolated_kib)
+    rep = cal.fit_sweep(sweep)
+    assert rep["drain_limited"]
+    assert rep["params"].drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.03)
+    assert rep["params"].capacity_bytes == pytest.approx(truth.capacity_bytes, rel=0.05)
+    assert rep["validation"]["mape_period_pct"] < 3
+    with pytest.raises(ValueError, match="expected the host buffer to hold"):
+        cal.sweep_target(burst.BurstTarget("host", 0, 1024, None), plan=plan, num_producers=132, clock_hz=1e9)
