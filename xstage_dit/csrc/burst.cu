@@ -37,7 +37,7 @@ __device__ __forceinline__ unsigned int sm_id() {
 
 // Row layout of `ts` (int64[num_producers][kHeader + 2 * num_bursts]):
 //   [0] smid, [1] globaltimer at start, [2] globaltimer at end, [3] clock64 at start,
-//   [4] clock64 at end, [5] threads, then (issue_start_clock, issue_end_clock) per burst.
+//   [4] clock64 at end, [5] 1 if the start was aligned with every producer (else 0), then (issue_start_clock, issue_end_clock) per burst.
 __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target, long long vec_per_producer,
                                                      int num_bursts, long long gap_cycles,
                                                      long long* __restrict__ ts, unsigned long long* sync,
@@ -48,11 +48,20 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
 
   // Align the producers' first burst: the last CTA to arrive publishes a start time slightly in the
   // future; everyone spins on the global timer until then (all CTAs are co-resident: K <= SMs).
+  // A CTA that waits over 1 s (producers not co-resident) gives up and flags it instead of hanging.
+  __shared__ int aligned;
   if (tid == 0) {
+    aligned = 1;
+    const unsigned long long t_enter = global_ns();
     unsigned long long arrived = atomicAdd(&sync[0], 1ull) + 1ull;
     if (arrived == gridDim.x) atomicExch(&sync[1], global_ns() + 2000ull);
     unsigned long long go;
     while ((go = atomicAdd(&sync[1], 0ull)) == 0ull) {
+      if (global_ns() - t_enter > 1000000000ull) {
+        aligned = 0;
+        go = global_ns();
+        break;
+      }
     }
     while (global_ns() < go) {
     }
@@ -93,7 +102,7 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
     row[2] = (long long)g_end;
     row[3] = c_start;
     row[4] = c_end;
-    row[5] = blockDim.x;
+    row[5] = aligned;
     for (int i = 0; i < 2 * num_bursts; ++i) row[kHeader + i] = stamps[i];
   }
 }

@@ -193,6 +193,9 @@ def run_bursts(
     )
     lib.check(code, f"burst launch on {target.name}")
     t = ts.cpu().numpy()  # synchronizes with the stream
+    if not (t[:, 5] == 1).all():
+        raise BurstError(f"{int((t[:, 5] != 1).sum())} of {num_producers} producers waited > 1 s at the start "
+                         "barrier: producers were not co-resident (another kernel holding SMs?)")
     cycles = t[:, HEADER_WORDS:].reshape(num_producers, num_bursts, 2).astype(np.float64)
     start, end = cycles[:, :, 0], cycles[:, :, 1]
     kernel_ns = float(np.median(t[:, 2] - t[:, 1]))
