@@ -265,10 +265,13 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     rng = np.random.default_rng(0)
     calls = []
 
-    def fake_run_bursts(target, *, bytes_per_producer, num_producers, num_bursts, gap_s, clock_hz, threads=512, tag=0):
+    gap_model = burst.GapModel(s_per_iter=32e-9, overhead_s=0.2e-6)
+
+    def fake_run_bursts(target, *, bytes_per_producer, num_producers, num_bursts, gap_iters, clock_hz, threads=512,
+                        tag=0):
         v = bytes_per_producer * num_producers
-        calls.append((bytes_per_producer, num_bursts, gap_s))
-        g = gap_s + 0.2e-6
+        calls.append((bytes_per_producer, num_bursts, gap_iters))
+        g = gap_model.gap_s(gap_iters)
         if num_bursts == 1:
             iss = np.full((num_producers, 1), isolated_issue_time(truth, v))
         else:
@@ -276,13 +279,13 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
             iss[:, :2] *= 3.0  # a cold start the warm-up drop must hide
         iss = iss * (1 + 0.01 * rng.standard_normal(iss.shape))
         gaps = np.full((num_producers, num_bursts - 1), g)
-        return burst.BurstTiming(bytes_per_producer, num_producers, num_bursts, gap_s, iss, gaps,
+        return burst.BurstTiming(bytes_per_producer, num_producers, num_bursts, gap_iters, iss, gaps,
                                  iss[:, :-1] + gaps, np.arange(num_producers), clock_hz, 0.0)
 
     monkeypatch.setattr(burst, "run_bursts", fake_run_bursts)
     plan = cal.plan_for("host", quick=True)
     target = burst.BurstTarget("host", 0, plan.max_kib * KIB * 132, None)
-    sweep = cal.sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9)
+    sweep = cal.sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
     roles = [r["role"] for r in sweep["periodic"]]
     vols = set(plan.gap_kib) | set(plan.isolated_kib)
     assert roles.count("zero") == len(vols) and roles.count("plateau") == len(vols) * len(plan.plateau_fractions)
@@ -293,5 +296,12 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     assert rep["params"].drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.03)
     assert rep["params"].capacity_bytes == pytest.approx(truth.capacity_bytes, rel=0.05)
     assert rep["validation"]["mape_period_pct"] < 3
+    # gaps are whole FMA iterations; the recorded G is their modelled time, issue = period - G
+    for r in sweep["periodic"]:
+        assert r["gap_s"] == pytest.approx(gap_model.gap_s(r["gap_iters"]))
+        assert r["issue_s"] == pytest.approx(r["period_s"] - r["gap_s"])
+    assert burst.GapModel(1e-8, 1e-7).iters_for(1.1e-6) == 100
+    assert burst.GapModel(1e-8, 1e-7).iters_for(0.0) == 0
     with pytest.raises(ValueError, match="expected the host buffer to hold"):
-        cal.sweep_target(burst.BurstTarget("host", 0, 1024, None), plan=plan, num_producers=132, clock_hz=1e9)
+        cal.sweep_target(burst.BurstTarget("host", 0, 1024, None), plan=plan, num_producers=132, clock_hz=1e9,
+                         gap_model=gap_model)

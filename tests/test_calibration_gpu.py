@@ -37,12 +37,12 @@ def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib):
 
     k = torch.cuda.get_device_properties(device).multi_processor_count
     target = _make_target(name, k * kib * 1024 + 4096, device)
-    t = run_bursts(target, bytes_per_producer=kib * 1024, num_producers=k, num_bursts=6, gap_s=2e-6,
+    t = run_bursts(target, bytes_per_producer=kib * 1024, num_producers=k, num_bursts=6, gap_iters=100,
                    clock_hz=clock_hz, tag=0xC0FFEE)
     check_written(target, k, kib * 1024, last_burst=5, tag=0xC0FFEE)
     assert len(set(t.sm_ids.tolist())) == k, "expected one producer per SM"
     assert t.issue_s.shape == (k, 6) and t.period_s.shape == (k, 5)
-    assert (t.issue_s > 0).all() and (t.gap_s >= 1.9e-6).all()
+    assert (t.issue_s > 0).all() and (t.gap_s > 0).all()
     assert np.allclose(t.period_s, t.issue_s[:, :-1] + t.gap_s)
     with pytest.raises(AssertionError, match="differ"):  # the check can fail: another tag
         check_written(target, k, kib * 1024, last_burst=5, tag=0xBEEF)
@@ -56,7 +56,7 @@ def test_burst_errors(device, clock_hz):
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     target = _make_target("local", 1 << 20, device)
-    kw = dict(num_bursts=1, gap_s=0.0, clock_hz=clock_hz)
+    kw = dict(num_bursts=1, gap_iters=0, clock_hz=clock_hz)
     with pytest.raises(ValueError, match="num_producers"):
         run_bursts(target, bytes_per_producer=1024, num_producers=0, **kw)
     with pytest.raises(ValueError, match="num_producers"):
@@ -65,6 +65,20 @@ def test_burst_errors(device, clock_hz):
         run_bursts(target, bytes_per_producer=1 << 20, num_producers=2, **kw)
     with pytest.raises(ValueError, match="multiple of 16"):
         run_bursts(target, bytes_per_producer=1000, num_producers=2, **kw)
+    with pytest.raises(ValueError, match="gap_iters"):
+        run_bursts(target, bytes_per_producer=1024, num_producers=2, num_bursts=1, gap_iters=-1, clock_hz=clock_hz)
+
+
+def test_gap_is_work_that_scales(device, clock_hz):
+    import torch
+
+    from xstage_dit.csrc.burst import measure_gap_model
+
+    k = torch.cuda.get_device_properties(device).multi_processor_count
+    gm = measure_gap_model(device, k, clock_hz)
+    # 16 dependent FMAs (4-cycle latency) per iteration: tens of ns, not a clock-bound spin
+    assert 10e-9 < gm.s_per_iter < 200e-9 and 0 < gm.overhead_s < 5e-6
+    assert gm.iters_for(10e-6) == pytest.approx((10e-6 - gm.overhead_s) / gm.s_per_iter, abs=1)
 
 
 def test_peer_target_two_processes_share_one_gpu(device):
@@ -96,8 +110,10 @@ def test_quick_calibration_fit_and_cache(device, tmp_path):
     assert quick_s <= 20, f"quick calibration took {quick_s:.1f} s"
     host = res.reports["host"]
     assert host["drain_limited"], host["notes"]
-    assert host["validation"]["mape_issue_drain_limited_pct"] <= 10
+    # the period (V/R vs T_iss0 + G) is predicted within 10 %; the issue time's relative error near G*
+    # is reported, not bounded (see fit_sweep)
     assert host["validation"]["mape_period_drain_limited_pct"] <= 10
+    assert host["fit"]["R_rel_rms"] <= 0.10
     assert 5e9 < res.params["host"].drain_rate_Bps < 200e9  # PCIe, not HBM
     t0 = time.perf_counter()
     again = load_or_calibrate(device, quick=True, target="local,host", cache_dir=tmp_path)

@@ -119,8 +119,10 @@ class SweepPlan:
         return max(max(self.gap_kib), max(self.isolated_kib))
 
 
-_FINE_GAPS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25, 1.5, 2.0)
-_QUICK_GAPS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.9, 1.0, 1.25, 1.5)
+# Gaps as fractions of the zero-gap period, evenly spaced across both regimes (drain-limited below ~1,
+# issue-limited above).
+_FINE_GAPS = tuple(i / 8 for i in range(17))
+_QUICK_GAPS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
 # Remote targets: the knee sits near 32 KiB per producer on the reference system and on the H200 over
 # PCIe (DESIGN §4), so the isolated sweep is dense there.
 _REMOTE_ISO_FULL = (4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256)
@@ -243,7 +245,11 @@ def fit_sweep(sweep: dict) -> dict:
     fit: dict[str, Any] = {"t_iss0_rel_rms": t_fit.rel_rms_error, "t_iss0_form": t_fit.note,
                            "t_iss0_points": t_fit.num_points}
     if drain_limited:
-        d_fit = fit_drain_rate([r["volume_bytes"] for r in limited], [r["period_s"] for r in limited])
+        # R from the larger half of the drain-limited volumes (DESIGN §2: "fit over large V"), where
+        # per-burst fixed costs are negligible against V/R.
+        vols = sorted(r["volume_bytes"] for r in limited)
+        large = [r for r in limited if r["volume_bytes"] >= vols[(len(vols) - 1) // 2]]
+        d_fit = fit_drain_rate([r["volume_bytes"] for r in large], [r["period_s"] for r in large])
         r_bps = d_fit.value
         fit.update(R_rel_rms=d_fit.rel_rms_error, R_points=d_fit.num_points)
         no_q = XStageParams(k, t0_fixed, issue_rate, r_bps, math.inf)
@@ -274,6 +280,18 @@ def fit_sweep(sweep: dict) -> dict:
     val = validate(params, gap_points, iso_points or None)
     validation = {"mape_issue_pct": val.mape_issue_pct, "mape_period_pct": val.mape_period_pct,
                   "mape_isolated_pct": val.mape_isolated_pct, "num_points": val.num_points}
+    # The issue time near G* is a small difference (V/R - G): its relative error is large even where the
+    # period is right. Also report the issue error relative to the period, and the worst points.
+    from xstage_dit.xstage import issue_time
+
+    rel = []
+    for v, g, mi, mp in gap_points:
+        pi = issue_time(params, v, g)
+        rel.append((abs(pi - mi) / mi, abs(pi - mi) / mp, v, g, mi, pi))
+    validation["mean_issue_err_over_period_pct"] = 100.0 * sum(r[1] for r in rel) / len(rel)
+    validation["worst_issue_points"] = [
+        {"volume_bytes": r[2], "gap_s": r[3], "issue_s": r[4], "predicted_issue_s": r[5], "ape_pct": 100 * r[0]}
+        for r in sorted(rel, reverse=True)[:5]]
     if drain_limited:
         lim_vols = {r["volume_bytes"] for r in limited}
         sub = [p for p in gap_points if p[0] in lim_vols]
@@ -289,6 +307,7 @@ def fit_sweep(sweep: dict) -> dict:
         "Q_MiB": _finite_or_none(params.capacity_bytes / (1024 * 1024)),
         "mape_issue_pct": val.mape_issue_pct,
         "mape_period_pct": val.mape_period_pct,
+        "issue_err_over_period_pct": validation["mean_issue_err_over_period_pct"],
         "drain_limited": drain_limited,
     }
     if not drain_limited:
@@ -448,31 +467,38 @@ def resolve_targets(target: str, device: Any = None, *, allow_shared_gpu: bool =
 
 
 def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, clock_hz: float, threads: int,
-                    role: str) -> dict:
+                    gap_model, role: str) -> dict:
+    """One gap-sweep point. The model's G is the gap's work (``gap_model``: measured where nothing backs
+    up) and the issue time is ``period - G``: every cycle a producer is not doing its work counts as
+    issue, wherever the stall lands (the measured split is kept as ``*_measured_s``)."""
     import numpy as np
 
     from xstage_dit.csrc.burst import run_bursts
 
+    iters = gap_model.iters_for(gap_s)
+    g_work = gap_model.gap_s(iters)
     runs = []
     for _ in range(plan.repeats):
         t = run_bursts(target, bytes_per_producer=kib * KIB, num_producers=k, num_bursts=plan.num_bursts,
-                       gap_s=gap_s, clock_hz=clock_hz, threads=threads)
+                       gap_iters=iters, clock_hz=clock_hz, threads=threads)
         w = plan.warmup_bursts
-        runs.append((float(t.issue_s[:, w:].mean()), float(t.gap_s[:, w:].mean()), float(t.period_s[:, w:].mean()),
+        runs.append((float(t.period_s[:, w:].mean()), float(t.issue_s[:, w:].mean()), float(t.gap_s[:, w:].mean()),
                      float(t.issue_s[:, w:].max())))
-    issue, gap, per, issue_max = (float(np.median([r[i] for r in runs])) for i in range(4))
-    return {"bytes_per_producer": kib * KIB, "volume_bytes": kib * KIB * k, "gap_request_s": gap_s, "gap_s": gap,
-            "issue_s": issue, "period_s": per, "issue_max_s": issue_max, "role": role}
+    per, issue_meas, gap_meas, issue_max = (float(np.median([r[i] for r in runs])) for i in range(4))
+    return {"bytes_per_producer": kib * KIB, "volume_bytes": kib * KIB * k, "gap_request_s": gap_s,
+            "gap_iters": iters, "gap_s": g_work, "issue_s": max(per - g_work, 1e-12), "period_s": per,
+            "issue_measured_s": issue_meas, "gap_measured_s": gap_meas, "issue_max_s": issue_max, "role": role}
 
 
-def _isolated_point(target, *, kib: int, k: int, plan: SweepPlan, clock_hz: float, threads: int) -> dict:
+def _isolated_point(target, *, kib: int, k: int, plan: SweepPlan, clock_hz: float, threads: int,
+                    gap_model=None) -> dict:
     import numpy as np
 
     from xstage_dit.csrc.burst import run_bursts
 
     means, maxes = [], []
     for _ in range(plan.isolated_repeats):
-        t = run_bursts(target, bytes_per_producer=kib * KIB, num_producers=k, num_bursts=1, gap_s=0.0,
+        t = run_bursts(target, bytes_per_producer=kib * KIB, num_producers=k, num_bursts=1, gap_iters=0,
                        clock_hz=clock_hz, threads=threads)
         means.append(float(t.issue_s.mean()))
         maxes.append(float(t.issue_s.max()))
@@ -480,18 +506,23 @@ def _isolated_point(target, *, kib: int, k: int, plan: SweepPlan, clock_hz: floa
             "issue_max_s": float(np.median(maxes))}
 
 
-def sweep_target(target, *, plan: SweepPlan, num_producers: int, clock_hz: float, threads: int = 512) -> dict:
+def sweep_target(target, *, plan: SweepPlan, num_producers: int, clock_hz: float, threads: int = 512,
+                 gap_model=None) -> dict:
     """Run one target's sweeps (``target`` is a ``csrc.burst.BurstTarget``); returns the sweep dict of
-    ``fit_sweep``."""
+    ``fit_sweep``. ``gap_model`` (``csrc.burst.GapModel``) converts gaps to work; None measures it."""
     k = num_producers
     need = plan.max_kib * KIB * k
     if need > target.nbytes:
         raise ValueError(f"expected the {target.name} buffer to hold {need} bytes (K={k} x {plan.max_kib} KiB), "
                          f"got {target.nbytes}")
     t_start = time.perf_counter()
+    if gap_model is None:
+        from xstage_dit.csrc.burst import measure_gap_model
+
+        gap_model = measure_gap_model(target.device, k, clock_hz, threads)
     periodic: list[dict] = []
     zero_period: dict[int, float] = {}
-    kw = dict(k=k, plan=plan, clock_hz=clock_hz, threads=threads)
+    kw = dict(k=k, plan=plan, clock_hz=clock_hz, threads=threads, gap_model=gap_model)
     for kib in sorted(set(plan.gap_kib) | set(plan.isolated_kib)):
         z = _periodic_point(target, kib=kib, gap_s=0.0, role="zero", **kw)
         periodic.append(z)
@@ -505,6 +536,7 @@ def sweep_target(target, *, plan: SweepPlan, num_producers: int, clock_hz: float
             periodic.append(_periodic_point(target, kib=kib, gap_s=f * zero_period[kib], role="sweep", **kw))
     isolated = [_isolated_point(target, kib=kib, **kw) for kib in plan.isolated_kib]
     return {"target": target.name, "num_producers": k, "threads": threads, "clock_hz": clock_hz,
+            "gap_model": {"s_per_iter": gap_model.s_per_iter, "overhead_s": gap_model.overhead_s},
             "gap_kib": list(plan.gap_kib), "periodic": periodic, "isolated": isolated,
             "sweep_s": time.perf_counter() - t_start}
 

@@ -142,7 +142,7 @@ def _worker(args: argparse.Namespace) -> int:
             else:
                 clock_hz = _warm_up(device)
                 t = run_bursts(target, bytes_per_producer=bpp, num_producers=args.producers, num_bursts=3,
-                               gap_s=1e-6, clock_hz=clock_hz)
+                               gap_iters=64, clock_hz=clock_hz)
                 result["issue_s"] = t.issue_s.tolist()
             torch.cuda.synchronize()
         dist.barrier()  # rank 0's kernels are complete: its stores are visible in rank 1's buffer

@@ -2,7 +2,8 @@
 //
 // K producers (one CTA per SM) each write `bytes_per_producer` bytes with 16-byte stores to a target
 // buffer (local HBM, host-pinned mapped memory over PCIe, or a peer GPU's buffer through its mapped
-// address), then do `gap_cycles` of useful arithmetic, `num_bursts` times. Per producer and burst the
+// address), then do `gap_iters` iterations of useful arithmetic (a fixed amount of work, not a time:
+// a stall that lands in the gap lengthens the period instead of eating the work), `num_bursts` times. Per producer and burst the
 // issue start/end are taken with clock64() (the SM clock; %globaltimer only ticks in 256 ns steps,
 // so it is used to align the producers' start and to convert cycles to seconds).
 //
@@ -39,7 +40,7 @@ __device__ __forceinline__ unsigned int sm_id() {
 //   [0] smid, [1] globaltimer at start, [2] globaltimer at end, [3] clock64 at start,
 //   [4] clock64 at end, [5] 1 if the start was aligned with every producer (else 0), then (issue_start_clock, issue_end_clock) per burst.
 __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target, long long vec_per_producer,
-                                                     int num_bursts, long long gap_cycles,
+                                                     int num_bursts, long long gap_iters,
                                                      long long* __restrict__ ts, unsigned long long* sync,
                                                      float* __restrict__ sink, unsigned int tag) {
   extern __shared__ long long stamps[];
@@ -50,8 +51,10 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
   // future; everyone spins on the global timer until then (all CTAs are co-resident: K <= SMs).
   // A CTA that waits over 1 s (producers not co-resident) gives up and flags it instead of hanging.
   __shared__ int aligned;
+  __shared__ int marker;
   if (tid == 0) {
     aligned = 1;
+    marker = 0;
     const unsigned long long t_enter = global_ns();
     unsigned long long arrived = atomicAdd(&sync[0], 1ull) + 1ull;
     if (arrived == gridDim.x) atomicExch(&sync[1], global_ns() + 2000ull);
@@ -78,7 +81,10 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
     for (long long i = tid; i < vec_per_producer; i += blockDim.x) {
       dst[i] = make_uint4(tag, (unsigned int)b, (unsigned int)p, (unsigned int)i);
     }
-    // A warp reaches the barrier once its stores are issued; a full post-issue stage stalls issue.
+    // A store leaves the warp before its operands are read; a shared load queues behind the warp's
+    // stores in the LSU pipe, and using its value waits for it, so the barrier is passed only once the
+    // stores have really been accepted (a full post-issue stage stalls right here).
+    acc += (float)*(volatile int*)&marker;
     __syncthreads();
     const long long t1 = clock64();
     if (tid == 0) {
@@ -86,7 +92,7 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
       stamps[2 * b + 1] = t1;
     }
     // The gap is useful arithmetic (a dependent FMA chain), not a sleep, so the SM stays busy.
-    while (clock64() - t1 < gap_cycles) {
+    for (long long it = 0; it < gap_iters; ++it) {
 #pragma unroll
       for (int j = 0; j < 16; ++j) acc = fmaf(acc, 0.9990234375f, 1.0f);
     }
@@ -130,12 +136,12 @@ int xs_max_bursts() { return kMaxBursts; }
 // target: device-visible address of >= target_bytes bytes; ts: device int64[K][kHeader + 2*num_bursts];
 // sync: device uint64[2] (zeroed here); sink: device float[K * threads] (never written in practice).
 int xs_burst_launch(void* target, long long target_bytes, long long bytes_per_producer, int num_producers,
-                    int threads, int num_bursts, long long gap_cycles, long long* ts, unsigned long long* sync,
+                    int threads, int num_bursts, long long gap_iters, long long* ts, unsigned long long* sync,
                     float* sink, unsigned int tag, int device, void* stream) {
   if (target == nullptr || ts == nullptr || sync == nullptr || sink == nullptr) return XS_ERR_BAD_ARGUMENT;
   if (bytes_per_producer <= 0 || bytes_per_producer % 16 != 0) return XS_ERR_BAD_ARGUMENT;
   if (num_producers <= 0 || threads < 32 || threads > 1024 || threads % 32 != 0) return XS_ERR_BAD_ARGUMENT;
-  if (num_bursts <= 0 || num_bursts > kMaxBursts || gap_cycles < 0) return XS_ERR_BAD_ARGUMENT;
+  if (num_bursts <= 0 || num_bursts > kMaxBursts || gap_iters < 0) return XS_ERR_BAD_ARGUMENT;
   if (target_bytes < bytes_per_producer * (long long)num_producers) return XS_ERR_BUFFER_TOO_SMALL;
   cudaError_t err = cudaSetDevice(device);
   if (err != cudaSuccess) return err;
@@ -149,7 +155,7 @@ int xs_burst_launch(void* target, long long target_bytes, long long bytes_per_pr
   err = cudaMemsetAsync(sync, 0, 2 * sizeof(unsigned long long), s);
   if (err != cudaSuccess) return err;
   burst_kernel<<<num_producers, threads, kSmemBytes, s>>>(static_cast<uint4*>(target), bytes_per_producer / 16,
-                                                          num_bursts, gap_cycles, ts, sync, sink, tag);
+                                                          num_bursts, gap_iters, ts, sync, sink, tag);
   return cudaGetLastError();
 }
 

@@ -116,16 +116,19 @@ def peer_target(peer_ptr: int, nbytes: int, device: torch.device, keepalive: obj
 class BurstTiming:
     """Timings of one launch, seconds.
 
-    issue_s: (num_producers, num_bursts) issue time of each producer's bursts.
+    issue_s: (num_producers, num_bursts) issue time of each producer's bursts (start to the moment its
+        stores were accepted).
     gap_s, period_s: (num_producers, num_bursts - 1) time from a burst's issue end (start) to the next
-        burst's issue start: the measured gap (the loop's own overhead included) and the period.
+        burst's issue start: the measured gap (the work, the loop's own overhead and any stall that lands
+        after the issue window) and the period.
+    gap_iters: FMA iterations of work per gap.
     sm_ids: (num_producers,) SM of each producer. clock_hz: SM clock used to convert cycles.
     """
 
     bytes_per_producer: int
     num_producers: int
     num_bursts: int
-    gap_request_s: float
+    gap_iters: int
     issue_s: np.ndarray
     gap_s: np.ndarray
     period_s: np.ndarray
@@ -155,13 +158,15 @@ def run_bursts(
     bytes_per_producer: int,
     num_producers: int,
     num_bursts: int,
-    gap_s: float,
+    gap_iters: int,
     clock_hz: float,
     threads: int = DEFAULT_THREADS,
     tag: int = 0x5EED,
 ) -> BurstTiming:
     """Launch ``num_bursts`` bursts of ``num_producers * bytes_per_producer`` bytes into ``target``, each
-    producer doing ``gap_s`` of arithmetic between its bursts; wait and return the timings.
+    producer doing ``gap_iters`` iterations of arithmetic between its bursts (``GapModel`` converts
+    seconds); wait and return the timings. ``clock_hz`` converts cycles where the launch is too short
+    to carry its own clock.
 
     A launch of one burst is an isolated burst: the previous kernel's stores have drained when it starts.
     """
@@ -177,8 +182,8 @@ def run_bursts(
     lib = library_for(device)
     if not 1 <= num_bursts <= lib.max_bursts:
         raise ValueError(f"expected 1 <= num_bursts <= {lib.max_bursts}, got {num_bursts}")
-    if gap_s < 0 or not np.isfinite(gap_s):
-        raise ValueError(f"expected gap_s >= 0, got {gap_s}")
+    if not isinstance(gap_iters, (int, np.integer)) or gap_iters < 0:
+        raise ValueError(f"expected gap_iters an int >= 0, got {gap_iters!r}")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"expected threads a multiple of 32 in [32, 1024], got {threads}")
     row = HEADER_WORDS + 2 * num_bursts
@@ -188,7 +193,7 @@ def run_bursts(
     stream = torch.cuda.current_stream(device).cuda_stream
     code = lib.lib.xs_burst_launch(
         target.dev_ptr, target.nbytes, bytes_per_producer, num_producers, threads, num_bursts,
-        int(round(gap_s * clock_hz)), ts.data_ptr(), sync.data_ptr(), sink.data_ptr(), tag & 0xFFFFFFFF,
+        int(gap_iters), ts.data_ptr(), sync.data_ptr(), sink.data_ptr(), tag & 0xFFFFFFFF,
         device.index or 0, stream,
     )
     lib.check(code, f"burst launch on {target.name}")
@@ -208,7 +213,7 @@ def run_bursts(
         bytes_per_producer=bytes_per_producer,
         num_producers=num_producers,
         num_bursts=num_bursts,
-        gap_request_s=gap_s,
+        gap_iters=int(gap_iters),
         issue_s=(end - start) / hz,
         gap_s=(start[:, 1:] - end[:, :-1]) / hz,
         period_s=(start[:, 1:] - start[:, :-1]) / hz,
@@ -216,6 +221,41 @@ def run_bursts(
         clock_hz=hz,
         kernel_s=kernel_ns * 1e-9,
     )
+
+
+@dataclass(frozen=True)
+class GapModel:
+    """The time a gap of ``iters`` FMA iterations takes: ``overhead_s + iters * s_per_iter`` (the loop's
+    own overhead included), measured where nothing backs up (``measure_gap_model``)."""
+
+    s_per_iter: float
+    overhead_s: float
+
+    def iters_for(self, gap_s: float) -> int:
+        if gap_s < 0:
+            raise ValueError(f"expected gap_s >= 0, got {gap_s}")
+        return int(round(max(gap_s - self.overhead_s, 0.0) / self.s_per_iter))
+
+    def gap_s(self, iters: int) -> float:
+        return self.overhead_s + iters * self.s_per_iter
+
+
+def measure_gap_model(device: torch.device, num_producers: int, clock_hz: float, threads: int = DEFAULT_THREADS,
+                      iters: int = 4000) -> GapModel:
+    """Time the gap loop with one 16-byte store per producer into local HBM (nothing backs up): the
+    per-iteration time from ``iters`` vs 0 iterations, and the zero-work overhead."""
+    target = local_target(num_producers * VEC_BYTES, device)
+
+    def gap(n: int) -> float:
+        t = run_bursts(target, bytes_per_producer=VEC_BYTES, num_producers=num_producers, num_bursts=8,
+                       gap_iters=n, clock_hz=clock_hz, threads=threads)
+        return float(np.median(t.gap_s[:, 2:]))
+
+    g0 = gap(0)
+    gn = gap(iters)
+    if not gn > g0 > 0:
+        raise BurstError(f"expected the gap loop to take time, got {g0 * 1e9:.1f} ns at 0 and {gn * 1e9:.1f} ns at {iters}")
+    return GapModel((gn - g0) / iters, g0)
 
 
 def expected_pattern(num_producers: int, bytes_per_producer: int, burst: int, tag: int = 0x5EED) -> torch.Tensor:
