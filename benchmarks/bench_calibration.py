@@ -109,7 +109,7 @@ def main() -> int:
         doc["quick_error"] = proc.stderr[-4000:]
     else:
         quick["process_wall_s"] = wall
-        doc["quick"] = quick
+        doc["quick_timing"] = quick
         print(f"quick calibration {quick['quick_calibration_s']:.2f} s, cache load {quick['cache_load_ms']:.2f} ms "
               f"(first {quick['cache_load_first_ms']:.2f} ms), process wall {wall:.1f} s")
 

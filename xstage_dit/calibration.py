@@ -468,9 +468,13 @@ def resolve_targets(target: str, device: Any = None, *, allow_shared_gpu: bool =
 
 def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, clock_hz: float, threads: int,
                     gap_model, role: str) -> dict:
-    """One gap-sweep point. The model's G is the gap's work (``gap_model``: measured where nothing backs
-    up) and the issue time is ``period - G``: every cycle a producer is not doing its work counts as
-    issue, wherever the stall lands (the measured split is kept as ``*_measured_s``)."""
+    """One gap-sweep point: the mean over producers and steady-state bursts of the measured issue time
+    (start to stores accepted), gap (issue end to next start: the work, the loop's overhead and any
+    stall that lands after the issue window) and period (= issue + gap).
+
+    The model's G is the measured gap, not the work's nominal time (``gap_work_s``): ``period - work``
+    subtracts two large numbers at long gaps (0.5 % clock error = the whole plateau issue time), which
+    made the T_iss0 fit fail on the H200 (benchmarks/results/calibration-h200-1gpu-run2-*)."""
     import numpy as np
 
     from xstage_dit.csrc.burst import run_bursts
@@ -486,8 +490,8 @@ def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, 
                      float(t.issue_s[:, w:].max())))
     per, issue_meas, gap_meas, issue_max = (float(np.median([r[i] for r in runs])) for i in range(4))
     return {"bytes_per_producer": kib * KIB, "volume_bytes": kib * KIB * k, "gap_request_s": gap_s,
-            "gap_iters": iters, "gap_s": g_work, "issue_s": max(per - g_work, 1e-12), "period_s": per,
-            "issue_measured_s": issue_meas, "gap_measured_s": gap_meas, "issue_max_s": issue_max, "role": role}
+            "gap_iters": iters, "gap_work_s": g_work, "gap_s": gap_meas, "issue_s": issue_meas, "period_s": per,
+            "issue_max_s": issue_max, "role": role}
 
 
 def _isolated_point(target, *, kib: int, k: int, plan: SweepPlan, clock_hz: float, threads: int,
