@@ -100,7 +100,7 @@ def draw_plots(result, out_dir: Path, prefix: str = "calibration") -> list[Path]
                     if plot == "period_vs_gap" and math.isfinite(params.drain_rate_Bps):
                         ax.plot([g * 1e6 for g in grid], [naive_period(params, v, g) * 1e6 for g in grid], ":",
                                 color=line.get_color(), lw=1.0)
-                ax.set_xlabel("gap G: the work between bursts (us)")
+                ax.set_xlabel("gap G, measured: work + loop overhead (us)")
                 ax.set_ylabel("issue time (us)" if key == "issue_s" else "period (us)")
                 ax.plot([], [], "k-", label="model: " + ("max(T_iss0, V/R - G)" if key == "issue_s"
                                                          else "max(V/R, T_iss0 + G)"))
