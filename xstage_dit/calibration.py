@@ -30,7 +30,6 @@ import json
 import logging
 import math
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +41,6 @@ from xstage_dit.xstage import (
     fit_capacity,
     fit_drain_rate,
     fit_t_iss0,
-    isolated_issue_time,
     validate,
 )
 
@@ -648,25 +646,8 @@ def calibrate(device: Any = None, *, quick: bool = True, target: str = "auto",
     return load_or_calibrate(device, quick=quick, target=target, cache_dir=cache_dir, force=force).params
 
 
-def host_description() -> dict[str, Any]:
-    """Versions recorded next to measured results."""
-    import torch
-
-    info = {"python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return info
-
-
 def reference_result() -> CalibrationResult:
     """The published reference point for every target, where nothing can be measured."""
     p = XStageParams.reference()
     return CalibrationResult({t: p for t in TARGETS}, {}, "reference")
 
-
-def predicted_isolated(params: XStageParams, volumes: Sequence[float]) -> list[float]:
-    return [isolated_issue_time(params, v) for v in volumes]
