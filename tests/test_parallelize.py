@@ -209,3 +209,32 @@ def test_a_dying_rank_stops_the_others(tmp_path):
     elapsed = time.monotonic() - t0
     assert code == 3, code  # rank 1's exit code, reported by the supervisor
     assert elapsed < 60, f"the surviving rank should be stopped at once, took {elapsed:.0f} s"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def test_generate_sp2_writes_the_single_process_image(tmp_path):
+    import subprocess
+
+    from PIL import Image
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    common = [sys.executable, "-m", "xstage_dit", "generate", "--model", "tiny-flux", "--height", "32", "--width", "32",
+              "--steps", "2", "--no-progress", "--device", "cpu"]
+    for name, extra in (("one.png", []), ("sp2.png", ["--sp", "2"])):
+        proc = subprocess.run([*common, "-o", str(tmp_path / name), *extra], env=env, capture_output=True, text=True,
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("wrote ") == 1  # only rank 0 writes
+    one = np.asarray(Image.open(tmp_path / "one.png"), dtype=np.int16)
+    sp2 = np.asarray(Image.open(tmp_path / "sp2.png"), dtype=np.int16)
+    assert np.abs(one - sp2).max() <= 1  # 8-bit images of outputs equal within fp32 reassociation
+
+
+def test_generate_rejects_bad_degrees_before_starting_ranks():
+    from xstage_dit.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", "tiny-flux", "--sp", "2", "--ep", "3"])
+    assert exc.value.code == 2
