@@ -27,7 +27,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit.patches import _diffusers_private as private
-from xstage_dit.patches.sharding import _all_gather_single
+from xstage_dit.patches.sharding import all_gather_dim0
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,7 @@ def _wrap_like(output: Any, sample: torch.Tensor) -> Any:
 
 def _exchange(mine: torch.Tensor, group, cfg_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(branch 0 output, branch 1 output) on both cfg ranks."""
-    mine = mine.contiguous()
-    out = mine.new_empty((2, *mine.shape))
-    _all_gather_single(out, mine.unsqueeze(0), group=group)
+    out = all_gather_dim0(mine.contiguous().unsqueeze(0), group)
     return out[0], out[1]
 
 

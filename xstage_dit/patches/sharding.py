@@ -67,12 +67,22 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, total: int | Non
         pad_shape = list(x.shape)
         pad_shape[dim] = pad_to - x.shape[dim]
         x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
-    # Equal-size all_gather_into_tensor on dim 0 is the fastest collective on both NCCL and gloo.
+    # Equal-size all-gather on dim 0 is the fastest collective on both NCCL and gloo.
     moved = x.movedim(dim, 0).contiguous()
-    out = moved.new_empty((world * pad_to, *moved.shape[1:]))
-    _all_gather_single(out, moved, group=group)
+    out = all_gather_dim0(moved, group)
     pieces = [out[r * pad_to : r * pad_to + sizes[r]] for r in range(world)]
     return torch.cat(pieces, dim=0).movedim(0, dim)
+
+
+def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``(n, ...)`` on each rank -> ``(world * n, ...)`` in rank order. gloo (ranks sharing one GPU) stages
+    CUDA tensors through the host: it has no CUDA all-gather."""
+    world = dist.get_world_size(group)
+    staged = x.is_cuda and str(dist.get_backend(group)) == "gloo"
+    src = x.cpu() if staged else x
+    out = src.new_empty((world * src.shape[0], *src.shape[1:]))
+    _all_gather_single(out, src, group=group)
+    return out.to(x.device, non_blocking=True) if staged else out
 
 
 def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
