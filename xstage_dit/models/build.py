@@ -39,6 +39,9 @@ def build_module(factory: Callable[[], T], *, seed: int, device: str | torch.dev
         torch.manual_seed(seed)
         with torch.device(device), _default_dtype(dtype):
             module = factory()
+    empty = [name for name, p in module.named_parameters() if p.numel() == 0]
+    if empty:  # a config too small for a width the class derives (e.g. rounded down to a multiple of 128)
+        raise ValueError(f"expected every parameter of {type(module).__name__} to be non-empty, got empty {empty[:3]}")
     # Parameters already have `dtype` (created under it); casting only the odd one out avoids diffusers'
     # keep-in-fp32 warning, which is about loading checkpoints, not random init.
     if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
