@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import _common
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: benchmarks/ is not installed
+from benchmarks import _common  # noqa: E402
 
 
 def test_time_ms_measures_the_call():

@@ -59,25 +59,24 @@ def test_wan_video_frame_rule():
         spec.check_size(64, 64, 8)
 
 
-FULL_PARAMS = {  # published parameter counts of the denoising transformers
-    "full-flux": (11.8e9, 12.0e9),  # FLUX.1-dev: 12B
-    "full-wan": (14.0e9, 14.5e9),  # Wan2.1-T2V-14B
-    "full-hidream": (16.9e9, 17.3e9),  # HiDream-I1-Full: 17B
-    "full-nucleusmoe": (16.7e9, 17.2e9),  # Nucleus-Image: 17B total, ~2B active
+# Published parameter counts (billions) of every component of the full-size pipelines.
+FULL_PARAMS = {
+    "full-flux": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},  # FLUX.1-dev, CLIP-L, T5-XXL
+    "full-wan": {"transformer": 14.29, "text_encoder": 5.68},  # Wan2.1-T2V-14B, UMT5-XXL
+    # HiDream-I1-Full (17B), CLIP-L, CLIP-G, T5-XXL, Llama-3.1-8B
+    "full-hidream": {"transformer": 17.11, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76,
+                     "text_encoder_4": 8.03},
+    "full-nucleusmoe": {"transformer": 16.92, "text_encoder": 8.77},  # Nucleus-Image (17B), Qwen3-VL-8B
 }
 
 
 @pytest.mark.parametrize("name", sorted(FULL_PARAMS))
-def test_full_transformers_have_published_sizes(name):
-    import importlib
-
-    from xstage_dit.models.registry import FAMILY_MODULES
-
-    spec = model_spec(name)
-    family = importlib.import_module(FAMILY_MODULES[spec.family])
-    model = family.build_transformer("full", dtype=torch.bfloat16, device="meta")
-    lo, hi = FULL_PARAMS[name]
-    assert lo < sum(p.numel() for p in model.parameters()) < hi
+def test_full_pipelines_have_published_sizes(name):
+    """The whole full-size pipeline, built on the meta device (architecture only: no memory, no time)."""
+    pipe = load_pipeline(name, dtype=torch.bfloat16, device="meta")
+    for component, billions in FULL_PARAMS[name].items():
+        count = sum(p.numel() for p in getattr(pipe, component).parameters()) / 1e9
+        assert count == pytest.approx(billions, rel=0.01), component
 
 
 def test_full_moe_shapes_are_the_published_ones():
@@ -99,3 +98,35 @@ def test_build_module_rejects_empty_parameters():
         build_module(lambda: torch.nn.Linear(4, 0), seed=0, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="floating"):
         build_module(lambda: torch.nn.Linear(4, 4), seed=0, device="cpu", dtype=torch.int8)
+
+
+def test_parameters_left_uninitialized_get_a_seeded_init():
+    """Classes that leave weights to the checkpoint loader (torch.empty) still get finite, seeded weights."""
+    from xstage_dit.models.build import build_module
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up = torch.nn.Parameter(torch.empty(3, 16, 8))  # experts x in x out, never initialized
+            self.bias = torch.nn.Parameter(torch.empty(8))
+            self.proj = torch.nn.Linear(16, 4)  # initialized by its class
+
+    def make(seed):
+        return build_module(Experts, seed=seed, device="cpu", dtype=torch.float32)
+
+    a, b, c = make(0), make(0), make(1)
+    assert torch.isfinite(a.gate_up).all() and a.gate_up.std() > 0.1  # ~ 1/sqrt(16)
+    assert torch.equal(a.bias, torch.zeros(8))
+    for x, y in ((a.gate_up, b.gate_up), (a.proj.weight, b.proj.weight)):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert not torch.equal(a.gate_up, c.gate_up)
+    assert a.proj.weight.abs().max() <= 1 / 16**0.5  # nn.Linear's own (uniform) init was kept
+
+
+def test_nucleusmoe_expert_weights_are_initialized():
+    pipe = load_pipeline("tiny-nucleusmoe", seed=0)
+    experts = [m for m in pipe.transformer.modules() if type(m).__name__ == "SwiGLUExperts"]
+    assert experts
+    for m in experts:
+        for p in m.parameters():
+            assert torch.isfinite(p).all() and p.std() > 0

@@ -74,7 +74,8 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
 
     model: a name from ``model_names()`` (random weights, deterministic in ``seed``) or a local diffusers
         folder (real weights, loaded with ``DiffusionPipeline.from_pretrained``; ``seed`` unused).
-    Returns the pipeline with every component on ``device``.
+    device: where the weights are created (``"meta"`` builds the architecture only, e.g. to count parameters).
+    Returns the pipeline with every component on ``device``, progress bar off.
     """
     spec = model_spec(model)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -83,9 +84,9 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
     if spec.size == "local":
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype)
-        return pipe.to(device)
-    builder = importlib.import_module(FAMILY_MODULES[spec.family])
-    pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
-    pipe.set_progress_bar_config(disable=True)
+        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype).to(device)
+    else:
+        builder = importlib.import_module(FAMILY_MODULES[spec.family])
+        pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
+    pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     return pipe
