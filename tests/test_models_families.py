@@ -130,3 +130,16 @@ def test_nucleusmoe_expert_weights_are_initialized():
     for m in experts:
         for p in m.parameters():
             assert torch.isfinite(p).all() and p.std() > 0
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_load_transformer_matches_the_pipeline(name):
+    from xstage_dit.models import load_transformer
+
+    alone = load_transformer(name, seed=4)
+    in_pipe = load_pipeline(name, seed=4).transformer
+    assert type(alone) is type(in_pipe)
+    for (n, a), (_, b) in zip(alone.state_dict().items(), in_pipe.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
+    with pytest.raises(ValueError, match="dtype"):
+        load_transformer(name, dtype=torch.int64)

@@ -24,7 +24,7 @@ import torch
 from xstage_dit.models.registry import FAMILY_MODULES, MODELS, PIPELINE_FAMILIES
 from xstage_dit.models.spec import ModelSpec
 
-__all__ = ["ModelSpec", "MODELS", "load_pipeline", "model_spec", "model_names"]
+__all__ = ["ModelSpec", "MODELS", "load_pipeline", "load_transformer", "model_spec", "model_names"]
 
 
 def model_names() -> list[str]:
@@ -90,3 +90,18 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
         pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
     pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     return pipe
+
+
+def load_transformer(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     seed: int = 0) -> torch.nn.Module:
+    """Only the denoising transformer of a built-in model (what step and layer benchmarks need).
+
+    Same weights as ``load_pipeline(model, seed=seed).transformer``; no text encoder or VAE is built.
+    """
+    spec = model_spec(model)
+    if spec.size == "local":
+        raise ValueError(f"expected a built-in model name for load_transformer, got the folder {model!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
+    builder = importlib.import_module(FAMILY_MODULES[spec.family])
+    return builder.build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed))
