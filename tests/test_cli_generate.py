@@ -87,3 +87,14 @@ def test_generate_video_as_mp4_and_as_frame_grid(tmp_path, capsys):
     assert main([*common, "--output", str(tmp_path / "v.png")]) == 0
     assert Image.open(tmp_path / "v.png").size == (3 * 48, 2 * 32)  # 5 frames in a 3 x 2 grid
     assert "5 frames" in capsys.readouterr().out
+
+
+def test_generate_from_a_local_diffusers_folder(tmp_path, capsys):
+    from xstage_dit.models import load_pipeline
+
+    load_pipeline("tiny-flux", seed=2).save_pretrained(tmp_path / "my-flux")
+    out = tmp_path / "local.png"
+    rc = main(["generate", "--model", str(tmp_path / "my-flux"), "--steps", "1", "--height", "32", "--width", "32",
+               "--output", str(out), "--no-progress"])
+    assert rc == 0 and Image.open(out).size == (32, 32)
+    assert "my-flux" in capsys.readouterr().out
