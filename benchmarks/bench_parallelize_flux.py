@@ -35,6 +35,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 SIZE = dict(image_tokens=4096, text_tokens=512, channels=64, text_dim=4096, pooled_dim=768)
+# --smoke: the same script on the CPU with the tiny FLUX (checks the plumbing before spending GPU time)
+SMOKE = os.environ.get("XSTAGE_BENCH_SMOKE") == "1"
+if SMOKE:
+    SIZE = dict(image_tokens=64, text_tokens=16, channels=16, text_dim=32, pooled_dim=32)
 
 
 def _inputs(device, dtype, seed=0):
@@ -61,12 +65,19 @@ def _inputs(device, dtype, seed=0):
 def _build(device, dtype):
     from xstage_dit.models.flux import build_transformer
 
-    return build_transformer("full", dtype=dtype, device=device, seed=0)
+    return build_transformer("tiny" if SMOKE else "full", dtype=dtype, device=device, seed=0)
 
 
 def _time_ms(fn, warmup: int, reps: int) -> tuple[float, list[float]]:
     for _ in range(warmup):
         fn()
+    if SMOKE:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times), times
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
@@ -83,7 +94,7 @@ def single(args) -> dict:
     """World-1 rows; saves the world-1 outputs for the 2-rank comparison."""
     from xstage_dit.patches import ParallelConfig, parallelize
 
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device, dtype = (torch.device("cpu"), torch.float32) if SMOKE else (torch.device("cuda"), torch.bfloat16)
     t0 = time.perf_counter()
     model = _build(device, dtype)
     print(f"built full FLUX transformer in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -101,7 +112,7 @@ def single(args) -> dict:
             ("xstage-w1-fused", "fused"),
         ):
             handle = None
-            if setup == "cudnn":
+            if setup == "cudnn" and not SMOKE:
                 model.set_attention_backend("_native_cudnn")
             elif setup in ("serial", "fused"):
                 handle = parallelize(model, ParallelConfig(schedule=setup, calibrate=False))
@@ -115,7 +126,7 @@ def single(args) -> dict:
             finally:
                 if handle is not None:
                     handle.restore()
-                if setup == "cudnn":
+                if setup == "cudnn" and not SMOKE:
                     model.reset_attention_backend()
             rows.append({"name": name, "ms": ms, "times_ms": times})
             print(f"{name}: {ms:.2f} ms (median of {args.reps})", flush=True)
@@ -138,7 +149,7 @@ def rank_main(args) -> int:
     from xstage_dit.patches import ParallelConfig, parallelize
 
     info = init_distributed(timeout_s=300)
-    dtype = torch.bfloat16
+    dtype = torch.float32 if SMOKE else torch.bfloat16
     model = _build(info.device, dtype)
     x = _inputs(info.device, dtype)
     handle = parallelize(model, ParallelConfig(sp=info.world_size, schedule=args.w2_schedule, calibrate=False))
@@ -156,6 +167,9 @@ def rank_main(args) -> int:
 def _env_info(commit: str | None) -> dict:
     import triton
 
+    if SMOKE:
+        return {"gpu": "cpu smoke", "driver": "-", "torch": torch.__version__, "triton": triton.__version__,
+                "cuda": None, "git_commit": commit or "unknown"}
     props = torch.cuda.get_device_properties(0)
     try:
         import subprocess
@@ -192,7 +206,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     code = launch(2, [sys.executable, __file__, "--rank", "--out", args.out, "--reps", str(args.reps),
-                      "--w2-schedule", args.w2_schedule], timeout_s=args.w2_timeout if hasattr(args, "w2_timeout") else 150)
+                      "--w2-schedule", args.w2_schedule], timeout_s=150)
     w2 = {"exit_code": code, "wall_s": time.perf_counter() - t0}
     w2_path, w2_json = Path(args.out) / "flux-w2.pt", Path(args.out) / "flux-w2.json"
     if code == 0 and w2_path.exists():

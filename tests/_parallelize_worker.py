@@ -70,6 +70,9 @@ CASES = {
     "flux-cfg": (lambda: _flux(guidance_embeds=False), dict(prompt=PROMPT, negative_prompt=NEG, true_cfg_scale=2.0,
                  height=64, width=64, num_inference_steps=2, max_sequence_length=8),
                  lambda w: dict(sp=w // 2, cfg=2)),
+    # HunyuanVideo (our plan), transformer only: 3 frames x 4x4 patches = 48 video + 12 text tokens
+    "hunyuan": (lambda: _hunyuan(), {}, lambda w: dict(sp=w)),
+    "hunyuan-full": (lambda: _hunyuan(padded=False), {}, lambda w: dict(sp=w)),  # no padding: mask dropped
     "wan": (lambda: _wider(__import__("xstage_dit.models", fromlist=["x"]).load_pipeline("tiny-wan", seed=0), 4),
             dict(prompt=PROMPT, negative_prompt=NEG, height=32, width=32, num_frames=5, num_inference_steps=2,
                  guidance_scale=1.0, max_sequence_length=8), lambda w: dict(sp=w)),
@@ -88,7 +91,42 @@ CASES = {
 }
 
 
+class _TransformerCase:
+    """A bare transformer called on fixed random inputs (models without a tiny pipeline: HunyuanVideo)."""
+
+    def __init__(self, model, inputs):
+        self.transformer, self.inputs = model, inputs
+
+    def set_progress_bar_config(self, **kw):
+        pass
+
+    def __call__(self, **kw):
+        with torch.no_grad():
+            return self.transformer(**self.inputs)[0]
+
+
+def _hunyuan(padded: bool = True):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6),
+    ), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(1, 12)
+    if padded:
+        mask[:, 9:] = 0  # padded prompt: the text mask must follow the text tokens into their shards
+    inputs = dict(hidden_states=torch.randn(1, 4, 3, 8, 8, generator=g), timestep=torch.tensor([500]),
+                  encoder_hidden_states=torch.randn(1, 12, 32, generator=g), encoder_attention_mask=mask,
+                  pooled_projections=torch.randn(1, 32, generator=g), guidance=torch.tensor([3500.0]), return_dict=False)
+    return _TransformerCase(model, inputs)
+
+
 def _output(pipe, kwargs) -> np.ndarray:
+    if isinstance(pipe, _TransformerCase):
+        return pipe().numpy()
     kwargs = dict(kwargs)
     out = pipe(**kwargs, generator=_gen(), output_type="np")
     arr = out.frames if hasattr(out, "frames") else out.images

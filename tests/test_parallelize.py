@@ -1,6 +1,6 @@
 """`xstage_dit.parallelize`: configuration errors, world-1 equivalence and restore (in process), and the
-multi-process equivalence of FLUX.1, Wan 2.1, NucleusMoE and HiDream (sp, ep, cfg) at world 2 and 4 over
-gloo, spawned through `xstage_dit.launch` (which also gets a dying-rank test).
+multi-process equivalence of FLUX.1, Wan 2.1, NucleusMoE and HiDream pipelines (sp, ep, cfg) and of the
+HunyuanVideo transformer at world 2 and 4 over gloo, spawned through `xstage_dit.launch` (which also gets a dying-rank test).
 
 The spawned worker (tests/_parallelize_worker.py) computes the single-process output on every rank with
 the same seed, so the comparison needs no files besides the JSON of differences.
@@ -160,17 +160,22 @@ def test_supported_models_table_lists_the_required_families():
 
 # ---------------------------------------------------------------------------------- multi-process
 
-# NucleusMoE first: see the report (its EP layer misbehaved after a HiDream run in one process).
-CASES = ["nucleusmoe", "flux", "flux-compile", "flux-uneven", "flux-cfg", "wan", "wan-cfg", "hidream", "hidream-cfg"]
+CASES = ["flux", "flux-compile", "flux-uneven", "flux-cfg", "wan", "wan-cfg", "nucleusmoe", "hidream", "hidream-cfg",
+         "hunyuan", "hunyuan-full"]
+
+
+# At world 4 (4 processes on the 2-core CI machine) only what the issue asks at both sizes.
+CASES_4 = ["flux", "flux-cfg", "wan", "wan-cfg", "nucleusmoe", "hidream", "hidream-cfg"]
 
 
 def _run_group(world: int, tmp_path: Path) -> dict:
     from xstage_dit.launch import launch
 
+    cases = CASES if world == 2 else CASES_4
     out = tmp_path / f"world{world}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XSTAGE_TEST_TIMEOUT="60", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, WORKER, str(out), *CASES], timeout_s=240, env=env)
+    code = launch(world, [sys.executable, WORKER, str(out), *cases], timeout_s=240, env=env)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return json.loads(out.read_text())
 
@@ -178,7 +183,7 @@ def _run_group(world: int, tmp_path: Path) -> dict:
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_pipelines_match_single_process(world, tmp_path):
     results = _run_group(world, tmp_path)
-    assert sorted(results) == sorted(CASES)
+    assert sorted(results) == sorted(CASES if world == 2 else CASES_4)
     for name, r in results.items():
         assert r["finite"] and r["ref_std"] > 1e-3, (name, r)  # a real image, not a constant
         assert r["max_abs_parallel"] <= TOL, (name, r)
@@ -186,10 +191,13 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         assert "already patched" in r["twice"], (name, r)
     paths = {name: r["paths"] for name, r in results.items()}
     # The subject ran: the Ulysses op on even shapes, gather-KV only where pieces do not divide.
-    assert results["flux-compile"]["graph_breaks"] == 0, results["flux-compile"]  # torch.compile: one graph
-    for name in ("nucleusmoe", "flux", "wan", "hidream", "flux-cfg", "wan-cfg", "hidream-cfg"):
-        assert paths[name]["ulysses"] > 0 and paths[name]["gather_kv"] == 0, (name, paths[name])
-    assert paths["flux-uneven"]["gather_kv"] > 0, paths["flux-uneven"]
+    for name in ("nucleusmoe", "flux", "wan", "hidream", "flux-cfg", "wan-cfg", "hidream-cfg", "hunyuan-full"):
+        if name in paths:
+            assert paths[name]["ulysses"] > 0 and paths[name]["gather_kv"] == 0, (name, paths[name])
+    if world == 2:
+        assert results["flux-compile"]["graph_breaks"] == 0, results["flux-compile"]  # torch.compile: one graph
+        assert paths["flux-uneven"]["gather_kv"] > 0, paths["flux-uneven"]
+        assert paths["hunyuan"]["gather_kv"] > 0, paths["hunyuan"]  # padded text: masked keys
     assert paths["wan"]["local"] > 0  # cross-attention to the replicated text: no exchange
     assert results["nucleusmoe"]["moe_layers"] >= 1 and results["hidream"]["moe_layers"] >= 1
     if world == 4:

@@ -193,6 +193,8 @@ def _hunyuan_sp(model: torch.nn.Module) -> SequenceParallelSpec:
             },
             "proj_out": cpo(gather_dim=1, expected_dims=3),
         },
+        # the token refiner attends the whole text inside context_embedder, before the split
+        local_attention=("context_embedder.*",),
         extra_hooks=[
             ("transformer_blocks.*", _HunyuanBlockMask),
             ("single_transformer_blocks.*", _HunyuanBlockMask),
@@ -216,7 +218,7 @@ _PLANS: dict[str, ModelPlan] = {
         ModelPlan("LTXVideoTransformer3DModel", "LTX-Video", "diffusers", _shipped()),
         ModelPlan("LTX2VideoTransformer3DModel", "LTX-2", "diffusers", _shipped()),
         ModelPlan("MiniMaxH3Transformer3DModel", "MiniMax-H3", "diffusers", _shipped()),
-        ModelPlan("HunyuanVideoTransformer3DModel", "HunyuanVideo", "xstage", _hunyuan_sp),
+        ModelPlan("HunyuanVideoTransformer3DModel", "HunyuanVideo", "xstage", _hunyuan_sp, tested=True),
         ModelPlan(
             "NucleusMoEImageTransformer2DModel", "NucleusMoE", "xstage", _nucleusmoe_sp,
             moe_layers=(_NUCLEUS_EP,), check=_check_nucleusmoe, tested=True,

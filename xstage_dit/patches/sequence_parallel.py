@@ -213,6 +213,8 @@ class SequenceParallelSpec:
     kv_layouts: dict[str, str] = field(default_factory=dict)  # module-name pattern -> layout
     processor_swaps: dict[str, Callable[[Any], Any]] = field(default_factory=dict)  # processor class -> factory
     extra_hooks: list[tuple[str, Callable[[SequenceState], ModelHook]]] = field(default_factory=list)
+    # attention modules that run before the split on whole sequences (left as they are)
+    local_attention: tuple[str, ...] = ()
 
 
 def _layout_for(name: str, kv_layouts: dict[str, str]) -> str:
@@ -277,6 +279,8 @@ def apply_sequence_parallel(
             hooked.append((model, root))
 
         for name, module in attention_modules(model):
+            if any(fnmatch.fnmatchcase(name, pattern) for pattern in spec.local_attention):
+                continue
             original = module.processor
             ctx = AttentionContext(
                 group=group, rank=rank, world=world, kv_layout=_layout_for(name, spec.kv_layouts),
