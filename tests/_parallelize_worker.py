@@ -146,13 +146,13 @@ def _die_case(info) -> int:
 def main() -> int:
     out_path, names = sys.argv[1], sys.argv[2:]
     from xstage_dit.distributed import init_distributed
-    from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
 
     info = init_distributed(backend="gloo", timeout_s=float(os.environ.get("XSTAGE_TEST_TIMEOUT", "60")))
     torch.set_num_threads(1)
     if names == ["die"]:
         return _die_case(info)
+    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.patches.attention_backend import PATH_COUNTS
     results = {}
     for name in names:
         build, kwargs, degrees = CASES[name]
