@@ -188,12 +188,35 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
         handle.restore()
         raise
     setattr(transformer, _MARK, handle)
+    _log_layer_shapes(transformer, handle, xparams)
     log.info(
         "parallelize %s: world=%d sp=%d ep=%d cfg=%d (rank %d: cfg branch %d, shard %d), %d MoE layers on EP",
         type(transformer).__name__, world, config.sp, config.ep, config.cfg, groups.rank, groups.cfg_rank,
         groups.sp_rank, handle.num_moe_layers,
     )
     return handle
+
+
+def _log_layer_shapes(transformer, handle: ParallelHandle, xparams) -> None:
+    """One startup line per distinct attention / MoE layer shape. The schedule itself depends on the
+    token count, known at the first call: each (shape, tokens) decision is logged once, with its reason."""
+    attn, moe = {}, {}
+    for name, module in transformer.named_modules():
+        heads = getattr(module, "heads", None)
+        if heads is not None and getattr(module, "processor", None) is not None:
+            inner = getattr(module, "inner_dim", None)
+            key = (heads, inner // heads if inner else None)
+            attn.setdefault(key, []).append(name)
+        if hasattr(module, "num_experts_per_rank") or type(module).__name__ in ("NucleusMoELayer", "MOEFeedForwardSwiGLU"):
+            key = (type(module).__name__, getattr(module, "hidden_size", None), getattr(module, "num_experts", None))
+            moe.setdefault(key, []).append(name)
+    calibrated = "calibrated" if xparams is not None else "uncalibrated (no X-Stage params)"
+    for (heads, head_dim), names in attn.items():
+        log.info("attention shape heads=%s head_dim=%s (%d layers, sp=%d): schedule %s, %s design test at the first "
+                 "call per token count", heads, head_dim, len(names), handle.config.sp, handle.config.schedule, calibrated)
+    for (cls, hidden, experts), names in moe.items():
+        log.info("MoE shape %s hidden=%s experts=%s (%d layers, ep=%d): combine order chosen by the EP layer per token "
+                 "count (%s)", cls, hidden, experts, len(names), handle.config.ep, calibrated)
 
 
 def _apply(pipe, transformer, plan, handle: ParallelHandle, xparams) -> None:
