@@ -72,6 +72,32 @@ def test_split_rule_is_the_ops_rule():
                 assert list(zip(starts, sizes)) == shard_bounds(total, parts), (total, parts)
 
 
+def test_exit_gather_decision_is_the_same_on_every_rank():
+    from xstage_dit.patches.sequence_parallel import SequenceState
+    from xstage_dit.patches.sharding import split_sizes
+
+    for totals in ([4096, 512], [9, 7], [8, 8], [5], [12, 13], [48, 12]):
+        for world in (2, 3, 4):
+            decisions = set()
+            for rank in range(world):
+                state = SequenceState(rank=rank, world=world, group=None, totals=list(totals))
+                got = state.total_for(split_sizes(totals[0], world)[rank])
+                assert got in (None, totals[0])
+                decisions.add(got is None)
+            assert len(decisions) == 1, (totals, world)  # all ranks exchange sizes, or none does
+
+
+def test_key_padding_masks_are_normalised():
+    from xstage_dit.patches.attention_backend import _key_padding_mask
+
+    keep = torch.tensor([[True, True, False]])
+    assert torch.equal(_key_padding_mask(keep[:, None, None, :], 2, 3), keep.expand(2, 3))
+    additive = torch.tensor([[0.0, 0.0, float("-inf")]])
+    assert torch.equal(_key_padding_mask(additive, 1, 3), keep)
+    with pytest.raises(NotImplementedError, match=r"key-padding masks of shape \(batch, seq_k\)=\(1, 3\)"):
+        _key_padding_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3)
+
+
 def test_parallelize_errors_before_any_work():
     from xstage_dit import parallelize
     from xstage_dit.patches import ParallelConfig
