@@ -202,6 +202,9 @@ def main() -> int:
     result = {"benchmark": "parallelize-flux", "shape": dict(SIZE, heads=24, head_dim=128, dtype="bfloat16",
               source="FLUX.1-dev transformer at 1024x1024, one step"), **_env_info(args.commit)}
     result.update(single(args))
+    gpu = result["gpu"].split()[-1].lower() if result.get("gpu") else "gpu"
+    stem = Path(args.out) / f"parallelize-flux-{gpu}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))  # kept if the 2-rank run is cut short
 
     from xstage_dit.launch import launch
 
@@ -243,11 +246,9 @@ def main() -> int:
         "w2_vs_w1_rel_l2": w2.get("rel_l2"),
         "note": "ratios are plain-diffusers time / xstage time (>= 1: parallelize not slower); w2 = 2 ranks sharing one GPU",
     }
-    gpu = result["gpu"].split()[-1].lower() if result.get("gpu") else "gpu"
     for f in Path(args.out).glob("flux-w*.pt"):
         f.unlink()
     (Path(args.out) / "flux-w2.json").unlink(missing_ok=True)
-    stem = Path(args.out) / f"parallelize-flux-{gpu}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
     lines = [f"# parallelize: full FLUX.1 transformer, one step at 1024x1024 (bf16) on {result['gpu']}", "",
              f"torch {result['torch']}, triton {result['triton']}, driver {result['driver']}, commit {result['git_commit']}", "",

@@ -10,7 +10,7 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version --format=csv
   python3 -c "import torch, triton, diffusers; print('torch', torch.__version__, 'triton', triton.__version__, 'diffusers', diffusers.__version__)"
   echo "== GPU tests"
-  timeout 75 python3 -m pytest -q tests/test_parallelize_gpu.py -p no:cacheprovider -x
+  timeout 55 python3 -m pytest -q tests/test_parallelize_gpu.py -p no:cacheprovider -x
   echo "== benchmark"
-  timeout 110 python3 benchmarks/bench_parallelize_flux.py --out "$OUT" --commit "${XSTAGE_COMMIT:-unknown}" --reps 5
+  timeout 118 python3 benchmarks/bench_parallelize_flux.py --out "$OUT" --commit "${XSTAGE_COMMIT:-unknown}" --reps 5 --w2-timeout 55
 } 2>&1 | tee "$OUT/parallelize-flux-h200.log"

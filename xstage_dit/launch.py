@@ -68,6 +68,14 @@ def launch(
 
     port = free_port()
     share_gpu = torch.cuda.is_available() and torch.cuda.device_count() < nproc
+    # A supervisor stopped with SIGTERM (a job timeout) must take its ranks with it: they run in their
+    # own sessions, so nothing else would stop them.
+    def _on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    import threading
+
+    previous = signal.signal(signal.SIGTERM, _on_term) if threading.current_thread() is threading.main_thread() else None
     procs = [
         subprocess.Popen(list(argv), env=rank_env(r, nproc, port, env, share_gpu=share_gpu), start_new_session=True)
         for r in range(nproc)
@@ -85,7 +93,8 @@ def launch(
                 print(f"xstage-dit launch: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
                 break
             if all(c == 0 for c in codes):
-                return 0
+                code = 0
+                break
             if timeout_s is not None and time.monotonic() - start > timeout_s:
                 print(f"xstage-dit launch: ranks still running after {timeout_s:.0f} s; stopping them", file=sys.stderr)
                 code = 124
@@ -93,6 +102,9 @@ def launch(
             time.sleep(poll_s)
     except KeyboardInterrupt:
         code = 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     _stop(procs, grace_s)
     return code
 
