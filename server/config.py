@@ -66,7 +66,7 @@ class ServedModel:
 
         kind = pick("kind", default="image")
         multiple = int(pick("size_multiple", "patch_multiple", "pixel_multiple", default=16))
-        extra = {}
+        extra = dict(pick("call_kwargs", default={}) or {})
         max_seq = pick("max_sequence_length")
         if max_seq is not None:
             extra["max_sequence_length"] = int(max_seq)

@@ -64,6 +64,7 @@ class RankContext:
     control_group: Any = None
     store_host: str = "127.0.0.1"
     collective_timeout_s: float = 600.0
+    device: Any = "cpu"
 
     @classmethod
     def join(cls, collective_timeout_s: float = 600.0) -> "RankContext":
@@ -72,12 +73,12 @@ class RankContext:
 
         info = init_distributed(timeout_s=collective_timeout_s)
         if info.world_size == 1:
-            return cls()
+            return cls(device=info.device)
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
         return cls(info.rank, info.world_size, group, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   collective_timeout_s)
+                   collective_timeout_s, info.device)
 
 
 class ControlChannel:
@@ -102,6 +103,10 @@ class ControlChannel:
 
 class RankDesync(RuntimeError):
     """A rank received a control message it cannot be expecting: the ranks no longer agree."""
+
+
+class ControlError(RuntimeError):
+    """A control broadcast failed: a rank is gone (gloo reports the closed connection)."""
 
 
 def _store(ctx: RankContext, port: int, is_master: bool):
@@ -168,7 +173,10 @@ class Worker:
             step_s, last[0] = now - last[0], now
             if on_step_leader is not None:
                 keep = on_step_leader(done, total, step_s)
-                channel.send(("step", batch_id, keep))
+                try:
+                    channel.send(("step", batch_id, keep))
+                except Exception as exc:  # noqa: BLE001
+                    raise ControlError(f"step broadcast failed: {exc}") from exc
                 return keep
             message = channel.recv()
             if message[0] != "step" or message[1] != batch_id:
@@ -186,7 +194,7 @@ class Worker:
     def stop(self) -> None:
         """Stop serving (rank 0): tells the other ranks to exit, then joins the worker thread."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self.state != FAILED:  # a failed worker may sit in a dead collective
             self._thread.join(timeout=10)
 
     def fail(self, reason: str) -> None:
@@ -281,6 +289,9 @@ class Worker:
             pixels = self._run_batch(runner, channel, self._batch_id, batch.items, on_step_leader)
         except BatchStopped:
             status = "stopped"
+        except ControlError as exc:
+            self.fail(str(exc).splitlines()[0])
+            return
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, the server goes on
             status, error = "error", f"{type(exc).__name__}: {exc}"
             log.error("batch %d failed:\n%s", self._batch_id, traceback.format_exc())
