@@ -81,6 +81,30 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, send)
 
 
+class RequestCountMiddleware:
+    """Counts responses by route template and status (pure ASGI: keeps disconnect detection intact)."""
+
+    def __init__(self, app: Any, metrics: Any):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status[0])).inc()
+
+
 def _first_validation_error(exc: RequestValidationError) -> tuple[int, str, str]:
     """(status, param, message) for the first pydantic error, naming the field."""
     err = exc.errors()[0]
@@ -115,12 +139,7 @@ def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.state.worker = worker
 
-    @app.middleware("http")
-    async def count_requests(request: Request, call_next):
-        response = await call_next(request)
-        route = request.scope.get("route")
-        metrics.requests.labels(getattr(route, "path", "unmatched"), str(response.status_code)).inc()
-        return response
+    app.add_middleware(RequestCountMiddleware, metrics=metrics)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError):
@@ -266,18 +285,20 @@ def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
             return sse_response(events(job, request, image_payload, cancel_on_disconnect=True), job)
         q = job.subscribe()
         try:
+            next_check = time.monotonic() + DISCONNECT_POLL_S
             while not job.done:
                 try:
                     await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
+                    pass
+                if time.monotonic() >= next_check:  # on a clock: progress events may come faster
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
                     if await request.is_disconnected():
                         queue.cancel(job.id)  # the client went away: free its place
                         metrics.errors.labels("client_disconnected").inc()
                         return error_response(499, "client disconnected")
         finally:
             job.unsubscribe(q)
-            if not job.done and await request.is_disconnected():
-                queue.cancel(job.id)
         if job.status != COMPLETED:
             return failure(job)
         return JSONResponse(image_payload(job), headers={"X-Job-Id": job.id})

@@ -1,13 +1,21 @@
-"""Helpers of the server tests: a tiny real FluxPipeline, and a live uvicorn server on 127.0.0.1."""
+"""Helpers of the server tests: the tiny real pipelines, an in-process worker, a live uvicorn server on
+127.0.0.1, and reference images computed by calling the pipeline directly."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import socket
 import threading
 import time
 
+import numpy as np
 import torch
+
+from server.config import ServedModel, ServerConfig
+from server.media import to_uint8
+from server.worker import LoadedModel, Worker
 
 
 def free_port() -> int:
@@ -16,47 +24,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_flux(seed: int = 0):
-    """The project's tiny-flux pipeline (random weights from the real diffusers classes) and its ServedModel."""
-    from server.config import ServedModel
+def tiny(model: str = "tiny-flux", seed: int = 0):
+    """(pipeline, ServedModel) of a built-in tiny model: real diffusers classes, random weights."""
+    from xstage_dit.models import load_pipeline, model_spec
 
-    try:
-        from xstage_dit.models import load_pipeline, model_spec
-    except ImportError:
-        return _own_tiny_flux(seed), ServedModel("tiny-flux", "image", 2, 32, 32, 2, 3.5,
-                                                 pipeline_kwargs={"max_sequence_length": 32})
-    return load_pipeline("tiny-flux", dtype=torch.float32, device="cpu", seed=seed), ServedModel.from_spec(
-        "tiny-flux", model_spec("tiny-flux"))
+    pipe = load_pipeline(model, dtype=torch.float32, device="cpu", seed=seed)
+    return pipe, ServedModel.from_spec(model, model_spec(model))
 
 
-def _own_tiny_flux(seed: int):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerFast, T5Config, T5EncoderModel
-
-    def tok(max_len):
-        vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-        for i, w in enumerate("a the cat dog red blue photo of on in sofa grass".split()):
-            vocab[w] = 3 + i
-        t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        t.pre_tokenizer = pre_tokenizers.Whitespace()
-        return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-                                       model_max_length=max_len)
-
-    torch.manual_seed(seed)
-    te = CLIPTextModel(CLIPTextConfig(vocab_size=64, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                                      num_attention_heads=4, projection_dim=32, max_position_embeddings=77,
-                                      bos_token_id=0, eos_token_id=1, pad_token_id=0))
-    te2 = T5EncoderModel(T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4))
-    tr = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
-                                axes_dims_rope=[4, 4, 8])
-    vae = AutoencoderKL(sample_size=32, in_channels=3, out_channels=3, block_out_channels=(4,), layers_per_block=1,
-                        latent_channels=4, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False,
-                        shift_factor=0.0609, scaling_factor=1.5035, down_block_types=("DownEncoderBlock2D",),
-                        up_block_types=("UpDecoderBlock2D",))
-    return FluxPipeline(scheduler=FlowMatchEulerDiscreteScheduler(), text_encoder=te, tokenizer=tok(77),
-                        text_encoder_2=te2, tokenizer_2=tok(32), transformer=tr, vae=vae)
+def start_worker(config: ServerConfig, model: str = "tiny-flux") -> Worker:
+    pipe, served = tiny(model)
+    worker = Worker(lambda ctx: LoadedModel(pipe, served, {"model": served.name, "calibration": None}), config)
+    worker.start()
+    assert worker.wait_ready(60), worker.reason
+    return worker
 
 
 @contextlib.contextmanager
@@ -78,3 +59,26 @@ def live_server(app, port: int | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def decode_png(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.array(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def reference_image(pipe, served: ServedModel, prompt: str, seed: int, width: int, height: int, steps: int,
+                    guidance: float | None = None) -> np.ndarray:
+    """uint8 (height, width, 3): the pipeline called directly for one prompt and one seed."""
+    out = pipe(prompt, height=height, width=width, num_inference_steps=steps,
+               guidance_scale=served.default_guidance if guidance is None else guidance,
+               generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **served.pipeline_kwargs)
+    return to_uint8(np.asarray(out.images[0]))
+
+
+def assert_same_image(got: np.ndarray, want: np.ndarray, what: str = "image") -> None:
+    """Equal up to one uint8 level: batched matmuls round differently in fp32 (about 1e-6 here), which
+    can move a pixel across a rounding boundary; a swapped or wrong image differs by far more."""
+    assert got.shape == want.shape, f"{what}: expected shape {want.shape}, got {got.shape}"
+    diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    assert diff.max() <= 1, f"{what}: max pixel difference {diff.max()} (mean {diff.mean():.3f})"
