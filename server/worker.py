@@ -176,7 +176,7 @@ class Worker:
                 try:
                     channel.send(("step", batch_id, keep))
                 except Exception as exc:  # noqa: BLE001
-                    raise ControlError(f"step broadcast failed: {exc}") from exc
+                    raise ControlError(f"lost a rank: step broadcast failed ({str(exc).splitlines()[0][:200]})") from exc
                 return keep
             message = channel.recv()
             if message[0] != "step" or message[1] != batch_id:
@@ -262,7 +262,7 @@ class Worker:
                 self._batch_id += 1
                 channel.send(("run", self._batch_id, batch.items))
             except Exception as exc:  # noqa: BLE001 - a broadcast to a dead rank
-                self.fail(f"control broadcast failed: {exc}")
+                self.fail(f"lost a rank: control broadcast failed ({str(exc).splitlines()[0][:200]})")
                 return
             self._leader_batch(runner, channel, batch)
         if self._stop.is_set() and self.state == READY:
@@ -290,7 +290,7 @@ class Worker:
         except BatchStopped:
             status = "stopped"
         except ControlError as exc:
-            self.fail(str(exc).splitlines()[0])
+            self.fail(str(exc))
             return
         except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, the server goes on
             status, error = "error", f"{type(exc).__name__}: {exc}"
