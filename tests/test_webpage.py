@@ -1,0 +1,65 @@
+"""The web page at `/` in headless Chromium (Debian's `chromium`, driven by Playwright; no browser is
+downloaded): type a prompt, press Generate, see the progress bar move and the image appear. The
+screenshot goes to out/webpage.png (git-ignored); its path is printed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from server.app import create_app
+from server.config import ServerConfig
+from tests.server_support import live_server, start_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("XSTAGE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def _browser(playwright, user_data_dir: str):
+    return playwright.chromium.launch_persistent_context(
+        user_data_dir, executable_path=CHROMIUM, headless=True, args=CHROMIUM_FLAGS,
+        viewport={"width": 900, "height": 900})
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_page_generates_an_image_with_a_moving_progress_bar():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None))
+    shot = ROOT / "out" / "webpage.png"
+    shot.parent.mkdir(exist_ok=True)
+    try:
+        with live_server(create_app(worker)) as url, sync_api.sync_playwright() as pw, \
+                tempfile.TemporaryDirectory() as profile:
+            context = _browser(pw, profile)
+            page = context.pages[0] if context.pages else context.new_page()
+            errors = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.includes('tiny-flux')")
+            page.fill("#prompt", "a red cat on a blue sofa")
+            page.fill("#width", "128")
+            page.fill("#height", "128")
+            page.fill("#steps", "30")
+            page.fill("#seed", "5")
+            page.click("#generate")
+            # The bar is part-way at some point: progress is shown per step, not only at the end.
+            page.wait_for_function(
+                "(() => { const p = document.getElementById('progress'); return p.value > 0 && p.value < p.max; })()",
+                polling=20, timeout=60_000)
+            page.wait_for_selector("#output", timeout=60_000)
+            page.wait_for_function("document.getElementById('output').naturalWidth === 128")
+            assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 30")
+            assert "done in" in page.text_content("#status")
+            page.screenshot(path=str(shot), full_page=True)
+            context.close()
+        assert not errors, errors
+    finally:
+        worker.stop()
+    print(f"\nweb page screenshot: {shot}")
+    assert shot.stat().st_size > 10_000
