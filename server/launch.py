@@ -3,7 +3,7 @@ killing rank 0 when another rank dies: rank 0 must stay up to answer 503 and rep
 
 Each rank is a copy of the same `xstage-dit serve ...` command with torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The supervisor forwards SIGINT /
-SIGTERM to the ranks, and when rank 0 exits it stops the others and exits with rank 0's code.
+SIGTERM to rank 0 (which stops the others), and when rank 0 exits it stops the others and exits with rank 0's code.
 """
 
 from __future__ import annotations
@@ -53,9 +53,9 @@ def supervise(world_size: int, argv: list[str], master_addr: str = "127.0.0.1") 
           file=sys.stderr, flush=True)
 
     def forward(signum, _frame):
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        # Rank 0 shuts down cleanly and tells the other ranks to stop; they are killed if they linger.
+        if procs[0].poll() is None:
+            procs[0].send_signal(signum)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     reported: set[int] = set()
