@@ -133,7 +133,11 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         return RankContext.join(args.collective_timeout)
 
     if rank != 0:
-        code = Worker(loader, config, join=join).run_follower()
+        try:
+            code = Worker(loader, config, join=join).run_follower()
+        except Exception as exc:  # noqa: BLE001 - rank 0 gone or the ranks disagree: one line, non-zero exit
+            logging.getLogger("xstage_dit.serve").error("rank %d stopping: %s", rank, str(exc).splitlines()[0])
+            code = 1
         sys.stderr.flush()
         os._exit(code)  # daemon threads may sit in a collective; nothing left to clean up
 
@@ -160,6 +164,12 @@ def serve_rank(args: argparse.Namespace, config) -> int:
 
     import threading
 
+    # uvicorn re-raises the signal that stopped it once it has shut down; with a handler in place that
+    # signal is harmless and the worker can still tell the other ranks to stop.
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
     worker.start()
     threading.Thread(target=announce, daemon=True).start()
     server.run()
