@@ -38,15 +38,19 @@ def calibration_report(device: torch.device) -> dict:
         result = load_or_calibrate(device if device.type == "cuda" else None)
     except CalibrationUnavailable as exc:
         return {"available": False, "reason": str(exc)}
-    return {"available": True, "source": getattr(result, "source", None),
-            "machine_key": getattr(result, "machine_key", None),
-            "params": {target: _jsonable(p) for target, p in getattr(result, "params", {}).items()}}
+    report = {"available": True, "source": getattr(result, "source", None),
+              "machine_key": getattr(result, "machine_key", None),
+              "params": {target: _jsonable(p) for target, p in getattr(result, "params", {}).items()}}
+    summary = getattr(result, "summary", None)
+    if callable(summary):
+        report["summary"] = _jsonable(summary())
+    return report
 
 
 def schedule_report(handle: Any) -> Any:
     """The schedules `parallelize` chose (per distinct layer shape, with reasons), when it reports them."""
     if handle is None:
-        return []
+        return {"note": "one rank: no sequence or expert parallelism, so no communication schedule to choose"}
     for name in ("schedules", "schedule_choices", "choices"):
         value = getattr(handle, name, None)
         if value is not None:

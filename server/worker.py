@@ -21,6 +21,7 @@ on the dead rank, so nothing hangs. Ranks > 0 exit when rank 0 (the store) disap
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import socket
@@ -227,8 +228,6 @@ class Worker:
             self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
                              "load_s": round(time.perf_counter() - started, 3)}
             if store is not None:
-                import json
-
                 client = _store(self.ctx, store.port, is_master=False)
                 for r in range(1, self.ctx.world_size):
                     info = json.loads(client.get(f"ready/{r}").decode())
@@ -360,8 +359,6 @@ class Worker:
         started = time.perf_counter()
         self.model = self.load(self.ctx)
         runner = BatchRunner(self.model.pipe, self.model.served)
-        import json
-
         store.set(f"ready/{self.ctx.rank}", json.dumps({
             "rank": self.ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "load_s": round(time.perf_counter() - started, 3)}))

@@ -9,9 +9,11 @@ import time
 
 import httpx
 import numpy as np
+import torch
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.media import to_uint8
 from tests.server_support import assert_same_image, decode_png, live_server, reference_image, start_worker, tiny
 
 NUM_REQUESTS = 50
@@ -48,9 +50,19 @@ def test_fifty_concurrent_requests_each_get_their_own_image():
           f"throughput {NUM_REQUESTS / wall:.1f} images/s, mean batch {np.mean(batch_sizes):.1f}")
     assert max(batch_sizes) > 1, "compatible concurrent requests were never batched"
 
+    # References: the 50 (prompt, seed) pairs in one direct pipeline call with one generator each, and
+    # three of them alone (the batched call itself must equal single calls).
     pipe, served = tiny("tiny-flux")
+    out = pipe([b["prompt"] for b in requests], height=32, width=32, num_inference_steps=2,
+               guidance_scale=served.default_guidance, output_type="np",
+               generator=[torch.Generator("cpu").manual_seed(b["seed"]) for b in requests], **served.pipeline_kwargs)
+    batched = {b["seed"]: to_uint8(np.asarray(img)) for b, img in zip(requests, out.images)}
+    for body in requests[:3]:
+        single = reference_image(pipe, served, body["prompt"], body["seed"], 32, 32, 2)
+        assert_same_image(batched[body["seed"]], single, f"direct batched vs single, seed {body['seed']}")
     for body, r, _ in results:
         data = r.json()["data"]
         assert len(data) == 1 and data[0]["seed"] == body["seed"]
-        want = reference_image(pipe, served, body["prompt"], body["seed"], 32, 32, 2)
-        assert_same_image(decode_png(data[0]["b64_json"]), want, f"request seed {body['seed']}")
+        assert_same_image(decode_png(data[0]["b64_json"]), batched[body["seed"]], f"request seed {body['seed']}")
+    distinct = {batched[b["seed"]].tobytes() for b in requests}
+    assert len(distinct) == NUM_REQUESTS  # every request has its own image: a swap could not go unseen

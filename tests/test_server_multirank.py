@@ -28,7 +28,7 @@ def two_rank_server():
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"xstage-serve-{port}.log", "w+")
     proc = subprocess.Popen(
         [sys.executable, "-m", "xstage_dit", "serve", "--model", "tiny-flux", "--sp", "2", "--port", str(port),
-         "--heartbeat-timeout", "3", "--exit-after-failure", str(EXIT_AFTER_FAILURE_S), "--log-level", "warning",
+         "--heartbeat-timeout", "5", "--exit-after-failure", str(EXIT_AFTER_FAILURE_S), "--log-level", "warning",
          "--max-batch-size", "1"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)

@@ -126,6 +126,10 @@ def serve_rank(args: argparse.Namespace, config) -> int:
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not torch.cuda.is_available():
+        # CPU ranks share the cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, sp=args.sp, ep=args.ep, cfg=args.cfg, dtype=dtype, seed=args.seed)
 
