@@ -328,8 +328,18 @@ class Worker:
     def _monitor(self, store) -> None:
         """Rank 0: watch the other ranks' heartbeat counters; declare failure when one stops."""
         last = {r: (-1, time.monotonic()) for r in range(1, self.ctx.world_size)}
+        peer_error: tuple[int, int, str, float] | None = None  # (batch, rank, message, first seen)
         while self.state in (LOADING, READY) and not self._stop.is_set():
             now = time.monotonic()
+            batch_id = self._current_batch
+            if batch_id is not None and (peer_error is None or peer_error[0] != batch_id):
+                peer_error = self._peer_error(store, batch_id, now) or peer_error
+            if peer_error is not None and peer_error[0] == self._current_batch and \
+                    now - peer_error[3] > self.config.heartbeat_timeout_s:
+                # A rank left the batch with an error while rank 0 is still in it (e.g. waiting in a
+                # data collective that rank will never join): fail rather than wait for the timeout.
+                self.fail(f"rank {peer_error[1]} failed in batch {peer_error[0]}: {peer_error[2]}")
+                return
             for r, (count, since) in list(last.items()):
                 try:
                     value = store.add(f"hb/{r}", 0)
@@ -344,6 +354,18 @@ class Worker:
                     self.fail(f"rank {r} stopped responding (no heartbeat for {now - since:.1f} s)")
                     return
             time.sleep(HEARTBEAT_INTERVAL_S / 2)
+
+    def _peer_error(self, store, batch_id: int, now: float) -> tuple[int, int, str, float] | None:
+        for r in range(1, self.ctx.world_size):
+            key = f"status/{batch_id}/{r}"
+            try:
+                if store.check([key]):
+                    status = store.get(key).decode()
+                    if status not in ("ok", "stopped"):
+                        return batch_id, r, status, now
+            except Exception:  # noqa: BLE001 - the heartbeat check reports a broken store
+                return None
+        return None
 
     # ----- ranks > 0 -----
     def run_follower(self) -> int:
