@@ -102,6 +102,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # transformers warns at import about optional vision backends no pipeline here uses.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     config = _config(args)
     world_size = args.sp * args.cfg
     started_as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
