@@ -115,7 +115,8 @@ def test_page_generates_a_video():
             # The MP4 came through /v1/videos/{id}/content and the browser decoded its first frame.
             page.wait_for_function("document.getElementById('output').readyState >= 2 && "
                                    "document.getElementById('output').videoWidth === 64", timeout=30_000)
-            _assert_bar_moved(page, 3)
+            # A job this short may finish before the page subscribes to its events: only the end is certain.
+            assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 3")
             page.screenshot(path=str(shot), full_page=True)
             context.close()
         assert not errors, errors
