@@ -18,6 +18,18 @@ from server.media import to_uint8
 from server.worker import LoadedModel, Worker
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """One intra-op thread while the test process also runs an HTTP server and clients: on a busy 2-core
+    machine two OpenMP threads spin against those threads and a batch takes 5-10x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,9 +14,16 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
-from tests.server_support import assert_same_image, decode_png, live_server, reference_image, start_worker, tiny
+from tests.server_support import (assert_same_image, decode_png, live_server, one_torch_thread, reference_image,
+                                  start_worker, tiny)
 
 SLOW = {"size": "1024x1024", "num_inference_steps": 100}  # >= 0.2 s per step on a CPU: far longer than any wait here
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")

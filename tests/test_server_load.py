@@ -9,15 +9,23 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 import torch
 
 from server.app import create_app
 from server.config import ServerConfig
 from server.media import to_uint8
-from tests.server_support import assert_same_image, decode_png, live_server, reference_image, start_worker, tiny
+from tests.server_support import (assert_same_image, decode_png, live_server, one_torch_thread, reference_image,
+                                  start_worker, tiny)
 
 NUM_REQUESTS = 50
 PROMPTS = ["a red cat", "a blue dog", "a photo of grass", "the sofa", "a cat on a sofa"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 def test_fifty_concurrent_requests_each_get_their_own_image():

@@ -15,7 +15,13 @@ import torch
 from server.app import create_app
 from server.config import ServerConfig
 from server.media import to_uint8
-from tests.server_support import live_server, start_worker, tiny
+from tests.server_support import live_server, one_torch_thread, start_worker, tiny
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 def _has_tiny_wan() -> bool:

@@ -13,12 +13,18 @@ import pytest
 
 from server.app import create_app
 from server.config import ServerConfig
-from tests.server_support import live_server, start_worker
+from tests.server_support import live_server, one_torch_thread, start_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("XSTAGE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    with one_torch_thread():
+        yield
 
 
 # Records every value the page gives its progress bar (the steps can be faster than any polling).
