@@ -38,6 +38,9 @@ def calibration_report(device: torch.device) -> dict:
         result = load_or_calibrate(device if device.type == "cuda" else None)
     except CalibrationUnavailable as exc:
         return {"available": False, "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - serving goes on without the numbers; said in the log and the report
+        log.warning("calibration failed, serving without its numbers: %s", exc)
+        return {"available": False, "reason": f"calibration failed: {type(exc).__name__}: {exc}"}
     report = {"available": True, "source": getattr(result, "source", None),
               "machine_key": getattr(result, "machine_key", None),
               "params": {target: _jsonable(p) for target, p in getattr(result, "params", {}).items()}}
