@@ -272,7 +272,7 @@ def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
              dependencies=[Depends(require_key)])
     async def calibration():
         served()
-        return JSONResponse(worker.model.report)
+        return JSONResponse(worker.model.current_report())
 
     @app.post("/v1/images/generations", response_model=ImageGenerationResponse,
               responses={429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},

@@ -102,6 +102,7 @@ class ServerConfig:
     heartbeat_timeout_s: a rank that has not signalled for this long is considered dead.
     exit_after_failure_s: after a rank failure, keep answering 503 this long, then exit non-zero
         (so a process manager restarts the server); None keeps running.
+    warmup: run one step at the model's default size on every rank before reporting ready.
     """
 
     max_queue: int = 64
@@ -121,6 +122,7 @@ class ServerConfig:
     api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None)
     heartbeat_timeout_s: float = 5.0
     exit_after_failure_s: float | None = 30.0
+    warmup: bool = True
 
     def __post_init__(self) -> None:
         for what in ("max_queue", "max_batch_size", "max_body_bytes", "max_n", "max_steps", "max_prompt_chars",

@@ -92,9 +92,11 @@ def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: t
         report = {"model": served.name, "parallel": parallel, "device": str(device), "dtype": str(want)}
         if ctx.rank == 0:
             report["calibration"] = calibration_report(device)
-            report["schedules"] = schedule_report(handle)
             log.info("calibration: %s", report["calibration"])
-            log.info("schedules: %s", report["schedules"])
-        return LoadedModel(pipe, served, report)
+
+        def describe() -> dict:
+            return {**report, "schedules": schedule_report(handle)}
+
+        return LoadedModel(pipe, served, report, describe)
 
     return load

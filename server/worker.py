@@ -34,7 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from server.config import ServedModel, ServerConfig
-from server.jobs import Batch, JobQueue
+from server.jobs import Batch, GenerationParams, JobQueue
 from server.media import mp4_bytes, png_bytes
 from server.metrics import Metrics
 from server.runner import BatchRunner, BatchStopped
@@ -54,6 +54,10 @@ class LoadedModel:
     pipe: Any
     served: ServedModel
     report: dict = field(default_factory=dict)
+    describe: Callable[[], dict] | None = None  # the report as of now (schedules are chosen per shape, lazily)
+
+    def current_report(self) -> dict:
+        return self.describe() if self.describe is not None else self.report
 
 
 @dataclass
@@ -186,6 +190,20 @@ class Worker:
 
         return runner.run(items, on_step)
 
+    def _warmup(self, runner: BatchRunner) -> None:
+        """Every rank: one step at the default size, so the first request does not pay for first-call
+        costs (kernel builds, allocator growth) and the schedules for that shape are chosen (and logged)
+        at start-up. Same work on every rank, no control messages: the collectives inside match."""
+        if not self.config.warmup:
+            return
+        s = self.model.served
+        item = GenerationParams(kind=s.kind, prompt="warm-up", width=s.default_width, height=s.default_height,
+                                steps=1, guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
+        started = time.perf_counter()
+        runner.run([item], lambda done, total: True)
+        log.info("warm-up (%dx%d, 1 step) took %.2f s", s.default_width, s.default_height,
+                 time.perf_counter() - started)
+
     # ----- rank 0 -----
     def start(self) -> "Worker":
         self._thread = threading.Thread(target=self._leader_main, name="xstage-worker", daemon=True)
@@ -225,6 +243,8 @@ class Worker:
             self.metrics.world_size.set(self.ctx.world_size)
             started = time.perf_counter()
             self.model = self.load(self.ctx)
+            runner = BatchRunner(self.model.pipe, self.model.served)
+            self._warmup(runner)
             self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
                              "load_s": round(time.perf_counter() - started, 3)}
             if store is not None:
@@ -233,7 +253,7 @@ class Worker:
                     info = json.loads(client.get(f"ready/{r}").decode())
                     self.ranks[r] = info
                 self._client = client
-            runner = BatchRunner(self.model.pipe, self.model.served)
+            log.info("start-up report: %s", self.model.current_report())
         except Exception as exc:  # noqa: BLE001 - start-up failure is reported, not raised in a thread
             log.error("start-up failed:\n%s", traceback.format_exc())
             self.fail(f"start-up failed: {exc}")
@@ -381,6 +401,7 @@ class Worker:
         started = time.perf_counter()
         self.model = self.load(self.ctx)
         runner = BatchRunner(self.model.pipe, self.model.served)
+        self._warmup(runner)
         store.set(f"ready/{self.ctx.rank}", json.dumps({
             "rank": self.ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
             "load_s": round(time.perf_counter() - started, 3)}))

@@ -5,6 +5,7 @@ answer equals the single-process image for the same seed; killing a worker rank 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import importlib.util
 import os
 import signal
 import subprocess
@@ -59,7 +60,10 @@ def test_two_ranks_answer_with_the_single_process_image(two_rank_server):
     client, _, _ = two_rank_server
     health = client.get("/health").json()
     assert health["world_size"] == 2 and [r["rank"] for r in health["ranks"]] == [0, 1]
-    assert client.get("/v1/calibration").json()["parallel"]["world_size"] == 2
+    report = client.get("/v1/calibration").json()
+    assert report["parallel"]["world_size"] == 2 and "schedules" in report and "calibration" in report
+    if importlib.util.find_spec("xstage_dit.patches") is not None:
+        assert report["parallel"]["mode"] == "parallelized", report["parallel"]  # not two copies of one pipeline
     r = client.post("/v1/images/generations", json={"prompt": "a red cat", "seed": 3, "size": "32x32",
                                                     "num_inference_steps": 2})
     assert r.status_code == 200, r.text

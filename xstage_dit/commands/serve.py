@@ -55,6 +55,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="after a rank failure, answer 503 this long, then exit non-zero; default: %(default)s")
     p.add_argument("--collective-timeout", type=float, default=600.0,
                    help="timeout of torch.distributed collectives, seconds; default: %(default)s")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the one-step warm-up at the model's default size before reporting ready")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     return p
@@ -85,7 +87,7 @@ def _config(args: argparse.Namespace):
             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
-            exit_after_failure_s=args.exit_after_failure)
+            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None
@@ -97,7 +99,11 @@ def _argv(args: argparse.Namespace) -> list[str]:
     for action in add_parser(argparse.ArgumentParser().add_subparsers())._actions:
         if not action.option_strings or action.dest == "help":
             continue
-        out += [action.option_strings[0], str(getattr(args, action.dest))]
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag
+            out += [action.option_strings[0]] if value else []
+        else:
+            out += [action.option_strings[0], str(value)]
     return out
 
 
