@@ -169,13 +169,14 @@ class Worker:
         return self.state == READY
 
     def _run_batch(self, runner: BatchRunner, channel: ControlChannel, batch_id: int, items: list,
-                   on_step_leader: Callable[[int, int, float], bool] | None) -> np.ndarray:
+                   on_step_leader: Callable[[int, int, float | None], bool] | None) -> np.ndarray:
         """Every rank: run the pipeline; after each step, rank 0 decides and all ranks follow."""
         last = [time.perf_counter()]
 
         def on_step(done: int, total: int) -> bool:
             now = time.perf_counter()
-            step_s, last[0] = now - last[0], now
+            # The first interval also holds prompt encoding and latent set-up: not a step time.
+            step_s, last[0] = (now - last[0] if done > 1 else None), now
             if on_step_leader is not None:
                 keep = on_step_leader(done, total, step_s)
                 try:
@@ -297,8 +298,9 @@ class Worker:
         for job in batch.jobs:
             m.queue_wait.observe(job.timings()["queued_s"])
 
-        def on_step_leader(done: int, total: int, step_s: float) -> bool:
-            m.step_time.observe(step_s)
+        def on_step_leader(done: int, total: int, step_s: float | None) -> bool:
+            if step_s is not None:
+                m.step_time.observe(step_s)
             return self.queue.step(batch, done, total, step_s) and self.state == READY
 
         started = time.perf_counter()
