@@ -31,7 +31,8 @@ class Metrics:
                                     buckets=_LATENCY_BUCKETS, registry=r)
         self.batch_latency = Histogram("xstage_batch_seconds", "Pipeline time of one batch.",
                                        buckets=_LATENCY_BUCKETS, registry=r)
-        self.step_time = Histogram("xstage_step_seconds", "Time of one denoising step of a batch (from the second step on).",
+        self.step_time = Histogram("xstage_step_seconds",
+                                   "Time of one denoising step of a batch (from the second step on).",
                                    buckets=_STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("xstage_batch_size", "Items per pipeline call.",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)

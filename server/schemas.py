@@ -46,7 +46,8 @@ class ImageGenerationRequest(_Strict):
     user: str | None = Field(None, description="OpenAI field; accepted and ignored.")
     num_inference_steps: int | None = Field(None, description="Denoising steps; default: the model's.")
     guidance_scale: float | None = Field(None, description="Guidance scale; default: the model's.")
-    true_cfg_scale: float | None = Field(None, description="True classifier-free guidance (pipelines that have it, e.g. FLUX with a negative prompt).")
+    true_cfg_scale: float | None = Field(
+        None, description="True classifier-free guidance (pipelines that have it, e.g. FLUX with a negative prompt).")
     seed: int | None = Field(None, description="Seed of the first image; random when omitted (returned).")
     negative_prompt: str | None = Field(None, description="What to avoid (pipelines that support it).")
     stream: bool = Field(False, description="Answer as server-sent events: per-step progress, then the images.")
@@ -207,7 +208,8 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
     common = _common(req, served, config, "video")
     frames = served.default_frames if req.num_frames is None else req.num_frames
     if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
-        raise RequestError("num_frames", f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
+        raise RequestError("num_frames",
+                           f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")

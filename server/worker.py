@@ -182,7 +182,8 @@ class Worker:
                 try:
                     channel.send(("step", batch_id, keep))
                 except Exception as exc:  # noqa: BLE001
-                    raise ControlError(f"lost a rank: step broadcast failed ({str(exc).splitlines()[0][:200]})") from exc
+                    reason = str(exc).splitlines()[0][:200]
+                    raise ControlError(f"lost a rank: step broadcast failed ({reason})") from exc
                 return keep
             message = channel.recv()
             if message[0] != "step" or message[1] != batch_id:

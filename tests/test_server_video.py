@@ -86,7 +86,8 @@ def test_video_job_progress_and_mp4_content(server):
     assert events[-1][0] == "completed" and events[-1][1]["id"] == job["id"]
     assert steps == sorted(steps) and steps[-1] == 3 and len(set(steps)) >= 3
     status = client.get(f"/v1/videos/{job['id']}").json()
-    assert status["status"] == "completed" and status["progress"] == {"steps_done": 3, "steps_total": 3, "fraction": 1.0}
+    assert status["status"] == "completed"
+    assert status["progress"] == {"steps_done": 3, "steps_total": 3, "fraction": 1.0}
     assert status["timings"]["run_s"] > 0
     content = client.get(f"/v1/videos/{job['id']}/content")
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"

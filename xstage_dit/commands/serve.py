@@ -36,7 +36,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--seed", type=int, default=0, help="seed of a built-in model's random weights; default: %(default)s")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of a built-in model's random weights; default: %(default)s")
     p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429; default: %(default)s")
     p.add_argument("--max-batch-size", type=int, default=4,
                    help="images per pipeline call when requests are compatible; default: %(default)s")
