@@ -1,0 +1,36 @@
+"""Schedule choice: turns calibrated X-Stage params and a layer shape into the schedule a fused op runs,
+with the reason (DESIGN §2, "How the two kernels use the test").
+
+Each op adds its chooser here (``choose_attention_schedule``, ``choose_moe_lead``); all return a
+``ScheduleChoice``. Without a calibration (``xparams=None``, e.g. on the CPU) a chooser still returns a
+choice whose reason says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """The schedule an op runs and why.
+
+    name: the schedule ("fused" | "serial" for attention, "wave" | "interleaved" for MoE combine...).
+    reason: one line a user can read in a log: the design-test outcome or why no test was possible.
+    params: schedule parameters (e.g. ``{"lead": 2}`` for the interleaved MoE combine).
+    """
+
+    name: str
+    reason: str
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ MoE combine
+
+
+def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
+    """Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.ops.moe_schedule.choose_moe_lead``."""
+    from xstage_dit.ops.moe_schedule import choose_moe_lead as _choose
+
+    return _choose(xparams, **shape)
