@@ -423,18 +423,23 @@ def _schedule_for(expert_offsets, H, I, cfg: MoEKernelConfig, lead: int, num_pro
     return s
 
 
-def default_lead(H: int, I: int, expert_offsets: Sequence[int], cfg: MoEKernelConfig, num_programs: int, world_size: int):
-    """The lead from ``choose_moe_lead`` with this machine's calibration when one is cached (else None)."""
-    from xstage_dit.schedule import choose_moe_lead
-
-    xparams = None
+@functools.cache
+def _cached_xparams(target: str):
+    """This machine's calibrated X-Stage params for ``target`` ("local" | "nvlink"), looked up once; None without."""
     try:  # calibration is optional: without it the chooser says so in its reason.
         from xstage_dit.calibration import load_or_calibrate
 
-        res = load_or_calibrate(quick=True, target="auto")
-        xparams = res.params.get("nvlink" if world_size > 1 else "local")
+        return load_or_calibrate(quick=True, target="auto").params.get(target)
     except Exception as exc:  # noqa: BLE001 - any failure means "no calibration"
-        log.debug("no X-Stage calibration for the MoE lead: %s", exc)
+        log.info("no X-Stage calibration for the MoE lead (%s): choosing without it", exc)
+        return None
+
+
+def default_lead(H: int, I: int, expert_offsets: Sequence[int], cfg: MoEKernelConfig, num_programs: int, world_size: int):
+    """``choose_moe_lead`` for this layout with this machine's calibration (target "nvlink" for world > 1)."""
+    from xstage_dit.schedule import choose_moe_lead
+
+    xparams = None if _interpreting() else _cached_xparams("nvlink" if world_size > 1 else "local")
     return choose_moe_lead(
         xparams,
         hidden=H,
@@ -632,13 +637,20 @@ def expert_mlp_combine_grouped(
 # --------------------------------------------------------------------------------------------------
 
 
-def _all_gather_counts(mine: torch.Tensor, group) -> torch.Tensor:
+def _all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
+    """all_gather of equal-shape tensors; gloo with CUDA tensors (ranks sharing a GPU) goes through the host."""
     _, world = world_of(group)
     if world == 1:
-        return mine.reshape(1, -1).cpu()
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine.contiguous(), group=group)
-    return torch.stack(parts).cpu()
+        return [t]
+    via_host = t.is_cuda and dist.get_backend(group) == "gloo"
+    src = t.contiguous().cpu() if via_host else t.contiguous()
+    parts = [torch.empty_like(src) for _ in range(world)]
+    dist.all_gather(parts, src, group=group)
+    return [p.to(t.device) for p in parts] if via_host else parts
+
+
+def _all_gather_counts(mine: torch.Tensor, group) -> torch.Tensor:
+    return torch.stack([p.cpu() for p in _all_gather_list(mine, group)])
 
 
 def _resolve_path(path: str, device: torch.device, world: int) -> str:
@@ -726,11 +738,7 @@ def _check_sharding(num_experts: int, group) -> tuple[int, int, int]:
 
 def _all_gather_expert_shards(t: torch.Tensor, group) -> torch.Tensor:
     _, world = world_of(group)
-    if world == 1:
-        return t
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, 0)
+    return torch.cat(_all_gather_list(t, group), 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -822,13 +830,9 @@ class NucleusMoEEPLayer(nn.Module):
         if world == 1:
             return affinity_local, [affinity_local.shape[-1]]
         B, E, s_loc = affinity_local.shape
-        lens_t = [torch.zeros(1, dtype=torch.int64, device=affinity_local.device) for _ in range(world)]
-        dist.all_gather(lens_t, torch.tensor([s_loc], dtype=torch.int64, device=affinity_local.device), group=self.group)
-        lens = [int(v.item()) for v in lens_t]
+        lens = [int(v.item()) for v in _all_gather_list(torch.tensor([s_loc], dtype=torch.int64, device=affinity_local.device), self.group)]
         s_max = max(lens)
-        padded = F.pad(affinity_local, (0, s_max - s_loc)).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded, group=self.group)
+        parts = _all_gather_list(F.pad(affinity_local, (0, s_max - s_loc)), self.group)
         return torch.cat([p[..., :n] for p, n in zip(parts, lens)], dim=-1), lens
 
     @torch.no_grad()
