@@ -161,6 +161,8 @@ def test_two_processes_sharing_one_gpu_match_one_process():
     pytest.importorskip("diffusers")
     import torch.multiprocessing as mp
 
+    # Both ranks map buffers of the same GPU; set before the children import torch.
+    os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()

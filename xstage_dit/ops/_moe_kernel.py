@@ -19,7 +19,8 @@ def _moe_mlp_combine_kernel(
     w1_ptr,  # (E_local, H, 2I): gate columns [0, I), up columns [I, 2I)
     w2_ptr,  # (E_local, I, H)
     h_ptr,  # (rows, I) SwiGLU output (scratch)
-    table_ptr,  # int64[world]: combine buffer of each rank, (slots, H) with row stride stride_om
+    comb_base_ptr,  # any 16-byte aligned pointer of the combine dtype: the origin of table_ptr's offsets
+    table_ptr,  # int64[world]: combine buffer of each rank as an element offset from comb_base_ptr
     dest_rank_ptr,  # int32[rows]
     dest_row_ptr,  # int32[rows]
     row_w_ptr,  # fp32[rows] router weight
@@ -39,6 +40,7 @@ def _moe_mlp_combine_kernel(
     H: tl.constexpr,  # constexpr: static GEMM loops (and the interpreter takes no run-time range bounds)
     I: tl.constexpr,
     N1: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,
     BM: tl.constexpr,
     BN1: tl.constexpr,
     BN2: tl.constexpr,
@@ -58,57 +60,61 @@ def _moe_mlp_combine_kernel(
         offs_m = row_start + tl.arange(0, BM)
         mask_m = offs_m < row_end
         offs_k0 = tl.arange(0, BK)
+        # Names differ between the branches: Triton merges same-named values of an if/else by type.
         if kind == 0:
             # Linear-1 of intermediate columns [n*BN1, (n+1)*BN1): gate and up in one tile so the
             # epilogue has both and SwiGLU never makes a separate pass over memory.
-            offs_n = n * BN1 + tl.arange(0, BN1)
-            mask_n = offs_n < I
+            offs_n1 = n * BN1 + tl.arange(0, BN1)
+            mask_n1 = offs_n1 < I
             acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
-            a_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k0[None, :]
-            wg_ptrs = w1_ptr + e * stride_w1e + offs_k0[:, None] * stride_w1k + offs_n[None, :] * stride_w1n
+            a1_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k0[None, :]
+            wg_ptrs = w1_ptr + e * stride_w1e + offs_k0[:, None] * stride_w1k + offs_n1[None, :] * stride_w1n
             wu_ptrs = wg_ptrs + I * stride_w1n
-            for k in range(0, H, BK):
-                mask_k = (offs_k0 + k) < H
-                a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            for k1 in range(0, H, BK):
+                mask_k1 = (offs_k0 + k1) < H
+                a = tl.load(a1_ptrs, mask=mask_m[:, None] & mask_k1[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
                 acc_g = tl.dot(a, wg, acc_g)
                 acc_u = tl.dot(a, wu, acc_u)
-                a_ptrs += BK
+                a1_ptrs += BK
                 wg_ptrs += BK * stride_w1k
                 wu_ptrs += BK * stride_w1k
-            hval = acc_g * tl.sigmoid(acc_g) * acc_u
-            h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
-            tl.store(h_ptrs, hval.to(out_ty), mask=mask_m[:, None] & mask_n[None, :])
+            h1_val = acc_g * tl.sigmoid(acc_g) * acc_u
+            h1_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n1[None, :]
+            tl.store(h1_ptrs, h1_val.to(out_ty), mask=mask_m[:, None] & mask_n1[None, :])
             # Every thread's stores happen before the one releasing increment.
             tl.debug_barrier()
             tl.atomic_add(sync_ptr + 1 + b, 1, sem="release", scope="gpu")
         else:
-            done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
-            while done < N1:
-                done = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
+            done2 = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
+            while done2 < N1:
+                done2 = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
             tl.debug_barrier()
-            offs_n = n * BN2 + tl.arange(0, BN2)
-            mask_n = offs_n < H
-            acc = tl.zeros((BM, BN2), dtype=tl.float32)
-            h_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k0[None, :]
-            w_ptrs = w2_ptr + e * stride_w2e + offs_k0[:, None] * stride_w2k + offs_n[None, :] * stride_w2n
-            for k in range(0, I, BK):
-                mask_k = (offs_k0 + k) < I
-                hv = tl.load(h_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                wv = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-                acc = tl.dot(hv, wv, acc)
-                h_ptrs += BK
-                w_ptrs += BK * stride_w2k
+            offs_n2 = n * BN2 + tl.arange(0, BN2)
+            mask_n2 = offs_n2 < H
+            acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
+            h2_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k0[None, :]
+            w2_ptrs = w2_ptr + e * stride_w2e + offs_k0[:, None] * stride_w2k + offs_n2[None, :] * stride_w2n
+            for k2 in range(0, I, BK):
+                mask_k2 = (offs_k0 + k2) < I
+                h2v = tl.load(h2_ptrs, mask=mask_m[:, None] & mask_k2[None, :], other=0.0)
+                w2v = tl.load(w2_ptrs, mask=mask_k2[:, None] & mask_n2[None, :], other=0.0)
+                acc2 = tl.dot(h2v, w2v, acc2)
+                h2_ptrs += BK
+                w2_ptrs += BK * stride_w2k
             # Epilogue: router weight, then each row straight into its source rank's combine buffer.
-            row_w = tl.load(row_w_ptr + offs_m, mask=mask_m, other=0.0)
-            out = (acc * row_w[:, None]).to(out_ty)
-            dst_rank = tl.load(dest_rank_ptr + offs_m, mask=mask_m, other=0)
-            dst_row = tl.load(dest_row_ptr + offs_m, mask=mask_m, other=0)
-            base = tl.load(table_ptr + dst_rank, mask=mask_m, other=0).to(tl.pointer_type(out_ty))
-            o_ptrs = base[:, None] + (dst_row[:, None].to(tl.int64) * stride_om + offs_n[None, :])
-            tl.store(o_ptrs, out, mask=mask_m[:, None] & mask_n[None, :])
+            row_w2 = tl.load(row_w_ptr + offs_m, mask=mask_m, other=0.0)
+            out2 = (acc2 * row_w2[:, None]).to(out_ty)
+            dst_rank2 = tl.load(dest_rank_ptr + offs_m, mask=mask_m, other=0)
+            dst_row2 = tl.load(dest_row_ptr + offs_m, mask=mask_m, other=0)
+            # Row start in the destination rank's buffer, in elements from comb_base_ptr. Buffers and rows
+            # are 16-byte aligned (checked by the launcher); saying so gives 16-byte remote stores.
+            row_off = tl.load(table_ptr + dst_rank2, mask=mask_m, other=0) + dst_row2.to(tl.int64) * stride_om
+            row_off = tl.multiple_of(row_off, 16 // ELEM_BYTES)
+            o2_ptrs = comb_base_ptr + (row_off[:, None] + offs_n2[None, :])
+            tl.store(o2_ptrs, out2, mask=mask_m[:, None] & mask_n2[None, :])
         t = tl.atomic_add(sync_ptr, 1)
 
 
@@ -116,17 +122,17 @@ def _moe_mlp_combine_kernel(
 def _push_rows_kernel(
     src_ptr,  # (n_src, C) rows to send
     src_idx_ptr,  # int32[n]: source row of each pushed row
-    table_ptr,  # int64[world]: destination buffer of each rank, row stride stride_dm
+    table_ptr,  # int64[world]: destination buffer of each rank as an element offset from src_ptr
     dest_rank_ptr,  # int32[n]
     dest_row_ptr,  # int32[n]
     n,
     C,
     stride_sm,
     stride_dm,
+    ALIGN: tl.constexpr,  # elements every destination row start is a multiple of (16 bytes, or 1)
     BR: tl.constexpr,
     BC: tl.constexpr,
 ):
-    elem_ty = src_ptr.dtype.element_ty
     offs_r = tl.program_id(0) * BR + tl.arange(0, BR)
     offs_c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask_r = offs_r < n
@@ -135,8 +141,8 @@ def _push_rows_kernel(
     vals = tl.load(src_ptr + src_row[:, None] * stride_sm + offs_c[None, :], mask=mask, other=0)
     dst_rank = tl.load(dest_rank_ptr + offs_r, mask=mask_r, other=0)
     dst_row = tl.load(dest_row_ptr + offs_r, mask=mask_r, other=0).to(tl.int64)
-    base = tl.load(table_ptr + dst_rank, mask=mask_r, other=0).to(tl.pointer_type(elem_ty))
-    tl.store(base[:, None] + (dst_row[:, None] * stride_dm + offs_c[None, :]), vals, mask=mask)
+    row_off = tl.multiple_of(tl.load(table_ptr + dst_rank, mask=mask_r, other=0) + dst_row * stride_dm, ALIGN)
+    tl.store(src_ptr + (row_off[:, None] + offs_c[None, :]), vals, mask=mask)
 
 
 @triton.jit

@@ -518,18 +518,27 @@ def expert_mlp_combine(
         schedule = _schedule_for(expert_offsets, H, I, cfg, lead, num_programs, x.device)
     if schedule.num_tiles == 0:
         return schedule
+    elem = x.element_size()
+    row_stride = combine_row_stride if combine_row_stride is not None else H
+    if (row_stride * elem) % 16 or h_buffer.data_ptr() % 16:
+        raise ValueError(
+            f"expected 16-byte aligned combine rows and h_buffer, got row stride {row_stride} x {elem} B, "
+            f"h_buffer at {h_buffer.data_ptr():#x}"
+        )
+    # Destinations as element offsets from h_buffer: the kernel then knows their alignment (16-byte stores).
+    table_off = (combine_table - h_buffer.data_ptr()) // elem
     sync = torch.zeros(1 + schedule.num_blocks, dtype=torch.int32, device=x.device)
     grid = (min(num_programs, schedule.num_tiles),)
     _kernels()._moe_mlp_combine_kernel[grid](
         x, gate_up, down, h_buffer,
-        combine_table, dest_rank, dest_row, row_weight,
+        h_buffer, table_off, dest_rank, dest_row, row_weight,
         schedule.tiles, schedule.blocks, sync, schedule.num_tiles,
         x.stride(0),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         h_buffer.stride(0),
         down.stride(0), down.stride(1), down.stride(2),
-        combine_row_stride if combine_row_stride is not None else H,
-        H=H, I=I, N1=schedule.n1, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
+        row_stride,
+        H=H, I=I, N1=schedule.n1, ELEM_BYTES=elem, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return schedule
@@ -553,12 +562,20 @@ def push_rows(
     if n == 0:
         return
     C = src.shape[1]
+    elem = src.element_size()
+    stride = dest_row_stride if dest_row_stride is not None else C
+    # Destinations as element offsets from src (exact: allocations are 16-byte aligned); rows that start on
+    # 16 bytes are declared so, for 16-byte stores.
+    if src.data_ptr() % elem:
+        raise ValueError(f"expected src aligned to its element size, got address {src.data_ptr():#x}")
+    align = 16 // elem if (stride * elem) % 16 == 0 and src.data_ptr() % 16 == 0 else 1
+    table_off = (dest_table - src.data_ptr()) // elem
     BC = min(256, triton_next_pow2(C))
     BR = 16 if _interpreting() else max(1, 4096 // BC)
     grid = (-(-n // BR), -(-C // BC))
     _kernels()._push_rows_kernel[grid](
-        src, src_idx, dest_table, dest_rank, dest_row, n, C, src.stride(0),
-        dest_row_stride if dest_row_stride is not None else C, BR=BR, BC=BC,
+        src, src_idx, table_off, dest_rank, dest_row, n, C, src.stride(0), stride,
+        ALIGN=align, BR=BR, BC=BC,
     )  # fmt: skip
 
 
@@ -623,7 +640,7 @@ def expert_mlp_combine_grouped(
             a, b = offs_list[e], offs_list[e + 1]
             gu = x[a:b] @ gate_up[e]
             y[a:b] = (F.silu(gu[:, :I]) * gu[:, I:]) @ down[e]
-    rows = (y.float() * row_weight[:, None]).to(x.dtype)
+    rows = y * row_weight[:, None].to(y.dtype)  # one pass in the activation dtype (no fp32 copy of y)
     if len(combine_buffers) == 1:
         combine_buffers[0].index_copy_(0, dest_row.long(), rows)
         return
