@@ -145,3 +145,19 @@ def test_plan_offsets_consistent_across_ranks():
 def test_kernel_config_validates():
     with pytest.raises(ValueError, match="expected block_n2 a power of two >= 16, got 96"):
         MoEKernelConfig(block_n2=96)
+
+
+def test_combine_reduce_custom_op_opcheck():
+    from xstage_dit.ops.moe_combine import moe_combine_reduce_op
+
+    g = torch.Generator().manual_seed(4)
+    offs = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    slots = torch.tensor([4, 0, 3, 1, 2], dtype=torch.int32)
+    buf = torch.randn(6, 8, generator=g).to(torch.bfloat16)
+    shared = torch.randn(3, 8, generator=g).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.xstage_dit.moe_combine_reduce, (buf, offs, slots, shared))
+    out = moe_combine_reduce_op(buf, offs, slots, shared)
+    want = shared.float().clone()
+    want[0] += buf[4].float() + buf[0].float()
+    want[2] += buf[3].float() + buf[1].float() + buf[2].float()
+    assert torch.allclose(out.float(), want.to(torch.bfloat16).float())
