@@ -425,11 +425,19 @@ def _schedule_for(expert_offsets, H, I, cfg: MoEKernelConfig, lead: int, num_pro
 
 @functools.cache
 def _cached_xparams(target: str):
-    """This machine's calibrated X-Stage params for ``target`` ("local" | "nvlink"), looked up once; None without."""
-    try:  # calibration is optional: without it the chooser says so in its reason.
-        from xstage_dit.calibration import load_or_calibrate
+    """This machine's cached X-Stage params for ``target`` ("local" | "nvlink"), looked up once; None without.
 
-        return load_or_calibrate(quick=True, target="auto").params.get(target)
+    Only an existing calibration is read: the hot path never starts a measurement (run ``xstage-dit
+    calibrate`` or ``xstage_dit.calibrate()`` at start-up for that). Set XSTAGE_MOE_CALIBRATE=1 to let
+    the first MoE call calibrate on a cache miss.
+    """
+    try:  # calibration is optional: without it the chooser says so in its reason.
+        from xstage_dit import calibration
+
+        if os.environ.get("XSTAGE_MOE_CALIBRATE") == "1":
+            return calibration.load_or_calibrate(quick=True, target=target).params.get(target)
+        cached = calibration.load_cache(calibration.machine_key(None), None, [target])
+        return cached.params.get(target) if cached is not None else None
     except Exception as exc:  # noqa: BLE001 - any failure means "no calibration"
         log.info("no X-Stage calibration for the MoE lead (%s): choosing without it", exc)
         return None
