@@ -67,14 +67,15 @@ def _rel(a, b):
 def _check_rank(rank: int, world: int, group) -> dict:
     """Both layers on this rank's shard of an uneven sequence split; returns the measured errors."""
     out = {}
-    for name, seq, kw in (("nucleus", 23, {}), ("nucleus_sigmoid_b1", 17, {"use_sigmoid": True})):
+    for name, seq, kw, router in (("nucleus", 23, {}, "exact"), ("nucleus_sigmoid_b1", 17, {"use_sigmoid": True}, "exact"),
+                                  ("nucleus_scores", 23, {}, "scores")):  # fmt: skip
         layer = _nucleus(**kw)
-        batch = 2 if name == "nucleus" else 1
+        batch = 1 if name == "nucleus_sigmoid_b1" else 2
         x, xu, t = _inputs(batch, seq, 32, seed=7)
         rec: list = []
         with _record_topk(rec), torch.no_grad():
             ref = layer(x, xu, t)
-        ep = NucleusMoEEPLayer.from_layer(layer, group)
+        ep = NucleusMoEEPLayer.from_layer(layer, group, router=router)
         assert ep.gate_up_proj.shape[0] == 8 // world
         shards = torch.tensor_split(torch.arange(seq), world)
         idx = shards[rank]

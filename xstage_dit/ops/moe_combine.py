@@ -80,8 +80,10 @@ class MoEKernelConfig:
     size (default: number of SMs). lead: None = chosen by ``choose_moe_lead``; 0 = wave-by-wave.
     """
 
+    # Defaults: the fastest of the configs timed on the H200 at both MoE shapes
+    # (benchmarks/results/moe-combine-h200.md: m128n128n128k64w8s3).
     block_m: int = 128
-    block_n1: int = 64
+    block_n1: int = 128
     block_n2: int = 128
     block_k: int = 64
     num_warps: int = 8
@@ -797,17 +799,28 @@ class NucleusMoEEPLayer(nn.Module):
 
     Input on each rank: its contiguous sequence shard ``hidden_states: (batch, seq_local, hidden)``
     (shards in rank order, any lengths), ``hidden_states_unmodulated`` likewise, ``timestep: (batch, hidden)``.
-    Routing stays global: the router scores ``(batch, E, seq_local)`` are all-gathered so top-C per expert
-    is taken over the whole sequence with C from the full length; the shared expert runs on local tokens.
-    Holds ``num_experts / P`` experts. Example::
+    Routing stays global: top-C per expert is taken over the whole sequence with C from the full length;
+    the shared expert runs on local tokens. Holds ``num_experts / P`` experts.
+
+    router: "exact" (default) all-gathers ``hidden_states_unmodulated`` and runs the router GEMM over the
+    whole sequence, exactly as the unsharded layer does, so routing is bit-identical on any device;
+    "scores" runs the router on the local shard and all-gathers the scores ``(batch, E, seq_local)``
+    (E/hidden of the traffic). With "scores" the router GEMM runs on fewer rows than the unsharded
+    layer's; cuBLAS may then pick another kernel and round a score differently, which can flip a
+    near-tie top-C choice (seen on the H200: 1.8% output difference, two ranks vs one; CPU tests match
+    bit-exactly). Example::
 
         ep = NucleusMoEEPLayer.from_layer(block.img_mlp, group)
         block.img_mlp = ep            # ... and back: block.img_mlp = ep.to_layer()
     """
 
-    def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None):
+    def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
+                 router: str = "exact"):
         super().__init__()
         rank, world, El = _check_sharding(layer.num_experts, group)
+        if router not in ("exact", "scores"):
+            raise ValueError(f"expected router 'exact' or 'scores', got {router!r}")
+        self.router = router
         self.group = group
         self.path = path
         self.config = config
@@ -850,15 +863,27 @@ class NucleusMoEEPLayer(nn.Module):
             layer.experts.down_proj.copy_(_all_gather_expert_shards(self.down_proj.data, self.group))
         return layer
 
-    def _gather_affinity(self, affinity_local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    def _gather_seq(self, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, list[int]]:
+        """All-gather sequence shards along ``dim`` (shards of any lengths, rank order); returns (full, lengths)."""
         rank, world = world_of(self.group)
+        s_loc = t.shape[dim]
         if world == 1:
-            return affinity_local, [affinity_local.shape[-1]]
-        B, E, s_loc = affinity_local.shape
-        lens = [int(v.item()) for v in _all_gather_list(torch.tensor([s_loc], dtype=torch.int64, device=affinity_local.device), self.group)]
-        s_max = max(lens)
-        parts = _all_gather_list(F.pad(affinity_local, (0, s_max - s_loc)), self.group)
-        return torch.cat([p[..., :n] for p, n in zip(parts, lens)], dim=-1), lens
+            return t, [s_loc]
+        lens = [int(v.item()) for v in _all_gather_list(torch.tensor([s_loc], dtype=torch.int64, device=t.device), self.group)]
+        pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, max(lens) - s_loc]
+        parts = _all_gather_list(F.pad(t, pad), self.group)
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, lens)], dim=dim), lens
+
+    def _scores(self, unmodulated: torch.Tensor, timestep: torch.Tensor | None) -> torch.Tensor:
+        """diffusers' router on ``unmodulated: (B, S, H)``: scores (B, S, E) in the gate's dtype."""
+        if timestep is not None:
+            router_input = torch.cat([timestep.unsqueeze(1).expand(-1, unmodulated.shape[1], -1), unmodulated], dim=-1)
+        else:
+            router_input = unmodulated
+        logits = self.gate(router_input)
+        if self.use_sigmoid:
+            return torch.sigmoid(logits.float()).to(logits.dtype)
+        return F.softmax(logits.float(), dim=-1).to(logits.dtype)
 
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor, timestep: torch.Tensor | None = None):
@@ -866,16 +891,16 @@ class NucleusMoEEPLayer(nn.Module):
         bs, s_loc, dim = hidden_states.shape
         if dim != self.hidden_size:
             raise ValueError(f"expected hidden size {self.hidden_size}, got {dim}")
-        if timestep is not None:
-            router_input = torch.cat([timestep.unsqueeze(1).expand(-1, s_loc, -1), hidden_states_unmodulated], dim=-1)
+        if tuple(hidden_states_unmodulated.shape) != (bs, s_loc, dim):
+            raise ValueError(
+                f"expected hidden_states_unmodulated of shape {(bs, s_loc, dim)}, got {tuple(hidden_states_unmodulated.shape)}"
+            )
+        if self.router == "exact":
+            # The router GEMM over the whole sequence, as the unsharded layer runs it: bit-identical scores.
+            full, lens = self._gather_seq(hidden_states_unmodulated.contiguous(), 1)
+            affinity = self._scores(full, timestep).transpose(1, 2)
         else:
-            router_input = hidden_states_unmodulated
-        logits = self.gate(router_input)
-        if self.use_sigmoid:
-            scores = torch.sigmoid(logits.float()).to(logits.dtype)
-        else:
-            scores = F.softmax(logits.float(), dim=-1).to(logits.dtype)
-        affinity, lens = self._gather_affinity(scores.transpose(1, 2).contiguous())
+            affinity, lens = self._gather_seq(self._scores(hidden_states_unmodulated, timestep).transpose(1, 2).contiguous(), 2)
         rank, _ = world_of(self.group)
         slen = affinity.shape[-1]
         global_idx, gating_flat, capacity = nucleus_routing(affinity, self.capacity_factor, self.route_scale)

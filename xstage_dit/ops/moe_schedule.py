@@ -198,7 +198,7 @@ def choose_moe_lead(
     rows_per_expert: int,
     num_experts_per_rank: int,
     block_m: int = 128,
-    block_n1: int = 64,
+    block_n1: int = 128,
     block_n2: int = 128,
     num_producers: int = 132,
     dtype_bytes: int = 2,
