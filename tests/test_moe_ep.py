@@ -100,6 +100,7 @@ def _check_rank(rank: int, world: int, group) -> dict:
     y = ep(x[:, idx])
     out["hidream_rel"] = _rel(y, ref[:, idx])
     got = ep.last_routing["topk_idx"].reshape(3, len(idx), -1)
+    out["hidream_serial_rel"] = _rel(HiDreamMoEEPLayer.from_layer(layer, group, path="serial")(x[:, idx]), ref[:, idx])
     out["hidream_routing_equal"] = bool(torch.equal(got.sort(-1).values, ref_idx.reshape(3, 11, -1)[:, idx].sort(-1).values))
     return out
 
@@ -173,6 +174,11 @@ def test_ep_layer_rejects_indivisible_experts():
     with mock.patch("xstage_dit.ops.moe_combine.world_of", return_value=(0, 3)):
         with pytest.raises(ValueError, match="num_experts=8, world_size=3"):
             NucleusMoEEPLayer.from_layer(layer, FakeGroup())
+
+
+def test_ep_layer_rejects_unknown_path():
+    with pytest.raises(ValueError, match="expected path in .*got 'fast'"):
+        HiDreamMoEEPLayer.from_layer(_hidream(), None, path="fast")
 
 
 def test_from_layer_rejects_other_modules():

@@ -18,6 +18,10 @@ output and the weighted combine row are rounded to the activation dtype):
 Fast paths: ``expert_mlp_combine`` (persistent Triton kernel over a tile schedule, see
 ``moe_schedule.py``), ``combine_reduce`` and ``push_rows`` (Triton).
 
+Layer paths: "fused" (GPU: push dispatch, fused kernel, remote combine), "serial" (library All-to-All
+both ways around the unfused grouped-matmul MLP: the baseline), "reference" (All-to-All around the
+fp32 reference MLP; the CPU path), "auto" (fused on CUDA, reference elsewhere).
+
 Dispatch choice: with real ranks on GPUs we push rows through a symmetric-memory peer table
 (``push_rows``): the source knows every destination row from ``C``, so rows land already in expert-major
 order, no permutation pass and no second size exchange; it also works for several processes sharing
@@ -375,13 +379,19 @@ def dispatch_reference(
 
     x: (tokens, C); returns (sum(recv_splits), C). World 1: a gather.
     """
-    send = x[send_token_idx]
+    return _all_to_all_rows(x[send_token_idx], send_splits, recv_splits, group)
+
+
+def _all_to_all_rows(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
+    """``all_to_all_single`` of rows with split sizes; gloo with CUDA tensors goes through the host."""
     _, world = world_of(group)
     if world == 1:
         return send
-    recv = send.new_empty(sum(recv_splits), *send.shape[1:])
-    dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=group)
-    return recv
+    via_host = send.is_cuda and dist.get_backend(group) == "gloo"
+    src = send.contiguous().cpu() if via_host else send.contiguous()
+    recv = src.new_empty(sum(recv_splits), *send.shape[1:])
+    dist.all_to_all_single(recv, src, recv_splits, send_splits, group=group)
+    return recv.to(send.device) if via_host else recv
 
 
 # --------------------------------------------------------------------------------------------------
@@ -680,9 +690,12 @@ def _all_gather_counts(mine: torch.Tensor, group) -> torch.Tensor:
     return torch.stack([p.cpu() for p in _all_gather_list(mine, group)])
 
 
+EP_PATHS = ("auto", "fused", "serial", "reference")
+
+
 def _resolve_path(path: str, device: torch.device, world: int) -> str:
-    if path not in ("auto", "fused", "reference"):
-        raise ValueError(f"expected path 'auto', 'fused' or 'reference', got {path!r}")
+    if path not in EP_PATHS:
+        raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
     if path == "auto":
         return "fused" if device.type == "cuda" else "reference"
     if path == "fused" and device.type != "cuda":
@@ -717,21 +730,23 @@ def ep_moe_forward(
     plan = build_ep_plan(token_idx, expert_idx, weight, counts, rank=rank, num_tokens=tokens)
     path = _resolve_path(path, x.device, world)
     H = x.shape[1]
-    if path == "reference":
-        # Library All-to-All both ways, fp32 reference expert MLP.
+    if path in ("reference", "serial"):
+        # Library All-to-All both ways around the expert MLP: fp32 reference MLP ("reference"), or the
+        # unfused grouped-matmul MLP in the activation dtype ("serial", the baseline the fused path beats).
         recv = dispatch_reference(x, plan.send_token_idx, plan.send_splits, plan.recv_splits, group)
-        recv_w = dispatch_reference(plan.send_weight[:, None], torch.arange(plan.send_weight.shape[0], device=x.device),
-                                    plan.send_splits, plan.recv_splits, group)[:, 0]  # fmt: skip
+        recv_w = _all_to_all_rows(plan.send_weight[:, None], plan.send_splits, plan.recv_splits, group)[:, 0]
         x_em = recv[plan.em_from_recv]
         w_em = recv_w[plan.em_from_recv]
-        y = expert_mlp_reference(x_em, gate_up, down, plan.expert_offsets)
-        rows = (y * w_em[:, None]).to(x.dtype)[plan.em_to_recv]  # back to received order
-        if world == 1:
-            buf = rows
+        if path == "reference":
+            rows = (expert_mlp_reference(x_em, gate_up, down, plan.expert_offsets) * w_em[:, None]).to(x.dtype)
         else:
-            buf = rows.new_empty(sum(plan.send_splits), H)
-            dist.all_to_all_single(buf, rows.contiguous(), plan.send_splits, plan.recv_splits, group=group)
-        return combine_reduce_reference(buf, plan.slot_offsets, plan.slots, shared, x.dtype)
+            rows = torch.empty_like(x_em)
+            expert_mlp_combine_grouped(x_em, gate_up, down, plan.expert_offsets, w_em, torch.zeros_like(plan.combine_dest_rank),
+                                       torch.arange(x_em.shape[0], device=x.device, dtype=torch.int32), [rows])  # fmt: skip
+        buf = _all_to_all_rows(rows[plan.em_to_recv], plan.recv_splits, plan.send_splits, group)  # back to the sources
+        if path == "reference":
+            return combine_reduce_reference(buf, plan.slot_offsets, plan.slots, shared, x.dtype)
+        return combine_reduce(buf, plan.slot_offsets, plan.slots, shared.contiguous() if shared is not None else None, x.dtype)
 
     # Fused: push dispatch, persistent expert kernel with remote combine, reduce.
     x = x.contiguous()
@@ -818,6 +833,8 @@ class NucleusMoEEPLayer(nn.Module):
                  router: str = "exact"):
         super().__init__()
         rank, world, El = _check_sharding(layer.num_experts, group)
+        if path not in EP_PATHS:
+            raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
         if router not in ("exact", "scores"):
             raise ValueError(f"expected router 'exact' or 'scores', got {router!r}")
         self.router = router
@@ -938,6 +955,8 @@ class HiDreamMoEEPLayer(nn.Module):
         super().__init__()
         E = len(layer.experts)
         rank, world, El = _check_sharding(E, group)
+        if path not in EP_PATHS:
+            raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
         self.group = group
         self.path = path
         self.config = config
