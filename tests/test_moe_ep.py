@@ -3,7 +3,6 @@ diffusers layer on the full sequence: routing decisions bit-exact, outputs withi
 
 from __future__ import annotations
 
-import os
 import socket
 import traceback
 from contextlib import contextmanager

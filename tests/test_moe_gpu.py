@@ -13,7 +13,6 @@ import torch
 
 from xstage_dit.distributed import local_buffer_table
 from xstage_dit.ops.moe_combine import (
-    MoEKernelConfig,
     combine_reduce,
     combine_reduce_reference,
     expert_mlp_combine,

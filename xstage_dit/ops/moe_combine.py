@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from xstage_dit.distributed import local_buffer_table, symmetric_buffer, world_of
+from xstage_dit.distributed import symmetric_buffer, world_of
 from xstage_dit.ops.moe_schedule import TileSchedule, build_schedule
 
 log = logging.getLogger(__name__)
