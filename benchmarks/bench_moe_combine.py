@@ -50,6 +50,8 @@ CONFIGS = {
     "m128n128n128k64w8s3": MoEKernelConfig(128, 128, 128, 64, 8, 3),
     "m128n64n128k64w4s4": MoEKernelConfig(128, 64, 128, 64, 4, 4),
     "m64n64n128k64w4s4": MoEKernelConfig(64, 64, 128, 64, 4, 4),
+    # Static tile stride (no atomic ticket per tile): not yet timed on the GPU.
+    "m128n128n128k64w8s3-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False),
 }
 
 

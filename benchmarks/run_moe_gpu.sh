@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-benchmarks/results}"
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 timeout 128 python3 benchmarks/bench_moe_combine.py --out "$OUT_DIR/moe-combine-h200" --budget-s 100 --leads 0,1,2,3 \
-  --configs m128n64n128k64w8s3,m128n64n256k64w8s3,m128n64n128k64w4s4,m128n128n128k64w8s3 2>&1 | tee "$OUT_DIR/bench.log" | grep -v "^    "
+  --configs m128n128n128k64w8s3,m128n128n128k64w8s3-static,m128n64n256k64w8s3,m128n64n128k64w8s3 2>&1 | tee "$OUT_DIR/bench.log" | grep -v "^    "
 timeout 75 python3 -m pytest -q -p no:cacheprovider tests/test_moe_gpu.py 2>&1 | tee "$OUT_DIR/gpu_tests.log" | tail -25
 # Multi-GPU (when a kind with N GPUs is lent): serial vs fused vs interleaved on real ranks.
 #   torchrun --nproc-per-node N benchmarks/bench_moe_ep.py --out "$OUT_DIR/moe-ep-h200xN"

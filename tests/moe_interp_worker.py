@@ -28,7 +28,7 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run_case(world, E, H, I, tokens_per_rank, top_k, lead, seed, dtype="float16"):
+def run_case(world, E, H, I, tokens_per_rank, top_k, lead, seed, dtype="float16", ticket=True):
     # The interpreter (triton 3.6) runs tl.dot on bf16 as raw uint16: kernels are checked in fp16/fp32 here.
     dtype = getattr(torch, dtype)
     g = torch.Generator().manual_seed(seed)
@@ -47,7 +47,7 @@ def run_case(world, E, H, I, tokens_per_rank, top_k, lead, seed, dtype="float16"
     cap_recv = max(p.num_recv for p in plans) + 3
     cap_slots = max(len(p.slots) for p in plans) + 3
     cfg = MoEKernelConfig(block_m=16, block_n1=16, block_n2=16, block_k=16, num_warps=4, num_stages=1,
-                          num_programs=3, lead=lead, wave_blocks=2)
+                          num_programs=3, lead=lead, wave_blocks=2, ticket=ticket)
 
     # Dispatch push through the virtual-rank table, check against a plain gather.
     recv_x = [torch.full((cap_recv, H), float("nan"), dtype=dtype) for _ in range(world)]

@@ -29,6 +29,8 @@ INTERP_CASES = [
     {"world": 4, "E": 8, "H": 48, "I": 40, "tokens_per_rank": [13, 9, 1, 20], "top_k": 3, "lead": 1, "seed": 2,
      "dtype": "float32"},
     {"world": 4, "E": 8, "H": 48, "I": 40, "tokens_per_rank": [13, 9, 1, 20], "top_k": 3, "lead": 0, "seed": 2},
+    # Static tile stride instead of the atomic ticket.
+    {"world": 2, "E": 4, "H": 40, "I": 40, "tokens_per_rank": [13, 9], "top_k": 2, "lead": 2, "seed": 4, "ticket": False},
 ]
 
 

@@ -45,11 +45,18 @@ def _moe_mlp_combine_kernel(
     BN1: tl.constexpr,
     BN2: tl.constexpr,
     BK: tl.constexpr,
+    TICKET: tl.constexpr,
 ):
     out_ty = h_ptr.dtype.element_ty
-    # Tiles are taken in array order through one ticket: a program waiting on block b's counter waits on
-    # Linear-1 tiles that earlier tickets already handed to running programs, so progress is guaranteed.
-    t = tl.atomic_add(sync_ptr, 1)
+    # TICKET: tiles are taken in array order through one atomic ticket: a program waiting on block b's
+    # counter waits on Linear-1 tiles that earlier tickets already handed to running programs, so
+    # progress is guaranteed whatever is resident. Otherwise a static stride (tile pid, pid + G, ...):
+    # no atomic per tile, deadlock-free only when all G programs are resident together (grid <= SMs,
+    # one program per SM) - or G == 1, as the launcher uses under the interpreter.
+    if TICKET:
+        t = tl.atomic_add(sync_ptr, 1)
+    else:
+        t = tl.program_id(0)
     while t < num_tiles:
         kind = tl.load(tiles_ptr + t * 3)
         b = tl.load(tiles_ptr + t * 3 + 1)
@@ -115,7 +122,10 @@ def _moe_mlp_combine_kernel(
             row_off = tl.multiple_of(row_off, 16 // ELEM_BYTES)
             o2_ptrs = comb_base_ptr + (row_off[:, None] + offs_n2[None, :])
             tl.store(o2_ptrs, out2, mask=mask_m[:, None] & mask_n2[None, :])
-        t = tl.atomic_add(sync_ptr, 1)
+        if TICKET:
+            t = tl.atomic_add(sync_ptr, 1)
+        else:
+            t += tl.num_programs(0)
 
 
 @triton.jit

@@ -95,6 +95,7 @@ class MoEKernelConfig:
     num_programs: int | None = None
     lead: int | None = None
     wave_blocks: int | None = None
+    ticket: bool = True  # False: static tile stride (no atomic per tile; needs every program resident)
 
     def __post_init__(self):
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -549,6 +550,8 @@ def expert_mlp_combine(
     table_off = (combine_table - h_buffer.data_ptr()) // elem
     sync = torch.zeros(1 + schedule.num_blocks, dtype=torch.int32, device=x.device)
     grid = (min(num_programs, schedule.num_tiles),)
+    if not cfg.ticket and _interpreting():
+        grid = (1,)  # the interpreter runs programs one after another: a static stride needs one program
     _kernels()._moe_mlp_combine_kernel[grid](
         x, gate_up, down, h_buffer,
         h_buffer, table_off, dest_rank, dest_row, row_weight,
@@ -559,6 +562,7 @@ def expert_mlp_combine(
         down.stride(0), down.stride(1), down.stride(2),
         row_stride,
         H=H, I=I, N1=schedule.n1, ELEM_BYTES=elem, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
+        TICKET=cfg.ticket,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return schedule
