@@ -88,6 +88,17 @@ def _check_rank(rank: int, world: int, group) -> dict:
             with torch.no_grad():
                 out[f"{name}_to_layer_equal"] = bool(torch.equal(back(x, xu, t), ref))
 
+    # NucleusMoE with a shard holding no tokens (3 tokens over up to 4 ranks).
+    layer = _nucleus()
+    x3, xu3, t3 = _inputs(1, 3, 32, seed=12)
+    with torch.no_grad():
+        ref3 = layer(x3, xu3, t3)
+    idx3 = torch.tensor_split(torch.arange(3), world)[rank]
+    y3 = NucleusMoEEPLayer.from_layer(layer, group)(x3[:, idx3], xu3[:, idx3], t3)
+    out["nucleus_tiny_shape_ok"] = tuple(y3.shape) == (1, len(idx3), 32)
+    if len(idx3):
+        out["nucleus_tiny_rel"] = _rel(y3, ref3[:, idx3])
+
     layer = _hidream()
     x, _, _ = _inputs(3, 11, 32, seed=9)
     with torch.no_grad():
@@ -99,6 +110,15 @@ def _check_rank(rank: int, world: int, group) -> dict:
     y = ep(x[:, idx])
     out["hidream_rel"] = _rel(y, ref[:, idx])
     got = ep.last_routing["topk_idx"].reshape(3, len(idx), -1)
+    # A shard with no tokens at all (3 tokens over 4 ranks) must still take part in every collective.
+    x3, _, _ = _inputs(1, 3, 32, seed=10)
+    with torch.no_grad():
+        ref3 = layer(x3)
+    idx3 = torch.tensor_split(torch.arange(3), world)[rank]
+    y3 = ep(x3[:, idx3])
+    out["hidream_tiny_shape_ok"] = tuple(y3.shape) == (1, len(idx3), 32)
+    if len(idx3):
+        out["hidream_tiny_rel"] = _rel(y3, ref3[:, idx3])
     out["hidream_serial_rel"] = _rel(HiDreamMoEEPLayer.from_layer(layer, group, path="serial")(x[:, idx]), ref[:, idx])
     out["hidream_routing_equal"] = bool(torch.equal(got.sort(-1).values, ref_idx.reshape(3, 11, -1)[:, idx].sort(-1).values))
     return out
