@@ -11,9 +11,11 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from server.app import create_app
 from server.config import ServerConfig
+from server.media import to_uint8
 from tests.server_support import (assert_same_image, decode_png, live_server, one_torch_thread, reference_image,
                                   start_worker, tiny)
 
@@ -227,3 +229,19 @@ def test_api_key_is_required_on_v1_when_configured():
                          headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200
     worker.stop()
+
+
+def test_negative_prompt_with_true_cfg_matches_the_pipeline(server, reference):
+    client, _ = server
+    pipe, served = reference
+    body = {"prompt": "a red cat", "negative_prompt": "blue", "true_cfg_scale": 2.0, "n": 2, "size": "32x32",
+            "seed": 21, "num_inference_steps": 2}
+    r = client.post("/v1/images/generations", json=body)
+    assert r.status_code == 200, r.text
+    for item in r.json()["data"]:
+        out = pipe("a red cat", negative_prompt="blue", true_cfg_scale=2.0, height=32, width=32,
+                   num_inference_steps=2, guidance_scale=served.default_guidance, output_type="np",
+                   generator=torch.Generator("cpu").manual_seed(item["seed"]), **served.pipeline_kwargs)
+        assert_same_image(decode_png(item["b64_json"]), to_uint8(out.images[0]), f"true CFG seed {item['seed']}")
+    plain = reference_image(pipe, served, "a red cat", 21, 32, 32, 2)
+    assert abs(decode_png(r.json()["data"][0]["b64_json"]).astype(int) - plain.astype(int)).max() > 1
