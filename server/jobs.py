@@ -246,6 +246,7 @@ class JobQueue:
                 return job
             if job.status == QUEUED:
                 self._pending.remove(job)
+                self._count(499)
                 job._finish(CANCELLED, error="cancelled by the client", code=499)
                 self._cond.notify_all()
             else:
@@ -367,7 +368,12 @@ class JobQueue:
             self._cond.notify_all()
         self._gauge()
 
+    def _count(self, code: int | None) -> None:
+        if self.metrics is not None and code in (499, 504):
+            self.metrics.errors.labels("cancelled" if code == 499 else "timeout").inc()
+
     def _end_running_locked(self, job: Job, status: str, error: str | None, code: int | None) -> None:
+        self._count(code)
         job._finish(status, error=error, code=code)
         if job in self._running:
             self._running.remove(job)
@@ -377,6 +383,7 @@ class JobQueue:
         now = time.time()
         for job in [j for j in self._pending if now > j.deadline]:
             self._pending.remove(job)
+            self._count(504)
             job._finish(FAILED, error="request timed out while queued", code=504)
 
     def _prune_locked(self) -> None:

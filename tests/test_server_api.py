@@ -215,6 +215,8 @@ def test_queue_full_gives_429_with_retry_after_and_timeouts_give_504():
             # Both slow jobs exceed the 1.5 s request timeout: the running one stops at a step, the other in the queue.
             assert running.result().status_code == 504 and waiting.result().status_code == 504
         assert client.post("/v1/images/generations", json={"prompt": "d", "size": "32x32"}).status_code == 200
+        assert 'xstage_errors_total{reason="timeout"} 2.0' in client.get("/metrics").text
+        assert 'xstage_errors_total{reason="queue_full"} 1.0' in client.get("/metrics").text
     worker.stop()
 
 
