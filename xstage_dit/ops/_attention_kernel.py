@@ -14,13 +14,15 @@ With one destination and `seq_local = seq_len` this is ordinary attention writin
 symmetric-memory peer table it is attention with the post-attention All-to-All in its epilogue
 ("piggyback", DESIGN §2); with several local buffers it is the "virtual ranks" of tests/benchmarks.
 
-Because `seq_local` need not be a multiple of BLOCK_M, one tile can straddle several owners: the
-destination is resolved per row (a gathered table load, L1-resident) and the row address is hinted
-16-byte aligned so that stores stay 16-byte vectors.
+Because `seq_local` need not be a multiple of BLOCK_M, one tile can straddle several owners. With
+tensor descriptors (sm_90+, and the interpreter) the tile is stored once per owner through a TMA
+descriptor spanning exactly that owner's rows, so the copy engine clips the other owners' rows;
+with plain pointers each row's destination is resolved from the table (16-byte vector stores).
 
 Masking: only keys `< seq_len` take part (padding rows of the last ranks, and the bound of the
 tensor descriptors, read as zeros and get -inf scores); the unmasked main loop runs over full key
-tiles and one masked loop handles the ragged tail, so the hot loop pays nothing for the mask.
+tiles and one masked step (before the loop) handles the ragged tail, so the hot loop pays nothing
+for the mask.
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ def ulysses_attn_fwd_kernel(
     heads_local, seq_len, kv_full, seq_local, head_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_TAIL: tl.constexpr, USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    PLAIN_LOOP: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    PLAIN_LOOP: tl.constexpr, UPCAST_DOT: tl.constexpr, TAIL_IN_LOOP: tl.constexpr,
+    MAX_OWNERS: tl.constexpr,
 ):
     """One program: query rows [m0, m0 + BLOCK_M) of one (batch, local head).
 
@@ -155,25 +158,49 @@ def ulysses_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # kv_full = (seq_len // BLOCK_N) * BLOCK_N, from the host (the interpreter needs a plain scalar bound).
-    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, desc_k, desc_v, k_base, v_base, stride_ks, stride_vs, seq_len,
-                             0, kv_full, qk_scale, BLOCK_N, HEAD_DIM, False, USE_DESC, WARP_SPECIALIZE, PLAIN_LOOP, UPCAST_DOT)
-    if HAS_TAIL:
+    if TAIL_IN_LOOP:
+        # Every KV tile masks (one select per score): the only form Triton 3.6's warp specialization
+        # accepts at 4 warps, since any dot outside the specialized loop breaks that pass.
         acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, desc_k, desc_v, k_base, v_base, stride_ks, stride_vs, seq_len,
-                                 kv_full, seq_len, qk_scale, BLOCK_N, HEAD_DIM, True, USE_DESC, False, PLAIN_LOOP, UPCAST_DOT)
+                                 0, kv_full + BLOCK_N, qk_scale, BLOCK_N, HEAD_DIM, True, USE_DESC, WARP_SPECIALIZE,
+                                 PLAIN_LOOP, UPCAST_DOT)
+    else:
+        if HAS_TAIL:
+            # The ragged last KV tile first, as straight-line code, so the hot loop never masks.
+            acc, l_i, m_i = _kv_step(acc, l_i, m_i, q, kv_full, desc_k, desc_v, k_base, v_base, stride_ks,
+                                     stride_vs, seq_len, qk_scale, BLOCK_N, HEAD_DIM, True, USE_DESC, UPCAST_DOT)
+        acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, desc_k, desc_v, k_base, v_base, stride_ks, stride_vs, seq_len,
+                                 0, kv_full, qk_scale, BLOCK_N, HEAD_DIM, False, USE_DESC, WARP_SPECIALIZE, PLAIN_LOOP,
+                                 UPCAST_DOT)
 
     # Epilogue: the post-attention All-to-All. Row m goes to rank m // seq_local at its final layout.
-    acc = acc / l_i[:, None]
-    row_ok = offs_m < seq_len
-    dest = offs_m // seq_local
-    local_row = offs_m - dest * seq_local
-    dest_base = tl.load(out_table + dest, mask=row_ok, other=0)
-    ELEM_BYTES: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
-    row_off = (off_b.to(tl.int64) * stride_ob + local_row.to(tl.int64) * stride_os
-               + (head_offset + off_h).to(tl.int64) * stride_oh)
-    # Every buffer is 16-byte aligned and every row starts at a multiple of HEAD_DIM elements.
-    row_addr = tl.multiple_of(dest_base + row_off * ELEM_BYTES, 16)
-    row_ptr = row_addr.to(tl.pointer_type(Q.dtype.element_ty))
-    tl.store(row_ptr[:, None] + offs_d[None, :], acc.to(Q.dtype.element_ty), mask=row_ok[:, None])
+    o = (acc / l_i[:, None]).to(Q.dtype.element_ty)
+    head_col = (off_b.to(tl.int64) * stride_ob + (head_offset + off_h).to(tl.int64) * stride_oh)
+    if USE_DESC:
+        # One TMA store per owner of the tile's rows (two where the tile straddles a shard boundary):
+        # the descriptor spans the owner's seq_local rows, so rows of other owners fall outside it and
+        # are not written (negative or past-the-end coordinates are clipped by the copy engine).
+        r0 = m0 // seq_local
+        row_end = tl.minimum(m0 + BLOCK_M, seq_len)
+        for i in tl.static_range(MAX_OWNERS):
+            r = r0 + i
+            if r * seq_local < row_end:
+                dest = tl.load(out_table + r).to(tl.pointer_type(Q.dtype.element_ty))
+                desc_o = tl.make_tensor_descriptor(dest + head_col, shape=[seq_local, HEAD_DIM],
+                                                   strides=[stride_os, 1], block_shape=[BLOCK_M, HEAD_DIM])
+                desc_o.store([m0 - r * seq_local, 0], o)
+    else:
+        # Per-row destination (a gathered table load, L1-resident), rows hinted 16-byte aligned.
+        row_ok = offs_m < seq_len
+        dest = offs_m // seq_local
+        local_row = offs_m - dest * seq_local
+        dest_base = tl.load(out_table + dest, mask=row_ok, other=0)
+        ELEM_BYTES: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
+        row_off = head_col + local_row.to(tl.int64) * stride_os
+        # Every buffer is 16-byte aligned and every row starts at a multiple of HEAD_DIM elements.
+        row_addr = tl.multiple_of(dest_base + row_off * ELEM_BYTES, 16)
+        row_ptr = row_addr.to(tl.pointer_type(Q.dtype.element_ty))
+        tl.store(row_ptr[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -283,6 +310,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
         _install_allocator()
     ws = config.warp_specialize and not interpreting()
     grid = (triton.cdiv(seq_len, config.block_m), batch * heads_local)
+    has_tail = seq_len % config.block_n != 0
     return ulysses_attn_fwd_kernel[grid](
         q, k, v, out_table,
         q.stride(0), q.stride(1), q.stride(2),
@@ -291,8 +319,11 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
         out_strides[0], out_strides[1], out_strides[2],
         heads_local, seq_len, (seq_len // config.block_n) * config.block_n, seq_local, head_offset, scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        HAS_TAIL=seq_len % config.block_n != 0, USE_DESC=config.use_desc, WARP_SPECIALIZE=ws,
+        HAS_TAIL=has_tail, USE_DESC=config.use_desc, WARP_SPECIALIZE=ws,
         PLAIN_LOOP=interpreting(), UPCAST_DOT=interpreting() and q.dtype == torch.bfloat16,
+        TAIL_IN_LOOP=has_tail and ws and config.num_warps < 8,
+        # Owners one tile can touch: a tile starting mid-shard spans ceil((BM - 1) / L) + 1 shards.
+        MAX_OWNERS=min(out_table.numel(), -(-(config.block_m - 1) // seq_local) + 1),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 

@@ -31,15 +31,26 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+if TYPE_CHECKING:
+    from xstage_dit.ops._attention_kernel import KernelConfig
+
 from xstage_dit.distributed import local_buffer_table, symmetric_buffer, world_of
-from xstage_dit.ops import _attention_kernel as _kern
 
 log = logging.getLogger(__name__)
+
+
+def _kernels():
+    # Triton is imported on first use of the fused path: the serial path and the reference stay light.
+    from xstage_dit.ops import _attention_kernel
+
+    return _attention_kernel
 
 SCHEDULES = ("auto", "fused", "serial")
 FUSED_DTYPES = (torch.float16, torch.bfloat16)
@@ -239,14 +250,14 @@ def _check_fused(q: torch.Tensor) -> str | None:
         return f"expected dtype float16 or bfloat16 for the fused kernel, got {q.dtype}"
     if q.shape[-1] not in FUSED_HEAD_DIMS:
         return f"expected head_dim in {FUSED_HEAD_DIMS} for the fused kernel, got {q.shape[-1]}"
-    if not q.is_cuda and not _kern.interpreting():
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         return f"expected a CUDA device (or TRITON_INTERPRET=1) for the fused kernel, got {q.device}"
     return None
 
 
 def attention_to_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_table: torch.Tensor,
                          out_like: torch.Tensor, *, seq_len: int, seq_local: int, head_offset: int,
-                         scale: float | None = None, config: _kern.KernelConfig | None = None):
+                         scale: float | None = None, config: KernelConfig | None = None):
     """The fused kernel on one rank's heads: attention over the whole sequence, output rows stored
     through ``out_table`` into their owners' buffers.
 
@@ -276,9 +287,9 @@ def attention_to_buffers(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_
                          f"{seq_len}, num_dest={out_table.numel()}, seq_local={seq_local}, rows={out_like.shape[1]}")
     if q.shape[1] < seq_len:
         raise ValueError(f"expected q, k, v with at least seq_len={seq_len} rows, got {q.shape[1]}")
-    config = config or _kern.default_config(head_dim, q.device)
+    config = config or _kernels().default_config(head_dim, q.device)
     q, k, v = (_kernel_ready(t) for t in (q, k, v))
-    return _kern.launch_attention(q, k, v, out_table, seq_len=seq_len, seq_local=seq_local, head_offset=head_offset,
+    return _kernels().launch_attention(q, k, v, out_table, seq_len=seq_len, seq_local=seq_local, head_offset=head_offset,
                                   out_strides=tuple(out_like.stride()[:3]), scale=_check_scale(scale, head_dim),
                                   config=config)
 
@@ -293,12 +304,12 @@ def push_to_owners(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in_table: 
     """
     chunk = -(-seq_len // world_size)
     q, k, v = (t.contiguous() for t in (q, k, v))
-    _kern.launch_push(q, k, v, in_table, row_offset=rank * chunk, world_size=world_size,
+    _kernels().launch_push(q, k, v, in_table, row_offset=rank * chunk, world_size=world_size,
                       dest_strides=tuple(in_like.stride()[:4]))
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: float | None = None,
-                    seq_len: int | None = None, config: _kern.KernelConfig | None = None) -> torch.Tensor:
+                    seq_len: int | None = None, config: KernelConfig | None = None) -> torch.Tensor:
     """The fused schedule (see the module docstring). World size 1: the kernel with a local table."""
     rank, world_size = world_of(group)
     seq_len = _check_inputs(q, k, v, rank, world_size, seq_len)
@@ -334,7 +345,7 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
 
 
 def fused_attention_virtual_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int,
-                                  scale: float | None = None, config: _kern.KernelConfig | None = None
+                                  scale: float | None = None, config: KernelConfig | None = None
                                   ) -> list[torch.Tensor]:
     """The fused schedule for ``world_size`` virtual ranks in one process (tests, benchmarks).
 
