@@ -46,17 +46,17 @@ SHAPES = [  # (seq_len, heads, where it comes from)
 ]
 VIRTUAL_RANKS = (2, 4, 8)
 
-SWEEP_CONFIGS = [
+SWEEP_CONFIGS = [  # (block_m, block_n, warps, stages, warp_specialize, tensor descriptors); all fit 227 KiB smem
     kern.KernelConfig(128, 128, 4, 2, True, True),
-    kern.KernelConfig(128, 128, 4, 3, True, True),
     kern.KernelConfig(128, 128, 8, 2, True, True),
-    kern.KernelConfig(128, 128, 8, 3, True, True),
+    kern.KernelConfig(128, 64, 4, 2, True, True),
     kern.KernelConfig(128, 64, 4, 3, True, True),
+    kern.KernelConfig(128, 64, 4, 4, True, True),
     kern.KernelConfig(128, 64, 8, 3, True, True),
-    kern.KernelConfig(64, 128, 4, 3, True, True),
-    kern.KernelConfig(128, 128, 8, 3, False, True),
-    kern.KernelConfig(128, 64, 4, 3, False, True),
-    kern.KernelConfig(128, 128, 4, 2, True, False),
+    kern.KernelConfig(64, 128, 4, 2, True, True),
+    kern.KernelConfig(128, 128, 8, 2, False, True),
+    kern.KernelConfig(128, 128, 4, 2, False, True),
+    kern.KernelConfig(128, 128, 4, 2, False, False),
 ]
 
 
