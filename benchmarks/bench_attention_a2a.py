@@ -51,11 +51,11 @@ SWEEP_CONFIGS = [  # (block_m, block_n, warps, stages, warp_specialize, tensor d
     kern.KernelConfig(128, 128, 8, 2, True, True),
     kern.KernelConfig(128, 64, 4, 2, True, True),
     kern.KernelConfig(128, 64, 4, 3, True, True),
-    kern.KernelConfig(128, 64, 4, 4, True, True),
     kern.KernelConfig(128, 64, 8, 3, True, True),
+    kern.KernelConfig(256, 64, 8, 2, True, True),
+    kern.KernelConfig(256, 64, 8, 3, True, True),
     kern.KernelConfig(64, 128, 4, 2, True, True),
     kern.KernelConfig(128, 128, 8, 2, False, True),
-    kern.KernelConfig(128, 128, 4, 2, False, True),
     kern.KernelConfig(128, 128, 4, 2, False, False),
 ]
 
