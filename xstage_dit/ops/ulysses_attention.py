@@ -199,6 +199,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return out.transpose(1, 2)
 
 
+def library_pre_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int, world_size: int,
+                           seq_len: int) -> torch.Tensor:
+    """Tokens -> heads with one library ``all_to_all_single`` (NCCL on GPUs, gloo on CPUs).
+
+    q, k, v: (batch, seq_local, heads, head_dim) -> (3, batch, P*ceil(seq_len/P), my_heads, head_dim), rows
+    past seq_len zero.
+    """
+    batch, seq_local, heads, head_dim = q.shape
+    chunk = -(-seq_len // world_size)
+    heads_of = head_split(heads, world_size)
+    my_heads = heads_of[rank][1]
+    # Chunk j of the send buffer is (3, batch, chunk, heads_j, head_dim) for rank j.
+    qkv = torch.zeros((3, batch, chunk, heads, head_dim), dtype=q.dtype, device=q.device)
+    qkv[0, :, :seq_local], qkv[1, :, :seq_local], qkv[2, :, :seq_local] = q, k, v
+    send = torch.cat([qkv[:, :, :, h0:h0 + n].reshape(-1) for h0, n in heads_of])
+    elems = 3 * batch * chunk * head_dim
+    recv = _all_to_all(send, [elems * n for _, n in heads_of], [elems * my_heads] * world_size, group)
+    return (recv.view(world_size, 3, batch, chunk, my_heads, head_dim).permute(1, 2, 0, 3, 4, 5)
+            .reshape(3, batch, world_size * chunk, my_heads, head_dim))
+
+
 def serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: float | None = None,
                      seq_len: int | None = None) -> torch.Tensor:
     """Library All-to-All + single-device SDPA + library All-to-All (the baseline schedule)."""
@@ -211,14 +232,8 @@ def serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group
     chunk = -(-seq_len // world_size)
     heads_of = head_split(heads, world_size)
     my_heads = heads_of[rank][1]
-    # Pre: chunk j of the send buffer is (3, batch, chunk, heads_j, head_dim) for rank j.
-    qkv = torch.zeros((3, batch, chunk, heads, head_dim), dtype=q.dtype, device=q.device)
-    qkv[0, :, :seq_local], qkv[1, :, :seq_local], qkv[2, :, :seq_local] = q, k, v
-    send = torch.cat([qkv[:, :, :, h0:h0 + n].reshape(-1) for h0, n in heads_of])
-    elems = 3 * batch * chunk * head_dim
-    recv = _all_to_all(send, [elems * n for _, n in heads_of], [elems * my_heads] * world_size, group)
-    full = (recv.view(world_size, 3, batch, chunk, my_heads, head_dim).permute(1, 2, 0, 3, 4, 5)
-            .reshape(3, batch, world_size * chunk, my_heads, head_dim)[:, :, :seq_len])
+    full = library_pre_all_to_all(q, k, v, group=group, rank=rank, world_size=world_size, seq_len=seq_len)
+    full = full[:, :, :seq_len]
     out = _sdpa(full[0], full[1], full[2], scale)
     # Post: rank i gets rows [i*chunk, (i+1)*chunk) of my heads; I get my rows of everyone's heads.
     out_pad = torch.zeros((batch, world_size * chunk, my_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -329,14 +344,23 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=
     heads_of = head_split(heads, world_size)
     head0, my_heads = heads_of[rank]
     max_heads = heads_of[0][1]
+    use_nccl = dist.get_backend(group) == "nccl"
     # Allocated once per shape (first call is collective); reused afterwards, nothing rendezvouses.
-    buf_in = symmetric_buffer("ulysses_attention.in", (3, batch, world_size * chunk, max_heads, head_dim), q.dtype,
-                              q.device, group)
+    if not use_nccl:
+        buf_in = symmetric_buffer("ulysses_attention.in", (3, batch, world_size * chunk, max_heads, head_dim),
+                                  q.dtype, q.device, group)
     buf_out = symmetric_buffer("ulysses_attention.out", (batch, chunk, heads, head_dim), q.dtype, q.device, group)
-    push_to_owners(q, k, v, buf_in.ptr_table, buf_in.tensor, rank=rank, world_size=world_size, seq_len=seq_len)
-    # Everyone's rows are in my input buffer, and everyone finished reading the previous call's output.
-    buf_in.barrier()
-    mine = buf_in.tensor[:, :, :, :my_heads]
+    if use_nccl:
+        # One rank per GPU: NCCL's All-to-All (kept for real multi-GPU; the push kernel below is what
+        # runs, and is measured, where ranks share a GPU and NCCL refuses them).
+        mine = library_pre_all_to_all(q, k, v, group=group, rank=rank, world_size=world_size, seq_len=seq_len)
+        # Everyone finished reading the previous call's output before anyone overwrites it.
+        buf_out.barrier()
+    else:
+        push_to_owners(q, k, v, buf_in.ptr_table, buf_in.tensor, rank=rank, world_size=world_size, seq_len=seq_len)
+        # Everyone's rows are in my input buffer, and everyone finished reading the previous call's output.
+        buf_in.barrier()
+        mine = buf_in.tensor[:, :, :, :my_heads]
     attention_to_buffers(mine[0], mine[1], mine[2], buf_out.ptr_table, buf_out.tensor, seq_len=seq_len,
                          seq_local=chunk, head_offset=head0, scale=scale, config=config)
     # Every rank's tiles for my rows have landed (the barrier orders them before my reads).
