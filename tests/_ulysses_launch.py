@@ -20,7 +20,18 @@ def free_port() -> int:
 
 def launch(script: Path, world_size: int, args: list[str], timeout_s: float = 120.0,
            extra_env: dict[str, str] | None = None) -> list[dict]:
-    """Run `world_size` copies of `script`; return each rank's last JSON line. Raises on failure or timeout."""
+    """Run `world_size` copies of `script`; return each rank's last JSON line. Raises on failure or timeout.
+
+    Retried once on a fresh port when the rendezvous port was taken in between (tests run in parallel)."""
+    try:
+        return _launch_once(script, world_size, args, timeout_s, extra_env)
+    except AssertionError as exc:
+        if "address already in use" not in str(exc).lower():
+            raise
+        return _launch_once(script, world_size, args, timeout_s, extra_env)
+
+
+def _launch_once(script, world_size, args, timeout_s, extra_env) -> list[dict]:
     port = free_port()
     procs = []
     for rank in range(world_size):
