@@ -1,0 +1,91 @@
+"""Offline diffusers pipelines: real pipeline classes with random weights and in-code tokenizers.
+
+``load_pipeline("tiny-flux")`` builds a FLUX.1 pipeline that runs in seconds on a CPU; ``full-*`` models
+have the published architecture dimensions (for latency benchmarks on a GPU; timing does not depend on
+weight values); a path to a local diffusers folder loads real weights with the same call.
+
+Example::
+
+    pipe = load_pipeline("tiny-flux", seed=0)
+    spec = model_spec("tiny-flux")
+    image = pipe("a red fox", height=spec.height, width=spec.width, num_inference_steps=spec.steps).images[0]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from xstage_dit.models.registry import FAMILY_MODULES, MODELS, PIPELINE_FAMILIES
+from xstage_dit.models.spec import ModelSpec
+
+__all__ = ["ModelSpec", "MODELS", "load_pipeline", "model_spec", "model_names"]
+
+
+def model_names() -> list[str]:
+    """Built-in model names, in registry order."""
+    return list(MODELS)
+
+
+def _local_class_name(path: Path) -> str:
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ValueError(f"expected a diffusers folder with model_index.json, got {str(path)!r}")
+    try:
+        return json.loads(index.read_text())["_class_name"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise ValueError(f"expected a model_index.json with '_class_name' in {str(path)!r}, got {exc}") from exc
+
+
+def _is_local(model: str) -> bool:
+    return os.sep in model or model.startswith(".") or Path(model).is_dir()
+
+
+def model_spec(model: str) -> ModelSpec:
+    """The `ModelSpec` of a built-in model name or of a local diffusers folder.
+
+    A local folder takes the defaults of the full-size model of its pipeline family (size ``local``).
+    Raises ValueError naming the model when it is neither.
+    """
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"expected a model name or a folder path, got {model!r}")
+    if model in MODELS:
+        return MODELS[model]
+    if _is_local(model):
+        path = Path(model).expanduser()
+        class_name = _local_class_name(path)
+        family = PIPELINE_FAMILIES.get(class_name)
+        if family is None:
+            raise ValueError(
+                f"expected a pipeline class in {sorted(PIPELINE_FAMILIES)}, got {class_name!r} in {str(path)!r}"
+            )
+        full = next(s for s in MODELS.values() if s.family == family and s.size == "full")
+        return dataclasses.replace(full, name=str(path), size="local", description=f"{class_name} from {path}")
+    raise ValueError(f"expected a model in {model_names()} or a local diffusers folder, got {model!r}")
+
+
+def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0):
+    """Build (or load) the diffusers pipeline for ``model`` on ``device`` in ``dtype``.
+
+    model: a name from ``model_names()`` (random weights, deterministic in ``seed``) or a local diffusers
+        folder (real weights, loaded with ``DiffusionPipeline.from_pretrained``; ``seed`` unused).
+    Returns the pipeline with every component on ``device``.
+    """
+    spec = model_spec(model)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
+    device = torch.device(device)
+    if spec.size == "local":
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype)
+        return pipe.to(device)
+    builder = importlib.import_module(FAMILY_MODULES[spec.family])
+    pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

@@ -1,0 +1,64 @@
+"""`ModelSpec`: the facts about a model that the CLI, the server and the benchmarks need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model is and how to run it by default.
+
+    name: registry name (``tiny-flux``) or the local folder path.
+    family: ``flux`` | ``wan`` | ``nucleusmoe`` | ``hidream``.
+    size: ``tiny`` (random weights, seconds on a CPU) | ``full`` (published dimensions, random weights)
+        | ``local`` (a diffusers folder with real weights).
+    kind: ``image`` | ``video``.
+    pipeline_class: the diffusers pipeline class name.
+    patch_multiple: height and width must be multiples of this many pixels (VAE factor x patch size).
+    frame_multiple: for video, ``(frames - 1)`` must be a multiple of this (VAE temporal factor); 1 for images.
+    height, width, frames, steps, guidance: defaults for generation (``frames`` is 1 for images).
+    max_sequence_length: text tokens passed to the pipeline (``None``: the pipeline's default).
+    fps: frames per second of a written video.
+    """
+
+    name: str
+    family: str
+    size: str
+    kind: str
+    pipeline_class: str
+    patch_multiple: int
+    height: int
+    width: int
+    steps: int
+    guidance: float
+    frames: int = 1
+    frame_multiple: int = 1
+    max_sequence_length: int | None = None
+    fps: int = 16
+    description: str = ""
+    call_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"expected kind 'image' or 'video', got {self.kind!r}")
+        if self.size not in ("tiny", "full", "local"):
+            raise ValueError(f"expected size 'tiny', 'full' or 'local', got {self.size!r}")
+        for name in ("patch_multiple", "height", "width", "steps", "frames", "frame_multiple", "fps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
+
+    def check_size(self, height: int, width: int, frames: int | None = None) -> None:
+        """Raise ValueError naming the bad value when (height, width, frames) cannot be generated."""
+        for label, value in (("height", height), ("width", width)):
+            if value < self.patch_multiple or value % self.patch_multiple:
+                raise ValueError(
+                    f"expected {label} to be a positive multiple of {self.patch_multiple} for {self.name}, got {value}"
+                )
+        if frames is not None:
+            if self.kind == "image" and frames != 1:
+                raise ValueError(f"expected frames 1 for the image model {self.name}, got {frames}")
+            if frames < 1 or (frames - 1) % self.frame_multiple:
+                raise ValueError(
+                    f"expected frames = 1 + a multiple of {self.frame_multiple} for {self.name}, got {frames}"
+                )

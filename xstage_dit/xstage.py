@@ -1,0 +1,430 @@
+"""The X-Stage model of remote-store backpressure (DESIGN §2), pure Python.
+
+A remote store is *accepted* by the issuing SM long before it is *visible* at the destination; in
+between it sits in a finite post-issue stage. Three measured numbers describe that stage as software
+sees it, for a fixed producer count ``K``:
+
+- ``T_iss0(V) = t_iss0_fixed_s + V / issue_rate_Bps``: backpressure-free issue time of a burst of
+  ``V`` bytes (all ``K`` producers together), the plateau of the issue time at long gaps;
+- ``R = drain_rate_Bps``: effective drain rate, from zero-gap periodic bursts (``T_period = V / R``);
+- ``Q = capacity_bytes``: effective outstanding capacity, from the knee of the isolated-burst issue
+  time (``Q = V_knee - R * T_iss0(V_knee)``).
+
+Laws (``G`` = gap of useful work between a producer's bursts, seconds):
+
+- burst-gap law:      ``T_iss    = max(T_iss0(V), V/R - G)``
+- period:             ``T_period = max(V/R, T_iss0(V) + G)``   (the naive sum ``T_iss0 + G + V/R`` is wrong)
+- recovery gap:       ``G*       = V/R - T_iss0(V)``           (``G >= G*`` => issue at ``T_iss0``)
+- isolated burst:     ``T_iss    = max(T_iss0(V), (V - Q)/R)``  (free while ``V - R*T_iss0(V) <= Q``)
+- design test:        rate bound ``G >= G*`` and capacity bound ``V - R*T_iss0(V) <= Q``
+
+The fits (``fit_drain_rate``, ``fit_t_iss0``, ``fit_capacity``, combined by ``fit_params``) turn the
+three measured sweeps into ``XStageParams``; ``validate`` predicts a whole gap sweep from the params
+with no further fitted value and reports the mean absolute percentage errors.
+
+Example::
+
+    p = XStageParams.reference()
+    design_test(p, volume_bytes=148 * 32 * 1024, gap_s=7e-6).ok   # True: G >= G* (6.0 us), V - R*T0 <= Q
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+KIB = 1024
+MIB = 1024 * 1024
+
+__all__ = [
+    "XStageParams",
+    "DesignTest",
+    "FitResult",
+    "ParamsFit",
+    "Validation",
+    "issue_time",
+    "period",
+    "naive_period",
+    "isolated_issue_time",
+    "knee_volume",
+    "design_test",
+    "fit_drain_rate",
+    "fit_t_iss0",
+    "fit_capacity",
+    "fit_params",
+    "validate",
+    "mape",
+]
+
+
+def _check_positive(name: str, value: float, *, allow_zero: bool = False, allow_inf: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not math.isnan(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    ok = ok and (allow_inf or not math.isinf(value))
+    if not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"expected {name} {bound} and finite, got {value!r}")
+
+
+@dataclass(frozen=True)
+class XStageParams:
+    """The three X-Stage numbers for one producer count and one target.
+
+    num_producers: K, the producers (CTAs) issuing one burst together.
+    t_iss0_fixed_s, issue_rate_Bps: ``T_iss0(V) = t_iss0_fixed_s + V / issue_rate_Bps`` seconds.
+    drain_rate_Bps: R, bytes per second the stage drains.
+    capacity_bytes: Q, bytes the stage holds outstanding before issue stalls (``inf`` = never seen
+        to back up within the measured volumes).
+    """
+
+    num_producers: int
+    t_iss0_fixed_s: float
+    issue_rate_Bps: float
+    drain_rate_Bps: float
+    capacity_bytes: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_producers, int) or self.num_producers < 1:
+            raise ValueError(f"expected num_producers >= 1 (an int), got {self.num_producers!r}")
+        _check_positive("t_iss0_fixed_s", self.t_iss0_fixed_s, allow_zero=True)
+        _check_positive("issue_rate_Bps", self.issue_rate_Bps, allow_inf=True)
+        _check_positive("drain_rate_Bps", self.drain_rate_Bps, allow_inf=True)
+        _check_positive("capacity_bytes", self.capacity_bytes, allow_zero=True, allow_inf=True)
+
+    def t_iss0(self, volume_bytes: float) -> float:
+        """Backpressure-free issue time (s) of a burst of ``volume_bytes``: ``t0 + V / issue_rate``."""
+        _check_positive("volume_bytes", volume_bytes, allow_zero=True)
+        return self.t_iss0_fixed_s + volume_bytes / self.issue_rate_Bps
+
+    def recovery_gap(self, volume_bytes: float) -> float:
+        """``G* = V/R - T_iss0(V)`` seconds; a gap ``G >= G*`` leaves issue at ``T_iss0`` (may be < 0)."""
+        return volume_bytes / self.drain_rate_Bps - self.t_iss0(volume_bytes)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict (``inf`` becomes the string ``"inf"``)."""
+        return {k: ("inf" if isinstance(v, float) and math.isinf(v) else v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "XStageParams":
+        """Inverse of ``to_dict``."""
+        fields = ("num_producers", "t_iss0_fixed_s", "issue_rate_Bps", "drain_rate_Bps", "capacity_bytes")
+        missing = [f for f in fields if f not in data]
+        if missing:
+            raise ValueError(f"expected XStageParams fields {fields}, got a dict missing {missing}")
+        vals = {f: (math.inf if data[f] == "inf" else float(data[f])) for f in fields[1:]}
+        return cls(num_producers=int(data["num_producers"]), **vals)
+
+    @classmethod
+    def reference(cls) -> "XStageParams":
+        """The published reference point (8-GPU NVLink system, 148 SMs): R = 717 GB/s,
+        T_iss0 = 0.76 us at K = 148, V = 148 * 32 KiB, Q = 4.25 MiB.
+
+        Only one (V, T_iss0) pair is published, so the issue time is taken proportional to V
+        (``t_iss0_fixed_s = 0``); with it the published knee (~33 KiB per producer, ~4.77 MiB) gives
+        ``Q = V_knee - R*T_iss0(V_knee)`` ~= 4.25 MiB. Use only where no calibration exists.
+        """
+        k = 148
+        v_ref = k * 32 * KIB
+        return cls(
+            num_producers=k,
+            t_iss0_fixed_s=0.0,
+            issue_rate_Bps=v_ref / 0.76e-6,
+            drain_rate_Bps=717e9,
+            capacity_bytes=4.25 * MIB,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- laws
+
+
+def issue_time(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
+    """Steady-state issue time (s) of periodic bursts: ``max(T_iss0(V), V/R - G)``."""
+    _check_positive("gap_s", gap_s, allow_zero=True)
+    return max(params.t_iss0(volume_bytes), volume_bytes / params.drain_rate_Bps - gap_s)
+
+
+def period(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
+    """Steady-state period (s) of periodic bursts: ``max(V/R, T_iss0(V) + G)``."""
+    _check_positive("gap_s", gap_s, allow_zero=True)
+    return max(volume_bytes / params.drain_rate_Bps, params.t_iss0(volume_bytes) + gap_s)
+
+
+def naive_period(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
+    """The completion-coupled sum ``T_iss0(V) + G + V/R`` that measurements refute (for plots)."""
+    _check_positive("gap_s", gap_s, allow_zero=True)
+    return params.t_iss0(volume_bytes) + gap_s + volume_bytes / params.drain_rate_Bps
+
+
+def isolated_issue_time(params: XStageParams, volume_bytes: float) -> float:
+    """Issue time (s) of one burst into an empty stage: ``T_iss0(V)`` while the outstanding volume
+    ``V - R*T_iss0(V)`` fits ``Q``, else ``(V - Q)/R``; i.e. ``max(T_iss0(V), (V - Q)/R)``."""
+    t0 = params.t_iss0(volume_bytes)
+    if math.isinf(params.capacity_bytes):
+        return t0
+    return max(t0, (volume_bytes - params.capacity_bytes) / params.drain_rate_Bps)
+
+
+def knee_volume(params: XStageParams) -> float:
+    """The burst volume (bytes) where isolated bursts start to back up: ``V - R*T_iss0(V) = Q``.
+    ``inf`` when it never does (infinite Q, or drain at least as fast as issue)."""
+    r, ri = params.drain_rate_Bps, params.issue_rate_Bps
+    if math.isinf(params.capacity_bytes) or math.isinf(r) or r >= ri:
+        return math.inf
+    return (params.capacity_bytes + r * params.t_iss0_fixed_s) / (1.0 - r / ri)
+
+
+@dataclass(frozen=True)
+class DesignTest:
+    """Outcome of the design test for a recurring burst pattern.
+
+    ok: both bounds hold (no modelled backpressure).
+    rate_ok: ``G >= G*``; rate_deficit_s = ``max(0, G* - G)`` seconds of gap missing.
+    capacity_ok: ``V - R*T_iss0(V) <= Q``; capacity_excess_bytes = ``max(0, V - R*T_iss0(V) - Q)``.
+    recovery_gap_s: ``G*``. reason: one line saying which bound fails and by how much.
+    """
+
+    ok: bool
+    rate_ok: bool
+    capacity_ok: bool
+    recovery_gap_s: float
+    rate_deficit_s: float
+    capacity_excess_bytes: float
+    reason: str
+
+
+def design_test(params: XStageParams, volume_bytes: float, gap_s: float) -> DesignTest:
+    """Check both bounds for bursts of ``volume_bytes`` separated by ``gap_s`` of work per producer."""
+    _check_positive("volume_bytes", volume_bytes, allow_zero=True)
+    _check_positive("gap_s", gap_s, allow_zero=True)
+    g_star = params.recovery_gap(volume_bytes)
+    rate_deficit = max(0.0, g_star - gap_s)
+    outstanding = volume_bytes - params.drain_rate_Bps * params.t_iss0(volume_bytes)
+    excess = max(0.0, outstanding - params.capacity_bytes)
+    rate_ok, cap_ok = rate_deficit <= 0.0, excess <= 0.0
+    parts = []
+    if not rate_ok:
+        parts.append(f"rate bound fails: gap {gap_s * 1e6:.3f} us < G* {g_star * 1e6:.3f} us "
+                     f"(short by {rate_deficit * 1e6:.3f} us)")
+    if not cap_ok:
+        parts.append(f"capacity bound fails: outstanding {outstanding / MIB:.3f} MiB > Q "
+                     f"{params.capacity_bytes / MIB:.3f} MiB (over by {excess / MIB:.3f} MiB)")
+    if not parts:
+        parts.append(f"both bounds hold: gap {gap_s * 1e6:.3f} us >= G* {g_star * 1e6:.3f} us and outstanding "
+                     f"{max(outstanding, 0.0) / MIB:.3f} MiB <= Q {params.capacity_bytes / MIB:.3f} MiB")
+    return DesignTest(
+        ok=rate_ok and cap_ok,
+        rate_ok=rate_ok,
+        capacity_ok=cap_ok,
+        recovery_gap_s=g_star,
+        rate_deficit_s=rate_deficit,
+        capacity_excess_bytes=excess,
+        reason="; ".join(parts),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- fits
+
+
+@dataclass(frozen=True)
+class FitResult:
+    """A fitted value with its fit error.
+
+    value: the fitted number (or tuple of numbers). rel_rms_error: RMS of the relative residuals of the
+    fitted law over the points used. num_points: points used. note: how the value was obtained
+    (e.g. "lower bound: never backed up").
+    """
+
+    value: float | tuple[float, ...]
+    rel_rms_error: float
+    num_points: int
+    note: str = ""
+
+
+def _as_points(name_x: str, xs: Sequence[float], name_y: str, ys: Sequence[float], min_points: int) -> tuple:
+    xs, ys = [float(x) for x in xs], [float(y) for y in ys]
+    if len(xs) != len(ys):
+        raise ValueError(f"expected {name_x} and {name_y} of equal length, got {len(xs)} and {len(ys)}")
+    if len(xs) < min_points:
+        raise ValueError(f"expected at least {min_points} points, got {len(xs)}")
+    for name, seq in ((name_x, xs), (name_y, ys)):
+        bad = [v for v in seq if not (v > 0 and math.isfinite(v))]
+        if bad:
+            raise ValueError(f"expected {name} > 0 and finite, got {bad[0]!r}")
+    return xs, ys
+
+
+def _rel_rms(pred: Sequence[float], meas: Sequence[float]) -> float:
+    return math.sqrt(sum(((p - m) / m) ** 2 for p, m in zip(pred, meas)) / len(meas))
+
+
+def mape(pred: Sequence[float], meas: Sequence[float]) -> float:
+    """Mean absolute percentage error (%) of ``pred`` against ``meas``."""
+    if len(pred) != len(meas) or not meas:
+        raise ValueError(f"expected equal non-empty lengths, got {len(pred)} and {len(meas)}")
+    return 100.0 * sum(abs(p - m) / m for p, m in zip(pred, meas)) / len(meas)
+
+
+def fit_drain_rate(volumes: Sequence[float], zero_gap_periods: Sequence[float]) -> FitResult:
+    """R (bytes/s) from the steady period of zero-gap bursts, ``T_period = V / R``.
+
+    Minimises the relative residuals: ``1/R = sum(V/T) / sum((V/T)^2)``. Pass only drain-limited
+    points (large V); value is R in bytes/s.
+    """
+    vs, ts = _as_points("volumes", volumes, "zero_gap_periods", zero_gap_periods, 1)
+    a = [v / t for v, t in zip(vs, ts)]
+    inv_r = sum(a) / sum(x * x for x in a)
+    r = 1.0 / inv_r
+    return FitResult(r, _rel_rms([v / r for v in vs], ts), len(vs))
+
+
+def fit_t_iss0(volumes: Sequence[float], plateau_issue_times: Sequence[float]) -> FitResult:
+    """``T_iss0(V) = t0 + V / issue_rate`` from large-gap (plateau) issue times.
+
+    Weighted least squares on relative residuals; a negative intercept is clamped to 0 (issue time
+    proportional to V), and one distinct volume gives the proportional fit. value = (t0_s, issue_rate_Bps).
+    """
+    vs, ts = _as_points("volumes", volumes, "plateau_issue_times", plateau_issue_times, 1)
+
+    def proportional() -> FitResult:
+        # T = V * b, relative residuals: b = sum(V/T) / sum((V/T)^2)
+        a = [v / t for v, t in zip(vs, ts)]
+        b = sum(a) / sum(x * x for x in a)
+        return FitResult((0.0, 1.0 / b), _rel_rms([v * b for v in vs], ts), len(vs), "proportional")
+
+    if len(set(vs)) < 2:
+        return proportional()
+    # Minimise sum(((t0 + b*V) - T)/T)^2: weights w = 1/T^2.
+    w = [1.0 / (t * t) for t in ts]
+    sw = sum(w)
+    swv = sum(wi * v for wi, v in zip(w, vs))
+    swt = sum(wi * t for wi, t in zip(w, ts))
+    swvv = sum(wi * v * v for wi, v in zip(w, vs))
+    swvt = sum(wi * v * t for wi, v, t in zip(w, vs, ts))
+    det = sw * swvv - swv * swv
+    t0 = (swvv * swt - swv * swvt) / det
+    b = (sw * swvt - swv * swt) / det
+    if t0 < 0 or b <= 0:
+        if b <= 0 and t0 > 0:  # flat: issue time independent of V within noise
+            t_mean = swt / sw
+            return FitResult((t_mean, math.inf), _rel_rms([t_mean] * len(ts), ts), len(vs), "constant")
+        return proportional()
+    return FitResult((t0, 1.0 / b), _rel_rms([t0 + b * v for v in vs], ts), len(vs), "affine")
+
+
+def fit_capacity(
+    volumes: Sequence[float],
+    isolated_issue_times: Sequence[float],
+    params_without_q: XStageParams,
+    *,
+    backed_up_tol: float = 0.10,
+) -> FitResult:
+    """Q (bytes) from isolated-burst issue times, ``T_iss = max(T_iss0(V), (V - Q)/R)``.
+
+    ``params_without_q`` supplies ``T_iss0`` and ``R`` (its capacity is ignored). A point counts as
+    backed up when its issue time exceeds ``T_iss0(V)`` by more than ``backed_up_tol``. With no point
+    backed up Q is only bounded below: value = ``max(V - R*T_iss0(V))`` over the sweep, note says so
+    (callers may treat Q as unobserved). Otherwise Q minimises the relative squared error of the law
+    over all points (dense scan + the per-point estimates ``V - R*T``).
+    """
+    vs, ts = _as_points("volumes", volumes, "isolated_issue_times", isolated_issue_times, 2)
+    p = params_without_q
+    r = p.drain_rate_Bps
+    t0s = [p.t_iss0(v) for v in vs]
+    backed = [i for i in range(len(vs)) if ts[i] > t0s[i] * (1.0 + backed_up_tol)]
+    free_outstanding = max(max(v - r * t0, 0.0) for v, t0 in zip(vs, t0s))
+    if not backed or math.isinf(r):
+        pred = t0s
+        return FitResult(free_outstanding, _rel_rms(pred, ts), len(vs),
+                         "lower bound: no isolated burst backed up within the sweep")
+
+    def err(q: float) -> float:
+        return sum(((max(t0, (v - q) / r) - t) / t) ** 2 for v, t, t0 in zip(vs, ts, t0s))
+
+    vmax = max(vs)
+    candidates = [max(0.0, vs[i] - r * ts[i]) for i in backed]
+    candidates += [vmax * i / 4000.0 for i in range(4001)]
+    best = min(candidates, key=err)
+    # refine around the best grid point by golden-section search on the bracket
+    lo, hi = max(0.0, best - vmax / 4000.0), best + vmax / 4000.0
+    phi = (math.sqrt(5) - 1) / 2
+    for _ in range(60):
+        a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
+        if err(a) <= err(b):
+            hi = b
+        else:
+            lo = a
+    q = min((best, (lo + hi) / 2), key=err)
+    pred = [max(t0, (v - q) / r) for v, t0 in zip(vs, t0s)]
+    return FitResult(q, _rel_rms(pred, ts), len(vs), f"knee fit over {len(backed)} backed-up points")
+
+
+@dataclass(frozen=True)
+class ParamsFit:
+    """``fit_params`` result: the params and each fit's error and note."""
+
+    params: XStageParams
+    drain: FitResult
+    t_iss0: FitResult
+    capacity: FitResult | None
+
+    def errors(self) -> dict:
+        out = {"R_rel_rms": self.drain.rel_rms_error, "t_iss0_rel_rms": self.t_iss0.rel_rms_error}
+        if self.capacity is not None:
+            out["Q_rel_rms"] = self.capacity.rel_rms_error
+            out["Q_note"] = self.capacity.note
+        return out
+
+
+def fit_params(
+    num_producers: int,
+    *,
+    zero_gap: tuple[Sequence[float], Sequence[float]],
+    plateau: tuple[Sequence[float], Sequence[float]],
+    isolated: tuple[Sequence[float], Sequence[float]] | None = None,
+    capacity_if_unobserved: float = math.inf,
+) -> ParamsFit:
+    """All three fits: R from ``zero_gap = (volumes, periods)``, T_iss0 from ``plateau = (volumes,
+    issue_times)``, Q from ``isolated = (volumes, issue_times)`` (or ``capacity_if_unobserved`` when
+    not given or when no isolated burst backed up)."""
+    drain = fit_drain_rate(*zero_gap)
+    t_fit = fit_t_iss0(*plateau)
+    t0, ri = t_fit.value
+    no_q = XStageParams(num_producers, t0, ri, drain.value, math.inf)
+    cap = None
+    q = capacity_if_unobserved
+    if isolated is not None:
+        cap = fit_capacity(isolated[0], isolated[1], no_q)
+        if not cap.note.startswith("lower bound"):
+            q = cap.value
+    return ParamsFit(XStageParams(num_producers, t0, ri, drain.value, q), drain, t_fit, cap)
+
+
+@dataclass(frozen=True)
+class Validation:
+    """Prediction of measured sweeps from params alone: MAPE (%) of issue time and period over the
+    gap sweep, and of issue time over the isolated sweep (None when that sweep is absent)."""
+
+    mape_issue_pct: float
+    mape_period_pct: float
+    mape_isolated_pct: float | None
+    num_points: int
+
+
+def validate(
+    params: XStageParams,
+    gap_sweep: Sequence[tuple[float, float, float, float]],
+    isolated_sweep: Sequence[tuple[float, float]] | None = None,
+) -> Validation:
+    """Predict every point of ``gap_sweep = [(V, G, measured_issue_s, measured_period_s), ...]`` and
+    ``isolated_sweep = [(V, measured_issue_s), ...]`` with the laws; no value is refitted."""
+    if not gap_sweep:
+        raise ValueError("expected a non-empty gap_sweep, got none")
+    pi = [issue_time(params, v, g) for v, g, _, _ in gap_sweep]
+    pp = [period(params, v, g) for v, g, _, _ in gap_sweep]
+    mi = mape(pi, [x[2] for x in gap_sweep])
+    mp = mape(pp, [x[3] for x in gap_sweep])
+    miso = None
+    if isolated_sweep:
+        miso = mape([isolated_issue_time(params, v) for v, _ in isolated_sweep], [x[1] for x in isolated_sweep])
+    return Validation(mi, mp, miso, len(gap_sweep))
