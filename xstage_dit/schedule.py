@@ -68,13 +68,14 @@ def choose_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int, 
         raise ValueError(f"expected t_kv_tile_s > 0 seconds or None, got {t_kv_tile_s!r}")
     if not 0 < fused_over_cudnn <= 2:
         raise ValueError(f"expected fused_over_cudnn in (0, 2], got {fused_over_cudnn!r}")
-    if xparams is None:
-        return ScheduleChoice("serial", "no X-Stage calibration available (CPU or no GPU): serial schedule", {})
     if world_size == 1:
+        # Decided without the calibration (none is needed): there is nothing to hide.
         return ScheduleChoice(
             "serial",
             "world size 1: no post-attention All-to-All to hide, and single-GPU cuDNN SDPA is faster "
             f"than the fused kernel (measured {fused_over_cudnn:.2f}x)", {"world_size": 1})
+    if xparams is None:
+        return ScheduleChoice("serial", "no X-Stage calibration available (CPU or no GPU): serial schedule", {})
 
     from xstage_dit.xstage import design_test
 

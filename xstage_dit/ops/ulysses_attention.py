@@ -436,8 +436,12 @@ def _choose(q: torch.Tensor, world_size: int, seq_len: int):
     unsupported = _check_fused(q)
     if unsupported or not q.is_cuda:
         choice = ScheduleChoice("serial", f"fused kernel unavailable: {unsupported or 'not a CUDA tensor'}", {})
+    elif world_size == 1:
+        choice = choose_attention_schedule(None, batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
+                                           world_size=1, dtype_bytes=q.element_size())
     else:
-        target = "nvlink" if world_size > 1 else "local"
+        # Ranks sharing one GPU store into local HBM; separate GPUs store over NVLink.
+        target = "nvlink" if torch.cuda.device_count() > 1 else "local"
         xparams, source = _calibrated_params(str(q.device), target)
         choice = choose_attention_schedule(xparams, batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
                                            world_size=world_size, dtype_bytes=q.element_size())
