@@ -216,6 +216,22 @@ def sweep(shapes, configs) -> list[dict]:
     return rows
 
 
+def best_config(rows, fallback):
+    """The configuration with the best geometric-mean ratio to cuDNN over the sweep shapes (correct ones only)."""
+    by_cfg: dict[str, list[float]] = {}
+    for r in rows:
+        if "error" in r:
+            by_cfg.setdefault(r["config"], []).append(float("nan"))
+        else:
+            by_cfg.setdefault(r["config"], []).append(r["over_cudnn"] if r["rel_err"] < 2e-2 else float("nan"))
+    scores = {c: math.exp(sum(math.log(x) for x in v) / len(v)) for c, v in by_cfg.items()
+              if all(x == x for x in v)}
+    if not scores:
+        return fallback
+    best = max(scores, key=scores.get)
+    return next(c for c in SWEEP_CONFIGS if c.label() == best)
+
+
 def bench(shapes, config) -> tuple[list[dict], dict]:
     from torch.nn.attention import SDPBackend
 
@@ -313,7 +329,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--name", default="attention-a2a-h200")
-    parser.add_argument("--sweep", action="store_true", help="time the kernel configurations instead")
+    parser.add_argument("--sweep", action="store_true", help="time the kernel configurations")
+    parser.add_argument("--bench", action="store_true", help="with --sweep: then benchmark the best configuration")
     parser.add_argument("--sweep-shapes", default="16384x24,4608x24")
     parser.add_argument("--config", default=None, help="block_m,block_n,warps,stages,ws,desc (default: tuned)")
     parser.add_argument("--shapes", default=None, help="SxH,... (default: the issue's list)")
@@ -332,18 +349,23 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = env_info(args.commit)
     print(json.dumps(env), flush=True)
+    sweep_rows = None
     if args.sweep:
         shapes = [(int(a), int(b), "") for a, b in (x.split("x") for x in args.sweep_shapes.split(","))]
-        rows = sweep(shapes, SWEEP_CONFIGS)
-        (args.out_dir / f"{args.name}-sweep.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-        return 0
+        sweep_rows = sweep(shapes, SWEEP_CONFIGS)
+        (args.out_dir / f"{args.name}-sweep.json").write_text(json.dumps({"env": env, "rows": sweep_rows}, indent=1))
+        if not args.bench:
+            return 0
+        if not args.config:
+            config = best_config(sweep_rows, config)
+            print(f"best config from the sweep: {config.label()}", flush=True)
     shapes = SHAPES
     if args.shapes:
         shapes = [(int(a), int(b), "custom") for a, b in (x.split("x") for x in args.shapes.split(","))]
     checks = [] if args.skip_checks else check_correctness(config)
     rows, resources = bench(shapes, config)
     data = {"env": env, "config": config.label(), "resources": resources, "checks": checks, "rows": rows,
-            "notes": args.notes}
+            "notes": args.notes, "sweep": sweep_rows}
     data["summary"] = summarize(rows) if any(r["seq_len"] >= 16384 for r in rows) else {}
     (args.out_dir / f"{args.name}.json").write_text(json.dumps(data, indent=1))
     if data["summary"]:
