@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# One device call for the attention work: GPU tests, kernel-config sweep, then the benchmark with the
+# best configuration. Writes logs and JSON/MD under ${OUT:-benchmarks/results}.
+#   OUT=/tmp/out bash benchmarks/run_attention_gpu.sh
+set -u
+cd "$(dirname "$0")/.."
+out="${OUT:-benchmarks/results}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+commit="$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+timeout "${TEST_TIMEOUT:-85}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+    tests/test_ulysses_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+timeout "${BENCH_TIMEOUT:-145}" python3 benchmarks/bench_attention_a2a.py --sweep --bench \
+    --sweep-shapes 16384x24,32760x40 --out-dir "$out" --commit "$commit" 2>&1 | tee "$out/bench.log" | grep -v '^{"gpu'
