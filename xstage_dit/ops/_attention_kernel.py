@@ -15,9 +15,11 @@ symmetric-memory peer table it is attention with the post-attention All-to-All i
 ("piggyback", DESIGN §2); with several local buffers it is the "virtual ranks" of tests/benchmarks.
 
 Because `seq_local` need not be a multiple of BLOCK_M, one tile can straddle several owners. With
-tensor descriptors (sm_90+, and the interpreter) the tile is stored once per owner through a TMA
-descriptor spanning exactly that owner's rows, so the copy engine clips the other owners' rows;
-with plain pointers each row's destination is resolved from the table (16-byte vector stores).
+tensor descriptors (sm_90+, and the interpreter) the owner of the tile's first row gets the tile by
+one TMA store through a descriptor spanning exactly its rows (the copy engine drops the rest), and
+only a straddling tile stores its remaining rows with plain stores, each row to its owner; with
+plain pointers every row goes that way (16-byte vector stores). A second TMA store at a negative
+row coordinate for the next owner was tried and raised an illegal-instruction fault on the H200.
 
 Masking: only keys `< seq_len` take part (padding rows of the last ranks, and the bound of the
 tensor descriptors, read as zeros and get -inf scores); the unmasked main loop runs over full key
@@ -120,7 +122,6 @@ def ulysses_attn_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_TAIL: tl.constexpr, USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     PLAIN_LOOP: tl.constexpr, UPCAST_DOT: tl.constexpr, TAIL_IN_LOOP: tl.constexpr,
-    MAX_OWNERS: tl.constexpr,
 ):
     """One program: query rows [m0, m0 + BLOCK_M) of one (batch, local head).
 
@@ -177,30 +178,35 @@ def ulysses_attn_fwd_kernel(
     o = (acc / l_i[:, None]).to(Q.dtype.element_ty)
     head_col = (off_b.to(tl.int64) * stride_ob + (head_offset + off_h).to(tl.int64) * stride_oh)
     if USE_DESC:
-        # One TMA store per owner of the tile's rows (two where the tile straddles a shard boundary):
-        # the descriptor spans the owner's seq_local rows, so rows of other owners fall outside it and
-        # are not written (negative or past-the-end coordinates are clipped by the copy engine).
+        # The owner of the tile's first row takes it with one TMA store through a descriptor spanning
+        # exactly its seq_local rows: rows of later owners fall past the end and are not written.
         r0 = m0 // seq_local
-        row_end = tl.minimum(m0 + BLOCK_M, seq_len)
-        for i in tl.static_range(MAX_OWNERS):
-            r = r0 + i
-            if r * seq_local < row_end:
-                dest = tl.load(out_table + r).to(tl.pointer_type(Q.dtype.element_ty))
-                desc_o = tl.make_tensor_descriptor(dest + head_col, shape=[seq_local, HEAD_DIM],
-                                                   strides=[stride_os, 1], block_shape=[BLOCK_M, HEAD_DIM])
-                desc_o.store([m0 - r * seq_local, 0], o)
+        dest = tl.load(out_table + r0).to(tl.pointer_type(Q.dtype.element_ty))
+        desc_o = tl.make_tensor_descriptor(dest + head_col, shape=[seq_local, HEAD_DIM], strides=[stride_os, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        desc_o.store([m0 - r0 * seq_local, 0], o)
+        later = (r0 + 1) * seq_local
+        if later < tl.minimum(m0 + BLOCK_M, seq_len):
+            # The tile straddles a shard boundary (seq_local not a multiple of BLOCK_M): the later
+            # owners' rows go by plain stores, one destination per row.
+            _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os,
+                        (offs_m >= later) & (offs_m < seq_len))
     else:
-        # Per-row destination (a gathered table load, L1-resident), rows hinted 16-byte aligned.
-        row_ok = offs_m < seq_len
-        dest = offs_m // seq_local
-        local_row = offs_m - dest * seq_local
-        dest_base = tl.load(out_table + dest, mask=row_ok, other=0)
-        ELEM_BYTES: tl.constexpr = Q.dtype.element_ty.primitive_bitwidth // 8
-        row_off = head_col + local_row.to(tl.int64) * stride_os
-        # Every buffer is 16-byte aligned and every row starts at a multiple of HEAD_DIM elements.
-        row_addr = tl.multiple_of(dest_base + row_off * ELEM_BYTES, 16)
-        row_ptr = row_addr.to(tl.pointer_type(Q.dtype.element_ty))
-        tl.store(row_ptr[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
+        _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os, offs_m < seq_len)
+
+
+@triton.jit
+def _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os, row_ok):
+    """Store rows of a tile, each to its owner rank (m // seq_local), through the pointer table."""
+    dest = offs_m // seq_local
+    local_row = offs_m - dest * seq_local
+    dest_base = tl.load(out_table + dest, mask=row_ok, other=0)
+    ELEM_BYTES: tl.constexpr = o.dtype.primitive_bitwidth // 8
+    row_off = head_col + local_row.to(tl.int64) * stride_os
+    # Every buffer is 16-byte aligned and every row starts at a multiple of HEAD_DIM elements.
+    row_addr = tl.multiple_of(dest_base + row_off * ELEM_BYTES, 16)
+    row_ptr = row_addr.to(tl.pointer_type(o.dtype))
+    tl.store(row_ptr[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
 
 
 @triton.jit
@@ -322,8 +328,6 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
         HAS_TAIL=has_tail, USE_DESC=config.use_desc, WARP_SPECIALIZE=ws,
         PLAIN_LOOP=interpreting(), UPCAST_DOT=interpreting() and q.dtype == torch.bfloat16,
         TAIL_IN_LOOP=has_tail and ws and config.num_warps < 8,
-        # Owners one tile can touch: a tile starting mid-shard spans ceil((BM - 1) / L) + 1 shards.
-        MAX_OWNERS=min(out_table.numel(), -(-(config.block_m - 1) // seq_local) + 1),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
