@@ -265,7 +265,8 @@ def bench(shapes, config, checkpoint=None) -> tuple[list[dict], dict]:
             row[f"fused_{world}_over_cudnn"] = row["ms_cudnn"] / t
             row[f"residual_{world}_ms"] = t - t_attn
             row[f"residual_{world}_pct"] = 100.0 * (t - t_attn) / t_attn
-            row[f"push_{world}_GBps"] = qkv_bytes / (row[f"ms_push_{world}"] * 1e-3) / 1e9
+            # Bytes read plus bytes written, as for the copy below.
+            row[f"push_{world}_GBps"] = 2 * qkv_bytes / (row[f"ms_push_{world}"] * 1e-3) / 1e9
         row["local_spread_pct"] = 100.0 * abs(row["ms_local"] - row["ms_local_again"]) / t_attn
         row["copy_qkv_GBps"] = 2 * qkv_bytes / (row["ms_copy_qkv"] * 1e-3) / 1e9
         rows.append(row)

@@ -14,12 +14,13 @@ With one destination and `seq_local = seq_len` this is ordinary attention writin
 symmetric-memory peer table it is attention with the post-attention All-to-All in its epilogue
 ("piggyback", DESIGN §2); with several local buffers it is the "virtual ranks" of tests/benchmarks.
 
-Because `seq_local` need not be a multiple of BLOCK_M, one tile can straddle several owners. With
-tensor descriptors (sm_90+, and the interpreter) the owner of the tile's first row gets the tile by
-one TMA store through a descriptor spanning exactly its rows (the copy engine drops the rest), and
-only a straddling tile stores its remaining rows with plain stores, each row to its owner; with
-plain pointers every row goes that way (16-byte vector stores). A second TMA store at a negative
-row coordinate for the next owner was tried and raised an illegal-instruction fault on the H200.
+`seq_local` need not be a multiple of BLOCK_M, so query tiles are numbered per owner shard (the last
+tile of a shard may be partial): every tile has exactly one owner and leaves the kernel in one TMA
+store through a descriptor spanning that owner's rows (the copy engine drops the partial tile's
+extra rows). Costs at most one partial tile per shard and head. Two earlier designs failed on the
+H200 with Triton 3.6 warp specialization: a second TMA store at a negative row coordinate for the
+next owner (illegal-instruction fault), and plain stores for a straddling tile's later rows under a
+run-time branch (wrong rows); the CPU interpreter had passed both.
 
 Masking: only keys `< seq_len` take part (padding rows of the last ranks, and the bound of the
 tensor descriptors, read as zeros and get -inf scores); the unmasked main loop runs over full key
@@ -118,12 +119,13 @@ def ulysses_attn_fwd_kernel(
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
-    heads_local, seq_len, kv_full, seq_local, head_offset, qk_scale,
+    heads_local, seq_len, kv_full, seq_local, tiles_per_shard, head_offset, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_TAIL: tl.constexpr, USE_DESC: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
     PLAIN_LOOP: tl.constexpr, UPCAST_DOT: tl.constexpr, TAIL_IN_LOOP: tl.constexpr,
 ):
-    """One program: query rows [m0, m0 + BLOCK_M) of one (batch, local head).
+    """One program: query rows [m0, m0 + BLOCK_M) of one (batch, local head), m0 = r*seq_local + t*BLOCK_M
+    for tile t of rank r's shard: tiles never cross a shard boundary, so each has exactly one owner.
 
     Q, K, V: (batch, >= seq_len, heads_local, HEAD_DIM), last dim contiguous.
     out_table: int64[num_dest], entry r = address of rank r's (batch, seq_local, heads_total,
@@ -133,7 +135,11 @@ def ulysses_attn_fwd_kernel(
     pid_bh = tl.program_id(1)
     off_b = pid_bh // heads_local
     off_h = pid_bh % heads_local
-    m0 = pid_m * BLOCK_M
+    # Tiles are numbered per owner (the last tile of a shard may be partial): one destination per
+    # tile, whatever seq_local is. Rows past the owner's shard are computed and then dropped.
+    owner = pid_m // tiles_per_shard
+    row0 = (pid_m - owner * tiles_per_shard) * BLOCK_M
+    m0 = owner * seq_local + row0
     q_base = Q + off_b.to(tl.int64) * stride_qb + off_h.to(tl.int64) * stride_qh
     k_base = K + off_b.to(tl.int64) * stride_kb + off_h.to(tl.int64) * stride_kh
     v_base = V + off_b.to(tl.int64) * stride_vb + off_h.to(tl.int64) * stride_vh
@@ -177,36 +183,17 @@ def ulysses_attn_fwd_kernel(
     # Epilogue: the post-attention All-to-All. Row m goes to rank m // seq_local at its final layout.
     o = (acc / l_i[:, None]).to(Q.dtype.element_ty)
     head_col = (off_b.to(tl.int64) * stride_ob + (head_offset + off_h).to(tl.int64) * stride_oh)
+    dest = tl.load(out_table + owner).to(tl.pointer_type(Q.dtype.element_ty)) + head_col
     if USE_DESC:
-        # The owner of the tile's first row takes it with one TMA store through a descriptor spanning
-        # exactly its seq_local rows: rows of later owners fall past the end and are not written.
-        r0 = m0 // seq_local
-        dest = tl.load(out_table + r0).to(tl.pointer_type(Q.dtype.element_ty))
-        desc_o = tl.make_tensor_descriptor(dest + head_col, shape=[seq_local, HEAD_DIM], strides=[stride_os, 1],
+        # One TMA store through a descriptor spanning exactly the owner's seq_local rows: a partial
+        # last tile's extra rows fall past the end and are not written.
+        desc_o = tl.make_tensor_descriptor(dest, shape=[seq_local, HEAD_DIM], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM])
-        desc_o.store([m0 - r0 * seq_local, 0], o)
-        later = (r0 + 1) * seq_local
-        if later < tl.minimum(m0 + BLOCK_M, seq_len):
-            # The tile straddles a shard boundary (seq_local not a multiple of BLOCK_M): the later
-            # owners' rows go by plain stores, one destination per row.
-            _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os,
-                        (offs_m >= later) & (offs_m < seq_len))
+        desc_o.store([row0, 0], o)
     else:
-        _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os, offs_m < seq_len)
-
-
-@triton.jit
-def _store_rows(o, out_table, offs_m, offs_d, head_col, seq_local, stride_os, row_ok):
-    """Store rows of a tile, each to its owner rank (m // seq_local), through the pointer table."""
-    dest = offs_m // seq_local
-    local_row = offs_m - dest * seq_local
-    dest_base = tl.load(out_table + dest, mask=row_ok, other=0)
-    ELEM_BYTES: tl.constexpr = o.dtype.primitive_bitwidth // 8
-    row_off = head_col + local_row.to(tl.int64) * stride_os
-    # Every buffer is 16-byte aligned and every row starts at a multiple of HEAD_DIM elements.
-    row_addr = tl.multiple_of(dest_base + row_off * ELEM_BYTES, 16)
-    row_ptr = row_addr.to(tl.pointer_type(o.dtype))
-    tl.store(row_ptr[:, None] + offs_d[None, :], o, mask=row_ok[:, None])
+        rows = row0 + tl.arange(0, BLOCK_M)
+        ok = (rows < seq_local) & (offs_m < seq_len)
+        tl.store(dest + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :], o, mask=ok[:, None])
 
 
 @triton.jit
@@ -289,7 +276,8 @@ def default_config(head_dim: int, device: torch.device) -> KernelConfig:
     if major < 9:
         return KernelConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, warp_specialize=False, use_desc=False)
     if head_dim <= 64:
-        return KernelConfig(block_m=128, block_n=128, num_warps=4, num_stages=3, warp_specialize=True, use_desc=True)
+        # 3 stages with warp specialization returned NaN on the H200 (Triton 3.6) at head_dim 128: 2 stages.
+        return KernelConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, warp_specialize=True, use_desc=True)
     return KernelConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, warp_specialize=True, use_desc=True)
 
 
@@ -315,7 +303,9 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
     if config.use_desc:
         _install_allocator()
     ws = config.warp_specialize and not interpreting()
-    grid = (triton.cdiv(seq_len, config.block_m), batch * heads_local)
+    tiles_per_shard = triton.cdiv(seq_local, config.block_m)
+    num_shards = triton.cdiv(seq_len, seq_local)
+    grid = (num_shards * tiles_per_shard, batch * heads_local)
     has_tail = seq_len % config.block_n != 0
     return ulysses_attn_fwd_kernel[grid](
         q, k, v, out_table,
@@ -323,7 +313,8 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         out_strides[0], out_strides[1], out_strides[2],
-        heads_local, seq_len, (seq_len // config.block_n) * config.block_n, seq_local, head_offset, scale * LOG2E,
+        heads_local, seq_len, (seq_len // config.block_n) * config.block_n, seq_local, tiles_per_shard, head_offset,
+        scale * LOG2E,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         HAS_TAIL=has_tail, USE_DESC=config.use_desc, WARP_SPECIALIZE=ws,
         PLAIN_LOOP=interpreting(), UPCAST_DOT=interpreting() and q.dtype == torch.bfloat16,
