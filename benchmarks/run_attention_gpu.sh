@@ -11,8 +11,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 commit="$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
-timeout "${TEST_TIMEOUT:-85}" python3 -m pytest -q -p no:cacheprovider -o addopts="" \
-    tests/test_ulysses_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="" \
+    tests/test_ulysses_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"
 if [ "${SWEEP:-0}" = 1 ]; then
     sweep_args=(--sweep --bench --sweep-shapes 16384x24,32760x40)
 else
