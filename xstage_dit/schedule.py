@@ -111,3 +111,13 @@ def choose_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int, 
     return ScheduleChoice(
         "fused", f"design test holds ({shape}): {test.reason}; predicted fused {t_fused * 1e6:.0f} us "
         f"<= serial {t_serial * 1e6:.0f} us", params)
+
+
+# ------------------------------------------------------------------------------------------ MoE combine
+
+
+def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
+    """Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.ops.moe_schedule.choose_moe_lead``."""
+    from xstage_dit.ops.moe_schedule import choose_moe_lead as _choose
+
+    return _choose(xparams, **shape)
