@@ -421,7 +421,7 @@ def _calibrated_params(device_str: str, target: str):
     params = result.params.get(target) or result.params.get("local")
     if params is None:
         return None, f"calibration has no '{target}' target"
-    return params, f"calibration {result.source} ({result.machine_key})"
+    return params, f"calibration from {result.source}"
 
 
 @functools.cache
