@@ -152,7 +152,7 @@ def env_info(commit: str | None) -> dict:
             commit = None
     return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": driver,
             "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "git_commit": commit or os.environ.get("GIT_COMMIT", "unknown"),
+            "python": platform.python_version(), "git_commit": commit or os.environ.get("XSTAGE_GIT_COMMIT", "unknown"),
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -10,6 +10,7 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 commit="$(cat COMMIT 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+export XSTAGE_GIT_COMMIT="$commit"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="" \
     tests/test_ulysses_attention_gpu.py 2>&1 | tee "$out/gpu_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed"

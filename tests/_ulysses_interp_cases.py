@@ -49,6 +49,14 @@ def main() -> None:
             "rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(),
             "lengths": [o.shape[1] for o in outs],
         }
+    # A packed qkv projection sliced per tensor: non-contiguous views go in without a copy.
+    qkv = torch.randn(1, 45, 3, 2, 32).to(torch.bfloat16)
+    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    out = fused_attention(q, k, v, config=DESC)
+    ref = attention_reference(q, k, v)
+    results["w1_packed_qkv_view"] = {"shape_ok": out.shape == q.shape, "nan": bool(torch.isnan(out).any()),
+                                     "rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(),
+                                     "lengths": [45]}
     print(json.dumps(results))
 
 

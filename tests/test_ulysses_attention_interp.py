@@ -26,7 +26,8 @@ def interp_results() -> dict:
 
 
 @pytest.mark.parametrize("case", ["w1_bf16_tail", "w1_fp16_ptr", "w2_uneven_seq_and_heads", "w4_straddling_tiles",
-                                  "w4_ptr_epilogue", "w4_empty_last_rank", "w2_head_dim_64"])
+                                  "w4_ptr_epilogue", "w4_empty_last_rank", "w2_head_dim_64",
+                                  "w1_packed_qkv_view"])
 def test_interpreted_kernel_matches_reference(interp_results, case):
     r = interp_results[case]
     assert r["shape_ok"], r
