@@ -121,6 +121,16 @@ def test_parallelize_errors_before_any_work():
                for m in pipe.transformer.modules() if hasattr(m, "processor"))
 
 
+def test_untested_diffusers_version_is_refused(monkeypatch):
+    import diffusers
+
+    from xstage_dit import parallelize
+
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0")
+    with pytest.raises(RuntimeError, match=r"expected diffusers 0\.42\.x .* got diffusers 0\.43\.0"):
+        parallelize(torch.nn.Linear(2, 2))
+
+
 def test_nucleusmoe_needs_ep_equal_sp():
     from xstage_dit.patches import ParallelConfig
     from xstage_dit.patches.plans import _check_nucleusmoe
