@@ -284,3 +284,37 @@ def test_generate_rejects_bad_degrees_before_starting_ranks():
     with pytest.raises(SystemExit) as exc:
         main(["generate", "--model", "tiny-flux", "--sp", "2", "--ep", "3"])
     assert exc.value.code == 2
+
+
+def test_wan22_second_expert_is_patched_too():
+    from xstage_dit import parallelize
+    from xstage_dit.models import load_pipeline
+    from xstage_dit.models.build import build_module
+    from xstage_dit.patches.attention_backend import PATH_COUNTS
+
+    pipe = load_pipeline("tiny-wan", seed=0)
+    cfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
+    cls = type(pipe.transformer)
+    pipe.register_modules(transformer_2=build_module(lambda: cls.from_config(cfg), seed=2, device="cpu",
+                                                      dtype=torch.float32))
+    pipe.register_to_config(boundary_ratio=0.5)  # Wan 2.2 A14B: high-noise steps on one, low-noise on the other
+    pipe.set_progress_bar_config(disable=True)
+
+    def video():
+        out = pipe(prompt="a fox", height=32, width=32, num_frames=5, num_inference_steps=2, guidance_scale=1.0,
+                   max_sequence_length=8, generator=torch.Generator().manual_seed(0), output_type="np")
+        return np.asarray(out.frames, dtype=np.float32)
+
+    ref = video()
+    with parallelize(pipe) as handle:
+        assert handle.transformers == [pipe.transformer, pipe.transformer_2]
+        for t in handle.transformers:
+            assert all(getattr(m.processor, "_parallel_config", None) is not None
+                       for m in t.modules() if hasattr(m, "processor") and m.processor is not None)
+        before = PATH_COUNTS["ulysses"] + PATH_COUNTS["local"]
+        np.testing.assert_allclose(video(), ref, atol=TOL, rtol=0)
+        assert PATH_COUNTS["ulysses"] + PATH_COUNTS["local"] > before
+    for t in (pipe.transformer, pipe.transformer_2):
+        assert all(getattr(m.processor, "_parallel_config", None) is None
+                   for m in t.modules() if hasattr(m, "processor") and m.processor is not None)
+    np.testing.assert_array_equal(video(), ref)

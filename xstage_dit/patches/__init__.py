@@ -44,12 +44,18 @@ class ParallelHandle:
 
     config: ParallelConfig
     groups: ParallelGroups
-    transformer: torch.nn.Module
+    transformer: torch.nn.Module  # pipe.transformer
+    transformers: list = field(default_factory=list)  # every patched one (Wan 2.2 A14B: + transformer_2)
     calibration: Any = None
     schedule_choices: dict = field(default_factory=dict)
     num_moe_layers: int = 0
-    cfg_hook: Any = None  # the CFG hook (its .stats count the parallel pairs / split calls)
+    cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    @property
+    def cfg_hook(self) -> Any:
+        """The CFG hook of pipe.transformer (None when cfg=1)."""
+        return self.cfg_hooks[0] if self.cfg_hooks else None
 
     @property
     def is_output_rank(self) -> bool:
@@ -63,8 +69,9 @@ class ParallelHandle:
         """Undo every patch (reverse order). Safe to call twice."""
         while self._undo:
             self._undo.pop()()
-        if getattr(self.transformer, _MARK, None) is self:
-            delattr(self.transformer, _MARK)
+        for t in self.transformers or [self.transformer]:
+            if getattr(t, _MARK, None) is self:
+                delattr(t, _MARK)
 
     def __enter__(self) -> "ParallelHandle":
         return self
@@ -80,13 +87,15 @@ def supported_models():
     return _supported()
 
 
-def _transformer_of(pipe: Any) -> torch.nn.Module:
+def _transformers_of(pipe: Any) -> list[torch.nn.Module]:
+    """pipe.transformer, and pipe.transformer_2 where the pipeline has a second expert (Wan 2.2 A14B)."""
     transformer = getattr(pipe, "transformer", None)
     if transformer is None and isinstance(pipe, torch.nn.Module):
-        transformer = pipe  # a bare transformer
+        return [pipe]  # a bare transformer
     if transformer is None:
         raise ValueError(f"expected a diffusers pipeline with a .transformer (a DiT pipeline), got {type(pipe).__name__}")
-    return transformer
+    second = getattr(pipe, "transformer_2", None)
+    return [transformer] + ([second] if isinstance(second, torch.nn.Module) else [])
 
 
 def _ensure_process_group(config: ParallelConfig) -> None:
@@ -162,17 +171,22 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     from xstage_dit.patches.sequence_parallel import check_heads
 
     private.check_diffusers_version()
-    transformer = _transformer_of(pipe)
-    if getattr(transformer, _MARK, None) is not None:
-        raise RuntimeError("expected a pipeline that is not parallelized yet, got one already patched: call restore() first")
-    plan = plan_for(transformer)
-    if plan.check is not None:
-        plan.check(transformer, config)
-    if config.ep > 1 and not plan.moe_layers:
-        raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
-    if config.cfg > 1 and plan.cfg is None:
-        raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
-    check_heads(transformer, config.sp)
+    transformers = _transformers_of(pipe)
+    plans = []
+    for transformer in transformers:
+        if getattr(transformer, _MARK, None) is not None:
+            raise RuntimeError(
+                "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
+            )
+        plan = plan_for(transformer)
+        if plan.check is not None:
+            plan.check(transformer, config)
+        if config.ep > 1 and not plan.moe_layers:
+            raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
+        if config.cfg > 1 and plan.cfg is None:
+            raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
+        check_heads(transformer, config.sp)
+        plans.append(plan)
     _ensure_process_group(config)
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)
@@ -181,18 +195,22 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
 
     groups = build_groups(config)
     calibration, xparams = _startup_calibration(config, groups)
-    handle = ParallelHandle(config=config, groups=groups, transformer=transformer, calibration=calibration)
+    handle = ParallelHandle(config=config, groups=groups, transformer=transformers[0], transformers=transformers,
+                            calibration=calibration)
     try:
-        _apply(pipe, transformer, plan, handle, xparams)
+        for transformer, plan in zip(transformers, plans):
+            _apply(transformer, plan, handle, xparams)
+        _check_cfg_pairs_before_decode(pipe, handle)
     except BaseException:
         handle.restore()
         raise
-    setattr(transformer, _MARK, handle)
-    _log_layer_shapes(transformer, handle, xparams)
+    for transformer in transformers:
+        setattr(transformer, _MARK, handle)
+        _log_layer_shapes(transformer, handle, xparams)
     log.info(
         "parallelize %s: world=%d sp=%d ep=%d cfg=%d (rank %d: cfg branch %d, shard %d), %d MoE layers on EP",
-        type(transformer).__name__, world, config.sp, config.ep, config.cfg, groups.rank, groups.cfg_rank,
-        groups.sp_rank, handle.num_moe_layers,
+        " + ".join(type(t).__name__ for t in transformers), world, config.sp, config.ep, config.cfg, groups.rank,
+        groups.cfg_rank, groups.sp_rank, handle.num_moe_layers,
     )
     return handle
 
@@ -219,7 +237,7 @@ def _log_layer_shapes(transformer, handle: ParallelHandle, xparams) -> None:
                  "count (%s)", cls, hidden, experts, len(names), handle.config.ep, calibrated)
 
 
-def _apply(pipe, transformer, plan, handle: ParallelHandle, xparams) -> None:
+def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
@@ -228,7 +246,8 @@ def _apply(pipe, transformer, plan, handle: ParallelHandle, xparams) -> None:
 
     config, groups = handle.config, handle.groups
     if config.ep > 1:
-        undo_ep, handle.num_moe_layers = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group)
+        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group)
+        handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
 
     spec = plan.build_sp(transformer)
@@ -246,16 +265,25 @@ def _apply(pipe, transformer, plan, handle: ParallelHandle, xparams) -> None:
             hook = BatchedCFGHook(groups.cfg_group, groups.cfg_rank, plan.cfg_batch_dims, type(transformer))
         else:
             hook = PairedCFGHook(groups.cfg_group, groups.cfg_rank)
-            vae = getattr(pipe, "vae", None)
-            if vae is not None and hasattr(vae, "decode"):
-                decode = vae.decode
-
-                def checked_decode(*args, **kwargs):
-                    hook.check_no_pending("the VAE decode")
-                    return decode(*args, **kwargs)
-
-                vae.decode = checked_decode
-                handle._undo.append(lambda: vae.__dict__.pop("decode", None))
-        handle.cfg_hook = hook
+        handle.cfg_hooks.append(hook)
         registry.register_hook(hook, name)  # registered last = outermost: splits before the sequence hooks
         handle._undo.append(lambda: registry.remove_hook(name, recurse=False))
+
+
+def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
+    """Paired CFG: a conditional call left without its partner must fail before the VAE decodes it."""
+    from xstage_dit.patches.cfg_parallel import PairedCFGHook
+
+    paired = [h for h in handle.cfg_hooks if isinstance(h, PairedCFGHook)]
+    vae = getattr(pipe, "vae", None)
+    if not paired or vae is None or not hasattr(vae, "decode"):
+        return
+    decode = vae.decode
+
+    def checked_decode(*args, **kwargs):
+        for hook in paired:
+            hook.check_no_pending("the VAE decode")
+        return decode(*args, **kwargs)
+
+    vae.decode = checked_decode
+    handle._undo.append(lambda: vae.__dict__.pop("decode", None))
