@@ -9,46 +9,26 @@ SIGTERM to rank 0 (which stops the others), and when rank 0 exits it stops the o
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from xstage_dit.launch import free_port, gpus_are_shared, rank_env, stop_ranks
+
 log = logging.getLogger(__name__)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
-def supervise(world_size: int, argv: list[str], master_addr: str = "127.0.0.1") -> int:
+def supervise(world_size: int, argv: list[str]) -> int:
     """Run `python -m xstage_dit <argv>` as `world_size` ranks; return rank 0's exit code."""
     if world_size < 2:
         raise ValueError(f"expected world_size >= 2 for a supervised launch, got {world_size}")
-    port = _free_port(master_addr)
-    procs: list[subprocess.Popen] = []
-    for rank in range(world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size), GROUP_RANK="0", MASTER_ADDR=master_addr,
-                   MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "xstage_dit", *argv], env=env))
+    port = free_port()
+    share_gpu = gpus_are_shared(world_size)
+    # Own process groups: a terminal's Ctrl-C reaches the supervisor only, which forwards it to rank 0.
+    procs = [subprocess.Popen([sys.executable, "-m", "xstage_dit", *argv], start_new_session=True,
+                              env=rank_env(rank, world_size, port, share_gpu=share_gpu))
+             for rank in range(world_size)]
     print(f"xstage-dit serve: started {world_size} ranks (pids {', '.join(str(p.pid) for p in procs)})",
           file=sys.stderr, flush=True)
 
@@ -63,7 +43,7 @@ def supervise(world_size: int, argv: list[str], master_addr: str = "127.0.0.1") 
         while True:
             code0 = procs[0].poll()
             if code0 is not None:
-                _stop(procs[1:])
+                stop_ranks(procs[1:])
                 return code0
             for rank, p in enumerate(procs[1:], start=1):
                 code = p.poll()
@@ -76,4 +56,4 @@ def supervise(world_size: int, argv: list[str], master_addr: str = "127.0.0.1") 
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        _stop(procs)
+        stop_ranks(procs)

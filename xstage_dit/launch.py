@@ -30,8 +30,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gpus_are_shared(nproc: int) -> bool:
+    """True when `nproc` ranks must share GPUs (fewer GPUs than ranks): symmetric memory then needs
+    TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() < nproc
+
+
 def rank_env(rank: int, world_size: int, port: int, base: dict | None = None, *, share_gpu: bool = False) -> dict:
-    """The environment of rank `rank` (torchrun's variables)."""
+    """The environment of rank `rank` (torchrun's variables, plus the NVLink-multicast safety variables)."""
     from xstage_dit.distributed import SAFE_ENV
 
     env = dict(os.environ if base is None else base)
@@ -64,10 +72,8 @@ def launch(
         raise ValueError(f"expected nproc >= 1, got {nproc}")
     if not argv:
         raise ValueError("expected a command to launch, got an empty argv")
-    import torch
-
     port = free_port()
-    share_gpu = torch.cuda.is_available() and torch.cuda.device_count() < nproc
+    share_gpu = gpus_are_shared(nproc)
     # A supervisor stopped with SIGTERM (a job timeout) must take its ranks with it: they run in their
     # own sessions, so nothing else would stop them.
     def _on_term(signum, frame):
@@ -105,11 +111,11 @@ def launch(
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
-    _stop(procs, grace_s)
+    stop_ranks(procs, grace_s)
     return code
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float) -> None:
+def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM every running rank's process group, then SIGKILL what is left after `grace_s`."""
     for p in procs:
         if p.poll() is None:
