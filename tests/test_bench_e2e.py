@@ -1,0 +1,303 @@
+"""CPU tests of the end-to-end benchmark (`benchmarks/bench_e2e.py`, `xstage-dit bench`).
+
+The end-to-end test runs the real script on the tiny FLUX pipeline (1 prompt, 2 steps) through the
+`xstage-dit bench` entry point and checks what it writes; the others check the pieces whose numbers
+end up in the committed tables (percentiles, speedups, budget decisions, the transformer timer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from xstage_dit import cli
+from xstage_dit.commands import bench as bench_cli
+
+bench = bench_cli.load_script()
+
+
+def _patches_importable() -> bool:
+    try:
+        from xstage_dit.patches import ParallelConfig, parallelize  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs and helpers
+
+
+def test_prompts_file_is_a_varied_dozen():
+    prompts = bench.load_prompts(bench_cli.REPO_ROOT / "benchmarks" / "prompts.txt")
+    assert len(prompts) == 12
+    assert len(set(prompts)) == 12
+    assert any(len(p.split()) <= 3 for p in prompts), "expected a short prompt"
+    assert any(len(p.split()) > 70 for p in prompts), "expected a long prompt (past CLIP's 77-token window)"
+    assert sum(any(ord(ch) > 127 for ch in p) for p in prompts) >= 3, "expected several non-ASCII prompts"
+    assert bench.load_prompts(bench_cli.REPO_ROOT / "benchmarks" / "prompts.txt", 2) == prompts[:2]
+
+
+def test_load_prompts_skips_comments_and_rejects_too_many(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\n\n  first  \nsecond\n", encoding="utf-8")
+    assert bench.load_prompts(path) == ["first", "second"]
+    with pytest.raises(ValueError, match="num-prompts <= 2.*got 3"):
+        bench.load_prompts(path, 3)
+    path.write_text("# only a comment\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="at least one prompt"):
+        bench.load_prompts(path)
+
+
+def test_percentile_interpolates_between_order_statistics():
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    assert bench.percentile([5.0], 90) == 5.0
+    values = list(np.random.default_rng(0).random(11))
+    assert bench.percentile(values, 50) == pytest.approx(statistics.median(values))
+
+
+def test_model_slug_and_gpu_label():
+    assert bench.model_slug("full-flux") == "full-flux"
+    assert bench.model_slug("/data/models/FLUX.1-dev") == "FLUX.1-dev"
+    assert bench.gpu_label(torch.device("cpu")) == "cpu"
+
+
+def test_transformer_timer_counts_each_forward_and_detaches():
+    module = torch.nn.Linear(8, 8)
+    timer = bench.TransformerTimer(module, torch.device("cpu"))
+    for _ in range(3):
+        module(torch.randn(2, 8))
+    total_s, calls = timer.collect()
+    assert calls == 3 and total_s > 0
+    assert timer.collect() == (0, 0)  # collect starts a new window
+    timer.remove()
+    module(torch.randn(2, 8))
+    assert timer.collect() == (0, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options: one-line errors naming the bad value
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--steps", "0"], "--steps >= 1, got 0"),
+        (["--num-prompts", "-1"], "--num-prompts >= 1, got -1"),
+        (["--warmup", "-2"], "--warmup >= 0, got -2"),
+        (["--contenders", "diffusers,vllm"], "'diffusers,vllm'"),
+        (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--gpus", "2"], "--gpus 2"),
+    ],
+)
+def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xstage-dit: error:") and "\n" not in err
+    assert needle in err
+
+
+def test_help_lists_every_contender(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in bench_cli.CONTENDERS:
+        assert name in out
+    assert "--compile" in out and "--time-budget-s" in out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Results: summary, comparisons, run order, budget
+
+
+def _ok(name, median, step_s=0.1, compile=False):
+    family = name.replace("+compile", "")
+    return {"name": name, "family": family, "compile": compile, "status": "ok",
+            "latency_s": {"median": median, "p90": median, "min": median, "max": median, "all": [median]},
+            "transformer_step_s": {"median": step_s, "all": [step_s]}, "warmup_s": 1.0}
+
+
+def test_summary_and_comparisons_are_the_measured_ratios():
+    records = [
+        _ok("diffusers", 2.0),
+        _ok("xstage-serial", 1.6),
+        _ok("xstage-calibrated", 1.25),
+        _ok("diffusers+compile", 1.0, compile=True),
+        _ok("xstage-serial+compile", 0.8, compile=True),
+        {"name": "xfuser-usp", "family": "xfuser-usp", "compile": False, "status": "cannot run", "reason": "why"},
+    ]
+    bench.add_comparisons(records, default_steps=28, steps=4)
+    summary = bench.build_summary(records, steps=4)
+    by = summary["contenders"]
+    assert summary["baseline"] == "diffusers" and summary["measured_at_steps"] == 4
+    assert by["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
+    assert by["xstage-calibrated"] == {"status": "ok", "median_latency_s": 1.25, "speedup_vs_diffusers_1gpu": pytest.approx(1.6)}
+    assert by["xstage-serial+compile"]["speedup_vs_diffusers_1gpu"] == pytest.approx(2.5)
+    assert by["xfuser-usp"] == {"status": "cannot run", "reason": "why"}
+    rec = {r["name"]: r for r in records}
+    assert rec["xstage-calibrated"]["speedup_vs_xstage_serial"] == pytest.approx(1.28)
+    assert rec["xstage-serial+compile"]["speedup_vs_diffusers_same_compile"] == pytest.approx(1.25)
+    # 24 missing steps at the measured 0.1 s/step, labelled as an extrapolation.
+    assert rec["diffusers"]["latency_s_at_default_steps_extrapolated"] == pytest.approx(2.0 + 24 * 0.1)
+
+
+def test_run_order_baseline_first_irreversible_last():
+    order = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=4)]
+    assert order[0] == "diffusers"
+    assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
+    assert order1[-2:] == ["diffusers-cp", "diffusers-cp+compile"]  # xfuser at degree 1 can be undone
+    skipped = bench.make_contenders(["diffusers"], False)
+    assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
+
+
+class _Args:
+    compile_estimate_s = 100.0
+    time_budget_s = 0.0
+
+
+class _FakePipe:
+    """Stands in for a pipeline: a transformer module called `steps` times per generation."""
+
+    def __init__(self):
+        self.transformer = torch.nn.Linear(4, 4)
+
+    def __call__(self, num_inference_steps, **_):
+        for _ in range(num_inference_steps):
+            self.transformer(torch.randn(1, 4))
+        return type("Out", (), {"images": np.zeros((1, 2, 2, 3), np.float32)})()
+
+
+def _fake_bench(**over):
+    class FakeBench(bench.Bench):
+        def call_kwargs(self, prompt, steps):
+            return {"num_inference_steps": steps}
+
+    args = _Args()
+    args.warmup, args.warmup_steps = 1, 1
+    fields = dict(args=args, spec=None, pipe=_FakePipe(), device=torch.device("cpu"), dtype=torch.float32,
+                  rank=0, world_size=1, prompts=["a", "b", "c"], steps=3, height=8, width=8, frames=1,
+                  t_start=0.0, build_s=7.0)
+    fields.update(over)
+    return FakeBench(**fields)
+
+
+def test_budget_estimate_uses_the_measured_baseline():
+    b = _fake_bench()
+    baseline = _ok("diffusers", 2.0)
+    plain, compiled = bench.PlainDiffusers(False), bench.PlainDiffusers(True)
+    assert bench.estimate_cost_s(b, plain, None) is None  # nothing measured yet: run it
+    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0)
+    assert bench.estimate_cost_s(b, compiled, baseline) == pytest.approx(1.0 + 3 * 2.0 + 100.0)
+    b.dirty = "xfuser-usp"  # a pristine pipeline has to be built again first
+    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
+
+
+def test_measure_times_every_prompt_and_counts_forwards():
+    b = _fake_bench()
+    record, output = bench.measure(b, bench.PlainDiffusers(False), None)
+    assert record["status"] == "ok", record
+    assert len(record["latency_s"]["all"]) == 3
+    assert record["transformer_forwards_per_step"] == 1.0
+    assert record["transformer_step_s"]["median"] > 0
+    assert output.shape == (2, 2, 3)
+
+
+def test_measure_reports_a_failing_contender_and_undoes_it():
+    events = []
+
+    class Broken(bench.Contender):
+        family = "broken"
+
+        def apply(self, b):
+            events.append("apply")
+
+        def call(self, b, kwargs):
+            raise RuntimeError("boom at step 1")
+
+        def restore(self, b):
+            events.append("restore")
+
+    b = _fake_bench()
+    record, output = bench.measure(b, Broken(False), None)
+    assert record["status"] == "failed" and "RuntimeError: boom at step 1" in record["reason"]
+    assert events == ["apply", "restore"] and output is None
+    assert b.pipe.transformer._forward_hooks == {}  # the timer's hooks are gone too
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end on the tiny FLUX pipeline (CPU)
+
+
+def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
+    rc = cli.main([
+        "bench", "--model", "tiny-flux", "--num-prompts", "1", "--steps", "2", "--out-dir", str(tmp_path),
+        # Compile variants are requested but cannot fit the budget: reported as skipped, never omitted.
+        "--compile", "--compile-estimate-s", "1e6", "--time-budget-s", "1e5",
+    ])
+    assert rc == 0
+    stem = tmp_path / "e2e-tiny-flux-1xcpu"
+    record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in record["contenders"]}
+    expected = {n + s for n in bench_cli.CONTENDERS for s in ("", "+compile")}
+    assert set(rows) == expected
+
+    base = rows["diffusers"]
+    assert base["status"] == "ok"
+    assert len(base["latency_s"]["all"]) == 1 and base["latency_s"]["median"] > 0
+    assert 0 < base["transformer_step_s"]["median"] < base["latency_s"]["median"]
+    assert base["transformer_forwards_per_step"] == 1.0  # FLUX.1-dev: guidance-distilled, one forward a step
+    assert base["peak_memory_gib"] is None  # CPU
+
+    for name, row in rows.items():
+        assert row["status"] in ("ok", "cannot run", "skipped", "failed"), row
+        if row["status"] != "ok":
+            assert row["reason"], f"{name} has no reason"
+        if name.endswith("+compile"):
+            eager = rows[name.replace("+compile", "")]
+            if eager["status"] == "cannot run":  # the same detected reason, before any budget question
+                assert (row["status"], row["reason"]) == ("cannot run", eager["reason"])
+            else:
+                assert row["status"] == "skipped" and row["reason"].startswith("time budget"), row
+    # On one process, diffusers' native context parallelism refuses degree 1 (detected, not assumed).
+    assert rows["diffusers-cp"]["status"] == "cannot run"
+    assert "ulysses_degree=1" in rows["diffusers-cp"]["reason"]
+    assert rows["xfuser-usp"]["status"] == "cannot run"
+    if _patches_importable():
+        for name in ("xstage-serial", "xstage-calibrated"):
+            assert rows[name]["status"] == "ok", rows[name]
+            # Same seed, same prompt, world 1, fp32: the same image as plain diffusers.
+            assert rows[name]["output_max_abs_diff_vs_diffusers"] < 1e-3
+
+    summary = record["summary"]
+    assert summary["measured_at_steps"] == 2 and summary["baseline"] == "diffusers"
+    assert set(summary["contenders"]) == expected
+    assert summary["contenders"]["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
+    assert math.isclose(summary["contenders"]["diffusers"]["median_latency_s"], base["latency_s"]["median"])
+    settings = record["settings"]
+    assert (settings["steps"], settings["default_steps"], settings["num_prompts"]) == (2, 4, 1)
+    assert record["environment"]["torch"] and record["environment"]["git_commit"]
+    assert record["command"].startswith("xstage-dit bench") and "--steps 2" in record["command"]
+
+    md = stem.with_suffix(".md").read_text(encoding="utf-8")
+    assert "measured at 2 steps" in md
+    for family in bench_cli.CONTENDERS:
+        assert f"| {family} |" in md
+    assert "time budget" in md
+
+    png = stem.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.width > 200 and image.height > 200
+    assert "wrote" in capsys.readouterr().out
