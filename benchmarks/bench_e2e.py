@@ -443,6 +443,9 @@ class DiffusersCP(Contender):
         import diffusers
 
         transformer = b.pipe.transformer
+        if torch.accelerator.device_count() == 0:
+            # enable_parallelism places rank r on accelerator r % device_count (a ZeroDivisionError here).
+            return f"diffusers {diffusers.__version__} context parallelism needs an accelerator, found none"
         if getattr(transformer, "_cp_plan", None) is None:
             return f"{type(transformer).__name__} ships no _cp_plan in diffusers {diffusers.__version__}"
         try:

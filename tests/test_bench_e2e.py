@@ -268,9 +268,9 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
                 assert (row["status"], row["reason"]) == ("cannot run", eager["reason"])
             else:
                 assert row["status"] == "skipped" and row["reason"].startswith("time budget"), row
-    # On one process, diffusers' native context parallelism refuses degree 1 (detected, not assumed).
+    # diffusers' native context parallelism needs an accelerator (and refuses degree 1): detected, not assumed.
     assert rows["diffusers-cp"]["status"] == "cannot run"
-    assert "ulysses_degree=1" in rows["diffusers-cp"]["reason"]
+    assert "needs an accelerator" in rows["diffusers-cp"]["reason"]
     assert rows["xfuser-usp"]["status"] == "cannot run"
     if _patches_importable():
         for name in ("xstage-serial", "xstage-calibrated"):
@@ -301,3 +301,15 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     with Image.open(png) as image:
         assert image.width > 200 and image.height > 200
     assert "wrote" in capsys.readouterr().out
+
+
+def test_diffusers_cp_reasons_are_detected(monkeypatch):
+    b = _fake_bench()
+    cp = bench.DiffusersCP(False)
+    if torch.accelerator.device_count() == 0:
+        assert "needs an accelerator" in cp.check(b)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert "Linear ships no _cp_plan" in cp.check(b)
+    b.pipe.transformer._cp_plan = {"": {}}
+    reason = cp.check(b)  # world 1: diffusers itself refuses a Ulysses degree of 1
+    assert "ContextParallelConfig(ulysses_degree=1) refuses" in reason and "greater than 1" in reason
