@@ -341,11 +341,12 @@ class XStage(Contender):
         from xstage_dit.patches import parallelize
 
         self.handle = parallelize(b.pipe, self._config(b))
-        for attr in ("schedules", "choices", "schedule_choices", "report"):
-            value = getattr(self.handle, attr, None)
-            if value is not None and not callable(value):
-                self.info["schedules"] = _jsonable(value)
-                break
+        calibration = getattr(self.handle, "calibration", None)
+        self.info["calibration"] = None if calibration is None else {
+            "source": getattr(calibration, "source", None),
+            "machine_key": getattr(calibration, "machine_key", None),
+            "params": _jsonable(getattr(calibration, "params", None)),
+        }
         super().apply(b)
 
     def restore(self, b: Bench) -> None:
@@ -353,15 +354,9 @@ class XStage(Contender):
         handle, self.handle = self.handle, None
         if handle is None:
             return
-        for attr in ("restore", "remove", "undo"):
-            undo = getattr(handle, attr, None)
-            if callable(undo):
-                undo()
-                return
-        if callable(handle):
-            handle()
-            return
-        raise RuntimeError(f"expected the parallelize handle to have restore(), got {type(handle).__name__}")
+        # The attention schedule per distinct layer shape, filled as the shapes were first seen.
+        self.info["schedules"] = _jsonable(getattr(handle, "schedule_choices", None))
+        handle.restore()
 
 
 class XFuserUSP(Contender):
@@ -660,7 +655,7 @@ def markdown(record: dict) -> str:
             notes = []
             if r.get("xfuser_naive_forward"):
                 notes.append("xfuser at degree 1 runs the unmodified diffusers pipeline")
-            if r.get("schedules") is not None:
+            if r.get("schedules"):
                 notes.append("schedules: " + json.dumps(r["schedules"], ensure_ascii=False)[:300])
             if "latency_s_at_default_steps_extrapolated" in r:
                 notes.append(f"{_fmt(r['latency_s_at_default_steps_extrapolated'], '.2f')} s at "
