@@ -185,6 +185,7 @@ class Bench:
     t_start: float
     build_s: float = 0.0
     eager_transformer: torch.nn.Module | None = None
+    compiled_blocks: list = dataclasses.field(default_factory=list)
     # Which contender left the pipeline modified beyond undoing (None: pristine). A contender that does not
     # accept that state gets a freshly built pipeline first.
     dirty: str | None = None
@@ -197,6 +198,7 @@ class Bench:
 
         self.pipe = None
         self.eager_transformer = None
+        self.compiled_blocks = []
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -218,16 +220,33 @@ class Bench:
             return math.inf
         return self.args.time_budget_s - (time.perf_counter() - self.t_start)
 
-    def compile_transformer(self) -> None:
-        """Swap in ``torch.compile`` of the current transformer (the eager one is kept for ``uncompile``)."""
-        self.eager_transformer = self.pipe.transformer
-        self.pipe.transformer = torch.compile(self.eager_transformer)
+    def compile_transformer(self) -> str:
+        """``torch.compile`` the current transformer; returns how.
+
+        regional: diffusers' ``compile_repeated_blocks`` (each repeated transformer block compiled once
+        and reused: what diffusers recommends, and a fraction of the compile time); full: the whole
+        module (``--compile-mode full``, or a model without ``_repeated_blocks``).
+        """
+        transformer = self.pipe.transformer
+        if self.args.compile_mode == "regional" and getattr(transformer, "_repeated_blocks", None):
+            transformer.compile_repeated_blocks()
+            self.compiled_blocks = [m for m in transformer.modules() if "_compiled_call_impl" in vars(m)]
+            return "regional (compile_repeated_blocks)"
+        self.eager_transformer = transformer
+        self.pipe.transformer = torch.compile(transformer)
+        return "full module"
 
     def uncompile(self) -> None:
+        if self.eager_transformer is None and not self.compiled_blocks:
+            return
         if self.eager_transformer is not None:
             self.pipe.transformer = self.eager_transformer
             self.eager_transformer = None
-            torch._dynamo.reset()  # compiled graphs hold on to the patched modules and their buffers
+        for module in self.compiled_blocks:
+            # nn.Module.compile() sets this instance attribute; without it the class default (None) runs eager.
+            vars(module).pop("_compiled_call_impl", None)
+        self.compiled_blocks = []
+        torch._dynamo.reset()  # compiled graphs hold on to the patched modules and their buffers
 
     def ensure_process_group(self) -> None:
         """A process group for contenders that need one: torchrun's, or a group of one on this machine."""
@@ -294,7 +313,7 @@ class Contender:
 
     def apply(self, b: Bench) -> None:
         if self.compile:
-            b.compile_transformer()
+            self.info["compile_mode"] = b.compile_transformer()
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)
@@ -404,6 +423,8 @@ class XFuserUSP(Contender):
         # With use_torch_compile it sets a compiled `forward` on the transformer instance itself.
         self.had_forward_attr = "forward" in vars(b.pipe.transformer)
         self.wrapper = self.wrapper_class(b.pipe, engine_config)
+        if self.compile:
+            self.info["compile_mode"] = "xfuser use_torch_compile (torch.compile of the transformer's forward)"
         naive = getattr(self.wrapper, "use_naive_forward", None)
         if callable(naive):
             # At degree 1 xfuser runs the unmodified diffusers pipeline: record it, the table says so.
@@ -634,6 +655,13 @@ def _fmt(value, spec: str, missing: str = "–") -> str:
     return missing if value is None else format(value, spec)
 
 
+def _compile_cell(r: dict) -> str:
+    if not r["compile"]:
+        return "no"
+    mode = r.get("compile_mode", "")
+    return "yes" + (f" ({mode.split(' ')[0]})" if mode else "")
+
+
 def markdown(record: dict) -> str:
     s = record["settings"]
     env = record["environment"]
@@ -661,7 +689,7 @@ def markdown(record: dict) -> str:
                 notes.append(f"{_fmt(r['latency_s_at_default_steps_extrapolated'], '.2f')} s at "
                              f"{s['default_steps']} steps (extrapolated, not measured)")
             lines.append(
-                f"| {r['family']} | {'yes' if r['compile'] else 'no'} | ok | {r['latency_s']['median']:.3f} "
+                f"| {r['family']} | {_compile_cell(r)} | ok | {r['latency_s']['median']:.3f} "
                 f"| {r['latency_s']['p90']:.3f} | {1e3 * r['transformer_step_s']['median']:.1f} "
                 f"| {_fmt(r.get('peak_memory_gib'), '.1f')} | {_fmt(r.get('speedup_vs_diffusers_1gpu'), '.3f')}x "
                 f"| {_fmt(r.get('speedup_vs_diffusers_same_compile'), '.3f')} "

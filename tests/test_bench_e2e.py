@@ -162,6 +162,7 @@ def test_run_order_baseline_first_irreversible_last():
 
 class _Args:
     compile_estimate_s = 100.0
+    compile_mode = "regional"
     time_budget_s = 0.0
 
 

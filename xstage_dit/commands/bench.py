@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="also run each contender with torch.compile on the transformer (reported as skipped "
                              "otherwise)")
+    parser.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
+                        help="regional = diffusers' compile_repeated_blocks (each repeated block compiled once; "
+                             "the whole module where a model has none), full = torch.compile of the whole "
+                             "transformer (default: %(default)s)")
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
