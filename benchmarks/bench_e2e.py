@@ -822,11 +822,14 @@ def run_benchmark(args: argparse.Namespace) -> int:
                          f"with torchrun --nproc-per-node {gpus}), got --gpus {gpus}")
     device = _resolve_device(args.device) if info.world_size == 1 else info.device
     dtype = DTYPES["bf16" if device.type == "cuda" else "fp32"] if args.dtype == "auto" else DTYPES[args.dtype]
-    prompts = load_prompts(args.prompts, args.num_prompts)
     steps = args.steps or spec.steps
     height, width = args.height or spec.height, args.width or spec.width
     frames = (args.frames or spec.frames) if spec.kind == "video" else 1
-    spec.check_size(height, width, frames)  # a bad size fails here, before the model is built
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts)
+        spec.check_size(height, width, frames)  # a bad size fails here, before the model is built
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed)

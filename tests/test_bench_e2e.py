@@ -95,6 +95,8 @@ def test_transformer_timer_counts_each_forward_and_detaches():
         (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
         (["--model", "no-such-model"], "no-such-model"),
         (["--gpus", "2"], "--gpus 2"),
+        (["--num-prompts", "13"], "got 13"),
+        (["--height", "100"], "height to be a positive multiple of 16 for tiny-flux, got 100"),
     ],
 )
 def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
