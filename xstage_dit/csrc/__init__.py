@@ -1,0 +1,1 @@
+"""CUDA C++ sources (plain C ABI) and their nvcc build + ctypes bindings."""
