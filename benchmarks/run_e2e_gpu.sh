@@ -12,7 +12,9 @@
 #   bash benchmarks/run_e2e_gpu.sh prepare          # adds xfuser 0.7.0 and its small deps to ./.whl
 #   (diffusers' wheel comes from shared/tools/device-wheels.sh diffusers==0.42.1, also into ./.whl)
 # Then, on the device (the checkout copied to .carry-bench, wheels in .whl at the repository root):
-#   run(command="cd .carry-bench && bash benchmarks/run_e2e_gpu.sh", carry=[".carry-bench", ".whl"], timeout_s=480)
+#   run(command="XSTAGE_GIT_COMMIT=<sha> bash benchmarks/run_e2e_gpu.sh", carry=[".whl"], timeout_s=480)
+# (from a checkout where this branch is merged; else copy the worktree to .carry-bench, carry it too and
+# start the command with "cd .carry-bench &&"). The tree travels without .git: XSTAGE_GIT_COMMIT names it.
 #
 # Knobs (environment): E2E_TOTAL_S (whole call, default 420), E2E_FLUX_S / E2E_NUCLEUS_S / E2E_WAN_S (soft
 # budgets per model, defaults 170 / 80 / 150), E2E_FLUX_PROMPTS (2), E2E_NUCLEUS_PROMPTS (2),
@@ -36,6 +38,9 @@ size="${E2E_SIZE:-full}"
 mkdir -p "$OUT/results" "$OUT/logs"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# One X-Stage calibration for the whole call: the first xstage-calibrated contender measures (a few
+# seconds), the later models load it.
+export XSTAGE_DIT_CACHE="${XSTAGE_DIT_CACHE:-/tmp/xstage-e2e-cache}"
 
 # Carried wheels (diffusers, xfuser and the few packages the device image lacks) into a private site dir.
 site="$(mktemp -d)"
