@@ -484,8 +484,9 @@ class DiffusersCP(Contender):
 
 
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1) -> list[Contender]:
-    """Run order: the reversible eager contenders (the baseline leading), their compiled variants, then
-    each irreversible contender with its compiled variant (they leave the pipeline modified)."""
+    """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
+    the other reversible stacks, then each irreversible contender with its compiled variant (they leave
+    the pipeline modified)."""
     factories = {
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
@@ -495,9 +496,12 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1) -
     }
     eager = [factories[n](False) for n in names]
     compiled = [factories[n](True) for n in names]
-    ordered = [c for c in eager + compiled if not c.irreversible]
+    # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
+    # before a diffusers/xstage measurement.
+    ours = [c for c in eager + compiled if c.family in ("diffusers", "xstage-serial", "xstage-calibrated")]
+    ordered = ours + [c for c in eager + compiled if c not in ours and not c.irreversible]
     for e, c in zip(eager, compiled):
-        if e.irreversible:
+        if e.irreversible and e not in ordered:
             ordered += [e, c]
     if not with_compile:
         for c in compiled:
@@ -762,6 +766,7 @@ def environment(device: torch.device) -> dict:
                                            text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
+    env["git_commit"] = env["git_commit"] or os.environ.get("XSTAGE_GIT_COMMIT")  # a tree copied without .git
     return env
 
 

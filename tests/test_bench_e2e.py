@@ -156,8 +156,11 @@ def test_run_order_baseline_first_irreversible_last():
     order = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
     assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    assert order[:6] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers+compile",
+                         "xstage-serial+compile", "xstage-calibrated+compile"]
     order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
-    assert order1[-2:] == ["diffusers-cp", "diffusers-cp+compile"]  # xfuser at degree 1 can be undone
+    assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    assert len(order1) == len(set(order1)) == 10
     skipped = bench.make_contenders(["diffusers"], False)
     assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
 
