@@ -319,3 +319,27 @@ def test_diffusers_cp_reasons_are_detected(monkeypatch):
     b.pipe.transformer._cp_plan = {"": {}}
     reason = cp.check(b)  # world 1: diffusers itself refuses a Ulysses degree of 1
     assert "ContextParallelConfig(ulysses_degree=1) refuses" in reason and "greater than 1" in reason
+
+
+def test_two_ranks_agree_and_rank0_writes(tmp_path):
+    """torchrun with 2 CPU ranks (gloo): every rank takes the same decisions, rank 0 writes the files."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(bench_cli.REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(bench_cli.SCRIPT), "--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1",
+           "--steps", "1", "--warmup", "0", "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"e2e-tiny-flux-2xcpu.{s}" for s in ("json", "md", "png")]
+    record = json.loads((tmp_path / "e2e-tiny-flux-2xcpu.json").read_text(encoding="utf-8"))
+    assert record["settings"]["gpus"] == record["settings"]["world_size"] == 2
+    rows = {r["name"]: r for r in record["contenders"]}
+    assert rows["diffusers"]["status"] == "ok"
+    assert proc.stdout.count("[bench] diffusers: ok") == 1  # rank 0 reports, the other rank is silent
+    if _patches_importable():
+        assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
+        assert rows["xstage-serial"]["parallel_config"]["sp"] == 2
+        assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 1e-3
