@@ -45,6 +45,8 @@ def test_help_documents_every_option(capsys):
         (["--output", "x.gif"], "x.gif"),
         (["--output", "x.mp4"], "x.mp4"),  # an image model cannot write a video
         (["--device", "tpu"], "tpu"),
+        (["--model", "tiny-wan", "--frames", "8"], "got 8"),  # Wan: 1 + a multiple of 4
+        (["--prompt", "   "], "prompt"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle, capsys):
@@ -73,3 +75,26 @@ def test_generate_writes_png_and_reports_time(tmp_path, capsys):
     assert len(np.unique(np.asarray(img).reshape(-1, 3), axis=0)) > 10  # a real image, not a constant fill
     stdout = capsys.readouterr().out
     assert str(out.resolve()) in stdout and "time:" in stdout
+
+
+def test_generate_video_as_mp4_and_as_frame_grid(tmp_path, capsys):
+    import imageio.v3 as iio
+
+    common = ["generate", "--model", "tiny-wan", "--frames", "5", "--height", "32", "--width", "48", "--steps", "1",
+              "--no-progress"]
+    assert main([*common, "--output", str(tmp_path / "v.mp4")]) == 0
+    assert iio.imread(tmp_path / "v.mp4").shape[:3] == (5, 32, 48)
+    assert main([*common, "--output", str(tmp_path / "v.png")]) == 0
+    assert Image.open(tmp_path / "v.png").size == (3 * 48, 2 * 32)  # 5 frames in a 3 x 2 grid
+    assert "5 frames" in capsys.readouterr().out
+
+
+def test_generate_from_a_local_diffusers_folder(tmp_path, capsys):
+    from xstage_dit.models import load_pipeline
+
+    load_pipeline("tiny-flux", seed=2).save_pretrained(tmp_path / "my-flux")
+    out = tmp_path / "local.png"
+    rc = main(["generate", "--model", str(tmp_path / "my-flux"), "--steps", "1", "--height", "32", "--width", "32",
+               "--output", str(out), "--no-progress"])
+    assert rc == 0 and Image.open(out).size == (32, 32)
+    assert "my-flux" in capsys.readouterr().out

@@ -133,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
     t_gen = time.perf_counter() - t1
     images = to_pil_frames(result, spec.kind)
     path = save_output(images, output, kind=spec.kind, fps=spec.fps)
-    what = f"{width}x{height}" + (f"x{len(images)} frames" if spec.kind == "video" else "")
+    # The size actually made: HiDream, for one, keeps a fixed pixel area and only follows the aspect ratio.
+    what = "x".join(map(str, images[0].size)) + (f", {len(images)} frames" if spec.kind == "video" else "")
     print(f"wrote {path.resolve()} ({spec.name}, {what}, {kwargs['num_inference_steps']} steps, {device}, "
           f"{str(dtype).removeprefix('torch.')})")
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "

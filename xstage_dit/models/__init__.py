@@ -24,7 +24,7 @@ import torch
 from xstage_dit.models.registry import FAMILY_MODULES, MODELS, PIPELINE_FAMILIES
 from xstage_dit.models.spec import ModelSpec
 
-__all__ = ["ModelSpec", "MODELS", "load_pipeline", "model_spec", "model_names"]
+__all__ = ["ModelSpec", "MODELS", "load_pipeline", "load_transformer", "model_spec", "model_names"]
 
 
 def model_names() -> list[str]:
@@ -74,7 +74,8 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
 
     model: a name from ``model_names()`` (random weights, deterministic in ``seed``) or a local diffusers
         folder (real weights, loaded with ``DiffusionPipeline.from_pretrained``; ``seed`` unused).
-    Returns the pipeline with every component on ``device``.
+    device: where the weights are created (``"meta"`` builds the architecture only, e.g. to count parameters).
+    Returns the pipeline with every component on ``device``, progress bar off.
     """
     spec = model_spec(model)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -83,9 +84,24 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
     if spec.size == "local":
         from diffusers import DiffusionPipeline
 
-        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype)
-        return pipe.to(device)
-    builder = importlib.import_module(FAMILY_MODULES[spec.family])
-    pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
-    pipe.set_progress_bar_config(disable=True)
+        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype).to(device)
+    else:
+        builder = importlib.import_module(FAMILY_MODULES[spec.family])
+        pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
+    pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     return pipe
+
+
+def load_transformer(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                     seed: int = 0) -> torch.nn.Module:
+    """Only the denoising transformer of a built-in model (what step and layer benchmarks need).
+
+    Same weights as ``load_pipeline(model, seed=seed).transformer``; no text encoder or VAE is built.
+    """
+    spec = model_spec(model)
+    if spec.size == "local":
+        raise ValueError(f"expected a built-in model name for load_transformer, got the folder {model!r}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
+    builder = importlib.import_module(FAMILY_MODULES[spec.family])
+    return builder.build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed))

@@ -9,6 +9,14 @@ from __future__ import annotations
 import torch
 
 
+def image_ids(h: int, w: int, *, device, dtype) -> torch.Tensor:
+    """Position ids of packed latents, (h*w, 3): (0, row, column), as FluxPipeline makes them."""
+    ids = torch.zeros(h, w, 3, device=device, dtype=dtype)
+    ids[..., 1] = torch.arange(h, device=device, dtype=dtype)[:, None]
+    ids[..., 2] = torch.arange(w, device=device, dtype=dtype)[None, :]
+    return ids.reshape(h * w, 3)
+
+
 def transformer_inputs(config, *, height: int, width: int, text_tokens: int = 512, batch: int = 1,
                        dtype: torch.dtype = torch.bfloat16, device="cuda", seed: int = 0,
                        vae_scale_factor: int = 8) -> dict:
@@ -18,8 +26,6 @@ def transformer_inputs(config, *, height: int, width: int, text_tokens: int = 51
     (batch, text_tokens, joint_attention_dim); pooled_projections: (batch, pooled_projection_dim);
     img_ids: ((H/16)*(W/16), 3); txt_ids: (text_tokens, 3); timestep, guidance: (batch,).
     """
-    from diffusers import FluxPipeline
-
     multiple = vae_scale_factor * 2
     for label, value in (("height", height), ("width", width)):
         if value < multiple or value % multiple:
@@ -38,7 +44,7 @@ def transformer_inputs(config, *, height: int, width: int, text_tokens: int = 51
         encoder_hidden_states=randn(batch, text_tokens, config.joint_attention_dim),
         pooled_projections=randn(batch, config.pooled_projection_dim),
         timestep=torch.full((batch,), 0.5, device=device, dtype=dtype),
-        img_ids=FluxPipeline._prepare_latent_image_ids(batch, h, w, device, dtype),
+        img_ids=image_ids(h, w, device=device, dtype=dtype),
         txt_ids=torch.zeros(text_tokens, 3, device=device, dtype=dtype),
     )
     if config.guidance_embeds:

@@ -37,6 +37,42 @@ def _specs() -> dict[str, ModelSpec]:
             patch_multiple=16, height=1024, width=1024, steps=28, guidance=3.5, max_sequence_length=512,
             description="FLUX.1-dev dimensions (12B transformer: 19 double + 38 single blocks, 24 x 128), random weights",
         ),
+        ModelSpec(
+            name="tiny-wan", family="wan", size="tiny", kind="video", pipeline_class="WanPipeline",
+            patch_multiple=16, height=128, width=128, frames=9, frame_multiple=4, steps=4, guidance=5.0,
+            max_sequence_length=32, fps=16,
+            description="Wan 2.1 T2V architecture, 2 blocks, 2 heads x 16, random weights (CPU seconds)",
+        ),
+        ModelSpec(
+            name="full-wan", family="wan", size="full", kind="video", pipeline_class="WanPipeline",
+            patch_multiple=16, height=480, width=832, frames=81, frame_multiple=4, steps=50, guidance=5.0,
+            max_sequence_length=512, fps=16,
+            description="Wan2.1-T2V-14B dimensions (40 blocks, 40 heads x 128), 480p x 81 frames, random weights",
+        ),
+        ModelSpec(
+            name="tiny-nucleusmoe", family="nucleusmoe", size="tiny", kind="image",
+            pipeline_class="NucleusMoEImagePipeline", patch_multiple=16, height=128, width=128, steps=4,
+            guidance=4.0, max_sequence_length=128,
+            description="NucleusMoE-Image architecture (3 dense + 1 MoE block, 4 experts), 2 heads x 32, random weights",
+        ),
+        ModelSpec(
+            name="full-nucleusmoe", family="nucleusmoe", size="full", kind="image",
+            pipeline_class="NucleusMoEImagePipeline", patch_multiple=16, height=1024, width=1024, steps=50,
+            guidance=4.0, max_sequence_length=1024,
+            description="Nucleus-Image dimensions (17B MoE transformer: 32 blocks, 64 experts x 1344, 16 x 128), "
+            "random weights",
+        ),
+        ModelSpec(
+            name="tiny-hidream", family="hidream", size="tiny", kind="image", pipeline_class="HiDreamImagePipeline",
+            patch_multiple=16, height=128, width=128, steps=4, guidance=5.0, max_sequence_length=32,
+            description="HiDream-I1 architecture (MoE: 4 experts, top-2), 1+1 blocks, 2 heads x 16, random weights",
+        ),
+        ModelSpec(
+            name="full-hidream", family="hidream", size="full", kind="image", pipeline_class="HiDreamImagePipeline",
+            patch_multiple=16, height=1024, width=1024, steps=50, guidance=5.0, max_sequence_length=128,
+            description="HiDream-I1-Full dimensions (17B MoE transformer: 16 double + 32 single blocks, 20 x 128), "
+            "random weights",
+        ),
     ]
     return {s.name: s for s in specs}
 
