@@ -38,14 +38,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-for _path in (str(REPO_ROOT), str(HERE)):  # the checkout's xstage_dit, and _common beside this file
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if str(REPO_ROOT) not in sys.path:  # the checkout's xstage_dit and benchmarks._common, run as a script
+    sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.commands import bench as bench_cli  # noqa: E402
 
 BASELINE = "diffusers"
@@ -539,7 +539,7 @@ def estimate_cost_s(b: Bench, contender: Contender, baseline: dict | None) -> fl
     assumed compile time, plus a rebuild of the pipeline when it needs a pristine one)."""
     if baseline is None or baseline.get("status") != "ok":
         return None
-    cost = baseline["warmup_s"] + baseline["latency_s"]["median"] * len(b.prompts)
+    cost = baseline["warmup_s"] + baseline["median_s"] * len(b.prompts)
     if contender.compile:
         cost += b.args.compile_estimate_s
     if not contender.accepts(b.dirty):
@@ -547,9 +547,17 @@ def estimate_cost_s(b: Bench, contender: Contender, baseline: dict | None) -> fl
     return cost
 
 
+def _row(contender: Contender, status: str, reason: str | None = None) -> dict:
+    """A result row: flat headline fields (the table's columns) first, details after."""
+    row = {"name": contender.name, "family": contender.family, "compile": contender.compile, "status": status}
+    if reason is not None:
+        row["reason"] = reason
+    return row
+
+
 def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tuple[dict, np.ndarray | None]:
-    """Apply, warm up, time every prompt, undo. Returns the record and the first prompt's output."""
-    record = {"name": contender.name, "family": contender.family, "compile": contender.compile}
+    """Apply, warm up, time every prompt, undo. Returns the row and the first prompt's output."""
+    row = _row(contender, "failed")
     stopwatch = Stopwatch(b.device)
     first_output = None
     timer = None
@@ -558,7 +566,7 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
         t0 = time.perf_counter()
         contender.apply(b)
         applied = True
-        record["setup_s"] = time.perf_counter() - t0
+        setup_s = time.perf_counter() - t0
         if b.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(b.device)
@@ -569,7 +577,7 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
             contender.call(b, b.call_kwargs(b.prompts[0], warmup_steps))
         if b.device.type == "cuda":
             torch.cuda.synchronize()
-        record["warmup_s"] = time.perf_counter() - t0
+        warmup_s = time.perf_counter() - t0
         timer.collect()
         latencies, step_times, forwards = [], [], []
         for i, prompt in enumerate(b.prompts):
@@ -580,21 +588,22 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
             forwards.append(calls)
             if i == 0:
                 first_output = _output_array(output)
-        record["status"] = "ok"
-        record["latency_s"] = {
-            "median": statistics.median(latencies), "p90": percentile(latencies, 90),
-            "min": min(latencies), "max": max(latencies), "all": latencies,
-        }
-        record["transformer_step_s"] = {"median": statistics.median(step_times), "all": step_times}
-        record["transformer_forwards_per_step"] = statistics.median(forwards) / b.steps
-        record["peak_memory_gib"] = (torch.cuda.max_memory_allocated(b.device) / 2**30
-                                     if b.device.type == "cuda" else None)
+        row.update(
+            status="ok",
+            median_s=statistics.median(latencies),
+            p90_s=percentile(latencies, 90),
+            transformer_step_ms=1e3 * statistics.median(step_times),
+            peak_memory_gib=(torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None),
+            latencies_s=latencies,
+            transformer_step_ms_all=[1e3 * t for t in step_times],
+            transformer_forwards_per_step=statistics.median(forwards) / b.steps,
+            setup_s=setup_s,
+            warmup_s=warmup_s,
+        )
         if reference is not None and first_output is not None and first_output.shape == reference.shape:
-            record["output_max_abs_diff_vs_diffusers"] = float(np.abs(first_output - reference).max())
+            row["output_max_abs_diff_vs_diffusers"] = float(np.abs(first_output - reference).max())
     except Exception as exc:
-        record["status"] = "failed"
-        record["reason"] = _error(exc)
-        record["traceback"] = traceback.format_exc(limit=8)[-4000:]
+        row.update(status="failed", reason=_error(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
     finally:
@@ -604,119 +613,102 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
             try:
                 contender.restore(b)
             except Exception as exc:  # the next contender gets a freshly built pipeline instead
-                record["restore_error"] = _error(exc)
+                row["restore_error"] = _error(exc)
                 b.dirty = f"{contender.name} (restore failed)"
-    record.update({k: v for k, v in contender.info.items() if k != "skip_reason"})
-    return record, first_output
+    row.update({k: v for k, v in contender.info.items() if k != "skip_reason"})
+    return row, first_output
 
 
 # ----------------------------------------------------------------------------------------------------
 # Results
 
 
-def build_summary(records: list[dict], steps: int) -> dict:
-    """Per contender: status, median latency (s) and speedup over plain diffusers on one GPU."""
-    by_name = {r["name"]: r for r in records}
-    base = by_name.get(BASELINE)
-    base_median = base["latency_s"]["median"] if base and base.get("status") == "ok" else None
-    contenders = {}
-    for r in records:
-        entry = {"status": r["status"]}
-        if r["status"] == "ok":
-            median = r["latency_s"]["median"]
-            entry["median_latency_s"] = median
-            entry["speedup_vs_diffusers_1gpu"] = base_median / median if base_median else None
-        else:
-            entry["reason"] = r.get("reason", "")
-        contenders[r["name"]] = entry
-    return {"baseline": BASELINE, "measured_at_steps": steps, "contenders": contenders}
+def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
+    """Ratios of measured medians: against plain diffusers on one GPU (eager: the headline), against
+    diffusers with the same compile setting, and calibrated against serial (the difference the
+    calibrated schedule makes); plus a labelled estimate at the model's default step count."""
+    by_name = {r["name"]: r for r in rows}
 
+    def median_of(name: str) -> float | None:
+        r = by_name.get(name)
+        return r["median_s"] if r is not None and r.get("status") == "ok" else None
 
-def add_comparisons(records: list[dict], default_steps: int, steps: int) -> None:
-    """Ratios that need several rows: against diffusers with the same compile setting, and calibrated
-    against serial (the difference the calibrated schedule makes); a labelled default-steps estimate."""
-    by_name = {r["name"]: r for r in records}
-    base = by_name.get(BASELINE)
-    base_median = base["latency_s"]["median"] if base and base.get("status") == "ok" else None
-    for r in records:
+    base = median_of(BASELINE)
+    for r in rows:
         if r.get("status") != "ok":
             continue
-        median = r["latency_s"]["median"]
-        r["speedup_vs_diffusers_1gpu"] = base_median / median if base_median else None
-        same = by_name.get(BASELINE + ("+compile" if r["compile"] else ""))
-        if same is not None and same.get("status") == "ok":
-            r["speedup_vs_diffusers_same_compile"] = same["latency_s"]["median"] / median
+        suffix = "+compile" if r["compile"] else ""
+        same, serial = median_of(BASELINE + suffix), median_of("xstage-serial" + suffix)
+        r["speedup_vs_diffusers_1gpu"] = base / r["median_s"] if base else None
+        r["speedup_vs_diffusers_same_compile"] = same / r["median_s"] if same else None
         if r["family"] == "xstage-calibrated":
-            serial = by_name.get("xstage-serial" + ("+compile" if r["compile"] else ""))
-            if serial is not None and serial.get("status") == "ok":
-                r["speedup_vs_xstage_serial"] = serial["latency_s"]["median"] / median
+            r["speedup_vs_xstage_serial"] = serial / r["median_s"] if serial else None
         if steps != default_steps:
             # Not measured: the measured latency plus the missing steps at the measured step time.
-            r["latency_s_at_default_steps_extrapolated"] = median + (default_steps - steps) * r["transformer_step_s"]["median"]
+            r["latency_s_at_default_steps_extrapolated"] = (
+                r["median_s"] + (default_steps - steps) * r["transformer_step_ms"] / 1e3)
 
 
-def _fmt(value, spec: str, missing: str = "–") -> str:
-    return missing if value is None else format(value, spec)
-
-
-def _compile_cell(r: dict) -> str:
-    if not r["compile"]:
-        return "no"
-    mode = r.get("compile_mode", "")
-    return "yes" + (f" ({mode.split(' ')[0]})" if mode else "")
-
-
-def markdown(record: dict) -> str:
-    s = record["settings"]
-    env = record["environment"]
-    lines = [
-        f"# End-to-end latency: {record['model']} on {s['gpus']}x {env.get('gpu_name') or 'CPU'}",
-        "",
-        f"{s['height']}x{s['width']}" + (f", {s['frames']} frames" if s["kind"] == "video" else "")
-        + f", **measured at {s['steps']} steps** (model default {s['default_steps']}), guidance {s['guidance']}, "
-        f"seed {s['seed']}, {s['dtype']}; {s['num_prompts']} prompt(s) each after {s['warmup']} warm-up run(s) "
-        f"of {s['warmup_steps']} step(s). Latency = whole pipeline call (text encoders, denoising, VAE decode). "
-        "Speedup = plain diffusers on one GPU (eager) / contender.",
-        "",
-        "| contender | compile | status | median s | p90 s | transformer ms/step | peak GiB | speedup vs diffusers 1-GPU "
-        "| vs diffusers same compile | vs xstage serial | max abs diff vs diffusers | notes |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in record["contenders"]:
+def build_summary(rows: list[dict], settings: dict) -> dict:
+    """Headline figures: per contender its status, median latency (s) and speedup over plain diffusers
+    on one GPU; with the settings they were measured at."""
+    contenders = {}
+    for r in rows:
         if r["status"] == "ok":
-            notes = []
-            if r.get("xfuser_naive_forward"):
-                notes.append("xfuser at degree 1 runs the unmodified diffusers pipeline")
-            if r.get("schedules"):
-                notes.append("schedules: " + json.dumps(r["schedules"], ensure_ascii=False)[:300])
-            if "latency_s_at_default_steps_extrapolated" in r:
-                notes.append(f"{_fmt(r['latency_s_at_default_steps_extrapolated'], '.2f')} s at "
-                             f"{s['default_steps']} steps (extrapolated, not measured)")
-            lines.append(
-                f"| {r['family']} | {_compile_cell(r)} | ok | {r['latency_s']['median']:.3f} "
-                f"| {r['latency_s']['p90']:.3f} | {1e3 * r['transformer_step_s']['median']:.1f} "
-                f"| {_fmt(r.get('peak_memory_gib'), '.1f')} | {_fmt(r.get('speedup_vs_diffusers_1gpu'), '.3f')}x "
-                f"| {_fmt(r.get('speedup_vs_diffusers_same_compile'), '.3f')} "
-                f"| {_fmt(r.get('speedup_vs_xstage_serial'), '.3f')} "
-                f"| {_fmt(r.get('output_max_abs_diff_vs_diffusers'), '.2e')} | {'; '.join(notes)} |"
-            )
+            contenders[r["name"]] = {"status": "ok", "median_latency_s": r["median_s"],
+                                     "speedup_vs_diffusers_1gpu": r.get("speedup_vs_diffusers_1gpu")}
         else:
-            reason = r.get("reason", "").replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['family']} | {'yes' if r['compile'] else 'no'} | {r['status']} "
-                         "| – | – | – | – | – | – | – | – | " + reason + " |")
-    lines += [
-        "",
-        f"Environment: {json.dumps(env, ensure_ascii=False)}",
-        "",
-        f"Command: `{record['command']}`",
-        "",
-    ]
-    return "\n".join(lines)
+            contenders[r["name"]] = {"status": r["status"], "reason": r.get("reason", "")}
+    return {"baseline": BASELINE, "measured_at_steps": settings["steps"], "contenders": contenders,
+            "settings": settings}
 
 
-def bar_chart(record: dict, path: Path) -> Path | None:
+TABLE_COLUMNS = ("name", "status", "median_s", "p90_s", "transformer_step_ms", "peak_memory_gib",
+                 "speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
+                 "output_max_abs_diff_vs_diffusers", "note")
+
+
+def add_notes(rows: list[dict], settings: dict) -> None:
+    """Each row's ``note`` (a table column): why it has no numbers, or what else it carries (compile
+    mode, schedules, xfuser's degree-1 path, the default-steps estimate)."""
+    for r in rows:
+        notes = []
+        if r["status"] != "ok":
+            notes.append(r.get("reason", ""))
+        if r.get("compile_mode"):
+            notes.append(f"compile: {r['compile_mode']}")
+        if r.get("xfuser_naive_forward"):
+            notes.append("xfuser at degree 1 runs the unmodified diffusers pipeline")
+        if r.get("schedules"):
+            notes.append("schedules: " + json.dumps(r["schedules"], ensure_ascii=False)[:300])
+        if "latency_s_at_default_steps_extrapolated" in r:
+            notes.append(f"{r['latency_s_at_default_steps_extrapolated']:.2f} s at {settings['default_steps']} "
+                         "steps (extrapolated from the measured step time, not measured)")
+        r["note"] = "; ".join(n for n in notes if n).replace("|", "/").replace("\n", " ")
+
+
+def notes_text(settings: dict) -> str:
+    s = settings
+    size = f"{s['height']}x{s['width']}" + (f", {s['frames']} frames" if s["kind"] == "video" else "")
+    return "\n".join([
+        f"Model {s['model']} ({s['family']}, {size}), **measured at {s['steps']} denoising steps** (model "
+        f"default {s['default_steps']}), guidance {s['guidance']}, seed {s['seed']}, {s['dtype']}, "
+        f"{s['gpus']} GPU(s); {s['num_prompts']} prompt(s) from benchmarks/prompts.txt per contender, each after "
+        f"{s['warmup']} warm-up run(s) of {s['warmup_steps']} step(s).",
+        "",
+        "median_s / p90_s: the whole pipeline call (text encoders, denoising, VAE decode), one run per prompt. "
+        "transformer_step_ms: CUDA events around every transformer forward, summed per denoising step "
+        "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
+        "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
+        "speedup_vs_xstage_serial: the difference the calibrated schedule makes.",
+        "",
+        f"Command: `{s['command']}`",
+    ])
+
+
+def bar_chart(rows: list[dict], settings: dict, gpu: str | None, path: Path) -> Path | None:
     """Median latency per measured contender, labelled with its speedup over plain diffusers on one GPU."""
-    rows = [r for r in record["contenders"] if r["status"] == "ok"]
+    rows = [r for r in rows if r["status"] == "ok"]
     if not rows:
         return None
     import matplotlib
@@ -724,20 +716,18 @@ def bar_chart(record: dict, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["name"] for r in rows]
-    medians = [r["latency_s"]["median"] for r in rows]
-    colors = ["#7f7f7f" if r["family"].startswith(("diffusers", "xfuser")) else "#1f77b4" for r in rows]
+    medians = [r["median_s"] for r in rows]
+    colors = ["#1f77b4" if r["family"].startswith("xstage") else "#7f7f7f" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.5))
     bars = ax.bar(range(len(rows)), medians, color=colors)
     for bar, r in zip(bars, rows):
         speedup = r.get("speedup_vs_diffusers_1gpu")
         ax.annotate(f"{speedup:.2f}x" if speedup else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=9, xytext=(0, 2), textcoords="offset points")
-    s = record["settings"]
-    ax.set_xticks(range(len(rows)), names, rotation=20, ha="right")
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=20, ha="right")
     ax.set_ylabel("median end-to-end latency (s)")
-    ax.set_title(f"{record['model']}, {s['gpus']}x {record['environment'].get('gpu_name') or 'CPU'}, "
-                 f"{s['height']}x{s['width']}, {s['steps']} steps (label: speedup vs diffusers 1-GPU)", fontsize=9)
+    ax.set_title(f"{settings['model']}, {settings['gpus']}x {gpu or 'CPU'}, {settings['height']}x{settings['width']}, "
+                 f"{settings['steps']} steps (label: speedup vs diffusers 1-GPU)", fontsize=9)
     ax.set_ylim(0, max(medians) * 1.15)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -745,40 +735,15 @@ def bar_chart(record: dict, path: Path) -> Path | None:
     return path
 
 
-def environment(device: torch.device) -> dict:
-    """GPU name, driver, versions and git commit of this run."""
-    import subprocess
-
-    env = {"gpu_name": None, "driver": None, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
-    if device.type == "cuda":
-        env["gpu_name"] = torch.cuda.get_device_name(device)
-        try:
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10,
-            ).stdout.strip().splitlines()[0]
-        except (OSError, IndexError, subprocess.SubprocessError):
-            pass
-    for name in ("torch", "triton", "diffusers", "transformers", "xfuser"):
-        env[name] = _version(name)
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
-    env["git_commit"] = env["git_commit"] or os.environ.get("XSTAGE_GIT_COMMIT")  # a tree copied without .git
-    return env
-
-
-def write_results(record: dict, out_dir: Path, stem: str, chart: bool) -> dict:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / f"{stem}.json", "md": out_dir / f"{stem}.md"}
-    paths["json"].write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    paths["md"].write_text(markdown(record), encoding="utf-8")
+def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bool) -> list[Path]:
+    """``<stem>.json`` + ``.md`` through the shared writer, and the bar chart ``<stem>.png``."""
+    add_notes(rows, settings)
+    paths = list(write_results(stem, "e2e", rows, build_summary(rows, settings), columns=TABLE_COLUMNS,
+                               notes=notes_text(settings), env=env))
     if chart:
-        png = bar_chart(record, out_dir / f"{stem}.png")
+        png = bar_chart(rows, settings, env.get("gpu"), stem.with_suffix(".png"))
         if png is not None:
-            paths["png"] = png
+            paths.append(png)
     return paths
 
 
@@ -845,68 +810,60 @@ def run_benchmark(args: argparse.Namespace) -> int:
               t_start=t_start, build_s=build_s)
     b.call_kwargs(prompts[0], steps)  # validates steps, size and the pipeline's arguments up front
 
-    env = environment(device)
-    stem = f"e2e-{model_slug(args.model)}-{gpus}x{gpu_label(device)}"
-    record = {
-        "benchmark": "e2e",
-        "model": args.model,
-        "command": command_line(args),
-        "settings": {
-            "kind": spec.kind, "family": spec.family, "gpus": gpus, "world_size": info.world_size,
-            "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
-            "guidance": spec.guidance, "seed": args.seed, "dtype": str(dtype).replace("torch.", ""),
-            "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
-            "warmup_steps": min(args.warmup_steps, steps), "compile_requested": bool(args.compile),
-            "time_budget_s": args.time_budget_s or None, "model_build_s": build_s,
-        },
-        "environment": env,
-        "contenders": [],
+    env = environment()
+    if env.get("git_commit") in (None, "unknown") and os.environ.get("XSTAGE_GIT_COMMIT"):
+        env["git_commit"] = os.environ["XSTAGE_GIT_COMMIT"]
+    stem = Path(args.out_dir) / f"e2e-{model_slug(args.model)}-{gpus}x{gpu_label(device)}"
+    settings = {
+        "model": args.model, "kind": spec.kind, "family": spec.family, "gpus": gpus, "world_size": info.world_size,
+        "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
+        "guidance": spec.guidance, "seed": args.seed, "dtype": str(dtype).replace("torch.", ""),
+        "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
+        "warmup_steps": min(args.warmup_steps, steps), "compile_requested": bool(args.compile),
+        "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
     }
-    out_dir = Path(args.out_dir)
-    contenders = make_contenders(names, args.compile, info.world_size)
-    baseline_record, reference = None, None
-    for contender in contenders:
+    rows: list[dict] = []
+    baseline_row, reference = None, None
+    for contender in make_contenders(names, args.compile, info.world_size):
         reason = contender.info.get("skip_reason")
         status = "skipped" if reason else None
         if status is None:
             reason = _agree(b, contender.check(b))
             status = "cannot run" if reason else None
         if status is None and contender.name != BASELINE:
-            cost = estimate_cost_s(b, contender, baseline_record)
+            cost = estimate_cost_s(b, contender, baseline_row)
             left = b.seconds_left()
             if cost is not None and cost > left:
                 status, reason = "skipped", f"time budget (needs ~{cost:.0f} s, {max(left, 0):.0f} s left)"
             status, reason = _agree(b, (status, reason))
         if status is not None:
-            row = {"name": contender.name, "family": contender.family, "compile": contender.compile,
-                   "status": status, "reason": reason}
+            row = _row(contender, status, reason)
             row.update({k: v for k, v in contender.info.items() if k != "skip_reason"})
         else:
             if not contender.accepts(b.dirty):
                 if info.rank == 0:
                     print(f"[bench] rebuilding the pipeline (left modified by {b.dirty})", flush=True)
                 b.rebuild()
-                record["settings"].setdefault("rebuilds_s", []).append(b.build_s)
+                settings.setdefault("rebuilds_s", []).append(b.build_s)
             if info.rank == 0:
                 print(f"[bench] {contender.name}: running", flush=True)
             row, output = measure(b, contender, reference)
             if contender.name == BASELINE and row["status"] == "ok":
-                baseline_record, reference = row, output
-        record["contenders"].append(row)
+                baseline_row, reference = row, output
+        rows.append(row)
         if info.rank == 0:
-            detail = (f"median {row['latency_s']['median']:.3f} s" if row["status"] == "ok" else row.get("reason", ""))
+            detail = f"median {row['median_s']:.3f} s" if row["status"] == "ok" else row.get("reason", "")
             print(f"[bench] {contender.name}: {row['status']} {detail}", flush=True)
-            add_comparisons(record["contenders"], spec.steps, steps)
-            record["summary"] = build_summary(record["contenders"], steps)
-            record["elapsed_s"] = time.perf_counter() - t_start
-            write_results(record, out_dir, stem, chart=False)
+            add_comparisons(rows, spec.steps, steps)
+            settings["elapsed_s"] = time.perf_counter() - t_start
+            # Rewritten after every contender: a run cut short still leaves what it measured.
+            write_all(rows, settings, env, stem, chart=False)
     if info.rank == 0:
-        paths = write_results(record, out_dir, stem, chart=True)
-        for kind, path in paths.items():
+        for path in write_all(rows, settings, env, stem, chart=True):
             print(f"[bench] wrote {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
-    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in record["contenders"])
+    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in rows)
     return 0 if base_ok or BASELINE not in names else 1
 
 
