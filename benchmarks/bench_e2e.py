@@ -751,15 +751,35 @@ def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bo
 # Entry points
 
 
-def command_line(args: argparse.Namespace) -> str:
-    """The options of this run as a command line (what to type to repeat it)."""
-    parts = ["xstage-dit bench"]
+def option_argv(args: argparse.Namespace) -> list[str]:
+    """The options of this run as an argument list (what repeats it, and what each launched rank gets)."""
+    argv = []
     for key, value in vars(args).items():
         if key in ("func", "command") or value is None or value is False:
             continue
-        flag = "--" + key.replace("_", "-")
-        parts.append(flag if value is True else f"{flag} {value}")
-    return " ".join(parts)
+        argv += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    return argv
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The options of this run as a command line (what to type to repeat it)."""
+    import shlex
+
+    return " ".join(["xstage-dit bench"] + [shlex.quote(a) for a in option_argv(args)])
+
+
+def launch_ranks(args: argparse.Namespace, gpus: int) -> int:
+    """Start ``gpus`` ranks of this benchmark on this machine (as torchrun would) and wait for them."""
+    from xstage_dit.cli import UsageError
+
+    try:
+        from xstage_dit.launch import launch
+    except ImportError:
+        raise UsageError(f"expected a launch of {gpus} ranks (torchrun --nproc-per-node {gpus} "
+                         f"benchmarks/bench_e2e.py ...), got --gpus {gpus} in a single process") from None
+    if torch.cuda.is_available() and args.device != "cpu" and torch.cuda.device_count() < gpus:
+        raise UsageError(f"expected --gpus <= the {torch.cuda.device_count()} visible GPU(s), got --gpus {gpus}")
+    return launch(gpus, [sys.executable, str(Path(__file__).resolve()), *option_argv(args)])
 
 
 def _resolve_device(choice: str) -> torch.device:
@@ -785,11 +805,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         spec = model_spec(args.model)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    gpus = args.gpus if args.gpus is not None else launched
+    if launched == 1 and gpus > 1:
+        return launch_ranks(args, gpus)  # every rank runs this function again, under WORLD_SIZE=gpus
+    if gpus != launched:
+        raise UsageError(f"expected --gpus to equal the launched ranks (WORLD_SIZE={launched}), got --gpus {gpus}")
     info = init_distributed()
-    gpus = args.gpus if args.gpus is not None else info.world_size
-    if gpus != info.world_size:
-        raise UsageError(f"expected --gpus to equal the launched ranks (WORLD_SIZE={info.world_size}; launch "
-                         f"with torchrun --nproc-per-node {gpus}), got --gpus {gpus}")
     device = _resolve_device(args.device) if info.world_size == 1 else info.device
     dtype = DTYPES["bf16" if device.type == "cuda" else "fp32"] if args.dtype == "auto" else DTYPES[args.dtype]
     steps = args.steps or spec.steps

@@ -94,7 +94,6 @@ def test_transformer_timer_counts_each_forward_and_detaches():
         (["--contenders", "diffusers,vllm"], "'diffusers,vllm'"),
         (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
         (["--model", "no-such-model"], "no-such-model"),
-        (["--gpus", "2"], "--gpus 2"),
         (["--num-prompts", "13"], "got 13"),
         (["--height", "100"], "height to be a positive multiple of 16 for tiny-flux, got 100"),
     ],
@@ -106,6 +105,14 @@ def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("xstage-dit: error:") and "\n" not in err
     assert needle in err
+
+
+def test_gpus_must_match_the_launched_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as under torchrun --nproc-per-node 3
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--gpus", "2"])
+    assert exc.value.code == 2
+    assert "expected --gpus to equal the launched ranks (WORLD_SIZE=3), got --gpus 2" in capsys.readouterr().err
 
 
 def test_help_lists_every_contender(capsys):
@@ -321,15 +328,22 @@ def test_diffusers_cp_reasons_are_detected(monkeypatch):
 
 
 def test_two_ranks_agree_and_rank0_writes(tmp_path):
-    """torchrun with 2 CPU ranks (gloo): every rank takes the same decisions, rank 0 writes the files."""
+    """2 CPU ranks (gloo), started by the script itself (xstage_dit.launch) or, before that exists, by
+    torchrun: every rank takes the same decisions, rank 0 writes the files."""
+    import importlib.util
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(bench_cli.REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(bench_cli.SCRIPT), "--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1",
-           "--steps", "1", "--warmup", "0", "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)]
+    env.pop("WORLD_SIZE", None)
+    options = ["--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1", "--steps", "1",
+               "--warmup", "0", "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)]
+    if importlib.util.find_spec("xstage_dit.launch") is not None:
+        cmd = [sys.executable, str(bench_cli.SCRIPT), *options]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(bench_cli.SCRIPT), *options]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"e2e-tiny-flux-2xcpu.{s}" for s in ("json", "md", "png")]
