@@ -356,3 +356,25 @@ def test_two_ranks_agree_and_rank0_writes(tmp_path):
         assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
         assert rows["xstage-serial"]["parallel_config"]["sp"] == 2
         assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 1e-3
+
+
+@pytest.mark.gpu
+def test_end_to_end_tiny_flux_gpu(tmp_path):
+    """The CUDA paths: event timing of the call and of every transformer forward, peak memory, GPU label."""
+    rc = cli.main(["bench", "--model", "tiny-flux", "--device", "cuda", "--num-prompts", "2", "--steps", "2",
+                   "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (json_path,) = tmp_path.glob("e2e-tiny-flux-1x*.json")
+    assert not json_path.name.endswith("1xcpu.json")
+    record = json.loads(json_path.read_text(encoding="utf-8"))
+    assert record["environment"]["gpu"]
+    rows = {r["name"]: r for r in record["rows"]}
+    base = rows["diffusers"]
+    assert base["status"] == "ok" and base["median_s"] > 0
+    assert 0 < base["transformer_step_ms"] / 1e3 < base["median_s"]
+    assert base["transformer_forwards_per_step"] == 1.0
+    assert base["peak_memory_gib"] > 0
+    assert record["summary"]["settings"]["dtype"] == "bfloat16"
+    if _patches_importable():
+        assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
+        assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 0.1  # bf16, same seed, world 1
