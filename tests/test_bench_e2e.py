@@ -377,4 +377,4 @@ def test_end_to_end_tiny_flux_gpu(tmp_path):
     assert record["summary"]["settings"]["dtype"] == "bfloat16"
     if _patches_importable():
         assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
-        assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 0.1  # bf16, same seed, world 1
+        assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 0.2  # bf16: kernels may differ; garbage is ~0.5+
