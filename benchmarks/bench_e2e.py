@@ -38,7 +38,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO_ROOT = HERE.parent
-if str(REPO_ROOT) not in sys.path:  # the checkout's xstage_dit and benchmarks._common, run as a script
+# The checkout's xstage_dit and benchmarks package first: xfuser's wheel installs a top-level
+# `benchmarks` directory of its own into site-packages.
+if sys.path[:1] != [str(REPO_ROOT)]:
     sys.path.insert(0, str(REPO_ROOT))
 
 import numpy as np  # noqa: E402

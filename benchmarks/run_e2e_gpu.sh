@@ -52,7 +52,8 @@ if [ ${#wheels[@]} -gt 0 ]; then
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "${wheels[@]}" \
     2>&1 | grep -v -i "warning" || true
 fi
-export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout first: xfuser's wheel also installs top-level `benchmarks` and `tests` directories.
+export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
 "$py" - <<'EOF' 2>&1 | tee "$OUT/logs/env.log"
 import importlib.metadata as md, torch
