@@ -566,8 +566,8 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
     applied = False
     try:
         t0 = time.perf_counter()
+        applied = True  # a half-applied contender is undone too: every restore() tolerates that
         contender.apply(b)
-        applied = True
         setup_s = time.perf_counter() - t0
         if b.device.type == "cuda":
             torch.cuda.synchronize()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pytest
