@@ -377,3 +377,21 @@ def test_end_to_end_tiny_flux_gpu(tmp_path):
     if _patches_importable():
         assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
         assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 0.2  # bf16: kernels may differ; garbage is ~0.5+
+
+
+def test_measure_undoes_a_half_applied_contender():
+    events = []
+
+    class HalfApplied(bench.Contender):
+        family = "half"
+
+        def apply(self, b):
+            events.append("apply")
+            raise ValueError("expected sp to divide 24 heads, got sp=5")
+
+        def restore(self, b):
+            events.append("restore")
+
+    record, _ = bench.measure(_fake_bench(), HalfApplied(False), None)
+    assert record["status"] == "failed" and "expected sp to divide 24 heads" in record["reason"]
+    assert events == ["apply", "restore"]
