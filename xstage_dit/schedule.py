@@ -24,3 +24,13 @@ class ScheduleChoice:
     name: str
     reason: str
     params: dict[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------------------------ MoE combine
+
+
+def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
+    """Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.ops.moe_schedule.choose_moe_lead``."""
+    from xstage_dit.ops.moe_schedule import choose_moe_lead as _choose
+
+    return _choose(xparams, **shape)
