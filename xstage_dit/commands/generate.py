@@ -49,6 +49,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="weights and compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--no-progress", action="store_true", help="no progress bar over the denoising steps")
+    # Parallelism (xstage_dit.parallelize): sp * cfg ranks; started here unless already under torchrun.
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE models: 1 or --sp")
+    p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree: 1 or 2 (cond/uncond on separate ranks)")
     p.set_defaults(func=run)
     return p
 
@@ -74,6 +78,29 @@ def _resolve_device_dtype(device_arg: str, dtype_arg: str):
     else:
         dtype = getattr(torch, dtype_arg)
     return device, dtype
+
+
+def _parallel_setup(args: argparse.Namespace):
+    """None for one process; the exit code after starting sp*cfg ranks; (ParallelConfig, RankInfo) in a rank."""
+    from xstage_dit.cli import UsageError
+    from xstage_dit.patches.config import ParallelConfig
+
+    try:
+        config = ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg)
+    except ValueError as exc:
+        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.world_size == 1 and world == 1:
+        return None
+    if world == 1:  # not under torchrun: start the ranks ourselves and supervise them
+        from xstage_dit.launch import launch
+
+        return launch(config.world_size, [sys.executable, "-m", "xstage_dit", *sys.argv[1:]])
+    if world != config.world_size:
+        raise UsageError(f"--sp/--cfg: expected sp * cfg == {world} (the ranks started), got {config.world_size}")
+    from xstage_dit.distributed import init_distributed
+
+    return config, init_distributed(timeout_s=config.timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +140,12 @@ def run(args: argparse.Namespace) -> int:
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
+    parallel = _parallel_setup(args)  # may start the ranks and return their exit code
+    if isinstance(parallel, int):
+        return parallel
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
+    if parallel is not None and device.type == "cuda" and args.device == "auto":
+        device = parallel[1].device  # one GPU per local rank (ranks share it where there are fewer)
 
     from xstage_dit.models import load_pipeline
     from xstage_dit.models.generation import call_kwargs, save_output, to_pil_frames
@@ -121,7 +153,15 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed)
     t_build = time.perf_counter() - t0
-    pipe.set_progress_bar_config(disable=args.no_progress, desc="denoising", file=sys.stderr, leave=False)
+    pipe.set_progress_bar_config(disable=args.no_progress or (parallel is not None and parallel[1].rank != 0),
+                                 desc="denoising", file=sys.stderr, leave=False)
+    if parallel is not None:
+        from xstage_dit.patches import parallelize
+
+        try:
+            parallelize(pipe, parallel[0])
+        except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
+            raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
     kwargs = call_kwargs(pipe, spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=height,
                          width=width, frames=frames, steps=args.steps, guidance=args.guidance, seed=args.seed)
     t1 = time.perf_counter()
@@ -131,6 +171,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.cuda.synchronize(device)
     t_gen = time.perf_counter() - t1
+    if parallel is not None and parallel[1].rank != 0:
+        return 0  # only rank 0 writes the output
     images = to_pil_frames(result, spec.kind)
     path = save_output(images, output, kind=spec.kind, fps=spec.fps)
     # The size actually made: HiDream, for one, keeps a fixed pixel area and only follows the aspect ratio.

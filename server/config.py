@@ -1,0 +1,138 @@
+"""What the server serves and the limits it enforces: `ServedModel` (facts about the one model this
+server runs) and `ServerConfig` (queue, batching, timeouts, request bounds, auth), both validated on
+construction so a bad value fails at start-up with the option's name."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Environment variable holding the optional bearer token (unset or empty: no authentication).
+API_KEY_ENV = "XSTAGE_API_KEY"
+
+
+def _check(cond: bool, what: str, expected: str, got: Any) -> None:
+    if not cond:
+        raise ValueError(f"{what}: expected {expected}, got {got!r}")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model behind the server.
+
+    name: what clients pass as `model` (a registry name such as "tiny-flux", or the folder's base name).
+    kind: "image" or "video".
+    size_multiple: width and height must be multiples of this many pixels (VAE factor x patch size).
+    default_width/default_height, default_steps, default_guidance: used when a request omits them.
+    default_frames / frame_multiple: video only; valid frame counts are `k * frame_multiple + 1`.
+    pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length).
+    """
+
+    name: str
+    kind: str
+    size_multiple: int
+    default_width: int
+    default_height: int
+    default_steps: int
+    default_guidance: float
+    default_frames: int = 1
+    frame_multiple: int = 4
+    default_fps: int = 16
+    pipeline_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(bool(self.name), "model name", "a non-empty string", self.name)
+        _check(self.kind in ("image", "video"), "model kind", "'image' or 'video'", self.kind)
+        _check(self.size_multiple >= 1, "size_multiple", ">= 1", self.size_multiple)
+        for what in ("default_width", "default_height"):
+            value = getattr(self, what)
+            _check(value > 0 and value % self.size_multiple == 0, what,
+                   f"a positive multiple of {self.size_multiple}", value)
+        _check(self.default_steps >= 1, "default_steps", ">= 1", self.default_steps)
+        _check(self.default_frames >= 1, "default_frames", ">= 1", self.default_frames)
+        _check(self.frame_multiple >= 1, "frame_multiple", ">= 1", self.frame_multiple)
+
+    @classmethod
+    def from_spec(cls, name: str, spec: Any) -> "ServedModel":
+        """Build from `xstage_dit.models.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults)."""
+
+        def pick(*names: str, default: Any = None) -> Any:
+            for n in names:
+                if hasattr(spec, n) and getattr(spec, n) is not None:
+                    return getattr(spec, n)
+            return default
+
+        kind = pick("kind", default="image")
+        multiple = int(pick("size_multiple", "patch_multiple", "pixel_multiple", default=16))
+        extra = dict(pick("call_kwargs", default={}) or {})
+        max_seq = pick("max_sequence_length")
+        if max_seq is not None:
+            extra["max_sequence_length"] = int(max_seq)
+        return cls(
+            name=name,
+            kind=kind,
+            size_multiple=multiple,
+            default_width=int(pick("default_width", "width", default=multiple * 4)),
+            default_height=int(pick("default_height", "height", default=multiple * 4)),
+            default_steps=int(pick("default_steps", "steps", "num_inference_steps", default=4)),
+            default_guidance=float(pick("default_guidance", "guidance", "guidance_scale", default=3.5)),
+            default_frames=int(pick("default_frames", "frames", "num_frames", default=1)),
+            frame_multiple=int(pick("frame_multiple", "temporal_multiple", default=4)),
+            default_fps=int(pick("fps", "default_fps", default=16)),
+            pipeline_kwargs=extra,
+        )
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Limits and behaviour of the server. Every bound a client can hit is here.
+
+    max_queue: jobs waiting (not yet running) before new ones get 429 with Retry-After.
+    max_batch_size: images (or videos) run in one pipeline call when requests are compatible
+        (same kind, size, steps, guidance, frames); 1 disables batching.
+    batch_wait_s: how long the worker waits for more compatible requests before starting a batch.
+    request_timeout_s: a job not finished this long after it was submitted fails with 504; a running
+        one stops at the next step.
+    max_body_bytes: request bodies larger than this get 413.
+    max_n, max_steps, max_prompt_chars, min_size, max_size, max_pixels, max_frames: request bounds.
+    job_ttl_s / max_stored_jobs: finished jobs (and their video bytes) are kept this long / this many.
+    api_key: bearer token required on /v1/*; None disables auth. Defaults to $XSTAGE_API_KEY.
+    heartbeat_timeout_s: a rank that has not signalled for this long is considered dead.
+    exit_after_failure_s: after a rank failure, keep answering 503 this long, then exit non-zero
+        (so a process manager restarts the server); None keeps running.
+    warmup: run one step at the model's default size on every rank before reporting ready.
+    """
+
+    max_queue: int = 64
+    max_batch_size: int = 4
+    batch_wait_s: float = 0.02
+    request_timeout_s: float = 600.0
+    max_body_bytes: int = 64 * 1024
+    max_n: int = 4
+    max_steps: int = 100
+    max_prompt_chars: int = 2000
+    min_size: int = 16
+    max_size: int = 2048
+    max_pixels: int = 2048 * 2048
+    max_frames: int = 161
+    job_ttl_s: float = 3600.0
+    max_stored_jobs: int = 256
+    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None)
+    heartbeat_timeout_s: float = 5.0
+    exit_after_failure_s: float | None = 30.0
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        for what in ("max_queue", "max_batch_size", "max_body_bytes", "max_n", "max_steps", "max_prompt_chars",
+                     "min_size", "max_size", "max_pixels", "max_frames", "max_stored_jobs"):
+            value = getattr(self, what)
+            _check(isinstance(value, int) and value >= 1, what, "an integer >= 1", value)
+        _check(self.min_size <= self.max_size, "min_size", f"<= max_size ({self.max_size})", self.min_size)
+        for what in ("batch_wait_s", "request_timeout_s", "job_ttl_s", "heartbeat_timeout_s"):
+            value = getattr(self, what)
+            _check(math.isfinite(value) and value >= 0, what, "a finite number >= 0", value)
+        _check(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
+        if self.exit_after_failure_s is not None:
+            _check(self.exit_after_failure_s >= 0, "exit_after_failure_s", ">= 0 or None", self.exit_after_failure_s)

@@ -1,0 +1,405 @@
+"""Jobs, the bounded queue that batches compatible jobs, cancellation and timeouts.
+
+A *job* is one HTTP request: `n` images or one video, each image one `GenerationParams` item. The
+worker thread takes a *batch*: the oldest waiting job plus the following jobs whose items have the
+same `batch_key` (kind, size, steps, guidance, frames, CFG settings), up to `max_batch_size` items, so
+they run as one pipeline call with a list of prompts and one generator per item.
+
+Everything here is thread-safe: HTTP handlers (asyncio thread) submit, cancel and subscribe; the worker
+thread takes batches and reports steps; subscribers are asyncio queues fed with
+`loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
+TERMINAL = (COMPLETED, FAILED, CANCELLED)
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One image or one video to generate. Items with equal `batch_key` can share a pipeline call."""
+
+    kind: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    negative_prompt: str | None = None
+    true_cfg_scale: float | None = None
+    num_frames: int = 1
+    fps: int = 16
+
+    @property
+    def batch_key(self) -> tuple:
+        # A batch mixing items with and without a negative prompt would change the CFG path of some.
+        return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
+                self.true_cfg_scale, self.negative_prompt is not None)
+
+
+class QueueFull(Exception):
+    """The queue holds `max_queue` jobs: answer 429 with `Retry-After: retry_after_s`."""
+
+    def __init__(self, depth: int, retry_after_s: int):
+        super().__init__(f"queue full ({depth} jobs waiting); retry after {retry_after_s} s")
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(Exception):
+    """The server cannot run jobs (loading, or a rank failed): answer 503."""
+
+
+_ids = itertools.count()
+
+
+def new_job_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(6)}{next(_ids):x}"
+
+
+@dataclass(eq=False)
+class Job:
+    """One request. `results` holds PNG bytes per image, or one MP4, once `status` is completed."""
+
+    id: str
+    items: list[GenerationParams]
+    deadline: float
+    created: float = field(default_factory=time.time)
+    status: str = QUEUED
+    steps_done: int = 0
+    steps_total: int = 0
+    started: float | None = None
+    finished: float | None = None
+    results: list[bytes] = field(default_factory=list)
+    error: str | None = None
+    error_code: int | None = None
+    batch_size: int = 0
+    step_times: list[float] = field(default_factory=list)
+    cancel_requested: bool = False
+    _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if not self.items:
+            raise ValueError("expected at least one item in a job, got none")
+        self.steps_total = self.items[0].steps
+
+    @property
+    def kind(self) -> str:
+        return self.items[0].kind
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def snapshot(self) -> dict[str, Any]:
+        """Progress/status as one event dict (what SSE subscribers receive)."""
+        event = {"job_id": self.id, "status": self.status, "steps_done": self.steps_done,
+                 "steps_total": self.steps_total}
+        if self.error:
+            event["error"] = self.error
+            event["code"] = self.error_code
+        return event
+
+    def timings(self) -> dict[str, float | None]:
+        queued = (self.started or self.finished or time.time()) - self.created
+        run = (self.finished - self.started) if (self.finished and self.started) else None
+        total = (self.finished - self.created) if self.finished else None
+        mean_step = sum(self.step_times) / len(self.step_times) if self.step_times else None
+        return {"queued_s": queued, "run_s": run, "total_s": total, "mean_step_s": mean_step}
+
+    # --- subscribers (asyncio side) ---
+    def subscribe(self) -> asyncio.Queue:
+        """An asyncio queue receiving this job's events, starting with the current state."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            q.put_nowait(self.snapshot())
+            if not self.done:
+                self._subscribers.append((loop, q))
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        with self._lock:
+            self._subscribers = [(lp, s) for lp, s in self._subscribers if s is not q]
+
+    def _publish(self) -> None:
+        event = self.snapshot()
+        with self._lock:
+            subs = list(self._subscribers)
+            if self.done:
+                self._subscribers.clear()
+        for loop, q in subs:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, event)
+            except RuntimeError:  # the subscriber's loop has closed (client gone, server stopping)
+                pass
+
+    # --- state transitions (any thread; the queue's lock serialises them) ---
+    def _finish(self, status: str, *, error: str | None = None, code: int | None = None) -> bool:
+        if self.done:
+            return False
+        self.status, self.error, self.error_code = status, error, code
+        self.finished = time.time()
+        self._publish()
+        return True
+
+
+class Batch:
+    """Jobs running in one pipeline call; `items[i]` belongs to `owners[i]`."""
+
+    def __init__(self, jobs: list[Job]):
+        self.jobs = jobs
+        self.items = [item for job in jobs for item in job.items]
+        self.owners = [job for job in jobs for _ in job.items]
+
+    @property
+    def key(self) -> tuple:
+        return self.items[0].batch_key
+
+    @property
+    def size(self) -> int:
+        return len(self.items)
+
+
+class JobQueue:
+    """Bounded FIFO of waiting jobs with batching, cancellation, timeouts and a store of recent jobs.
+
+    max_queue: waiting jobs allowed (running ones do not count); more gives `QueueFull`.
+    max_batch_size: items per batch (a single job larger than this still runs, alone).
+    batch_wait_s: after the first job of a batch is found, wait this long for compatible ones.
+    """
+
+    def __init__(self, max_queue: int, max_batch_size: int, batch_wait_s: float = 0.0,
+                 job_ttl_s: float = 3600.0, max_stored_jobs: int = 256, metrics: Any = None):
+        if max_queue < 1 or max_batch_size < 1:
+            raise ValueError(f"expected max_queue >= 1 and max_batch_size >= 1, got {max_queue}, {max_batch_size}")
+        self.max_queue = max_queue
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.job_ttl_s = job_ttl_s
+        self.max_stored_jobs = max_stored_jobs
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
+        self._jobs: dict[str, Job] = {}
+        self._closed_reason: str | None = None
+        self._batch_seconds_ewma: float | None = None
+
+    # --- introspection ---
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        with self._cond:
+            return len(self._running)
+
+    def get(self, job_id: str) -> Job | None:
+        with self._cond:
+            return self._jobs.get(job_id)
+
+    def retry_after_s(self) -> int:
+        """Seconds until a slot likely frees: waiting batches x recent batch time (at least 1)."""
+        with self._cond:
+            return self._retry_after_locked()
+
+    # --- submit / cancel (HTTP side) ---
+    def submit(self, job: Job) -> Job:
+        with self._cond:
+            if self._closed_reason is not None:
+                raise Unavailable(self._closed_reason)
+            if len(self._pending) >= self.max_queue:
+                depth = len(self._pending)
+                retry = self._retry_after_locked()
+                raise QueueFull(depth, retry)
+            self._prune_locked()
+            self._pending.append(job)
+            self._jobs[job.id] = job
+            self._cond.notify_all()
+        self._gauge()
+        return job
+
+    def _retry_after_locked(self) -> int:
+        per_batch = self._batch_seconds_ewma or 1.0
+        batches = -(-(len(self._pending) + 1) // self.max_batch_size)
+        return max(1, int(round(per_batch * batches)))
+
+    def cancel(self, job_id: str) -> Job | None:
+        """Cancel a job: a waiting one at once (its slot frees), a running one at its next step."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is None or job.done:
+                return job
+            if job.status == QUEUED:
+                self._pending.remove(job)
+                self._count(499)
+                job._finish(CANCELLED, error="cancelled by the client", code=499)
+                self._cond.notify_all()
+            else:
+                job.cancel_requested = True
+        self._gauge()
+        return job
+
+    # --- worker side ---
+    def next_batch(self, timeout_s: float) -> Batch | None:
+        """Wait up to `timeout_s` for work; return the next batch (jobs marked running) or None."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while True:
+                self._expire_locked()
+                if self._closed_reason is not None:
+                    return None
+                if self._pending:
+                    break
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(min(remaining, 0.5))
+            first = self._pending[0]
+            if self.batch_wait_s > 0 and self._fill(first) < self.max_batch_size:
+                # Give concurrent compatible requests a moment to arrive; returns early when full.
+                wait_end = time.monotonic() + self.batch_wait_s
+                while self._fill(first) < self.max_batch_size:
+                    remaining = wait_end - time.monotonic()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+                if first not in self._pending:  # cancelled or expired while we waited
+                    return self.next_batch(max(0.0, end - time.monotonic()))
+            jobs = self._take_compatible(first)
+            now = time.time()
+            for job in jobs:
+                job.status, job.started, job.batch_size = RUNNING, now, sum(len(j.items) for j in jobs)
+                self._running.append(job)
+            self._cond.notify_all()
+        for job in jobs:
+            job._publish()
+        self._gauge()
+        return Batch(jobs)
+
+    def _fill(self, first: Job) -> int:
+        return sum(len(j.items) for j in self._pending if j.items[0].batch_key == first.items[0].batch_key)
+
+    def _take_compatible(self, first: Job) -> list[Job]:
+        key, jobs, count = first.items[0].batch_key, [first], len(first.items)
+        for job in list(self._pending)[1:]:
+            if job.items[0].batch_key == key and count + len(job.items) <= self.max_batch_size:
+                jobs.append(job)
+                count += len(job.items)
+        for job in jobs:
+            self._pending.remove(job)
+        return jobs
+
+    def step(self, batch: Batch, steps_done: int, steps_total: int, step_s: float | None) -> bool:
+        """Record a finished step; apply cancellations and timeouts. False: no job wants the rest."""
+        now = time.time()
+        alive = False
+        with self._cond:
+            for job in batch.jobs:
+                if job.done:
+                    continue
+                job.steps_done, job.steps_total = steps_done, steps_total
+                if step_s is not None:
+                    job.step_times.append(step_s)
+                if job.cancel_requested:
+                    self._end_running_locked(job, CANCELLED, "cancelled by the client", 499)
+                elif now > job.deadline:
+                    self._end_running_locked(job, FAILED, "request timed out", 504)
+                else:
+                    alive = True
+                    job._publish()
+        return alive
+
+    def complete(self, batch: Batch, outputs: list[bytes], run_s: float) -> None:
+        """Hand each job its outputs (`outputs[i]` for `batch.items[i]`)."""
+        if len(outputs) != batch.size:
+            raise ValueError(f"expected {batch.size} outputs for the batch, got {len(outputs)}")
+        with self._cond:
+            self._batch_seconds_ewma = run_s if self._batch_seconds_ewma is None else (
+                0.7 * self._batch_seconds_ewma + 0.3 * run_s)
+            for job in batch.jobs:
+                if job.done:
+                    continue
+                job.results = [out for out, owner in zip(outputs, batch.owners) if owner is job]
+                job.steps_done = job.steps_total
+                self._end_running_locked(job, COMPLETED, None, None)
+        self._gauge()
+
+    def fail_batch(self, batch: Batch, message: str, code: int = 500) -> None:
+        with self._cond:
+            for job in batch.jobs:
+                if not job.done:
+                    self._end_running_locked(job, FAILED, message, code)
+                elif job in self._running:
+                    self._running.remove(job)
+        self._gauge()
+
+    def release(self, batch: Batch) -> None:
+        """The worker is done with `batch` (every job already ended, e.g. all cancelled)."""
+        with self._cond:
+            for job in batch.jobs:
+                if job in self._running:
+                    self._running.remove(job)
+            self._cond.notify_all()
+        self._gauge()
+
+    def close(self, reason: str, code: int = 503) -> None:
+        """Refuse new jobs and fail every waiting and running one with `code` (a rank failed)."""
+        with self._cond:
+            self._closed_reason = reason
+            for job in list(self._pending) + list(self._running):
+                job._finish(FAILED, error=reason, code=code)
+            self._pending.clear()
+            self._running.clear()
+            self._cond.notify_all()
+        self._gauge()
+
+    def _count(self, code: int | None) -> None:
+        if self.metrics is not None and code in (499, 504):
+            self.metrics.errors.labels("cancelled" if code == 499 else "timeout").inc()
+
+    def _end_running_locked(self, job: Job, status: str, error: str | None, code: int | None) -> None:
+        self._count(code)
+        job._finish(status, error=error, code=code)
+        if job in self._running:
+            self._running.remove(job)
+        self._cond.notify_all()
+
+    def _expire_locked(self) -> None:
+        now = time.time()
+        for job in [j for j in self._pending if now > j.deadline]:
+            self._pending.remove(job)
+            self._count(504)
+            job._finish(FAILED, error="request timed out while queued", code=504)
+
+    def _prune_locked(self) -> None:
+        now = time.time()
+        finished = sorted((j for j in self._jobs.values() if j.done), key=lambda j: j.finished or 0)
+        excess = len(self._jobs) - self.max_stored_jobs + 1
+        for job in finished:
+            if excess > 0 or now - (job.finished or now) > self.job_ttl_s:
+                del self._jobs[job.id]
+                excess -= 1
+
+    def _gauge(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(self.depth)
+            self.metrics.running_jobs.set(self.running)
+
+    def jobs(self) -> Iterable[Job]:
+        with self._cond:
+            return list(self._jobs.values())

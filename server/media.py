@@ -1,0 +1,59 @@
+"""Encoding generated pixels for HTTP: PNG for images, MP4 (H.264, yuv420p) for videos.
+
+Arrays come from the pipeline as floats in [0, 1]; `to_uint8` rounds them once, the same way for every
+image, so an image's bytes depend only on its pixels.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+
+import numpy as np
+from PIL import Image
+
+
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """float [0, 1] (any shape ending in channels) -> uint8, rounded to nearest."""
+    if pixels.dtype == np.uint8:
+        return pixels
+    return (np.clip(pixels, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+
+
+def png_bytes(image: np.ndarray) -> bytes:
+    """image: (height, width, 3) float in [0, 1] or uint8 -> PNG bytes."""
+    if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"expected an image of shape (height, width, 1|3|4), got {tuple(image.shape)}")
+    buf = io.BytesIO()
+    Image.fromarray(to_uint8(image).squeeze(-1) if image.shape[-1] == 1 else to_uint8(image)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
+    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes."""
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
+    import imageio_ffmpeg  # the ffmpeg binary ships inside this wheel
+
+    frames = to_uint8(frames)
+    num_frames, height, width, _ = frames.shape
+    # yuv420p needs even sides; pad by edge replication rather than rescaling the content.
+    pad_h, pad_w = height % 2, width % 2
+    if pad_h or pad_w:
+        frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    os.close(fd)
+    try:
+        writer = imageio_ffmpeg.write_frames(
+            path, (frames.shape[2], frames.shape[1]), fps=fps, codec="libx264", pix_fmt_in="rgb24",
+            pix_fmt_out="yuv420p", macro_block_size=1, quality=8, output_params=["-movflags", "+faststart"],
+            ffmpeg_log_level="error")
+        writer.send(None)
+        for frame in frames:
+            writer.send(np.ascontiguousarray(frame))
+        writer.close()
+        with open(path, "rb") as f:
+            return f.read()
+    finally:
+        os.unlink(path)

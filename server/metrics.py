@@ -1,0 +1,42 @@
+"""Prometheus metrics of one server (own registry, so several apps can live in one process: tests).
+
+Exposed at `GET /metrics` in the text format. Names are prefixed `xstage_`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, float("inf"))
+_STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, float("inf"))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge("xstage_queue_depth", "Jobs waiting to run.", registry=r)
+        self.running_jobs = Gauge("xstage_running_jobs", "Jobs in the batch being computed.", registry=r)
+        self.ranks_ready = Gauge("xstage_ranks_ready", "1 when every rank is up and serving.", registry=r)
+        self.world_size = Gauge("xstage_world_size", "Ranks (processes) running the pipeline.", registry=r)
+        self.requests = Counter("xstage_requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "code"], registry=r)
+        self.errors = Counter("xstage_errors", "Failed jobs and rejected requests by reason.",
+                              ["reason"], registry=r)
+        self.request_latency = Histogram("xstage_request_latency_seconds",
+                                         "Submission to completion of finished jobs.", ["kind"],
+                                         buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("xstage_queue_wait_seconds", "Time jobs spent waiting in the queue.",
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.batch_latency = Histogram("xstage_batch_seconds", "Pipeline time of one batch.",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.step_time = Histogram("xstage_step_seconds",
+                                   "Time of one denoising step of a batch (from the second step on).",
+                                   buckets=_STEP_BUCKETS, registry=r)
+        self.batch_size = Histogram("xstage_batch_size", "Items per pipeline call.",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.items = Counter("xstage_generated_items", "Images or videos generated.", ["kind"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

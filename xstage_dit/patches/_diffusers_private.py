@@ -1,0 +1,99 @@
+"""The ONLY module that touches private diffusers API (behind a version check).
+
+What we use and why:
+
+- ``diffusers.models._modeling_parallel.ContextParallelInput / ContextParallelOutput``: the entries of
+  the ``_cp_plan`` class attributes that diffusers ships (FLUX.1, FLUX.2, QwenImage, Wan, LTX, ...).
+  We read those plans (and write ours in the same vocabulary) instead of re-describing each model.
+- ``AttentionBackendName`` / ``_AttentionBackendRegistry`` in ``diffusers.models.attention_dispatch``:
+  registering the ``xstage_ulysses`` attention backend, so every processor that calls
+  ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``.
+- ``diffusers.hooks.hooks.StateManager``: the only way a hook learns the ``cache_context`` name
+  ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel).
+
+Tested with diffusers 0.42.x. Any other version fails with a clear message at `parallelize` time,
+before any collective or GPU work.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Callable
+
+SUPPORTED_DIFFUSERS = ("0.42.",)
+XSTAGE_BACKEND = "xstage_ulysses"
+
+
+def check_diffusers_version() -> str:
+    """Return the diffusers version, or raise RuntimeError naming it if untested."""
+    import diffusers
+
+    version = diffusers.__version__
+    if not version.startswith(SUPPORTED_DIFFUSERS):
+        raise RuntimeError(
+            f"expected diffusers {' or '.join(v + 'x' for v in SUPPORTED_DIFFUSERS)} (xstage_dit.patches uses its "
+            f"private context-parallel and attention-dispatch API), got diffusers {version}"
+        )
+    return version
+
+
+def cp_types() -> tuple[type, type]:
+    """(ContextParallelInput, ContextParallelOutput) of this diffusers."""
+    check_diffusers_version()
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return ContextParallelInput, ContextParallelOutput
+
+
+def shipped_cp_plan(model_cls: type) -> dict | None:
+    """The ``_cp_plan`` diffusers ships on `model_cls`, or None."""
+    return getattr(model_cls, "_cp_plan", None)
+
+
+def register_attention_backend(fn: Callable[..., Any]) -> Any:
+    """Register `fn` as diffusers attention backend ``xstage_ulysses``; returns its enum member.
+
+    ``AttentionBackendName`` is a closed ``str`` Enum, so the member is added the way ``Enum`` builds
+    its own members (the registry is keyed by members). Idempotent.
+    """
+    check_diffusers_version()
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    member = AttentionBackendName._value2member_map_.get(XSTAGE_BACKEND)
+    if member is None:
+        member = str.__new__(AttentionBackendName, XSTAGE_BACKEND)
+        member._name_ = XSTAGE_BACKEND.upper()
+        member._value_ = XSTAGE_BACKEND
+        # Keep every Enum lookup table consistent: by value, by name, and iteration order.
+        AttentionBackendName._value2member_map_[XSTAGE_BACKEND] = member
+        AttentionBackendName._member_map_[member._name_] = member
+        AttentionBackendName._member_names_.append(member._name_)
+    if _AttentionBackendRegistry._backends.get(member) is not fn:
+        _AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(fn)
+    return member
+
+
+def is_backend_member(value: Any) -> bool:
+    return isinstance(value, enum.Enum) and getattr(value, "value", None) == XSTAGE_BACKEND
+
+
+class _NoState:
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+
+def context_tracker() -> Any:
+    """An object on which diffusers' ``cache_context(name)`` records the current context.
+
+    Put it as an attribute of a hook whose ``_is_stateful`` is True; read it with `context_name`.
+    """
+    check_diffusers_version()
+    from diffusers.hooks.hooks import StateManager
+
+    return StateManager(_NoState)
+
+
+def context_name(tracker: Any) -> str | None:
+    """The ``cache_context`` name active now ("cond", "uncond", ...) or None outside any context."""
+    ctx = getattr(tracker, "_context", None)
+    return None if ctx is None else ctx.name

@@ -1,0 +1,229 @@
+"""The ``xstage_ulysses`` diffusers attention backend: every attention call of a sequence-parallel
+transformer goes through `xstage_dit.ops.ulysses_attention` on the rank's sequence shard.
+
+Each patched processor carries an `AttentionContext` in its ``_parallel_config`` slot (diffusers passes
+that object to the backend untouched). The context says how the key/value tokens are laid out:
+
+- ``"sharded"``: q, k, v are all this rank's sequence shard (FLUX joint attention, Wan self-attention).
+  Ulysses: ``ulysses_attention(q, k, v, group=sp_group)``.
+- ``"replicated"``: k, v are the same full sequence on every rank (Wan cross-attention to the text):
+  no communication at all, local attention of the rank's queries against all keys.
+- ``"replicated_tail"``: k, v = [sharded image tokens (as many as the queries), replicated text]
+  (NucleusMoE: image queries attend to image + text keys). The text tail is cut to this rank's
+  share with the one split rule, so after the All-to-All every key appears exactly once.
+
+The op takes equal chunks of one sequence. A rank's attention sequence is a concatenation of
+several split pieces (FLUX: its text shard then its image shard), which is an equal chunk exactly
+when every piece divides by sp (the served shapes: 512 text + 4096 image tokens over 2/4/8). When
+some piece does not (decided from the split totals, the same on every rank), or a key-padding mask
+(``(batch, seq_k)`` / ``(batch, 1, 1, seq_k)``) is given, the call takes the gather-KV path instead
+(keys, values and mask all-gathered, local queries): correct for any layout, logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from xstage_dit.patches import sharding
+
+log = logging.getLogger(__name__)
+
+KV_LAYOUTS = ("sharded", "replicated", "replicated_tail")
+
+
+@dataclass(eq=False)
+class AttentionContext:
+    """What the backend needs to know about one attention module (stored on its processor).
+
+    group: the sp process group (None at world 1); rank/world: this rank's place in it.
+    kv_layout: one of KV_LAYOUTS (see module docstring). schedule: "auto" | "fused" | "serial".
+    name: the module's qualified name (logs). choices: per-shape schedule decisions, shared by all
+    contexts of one `parallelize` call so each distinct layer shape is logged once.
+    """
+
+    group: dist.ProcessGroup | None
+    rank: int
+    world: int
+    kv_layout: str = "sharded"
+    schedule: str = "auto"
+    name: str = ""
+    xparams: object | None = None
+    choices: dict = field(default_factory=dict)
+    state: object | None = None  # the SequenceState of the model's split hooks (split totals)
+
+    def __post_init__(self) -> None:
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"expected kv_layout in {KV_LAYOUTS}, got {self.kv_layout!r}")
+
+
+_LOGGED: set[str] = set()
+
+# Calls per path since import ("ulysses" = the op, "local" = no exchange, "gather_kv" = fallback):
+# lets tests prove which path ran. Not updated while torch.compile traces.
+PATH_COUNTS: dict[str, int] = {"ulysses": 0, "local": 0, "gather_kv": 0}
+
+
+def _count(path: str) -> None:
+    if not torch.compiler.is_compiling():
+        PATH_COUNTS[path] += 1
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.info(msg, *args)
+
+
+def _ulysses_op():
+    from xstage_dit.ops.ulysses_attention import ulysses_attention
+
+    return ulysses_attention
+
+
+def _schedule_for(ctx: AttentionContext, q: torch.Tensor, seq_total: int) -> str:
+    """The schedule name for this shape: the user's choice, or the calibrated design test's (logged once)."""
+    if ctx.schedule != "auto":
+        return ctx.schedule
+    batch, _, heads, head_dim = q.shape
+    key = (batch, seq_total, heads, head_dim, q.dtype, ctx.world)
+    choice = ctx.choices.get(key)
+    if choice is not None:
+        return choice
+    if torch.compiler.is_compiling():
+        return "auto"  # the op decides; decisions are made (and logged) in eager warm-up
+    try:
+        from xstage_dit.schedule import choose_attention_schedule
+    except ImportError:  # schedule helper not merged yet: let the op decide and say so
+        _log_once("no-schedule", "attention schedule: xstage_dit.schedule.choose_attention_schedule missing; op decides")
+        ctx.choices[key] = "auto"
+        return "auto"
+    decision = choose_attention_schedule(
+        ctx.xparams,
+        batch=batch,
+        seq_len=seq_total,
+        heads=heads,
+        head_dim=head_dim,
+        world_size=ctx.world,
+        dtype_bytes=q.element_size(),
+    )
+    log.info(
+        "attention schedule for batch=%d seq=%d heads=%d head_dim=%d %s world=%d: %s (%s)",
+        batch, seq_total, heads, head_dim, str(q.dtype).replace("torch.", ""), ctx.world, decision.name, decision.reason,
+    )
+    ctx.choices[key] = decision.name
+    return decision.name
+
+
+def _key_padding_mask(mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor:
+    """Normalise a diffusers key-padding mask to bool ``(batch, seq_k)``; anything else is an error."""
+    if mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
+        mask = mask[:, 0, 0]
+    if mask.ndim != 2 or mask.shape[-1] != seq_k or mask.shape[0] not in (1, batch):
+        raise NotImplementedError(
+            f"xstage sequence parallel supports key-padding masks of shape (batch, seq_k)=({batch}, {seq_k}) "
+            f"or (batch, 1, 1, seq_k), got {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        # additive masks: 0 keeps, -inf (or very negative) drops
+        mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
+    return mask.expand(batch, seq_k)
+
+
+def _sdpa(q, k, v, mask, scale):
+    """Local attention, (B, S, H, D) layout; mask: bool (B, S_k) or None."""
+    attn_mask = None if mask is None else mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+    )
+    return out.transpose(1, 2)
+
+
+def _even_pieces(ctx: AttentionContext, *extra_totals: int) -> bool:
+    """True when every split piece of this forward divides by the sp degree (rank-independent)."""
+    totals = list(getattr(ctx.state, "totals", ())) + list(extra_totals)
+    return all(t % ctx.world == 0 for t in totals)
+
+
+def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext, why: str):
+    """Fallback: all-gather k, v (and mask) over the sp group; local queries attend to all keys."""
+    _log_once(
+        f"gather-kv:{ctx.name}:{why}",
+        "attention %s: %s: gather-KV path (keys/values all-gathered) instead of the Ulysses op",
+        ctx.name or "?", why,
+    )
+    _count("gather_kv")
+    k_all = sharding.gather(k, 1, ctx.group)
+    v_all = sharding.gather(v, 1, ctx.group)
+    m_all = None if mask is None else sharding.gather(mask, 1, ctx.group)
+    return _sdpa(q, k_all, v_all, m_all, scale)
+
+
+def xstage_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    _parallel_config: AttentionContext | None = None,
+) -> torch.Tensor:
+    """Attention over the whole (sharded) sequence for the rank's queries.
+
+    query: (batch, seq_q_local, heads, head_dim); key, value: (batch, seq_k_local, heads_kv, head_dim)
+    laid out as ``_parallel_config.kv_layout`` says. Returns (batch, seq_q_local, heads, head_dim).
+    """
+    ctx = _parallel_config
+    if dropout_p != 0.0 or is_causal:
+        raise NotImplementedError(
+            f"xstage attention is full non-causal attention without dropout, got dropout_p={dropout_p}, "
+            f"is_causal={is_causal}"
+        )
+    if key.shape[2] != query.shape[2]:
+        if query.shape[2] % key.shape[2] != 0:
+            raise ValueError(f"expected query heads divisible by kv heads, got {query.shape[2]} and {key.shape[2]}")
+        rep = query.shape[2] // key.shape[2]
+        key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+    batch, seq_q = query.shape[:2]
+    mask = None if attn_mask is None else _key_padding_mask(attn_mask, batch, key.shape[1])
+    if ctx is None or ctx.world == 1 or ctx.kv_layout == "replicated":
+        if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
+            schedule = _schedule_for(ctx, query, seq_q)
+            _count("ulysses")
+            return _ulysses_op()(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+        _count("local")
+        return _sdpa(query, key, value, mask, scale)
+
+    tail = 0
+    if ctx.kv_layout == "replicated_tail":
+        tail = key.shape[1] - seq_q
+        if tail < 0:
+            raise ValueError(f"expected keys = queries' shard + replicated tail, got {key.shape[1]} keys for {seq_q} queries")
+        key = torch.cat([key[:, :seq_q], sharding.shard(key[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
+        value = torch.cat([value[:, :seq_q], sharding.shard(value[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
+        if mask is not None:
+            mask = torch.cat([mask[:, :seq_q], sharding.shard(mask[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
+
+    if mask is not None:
+        return _gather_kv_attention(query, key, value, mask, scale, ctx, "attention mask")
+    if not _even_pieces(ctx, *([tail] if tail else [])):
+        return _gather_kv_attention(query, key, value, None, scale, ctx, "sequence pieces not divisible by sp")
+
+    seq_k = key.shape[1]
+    q = query
+    if seq_q != seq_k:
+        # The op attends q, k, v of one sequence layout: give the extra key rows dummy queries and
+        # drop their outputs (costs (seq_k - seq_q) / seq_k extra query rows, no extra exchange).
+        if seq_q > seq_k:
+            raise ValueError(f"expected at most as many local queries as keys, got {seq_q} > {seq_k}")
+        q = torch.cat([query, query.new_zeros((batch, seq_k - seq_q, *query.shape[2:]))], dim=1)
+    schedule = _schedule_for(ctx, q, seq_k * ctx.world)
+    _count("ulysses")
+    out = _ulysses_op()(q, key, value, group=ctx.group, schedule=schedule, scale=scale, seq_len=seq_k * ctx.world)
+    return out[:, :seq_q] if seq_q != seq_k else out

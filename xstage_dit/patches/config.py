@@ -1,0 +1,72 @@
+"""`ParallelConfig`: what the user sets for `parallelize`, validated on construction.
+
+Degrees (DESIGN §1):
+
+- ``sp``: Ulysses sequence-parallel degree. Every rank of an sp group holds a slice of the token
+  sequence; attention exchanges heads for tokens (fused op in `xstage_dit.ops.ulysses_attention`).
+- ``ep``: expert-parallel degree for MoE transformers. EP shares the ranks of the sp group (the MoE
+  layer's tokens are the rank's sequence shard), so ``ep`` is 1 (experts replicated) or ``sp``.
+- ``cfg``: classifier-free-guidance parallel degree, 1 or 2: the conditional and unconditional
+  branches run on different sp groups at the same time.
+
+``world_size == sp * cfg``. Rank ``r`` is in cfg group ``r // sp`` and holds sequence shard ``r % sp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULES = ("auto", "fused", "serial")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees of parallelism and schedule policy for `xstage_dit.parallelize`.
+
+    sp: sequence-parallel (Ulysses) degree, >= 1.
+    ep: expert-parallel degree: 1 or equal to ``sp`` (EP shares the sp ranks).
+    cfg: 1 or 2 (conditional / unconditional branch on separate rank groups).
+    schedule: attention schedule, "auto" (calibrated design test), "fused" or "serial".
+    calibrate: run/load the X-Stage calibration at startup to choose schedules (GPU only; on a CPU
+        the choice falls back to the uncalibrated rule and says so in the log).
+    timeout_s: collective timeout used when `parallelize` has to create the process group itself.
+
+    Example: ``ParallelConfig(sp=4)`` on 4 ranks; ``ParallelConfig(sp=2, ep=2, cfg=2)`` on 4 ranks.
+    """
+
+    sp: int = 1
+    ep: int = 1
+    cfg: int = 1
+    schedule: str = "auto"
+    calibrate: bool = True
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("sp", "ep", "cfg"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"expected {name} to be an int >= 1, got {value!r}")
+        if self.cfg not in (1, 2):
+            raise ValueError(f"expected cfg to be 1 or 2 (two guidance branches), got {self.cfg}")
+        if self.ep not in (1, self.sp):
+            raise ValueError(
+                f"expected ep to be 1 or equal to sp={self.sp} (expert parallelism shares the sequence-parallel "
+                f"ranks), got ep={self.ep}"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"expected schedule to be one of {SCHEDULES}, got {self.schedule!r}")
+        if not (self.timeout_s > 0):
+            raise ValueError(f"expected timeout_s > 0, got {self.timeout_s!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks this configuration needs: ``sp * cfg``."""
+        return self.sp * self.cfg
+
+    def check_world(self, world_size: int) -> None:
+        """Raise if the degrees do not multiply to `world_size`."""
+        if self.world_size != world_size:
+            raise ValueError(
+                f"expected sp * cfg == world size, got sp={self.sp} * cfg={self.cfg} = {self.world_size} "
+                f"for a world of {world_size} ranks"
+            )
