@@ -4,9 +4,13 @@
 # Runs benchmarks/bench_e2e.py for FLUX.1-dev (1024², 28 steps), NucleusMoE image (1024²) and Wan 2.1 14B
 # (480p, 81 frames): full-size architectures, random weights built on the GPU in bf16. Each model runs in
 # its own process with a soft budget (bench_e2e.py reports contenders that do not fit as
-# "skipped: time budget") and a hard timeout (so one model never eats the others' time). Writes
-#   $OUT/results/e2e-<model>-1x<gpu>.{json,md,png}    (copy them to benchmarks/results/)
-#   $OUT/logs/<model>.log
+# "skipped: time budget") and a hard timeout (so one model never eats the others' time). At most 8 files
+# come back from a device call, so $OUT gets (refreshed after every model, so a cut-short call keeps
+# what finished):
+#   $OUT/e2e-results.tgz     results/e2e-<model>-1x<gpu>.{json,md,png} and logs/<model>.log
+#   $OUT/e2e-<model>-1x<gpu>.md   each model's table, readable at once
+#   $OUT/run_e2e.log         this script's output
+# Then here:  tar -xzf <files_at>/e2e-results.tgz -C /tmp/e2e && cp /tmp/e2e/results/e2e-* benchmarks/results/
 #
 # Prepare on the development machine, from the repository root (pure-Python wheels, no dependencies):
 #   bash benchmarks/run_e2e_gpu.sh prepare          # adds xfuser 0.7.0 and its small deps to ./.whl
@@ -35,7 +39,13 @@ fi
 OUT="${OUT:-$root/.gpu_out}"
 py="${PYTHON:-python3}"
 size="${E2E_SIZE:-full}"
-mkdir -p "$OUT/results" "$OUT/logs"
+work="$(mktemp -d)"
+mkdir -p "$OUT" "$work/results" "$work/logs"
+exec > >(tee -a "$OUT/run_e2e.log") 2>&1
+collect() {  # everything so far into the one archive that comes back, plus each table
+  tar -czf "$OUT/e2e-results.tgz" -C "$work" results logs
+  for f in "$work"/results/e2e-*.md; do [ -f "$f" ] && cp "$f" "$OUT/"; done
+}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # One X-Stage calibration for the whole call: the first xstage-calibrated contender measures (a few
@@ -55,7 +65,7 @@ fi
 # The checkout first: xfuser's wheel also installs top-level `benchmarks` and `tests` directories.
 export PYTHONPATH="$root:$site${PYTHONPATH:+:$PYTHONPATH}"
 cd "$root"
-"$py" - <<'EOF' 2>&1 | tee "$OUT/logs/env.log"
+"$py" - <<'EOF' 2>&1 | tee "$work/logs/env.log"
 import importlib.metadata as md, torch
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch", torch.__version__)
 for name in ("diffusers", "transformers", "triton", "xfuser", "yunchang"):
@@ -90,7 +100,7 @@ for i in "${!models[@]}"; do
   soft=$(( ${budget[$m]} < left - later ? ${budget[$m]} : left - later ))
   [ "$soft" -lt 30 ] && soft=$(( left < 30 ? left : 30 ))
   if [ "$left" -lt 20 ]; then
-    echo "[run_e2e_gpu] $m: not started, ${left}s of the ${total}s call left" | tee "$OUT/logs/$m.log"
+    echo "[run_e2e_gpu] $m: not started, ${left}s of the ${total}s call left" | tee "$work/logs/$m.log"
     status=1
     continue
   fi
@@ -98,11 +108,12 @@ for i in "${!models[@]}"; do
   echo "[run_e2e_gpu] $m: soft budget ${soft}s, hard limit ${hard}s (${left}s left)"
   # shellcheck disable=SC2086
   timeout -k 10 "$hard" "$py" benchmarks/bench_e2e.py ${opts[$m]} --device "${E2E_DEVICE:-cuda}" --time-budget-s "$soft" \
-    --out-dir "$OUT/results" > "$OUT/logs/$m.log" 2>&1
+    --out-dir "$work/results" > "$work/logs/$m.log" 2>&1
   rc=$?
-  grep -E "^\[bench\]|Error|error" "$OUT/logs/$m.log" | tail -25
+  grep -E "^\[bench\]|Error|error" "$work/logs/$m.log" | tail -25
   [ "$rc" -ne 0 ] && { echo "[run_e2e_gpu] $m: exit $rc (124/137 = hard limit; partial results kept)"; status=1; }
+  collect
 done
-for f in "$OUT"/results/e2e-*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
+for f in "$work"/results/e2e-*.md; do [ -f "$f" ] && { echo; cat "$f"; }; done
 echo "[run_e2e_gpu] done in $(( SECONDS - start ))s"
 exit $status
