@@ -834,9 +834,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
               t_start=t_start, build_s=build_s)
     b.call_kwargs(prompts[0], steps)  # validates steps, size and the pipeline's arguments up front
 
-    env = environment()
-    if env.get("git_commit") in (None, "unknown") and os.environ.get("XSTAGE_GIT_COMMIT"):
-        env["git_commit"] = os.environ["XSTAGE_GIT_COMMIT"]
+    env = environment()  # its git commit falls back to $XSTAGE_GIT_COMMIT where the tree has no .git
     stem = Path(args.out_dir) / f"e2e-{model_slug(args.model)}-{gpus}x{gpu_label(device)}"
     settings = {
         "model": args.model, "kind": spec.kind, "family": spec.family, "gpus": gpus, "world_size": info.world_size,

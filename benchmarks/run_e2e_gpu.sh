@@ -46,7 +46,7 @@ collect() {  # everything so far into the one archive that comes back, plus each
   tar -czf "$OUT/e2e-results.tgz" -C "$work" results logs
   for f in "$work"/results/e2e-*.md; do [ -f "$f" ] && cp "$f" "$OUT/"; done
 }
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # One X-Stage calibration for the whole call: the first xstage-calibrated contender measures (a few
 # seconds), the later models load it.
