@@ -885,6 +885,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
             print(f"[bench] wrote {path}", flush=True)
     if dist.is_initialized():
         dist.barrier()
+        dist.destroy_process_group()
     base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in rows)
     return 0 if base_ok or BASELINE not in names else 1
 
