@@ -18,6 +18,9 @@ Usage (the options are those of ``xstage-dit bench``; see ``--help``)::
     python benchmarks/bench_e2e.py --model tiny-flux --num-prompts 1 --steps 2          # CPU smoke run
     python benchmarks/bench_e2e.py --model full-flux --num-prompts 3 --compile          # one H200
     torchrun --nproc-per-node 4 benchmarks/bench_e2e.py --model full-flux --gpus 4      # four GPUs
+    python benchmarks/bench_e2e.py --model full-flux --gpus 4     # the same: starts its 4 ranks itself
+
+``benchmarks/run_e2e_gpu.sh`` runs the three models of issue 8 on a GPU machine in one budgeted call.
 """
 
 from __future__ import annotations
