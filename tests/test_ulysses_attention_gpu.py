@@ -20,7 +20,7 @@ CASES = [
     (2, 4608, 24, 128, 1, torch.bfloat16),   # FLUX 1024^2 (512 text + 4096 image), CFG batch 2
     (2, 4608, 24, 128, 8, torch.bfloat16),
     (1, 32760, 4, 128, 4, torch.bfloat16),   # Wan 480p x 81 frames (not a multiple of 128)
-    (1, 75600, 2, 128, 8, torch.bfloat16),   # Wan 720p x 81 frames
+    (1, 75600, 8, 128, 8, torch.bfloat16),   # Wan 720p x 81 frames (heads >= P)
     (1, 4607, 6, 128, 4, torch.bfloat16),    # S not divisible by P
     (2, 1000, 5, 64, 2, torch.float16),      # H not divisible by P, head_dim 64
     (1, 333, 7, 64, 4, torch.bfloat16),      # both, short: tiles straddle shards
