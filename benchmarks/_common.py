@@ -61,17 +61,23 @@ def _nvidia_smi(query: str) -> str | None:
         return None
 
 
-def environment() -> dict[str, Any]:
-    """Where and with what a benchmark ran (recorded in every result file)."""
+def environment(commit: str | None = None) -> dict[str, Any]:
+    """Where and with what a benchmark ran (recorded in every result file).
+
+    commit: the commit to record when the caller knows it better than `git_commit()` (a tree copied to a
+    GPU machine without its `.git`).
+    """
+    now = datetime.datetime.now(datetime.timezone.utc)
     env: dict[str, Any] = {
-        "time_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "time_utc": now.isoformat(timespec="seconds"),
+        "date_utc": now.strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),
         "diffusers": _version("diffusers"),
         "transformers": _version("transformers"),
-        "git_commit": git_commit(),
+        "git_commit": commit or git_commit(),
         "cuda": torch.version.cuda,
     }
     if torch.cuda.is_available():

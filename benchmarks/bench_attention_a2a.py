@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -136,24 +133,9 @@ def rel_err(out, ref) -> float:
 
 
 def env_info(commit: str | None) -> dict:
-    import triton
+    from benchmarks._common import environment
 
-    props = torch.cuda.get_device_properties(0)
-    try:
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=30).stdout.strip()
-    except Exception as exc:  # nvidia-smi missing: record why
-        driver = f"unknown ({exc})"
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                                    cwd=Path(__file__).parent).stdout.strip() or None
-        except Exception:
-            commit = None
-    return {"gpu": props.name, "sm_count": props.multi_processor_count, "driver": driver,
-            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-            "python": platform.python_version(), "git_commit": commit or os.environ.get("XSTAGE_GIT_COMMIT", "unknown"),
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    return environment(commit)
 
 
 def resource_report(handle) -> dict:

@@ -44,21 +44,12 @@ print("QUICK_JSON " + json.dumps({"quick_calibration_s": quick_s, "cache_load_ms
 
 
 def env_info() -> dict:
-    import torch
-
+    from benchmarks._common import environment
     from xstage_dit.calibration import machine_key
 
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "git_commit": os.environ.get("XSTAGE_GIT_COMMIT", "unknown"), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    key = machine_key()
-    info["driver"] = key.get("driver")
-    info["machine_key"] = key
+    info = environment()
+    info["machine_key"] = machine_key()
+    info["driver"] = info["machine_key"].get("driver") or info["driver"]
     return info
 
 

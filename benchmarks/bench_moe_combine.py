@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -56,26 +53,9 @@ CONFIGS = {
 
 
 def env_info() -> dict:
-    import triton
+    from benchmarks._common import environment
 
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "cuda": torch.version.cuda,
-            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-    try:
-        info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                        capture_output=True, text=True, timeout=20).stdout.strip()  # fmt: skip
-    except Exception as exc:  # noqa: BLE001
-        info["driver"] = f"unknown ({exc})"
-    info["git_commit"] = os.environ.get("GIT_COMMIT") or _git_commit()
-    return info
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"  # fmt: skip
-    except Exception:  # noqa: BLE001
-        return "unknown"
+    return environment()
 
 
 def bench_ms(fn) -> float:

@@ -165,21 +165,9 @@ def rank_main(args) -> int:
 
 
 def _env_info(commit: str | None) -> dict:
-    import triton
+    from benchmarks._common import environment
 
-    if SMOKE:
-        return {"gpu": "cpu smoke", "driver": "-", "torch": torch.__version__, "triton": triton.__version__,
-                "cuda": None, "git_commit": commit or "unknown"}
-    props = torch.cuda.get_device_properties(0)
-    try:
-        import subprocess
-
-        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                capture_output=True, text=True, timeout=20).stdout.strip()
-    except Exception:  # pragma: no cover
-        driver = "unknown"
-    return {"gpu": props.name, "driver": driver, "torch": torch.__version__, "triton": triton.__version__,
-            "cuda": torch.version.cuda, "git_commit": commit or os.environ.get("XSTAGE_COMMIT", "unknown")}
+    return environment(commit)
 
 
 def main() -> int:

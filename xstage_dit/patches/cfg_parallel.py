@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
 from diffusers.hooks import ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
