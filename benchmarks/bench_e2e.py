@@ -52,6 +52,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.commands import bench as bench_cli  # noqa: E402
+from xstage_dit.jsonable import to_jsonable  # noqa: E402
 
 BASELINE = "diffusers"
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
@@ -281,18 +282,6 @@ def _error(exc: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def _jsonable(value):
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _jsonable(dataclasses.asdict(value))
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Contenders: check (reason it cannot run, detected before any GPU work), apply, call, restore
 
@@ -356,7 +345,7 @@ class XStage(Contender):
         except Exception as exc:  # not merged yet, or broken: say so instead of omitting the row
             return f"xstage_dit.patches does not import: {_error(exc)}"
         try:
-            self.info["parallel_config"] = _jsonable(self._config(b))
+            self.info["parallel_config"] = to_jsonable(self._config(b))
         except Exception as exc:
             return f"ParallelConfig refuses this configuration: {_error(exc)}"
         return None
@@ -369,7 +358,7 @@ class XStage(Contender):
         self.info["calibration"] = None if calibration is None else {
             "source": getattr(calibration, "source", None),
             "machine_key": getattr(calibration, "machine_key", None),
-            "params": _jsonable(getattr(calibration, "params", None)),
+            "params": to_jsonable(getattr(calibration, "params", None)),
         }
         super().apply(b)
 
@@ -379,7 +368,7 @@ class XStage(Contender):
         if handle is None:
             return
         # The attention schedule per distinct layer shape, filled as the shapes were first seen.
-        self.info["schedules"] = _jsonable(getattr(handle, "schedule_choices", None))
+        self.info["schedules"] = to_jsonable(getattr(handle, "schedule_choices", None))
         handle.restore()
 
 

@@ -3,7 +3,6 @@ collect the calibration and schedule report shown at `GET /v1/calibration` and l
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from typing import Any, Callable
@@ -11,21 +10,10 @@ from typing import Any, Callable
 import torch
 
 from server.config import ServedModel
+from xstage_dit.jsonable import to_jsonable
 from server.worker import LoadedModel, RankContext
 
 log = logging.getLogger(__name__)
-
-
-def _jsonable(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(value).items()}
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    return str(value)
 
 
 def calibration_report(device: torch.device) -> dict:
@@ -43,10 +31,10 @@ def calibration_report(device: torch.device) -> dict:
         return {"available": False, "reason": f"calibration failed: {type(exc).__name__}: {exc}"}
     report = {"available": True, "source": getattr(result, "source", None),
               "machine_key": getattr(result, "machine_key", None),
-              "params": {target: _jsonable(p) for target, p in getattr(result, "params", {}).items()}}
+              "params": {target: to_jsonable(p) for target, p in getattr(result, "params", {}).items()}}
     summary = getattr(result, "summary", None)
     if callable(summary):
-        report["summary"] = _jsonable(summary())
+        report["summary"] = to_jsonable(summary())
     return report
 
 
@@ -57,7 +45,7 @@ def schedule_report(handle: Any) -> Any:
     for name in ("schedules", "schedule_choices", "choices"):
         value = getattr(handle, name, None)
         if value is not None:
-            return _jsonable(value() if callable(value) else value)
+            return to_jsonable(value() if callable(value) else value)
     return {"note": f"{type(handle).__name__} does not report its schedule choices"}
 
 

@@ -3,7 +3,6 @@ diffusers layer on the full sequence: routing decisions bit-exact, outputs withi
 
 from __future__ import annotations
 
-import socket
 import traceback
 from contextlib import contextmanager
 from unittest import mock
@@ -13,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from xstage_dit.launch import free_port
 from xstage_dit.ops.moe_combine import HiDreamMoEEPLayer, NucleusMoEEPLayer
 
 BF16_REL_TOL = 2e-2
@@ -124,12 +124,6 @@ def _check_rank(rank: int, world: int, group) -> dict:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, queue):
     try:
         torch.set_num_threads(1)
@@ -147,7 +141,7 @@ def _worker(rank, world, port, queue):
 def _run_world(world: int, timeout_s: float = 60.0) -> list[dict]:
     ctx = mp.get_context("fork")  # fork: no re-import of torch/diffusers per rank (CI time)
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -5,13 +5,13 @@ against diffusers on the GPU, and two processes sharing one GPU against one proc
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 
 from xstage_dit.distributed import local_buffer_table
+from xstage_dit.launch import free_port
 from xstage_dit.ops.moe_combine import (
     combine_reduce,
     combine_reduce_reference,
@@ -117,12 +117,6 @@ def test_ep_layer_fused_world1_matches_diffusers():
     assert _rel(ep(x, xu, t), ref) < BF16_REL_TOL
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shared_gpu_worker(rank, world, port, queue):
     try:
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
@@ -164,7 +158,7 @@ def test_two_processes_sharing_one_gpu_match_one_process():
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_shared_gpu_worker, args=(r, 2, port, queue)) for r in range(2)]
     for p in procs:
         p.start()

@@ -15,19 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from xstage_dit.launch import free_port
 from xstage_dit.xstage import KIB
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _peer_devices(device_index: int, allow_shared_gpu: bool) -> tuple[int, int, bool]:
@@ -48,7 +42,7 @@ def _peer_devices(device_index: int, allow_shared_gpu: bool) -> tuple[int, int, 
 def _launch(mode: str, device, *, k: int, quick: bool, threads: int, allow_shared_gpu: bool,
             timeout_s: float) -> dict:
     d0, d1, shared = _peer_devices(device.index or 0, allow_shared_gpu)
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ)
     from xstage_dit.distributed import SAFE_ENV
 
