@@ -1033,45 +1033,5 @@ class HiDreamMoEEPLayer(nn.Module):
         return out.reshape(bs, s_loc, dim)
 
 
-# --------------------------------------------------------------------------------------------------
-# torch.library registration (here until xstage_dit/ops/registry.py lands on main; then moves there)
-# --------------------------------------------------------------------------------------------------
-
-
-@torch.library.custom_op("xstage_dit::moe_combine_reduce", mutates_args=())
-def _moe_combine_reduce_op(buf: torch.Tensor, slot_offsets: torch.Tensor, slots: torch.Tensor,
-                           shared: torch.Tensor | None) -> torch.Tensor:
-    return combine_reduce(buf, slot_offsets, slots, shared, buf.dtype)
-
-
-@_moe_combine_reduce_op.register_fake
-def _(buf, slot_offsets, slots, shared):
-    return buf.new_empty(slot_offsets.shape[0] - 1, buf.shape[1])
-
-
-@torch.library.custom_op("xstage_dit::moe_expert_mlp_combine", mutates_args=("combine_buffer",))
-def _moe_expert_mlp_combine_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_offsets: list[int],
-                               row_weight: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
-                               combine_table: torch.Tensor, combine_buffer: torch.Tensor, lead: int) -> None:
-    # combine_buffer: this rank's own combine buffer (one entry of the table), declared mutated so that a
-    # compiled graph orders the combine-reduce after this op; peers' writes are ordered by the barrier.
-    expert_mlp_combine(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table,
-                       lead=None if lead < 0 else lead)
-
-
-@_moe_expert_mlp_combine_op.register_fake
-def _(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table, combine_buffer, lead):
-    return None
-
-
-def moe_combine_reduce_op(buf, slot_offsets, slots, shared=None) -> torch.Tensor:
-    """``torch.ops.xstage_dit.moe_combine_reduce`` (arguments as ``combine_reduce``, output in buf.dtype)."""
-    return torch.ops.xstage_dit.moe_combine_reduce(buf, slot_offsets, slots, shared)
-
-
-def moe_expert_mlp_combine_op(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table,
-                              combine_buffer, *, lead: int | None = None) -> None:
-    """``torch.ops.xstage_dit.moe_expert_mlp_combine`` (arguments as ``expert_mlp_combine``; lead None = chosen)."""
-    torch.ops.xstage_dit.moe_expert_mlp_combine(x, gate_up, down, [int(v) for v in expert_offsets], row_weight,
-                                                dest_rank, dest_row, combine_table, combine_buffer,
-                                                -1 if lead is None else int(lead))
+# The torch custom ops live with the others in xstage_dit/ops/registry.py; re-exported for callers here.
+from xstage_dit.ops.registry import moe_combine_reduce_op, moe_expert_mlp_combine_op  # noqa: E402,F401

@@ -56,3 +56,49 @@ def ulysses_attention_op(q, k, v, *, group=None, schedule="auto", scale=None, se
     """Call ``xstage_dit::ulysses_attention`` (arguments as ``ops.ulysses_attention.ulysses_attention``)."""
     return torch.ops.xstage_dit.ulysses_attention(q, k, v, group_name(group), schedule,
                                                   None if scale is None else float(scale), seq_len)
+
+
+# ------------------------------------------------------------------------------- MoE expert MLP + combine
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_combine_reduce", mutates_args=())
+def _moe_combine_reduce_op(buf: torch.Tensor, slot_offsets: torch.Tensor, slots: torch.Tensor,
+                           shared: torch.Tensor | None) -> torch.Tensor:
+    from xstage_dit.ops.moe_combine import combine_reduce
+
+    return combine_reduce(buf, slot_offsets, slots, shared, buf.dtype)
+
+
+@_moe_combine_reduce_op.register_fake
+def _(buf, slot_offsets, slots, shared):
+    return buf.new_empty(slot_offsets.shape[0] - 1, buf.shape[1])
+
+
+@torch.library.custom_op(f"{NAMESPACE}::moe_expert_mlp_combine", mutates_args=("combine_buffer",))
+def _moe_expert_mlp_combine_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expert_offsets: list[int],
+                               row_weight: torch.Tensor, dest_rank: torch.Tensor, dest_row: torch.Tensor,
+                               combine_table: torch.Tensor, combine_buffer: torch.Tensor, lead: int) -> None:
+    # combine_buffer: this rank's own combine buffer (one entry of the table), declared mutated so that a
+    # compiled graph orders the combine-reduce after this op; peers' writes are ordered by the barrier.
+    from xstage_dit.ops.moe_combine import expert_mlp_combine
+
+    expert_mlp_combine(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table,
+                       lead=None if lead < 0 else lead)
+
+
+@_moe_expert_mlp_combine_op.register_fake
+def _(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table, combine_buffer, lead):
+    return None
+
+
+def moe_combine_reduce_op(buf, slot_offsets, slots, shared=None) -> torch.Tensor:
+    """``torch.ops.xstage_dit.moe_combine_reduce`` (arguments as ``combine_reduce``, output in buf.dtype)."""
+    return torch.ops.xstage_dit.moe_combine_reduce(buf, slot_offsets, slots, shared)
+
+
+def moe_expert_mlp_combine_op(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table,
+                              combine_buffer, *, lead: int | None = None) -> None:
+    """``torch.ops.xstage_dit.moe_expert_mlp_combine`` (arguments as ``expert_mlp_combine``; lead None = chosen)."""
+    torch.ops.xstage_dit.moe_expert_mlp_combine(x, gate_up, down, [int(v) for v in expert_offsets], row_weight,
+                                                dest_rank, dest_row, combine_table, combine_buffer,
+                                                -1 if lead is None else int(lead))
