@@ -199,3 +199,16 @@ def test_from_layer_rejects_other_modules():
         NucleusMoEEPLayer.from_layer(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="MOEFeedForwardSwiGLU"):
         HiDreamMoEEPLayer.from_layer(torch.nn.Linear(2, 2))
+
+
+def test_auto_path_takes_fused_only_where_measured_faster():
+    from xstage_dit.ops.moe_combine import FUSED_AUTO_MIN_LOCAL_EXPERTS, _resolve_path
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device type is read: no GPU needed
+    assert _resolve_path("auto", cpu, 1, 128) == "reference"
+    assert _resolve_path("auto", cuda, 1, 128) == "fused"                                  # NucleusMoE, one rank
+    assert _resolve_path("auto", cuda, 1, FUSED_AUTO_MIN_LOCAL_EXPERTS - 1) == "serial"   # HiDream-like
+    assert _resolve_path("auto", cuda, 2, 128) == "serial"                                 # multi-process: not validated
+    assert _resolve_path("fused", cuda, 2, 4) == "fused"                                   # explicit choice is honoured
+    with pytest.raises(ValueError, match="expected path in"):
+        _resolve_path("fast", cuda, 1, 4)

@@ -20,7 +20,8 @@ Fast paths: ``expert_mlp_combine`` (persistent Triton kernel over a tile schedul
 
 Layer paths: "fused" (GPU: push dispatch, fused kernel, remote combine), "serial" (library All-to-All
 both ways around the unfused grouped-matmul MLP: the baseline), "reference" (All-to-All around the
-fp32 reference MLP; the CPU path), "auto" (fused on CUDA, reference elsewhere).
+fp32 reference MLP; the CPU path), "auto" (on CUDA: fused where it was measured faster and validated,
+serial otherwise, see ``FUSED_AUTO_MIN_LOCAL_EXPERTS``; reference elsewhere).
 
 Dispatch choice: with real ranks on GPUs we push rows through a symmetric-memory peer table
 (``push_rows``): the source knows every destination row from ``C``, so rows land already in expert-major
@@ -697,11 +698,33 @@ def _all_gather_counts(mine: torch.Tensor, group) -> torch.Tensor:
 EP_PATHS = ("auto", "fused", "serial", "reference")
 
 
-def _resolve_path(path: str, device: torch.device, world: int) -> str:
+# `auto` runs the fused kernel only where it was measured faster and validated on the H200
+# (benchmarks/results/moe-combine-h200.md, gpu-tests-moe-h200-3d967d0.log): with >= 16 local experts
+# (NucleusMoE: 1.11x at 128, 1.39x at 16 per rank) and in one process. Few large experts (HiDream:
+# 4/2/1 per rank) ran 0.84-1.00x, and two processes sharing one GPU differed from one process by 3.2 %
+# at the NucleusMoE shape (not yet explained), so those take the serial path until re-measured.
+FUSED_AUTO_MIN_LOCAL_EXPERTS = 16
+
+
+@functools.cache
+def _log_auto_path(choice: str, reason: str) -> None:
+    log.info("EP MoE path auto -> %s (%s)", choice, reason)
+
+
+def _resolve_path(path: str, device: torch.device, world: int, num_local_experts: int) -> str:
     if path not in EP_PATHS:
         raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
     if path == "auto":
-        return "fused" if device.type == "cuda" else "reference"
+        if device.type != "cuda":
+            return "reference"
+        if world > 1:
+            _log_auto_path("serial", f"world size {world}: the multi-process fused path is not GPU-validated yet")
+            return "serial"
+        if num_local_experts < FUSED_AUTO_MIN_LOCAL_EXPERTS:
+            _log_auto_path("serial", f"{num_local_experts} local experts < {FUSED_AUTO_MIN_LOCAL_EXPERTS}: "
+                                     "the fused kernel was measured slower than grouped matmul there")
+            return "serial"
+        return "fused"
     if path == "fused" and device.type != "cuda":
         raise RuntimeError(f"path='fused' needs CUDA tensors, got {device}")
     return path
@@ -732,7 +755,7 @@ def ep_moe_forward(
     mine = torch.bincount(expert_idx, minlength=num_experts)
     counts = _all_gather_counts(mine, group)
     plan = build_ep_plan(token_idx, expert_idx, weight, counts, rank=rank, num_tokens=tokens)
-    path = _resolve_path(path, x.device, world)
+    path = _resolve_path(path, x.device, world, gate_up.shape[0])
     H = x.shape[1]
     if path in ("reference", "serial"):
         # Library All-to-All both ways around the expert MLP: fp32 reference MLP ("reference"), or the
