@@ -69,39 +69,72 @@ def model_spec(model: str) -> ModelSpec:
     raise ValueError(f"expected a model in {model_names()} or a local diffusers folder, got {model!r}")
 
 
-def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0):
+def _check_expert_shard(spec: ModelSpec, expert_shard):
+    """None, or the validated `ExpertShard` of a MoE family (ValueError naming the model otherwise)."""
+    if expert_shard is None:
+        return None
+    from xstage_dit.models.experts import FAMILIES, ExpertShard
+
+    shard = ExpertShard.of(expert_shard)
+    if spec.family not in FAMILIES:
+        raise ValueError(f"expected expert_shard=None for {spec.name} (no MoE layers to shard), got {expert_shard!r}")
+    return shard
+
+
+def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                  expert_shard: tuple[int, int] | None = None):
     """Build (or load) the diffusers pipeline for ``model`` on ``device`` in ``dtype``.
 
     model: a name from ``model_names()`` (random weights, deterministic in ``seed``) or a local diffusers
         folder (real weights, loaded with ``DiffusionPipeline.from_pretrained``; ``seed`` unused).
     device: where the weights are created (``"meta"`` builds the architecture only, e.g. to count parameters).
+    expert_shard: (rank, world) for a MoE model (NucleusMoE, HiDream): this process creates or reads only
+        experts ``[rank*E/world, (rank+1)*E/world)`` of every MoE layer, which become EP layers to be bound by
+        ``parallelize(pipe, ParallelConfig(sp=world, ep=world))`` on the rank with EP-group rank ``rank``
+        (see `xstage_dit.models.experts`). world must divide the expert count. None: every expert.
     Returns the pipeline with every component on ``device``, progress bar off.
+
+    Example (rank r of 4)::
+
+        pipe = load_pipeline("full-nucleusmoe", dtype=torch.bfloat16, device="cuda", expert_shard=(r, 4))
+        handle = parallelize(pipe, ParallelConfig(sp=4, ep=4))
     """
     spec = model_spec(model)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
+    shard = _check_expert_shard(spec, expert_shard)
     device = torch.device(device)
-    if spec.size == "local":
+    if spec.size == "local" and shard is not None:
+        from diffusers import DiffusionPipeline
+
+        from xstage_dit.models.experts import load_transformer_sharded
+
+        transformer = load_transformer_sharded(spec.name, spec.family, shard, dtype=dtype, device=device)
+        pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype, transformer=transformer).to(device)
+    elif spec.size == "local":
         from diffusers import DiffusionPipeline
 
         pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype).to(device)
     else:
         builder = importlib.import_module(FAMILY_MODULES[spec.family])
-        pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed))
+        extra = {} if shard is None else {"expert_shard": shard}
+        pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed), **extra)
     pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     return pipe
 
 
 def load_transformer(model: str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                     seed: int = 0) -> torch.nn.Module:
+                     seed: int = 0, expert_shard: tuple[int, int] | None = None) -> torch.nn.Module:
     """Only the denoising transformer of a built-in model (what step and layer benchmarks need).
 
-    Same weights as ``load_pipeline(model, seed=seed).transformer``; no text encoder or VAE is built.
+    Same weights as ``load_pipeline(model, seed=seed, expert_shard=...).transformer``; no text encoder or VAE.
     """
     spec = model_spec(model)
     if spec.size == "local":
         raise ValueError(f"expected a built-in model name for load_transformer, got the folder {model!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
+    shard = _check_expert_shard(spec, expert_shard)
     builder = importlib.import_module(FAMILY_MODULES[spec.family])
-    return builder.build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed))
+    extra = {} if shard is None else {"expert_shard": shard}
+    return builder.build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed), **extra)

@@ -57,15 +57,21 @@ TINY_SIDE_PX = 128
 SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """The `HiDreamImageTransformer2DModel` alone (MoE feed-forward blocks included)."""
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, expert_shard=None):
+    """The `HiDreamImageTransformer2DModel` alone (MoE feed-forward blocks included).
+
+    Routed experts are drawn per (seed, layer, expert) (`xstage_dit.models.experts`); with
+    ``expert_shard=(rank, world)`` only this rank's experts are made and the MoE layers are EP layers.
+    """
     from diffusers import HiDreamImageTransformer2DModel
 
-    return build_module(lambda: HiDreamImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device,
-                        dtype=dtype)
+    from xstage_dit.models.experts import build_with_experts
+
+    return build_with_experts(lambda: HiDreamImageTransformer2DModel(**TRANSFORMER[size]), "hidream", seed=seed,
+                              shard=expert_shard, build_module=build_module, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
+def build(size: str, *, dtype: torch.dtype, device, seed: int, expert_shard=None):
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, HiDreamImagePipeline
     from transformers import (CLIPTextConfig, CLIPTextModelWithProjection, LlamaConfig, LlamaForCausalLM,
                               T5Config, T5EncoderModel)
@@ -97,7 +103,7 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         tokenizer_3=tokenizer_3,
         text_encoder_4=build_module(llama, **kw(4)),
         tokenizer_4=tokenizer_4,
-        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed, expert_shard=expert_shard),
     )
     # HiDream rescales every request to the area (default_sample_size * 8)^2, keeping the aspect ratio
     # (1024^2 for the real model); the tiny model works at 128^2.

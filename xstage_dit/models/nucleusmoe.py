@@ -101,15 +101,21 @@ def processor():
     )
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """The `NucleusMoEImageTransformer2DModel` alone (expert-choice MoE blocks included)."""
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, expert_shard=None):
+    """The `NucleusMoEImageTransformer2DModel` alone (expert-choice MoE blocks included).
+
+    Routed experts are drawn per (seed, layer, expert) (`xstage_dit.models.experts`); with
+    ``expert_shard=(rank, world)`` only this rank's experts are made and the MoE layers are EP layers.
+    """
     from diffusers import NucleusMoEImageTransformer2DModel
 
-    return build_module(lambda: NucleusMoEImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device,
-                        dtype=dtype)
+    from xstage_dit.models.experts import build_with_experts
+
+    return build_with_experts(lambda: NucleusMoEImageTransformer2DModel(**TRANSFORMER[size]), "nucleusmoe", seed=seed,
+                              shard=expert_shard, build_module=build_module, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
+def build(size: str, *, dtype: torch.dtype, device, seed: int, expert_shard=None):
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, NucleusMoEImagePipeline
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
@@ -127,7 +133,7 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
                                 dtype=dtype)
     vae = build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype)
     return NucleusMoEImagePipeline(
-        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed, expert_shard=expert_shard),
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,

@@ -805,6 +805,63 @@ def _check_sharding(num_experts: int, group) -> tuple[int, int, int]:
     return rank, world, num_experts // world
 
 
+def _check_shard(shard, num_experts: int) -> tuple[int, int, int]:
+    """(rank, world, experts per rank) of an explicit ``shard=(rank, world)`` (a layer loaded sharded)."""
+    if (not isinstance(shard, tuple) or len(shard) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in shard)):
+        raise ValueError(f"expected shard=(rank, world) as two ints, got {shard!r}")
+    rank, world = shard
+    if world < 1 or not 0 <= rank < world:
+        raise ValueError(f"expected shard=(rank, world) with world >= 1 and 0 <= rank < world, got {shard}")
+    if num_experts % world:
+        raise ValueError(f"expected num_experts divisible by the shard world, got num_experts={num_experts}, world={world}")
+    return rank, world, num_experts // world
+
+
+def _check_local_experts(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"expected {name} of shape {shape} (this rank's experts), got {got}")
+    return t
+
+
+class _ShardBinding:
+    """Which experts an EP layer holds (``shard = (rank, world)``) and whether it may run.
+
+    A layer made by ``from_layer(layer, group)`` is bound to ``group`` at once. A layer made by
+    ``from_shard`` (a pipeline loaded with ``expert_shard``) holds experts for a group that does not exist
+    yet: ``parallelize`` binds it (``bind(group)``, which checks the group's rank and size) and ``restore``
+    unbinds it. An unbound layer of a world > 1 refuses to run, since the other experts live on other ranks.
+    """
+
+    shard: tuple[int, int]
+    bound: bool
+
+    def bind(self, group) -> None:
+        """Run over ``group`` from now on; ValueError unless its (rank, size) is this layer's shard."""
+        got = world_of(group)
+        if tuple(got) != tuple(self.shard):
+            raise ValueError(
+                f"expected a group where this rank is rank {self.shard[0]} of {self.shard[1]} (the expert shard it was "
+                f"loaded with), got rank {got[0]} of {got[1]}"
+            )
+        self.group = group
+        self.bound = True
+
+    def unbind(self) -> None:
+        """Back to the loaded state: the shard stays, the group goes (running it then raises)."""
+        self.group = None
+        self.bound = False
+
+    def _check_bound(self) -> None:
+        if not self.bound and self.shard[1] > 1:
+            raise RuntimeError(
+                f"expected {type(self).__name__} to run under parallelize(pipe, ParallelConfig(sp={self.shard[1]}, "
+                f"ep={self.shard[1]})), got an unbound layer holding expert shard {self.shard[0]} of {self.shard[1]} "
+                "(the pipeline was loaded with expert_shard; the other experts are on other ranks)"
+            )
+
+
 def _all_gather_expert_shards(t: torch.Tensor, group) -> torch.Tensor:
     _, world = world_of(group)
     return torch.cat(_all_gather_list(t, group), 0)
@@ -836,7 +893,7 @@ def nucleus_routing(affinity: torch.Tensor, capacity_factor: float, route_scale:
     return global_token_indices, gating_flat, capacity
 
 
-class NucleusMoEEPLayer(nn.Module):
+class NucleusMoEEPLayer(_ShardBinding, nn.Module):
     """Expert-parallel replacement of diffusers' ``NucleusMoELayer`` (same forward signature).
 
     Input on each rank: its contiguous sequence shard ``hidden_states: (batch, seq_local, hidden)``
@@ -854,12 +911,20 @@ class NucleusMoEEPLayer(nn.Module):
 
         ep = NucleusMoEEPLayer.from_layer(block.img_mlp, group)
         block.img_mlp = ep            # ... and back: block.img_mlp = ep.to_layer()
+
+    A rank that loads only its experts builds the layer with `from_shard` instead (see
+    `xstage_dit.models.experts`); the forward is the same.
     """
 
     def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
-                 router: str = "exact"):
+                 router: str = "exact", shard: tuple[int, int] | None = None,
+                 local_experts: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
-        rank, world, El = _check_sharding(layer.num_experts, group)
+        if shard is None:
+            rank, world, El = _check_sharding(layer.num_experts, group)
+        else:
+            rank, world, El = _check_shard(shard, layer.num_experts)
+        self.shard, self.bound = (rank, world), shard is None
         if path not in EP_PATHS:
             raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
         if router not in ("exact", "scores"):
@@ -878,10 +943,17 @@ class NucleusMoEEPLayer(nn.Module):
         self.use_grouped_mm = layer.experts.use_grouped_mm
         self.gate = layer.gate
         self.shared_expert = layer.shared_expert
-        sl = slice(rank * El, (rank + 1) * El)
-        # clone: the slice must not keep the full expert tensors alive.
-        self.gate_up_proj = nn.Parameter(layer.experts.gate_up_proj.detach()[sl].clone(), requires_grad=False)
-        self.down_proj = nn.Parameter(layer.experts.down_proj.detach()[sl].clone(), requires_grad=False)
+        if local_experts is None:
+            sl = slice(rank * El, (rank + 1) * El)
+            # clone: the slice must not keep the full expert tensors alive.
+            gate_up = layer.experts.gate_up_proj.detach()[sl].clone()
+            down = layer.experts.down_proj.detach()[sl].clone()
+        else:
+            H, I = layer.hidden_size, layer.moe_intermediate_dim
+            gate_up = _check_local_experts("gate_up_local", local_experts[0], (El, H, 2 * I))
+            down = _check_local_experts("down_local", local_experts[1], (El, I, H))
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
         self.last_routing: dict | None = None
 
     @classmethod
@@ -890,6 +962,21 @@ class NucleusMoEEPLayer(nn.Module):
         if not all(hasattr(layer, a) for a in ("gate", "experts", "shared_expert", "capacity_factor")):
             raise TypeError(f"expected a diffusers NucleusMoELayer, got {type(layer).__name__}")
         return cls(layer, group, **kwargs)
+
+    @classmethod
+    def from_shard(cls, layer: nn.Module, gate_up_local: torch.Tensor, down_local: torch.Tensor,
+                   shard: tuple[int, int], **kwargs) -> "NucleusMoEEPLayer":
+        """Build from a ``NucleusMoELayer`` whose experts were never materialised (e.g. on the meta device)
+        and this rank's experts only.
+
+        gate_up_local: (E/world, hidden, 2*inter) = experts ``[rank*E/world, (rank+1)*E/world)`` of
+        ``experts.gate_up_proj``; down_local: (E/world, inter, hidden) likewise; shard: (rank, world).
+        The layer is unbound until ``bind(group)`` (done by `parallelize`). Only the router and the shared
+        expert of ``layer`` are used; its ``experts`` tensors are never read.
+        """
+        if not all(hasattr(layer, a) for a in ("gate", "experts", "shared_expert", "capacity_factor")):
+            raise TypeError(f"expected a diffusers NucleusMoELayer, got {type(layer).__name__}")
+        return cls(layer, None, shard=shard, local_experts=(gate_up_local, down_local), **kwargs)
 
     def to_layer(self) -> nn.Module:
         """A full diffusers ``NucleusMoELayer`` again (collective: all-gathers the expert shards)."""
@@ -932,6 +1019,7 @@ class NucleusMoEEPLayer(nn.Module):
     @torch.no_grad()
     def forward(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor, timestep: torch.Tensor | None = None):
         """hidden_states, hidden_states_unmodulated: (batch, seq_local, hidden); returns (batch, seq_local, hidden)."""
+        self._check_bound()
         bs, s_loc, dim = hidden_states.shape
         if dim != self.hidden_size:
             raise ValueError(f"expected hidden size {self.hidden_size}, got {dim}")
@@ -970,18 +1058,25 @@ class NucleusMoEEPLayer(nn.Module):
 # --------------------------------------------------------------------------------------------------
 
 
-class HiDreamMoEEPLayer(nn.Module):
+class HiDreamMoEEPLayer(_ShardBinding, nn.Module):
     """Expert-parallel replacement of diffusers' HiDream ``MOEFeedForwardSwiGLU`` (same forward signature).
 
     x: (batch, seq_local, hidden) this rank's tokens; top-k token-choice routing is local per token, the
     shared experts run on local tokens, the routed experts are sharded (``num_experts / P`` per rank),
     their w1/w3 packed as ``gate_up: (El, hidden, 2*inter)`` and w2 as ``down: (El, inter, hidden)``.
+    `from_shard` builds it from this rank's experts only (a pipeline loaded with ``expert_shard``).
     """
 
-    def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None):
+    def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
+                 shard: tuple[int, int] | None = None,
+                 local_experts: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         E = len(layer.experts)
-        rank, world, El = _check_sharding(E, group)
+        if shard is None:
+            rank, world, El = _check_sharding(E, group)
+        else:
+            rank, world, El = _check_shard(shard, E)
+        self.shard, self.bound = (rank, world), shard is None
         if path not in EP_PATHS:
             raise ValueError(f"expected path in {EP_PATHS}, got {path!r}")
         self.group = group
@@ -994,9 +1089,14 @@ class HiDreamMoEEPLayer(nn.Module):
         self.shared_experts = layer.shared_experts
         self._dims = (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features)
         self._force_inference_output = layer._force_inference_output
-        mine = [layer.experts[e] for e in range(rank * El, (rank + 1) * El)]
-        gate_up = torch.stack([torch.cat([m.w1.weight.detach().t(), m.w3.weight.detach().t()], dim=1) for m in mine])
-        down = torch.stack([m.w2.weight.detach().t() for m in mine])
+        if local_experts is None:
+            mine = [layer.experts[e] for e in range(rank * El, (rank + 1) * El)]
+            gate_up = torch.stack([torch.cat([m.w1.weight.detach().t(), m.w3.weight.detach().t()], dim=1) for m in mine])
+            down = torch.stack([m.w2.weight.detach().t() for m in mine])
+        else:
+            dim, inter = self._dims
+            gate_up = _check_local_experts("gate_up_local", local_experts[0], (El, dim, 2 * inter))
+            down = _check_local_experts("down_local", local_experts[1], (El, inter, dim))
         self.gate_up = nn.Parameter(gate_up.contiguous(), requires_grad=False)
         self.down = nn.Parameter(down.contiguous(), requires_grad=False)
         self.last_routing: dict | None = None
@@ -1007,6 +1107,18 @@ class HiDreamMoEEPLayer(nn.Module):
         if not all(hasattr(layer, a) for a in ("gate", "experts", "shared_experts", "num_activated_experts")):
             raise TypeError(f"expected a diffusers MOEFeedForwardSwiGLU, got {type(layer).__name__}")
         return cls(layer, group, **kwargs)
+
+    @classmethod
+    def from_shard(cls, layer: nn.Module, gate_up_local: torch.Tensor, down_local: torch.Tensor,
+                   shard: tuple[int, int], **kwargs) -> "HiDreamMoEEPLayer":
+        """Build from a ``MOEFeedForwardSwiGLU`` whose routed experts were never materialised (meta) and this
+        rank's experts only: gate_up_local (E/world, hidden, 2*inter) = ``[w1.T | w3.T]`` of experts
+        ``[rank*E/world, (rank+1)*E/world)``, down_local (E/world, inter, hidden) = their ``w2.T``.
+        Unbound until ``bind(group)`` (done by `parallelize`).
+        """
+        if not all(hasattr(layer, a) for a in ("gate", "experts", "shared_experts", "num_activated_experts")):
+            raise TypeError(f"expected a diffusers MOEFeedForwardSwiGLU, got {type(layer).__name__}")
+        return cls(layer, None, shard=shard, local_experts=(gate_up_local, down_local), **kwargs)
 
     def to_layer(self) -> nn.Module:
         """A full diffusers ``MOEFeedForwardSwiGLU`` again (collective: all-gathers the expert shards)."""
@@ -1041,6 +1153,7 @@ class HiDreamMoEEPLayer(nn.Module):
     @torch.no_grad()
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (batch, seq_local, hidden); returns (batch, seq_local, hidden)."""
+        self._check_bound()
         bs, s_loc, dim = x.shape
         topk_idx, topk_weight, _ = self.gate(x)  # (tokens, k)
         self.last_routing = {"topk_idx": topk_idx}

@@ -1,0 +1,403 @@
+"""Expert-sharded MoE transformers: each rank creates or reads only its own experts.
+
+``load_pipeline(model, expert_shard=(rank, world))`` builds the MoE transformer with its routed experts
+never materialised (meta device), then puts on every MoE layer the EP layer of `xstage_dit.ops.moe_combine`
+holding experts ``[rank*E/world, (rank+1)*E/world)`` only (``from_shard``). `parallelize` later binds those
+layers to the EP group (see `xstage_dit.patches.expert_parallel`).
+
+Where the experts come from:
+
+- built-in models (random weights): every expert is drawn from its own generator, seeded from
+  (seed, layer name, expert index) (`expert_seed`), so an expert has the same values whether its rank builds
+  it alone or the whole tensor is built (``expert_shard=None``, world 1);
+- a local diffusers folder (real weights): the transformer is created empty (``accelerate.init_empty_weights``),
+  every non-expert tensor is read from its safetensors files, and only this rank's experts are read
+  (NucleusMoE's packed ``experts.gate_up_proj (E, H, 2I)`` / ``experts.down_proj (E, I, H)`` through
+  ``safe_open(...).get_slice(name)[lo:hi]``; HiDream's ``experts.{e}.w1/w2/w3`` only for e in the range).
+
+`LOAD_COUNTERS` counts the expert bytes created or read in this process (tests assert on it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+# Expert bytes this process created (random init) or read (safetensors), and expert tensors read.
+LOAD_COUNTERS = {"expert_bytes": 0, "expert_tensors_read": 0}
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's part of every MoE layer: experts ``[rank * E / world, (rank + 1) * E / world)``."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "world"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"expected expert_shard {name} to be an int, got {value!r}")
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ValueError(
+                f"expected expert_shard=(rank, world) with world >= 1 and 0 <= rank < world, got ({self.rank}, {self.world})"
+            )
+
+    @classmethod
+    def of(cls, value) -> "ExpertShard | None":
+        """None, an ExpertShard, or a (rank, world) pair."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            return cls(*value)
+        raise ValueError(f"expected expert_shard=(rank, world) or None, got {value!r}")
+
+    def experts(self, num_experts: int) -> tuple[int, int]:
+        """(lo, hi) expert range of this rank; ValueError unless world divides num_experts."""
+        if num_experts % self.world:
+            raise ValueError(
+                f"expected the expert-shard world to divide the expert count, got world={self.world} for "
+                f"num_experts={num_experts}"
+            )
+        per = num_experts // self.world
+        return self.rank * per, (self.rank + 1) * per
+
+    @property
+    def pair(self) -> tuple[int, int]:
+        return self.rank, self.world
+
+
+def expert_seed(seed: int, layer_name: str, expert: int) -> int:
+    """A 63-bit seed for one expert of one layer: stable across runs, processes and shardings."""
+    digest = hashlib.sha256(f"{int(seed)}/{layer_name}/{int(expert)}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Per-family layout: which diffusers class is the MoE layer, how its experts are stored, how to pack them.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Family:
+    moe_class: str  # diffusers class name of the MoE layer
+    ep_class: str  # "module:Class" of its EP layer
+    meta_experts: Callable[[], contextlib.AbstractContextManager]  # construction with the experts on meta
+    num_experts: Callable[[nn.Module], int]
+    dims: Callable[[nn.Module], tuple[int, int]]  # (hidden, inter)
+    random_experts: Callable  # (layer_name, lo, hi, seed, hidden, inter, device) -> (gate_up, down) fp32
+    read_experts: Callable  # (reader, layer_name, lo, hi) -> (gate_up, down)
+    materialize: Callable  # (layer, gate_up, down) -> None: the full diffusers layer (world 1)
+
+
+@contextlib.contextmanager
+def _patched_init(cls, wrap):
+    original = cls.__dict__["__init__"]
+    cls.__init__ = wrap(original)
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+@contextlib.contextmanager
+def _nucleus_meta_experts() -> Iterator[None]:
+    """Build NucleusMoE's ``SwiGLUExperts`` on the meta device (its tensors are plain ``torch.empty``)."""
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            with torch.device("meta"):
+                original(self, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.SwiGLUExperts, wrap):
+        yield
+
+
+_HIDREAM_EXPERT_WIDTH: contextvars.ContextVar[int | None] = contextvars.ContextVar("hidream_expert_width", default=None)
+
+
+@contextlib.contextmanager
+def _hidream_meta_experts() -> Iterator[None]:
+    """Build the routed experts of HiDream's ``MOEFeedForwardSwiGLU`` on the meta device.
+
+    Its shared expert and its routed experts are the same class; the routed ones are built with the
+    layer's ``hidden_dim``, the shared one with ``hidden_dim // 2``, which is how they are told apart here.
+    Meta construction draws no random numbers, so the other modules' weights do not depend on the sharding.
+    """
+    from diffusers.models.transformers import transformer_hidream_image as mod
+
+    def wrap_moe(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            token = _HIDREAM_EXPERT_WIDTH.set(hidden_dim)
+            try:
+                original(self, dim, hidden_dim, *args, **kwargs)
+            finally:
+                _HIDREAM_EXPERT_WIDTH.reset(token)
+
+        return __init__
+
+    def wrap_ff(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            if _HIDREAM_EXPERT_WIDTH.get() == hidden_dim:
+                token = _HIDREAM_EXPERT_WIDTH.set(None)  # nothing below a routed expert is one
+                try:
+                    with torch.device("meta"):
+                        original(self, dim, hidden_dim, *args, **kwargs)
+                finally:
+                    _HIDREAM_EXPERT_WIDTH.reset(token)
+            else:
+                original(self, dim, hidden_dim, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.MOEFeedForwardSwiGLU, wrap_moe), _patched_init(mod.HiDreamImageFeedForwardSwiGLU, wrap_ff):
+        yield
+
+
+def _normal(gen, shape, std, device):
+    return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
+
+
+def _uniform(gen, shape, bound, device):
+    return torch.empty(shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
+
+
+def _nucleus_random(layer_name, lo, hi, seed, hidden, inter, device):
+    """normal(0, 1/sqrt(fan_in)) per expert, as `build._init_left_uninitialized` initialises stacked matrices."""
+    gate_up, down = [], []
+    for e in range(lo, hi):
+        gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
+        gate_up.append(_normal(gen, (hidden, 2 * inter), 1.0 / math.sqrt(hidden), device))
+        down.append(_normal(gen, (inter, hidden), 1.0 / math.sqrt(inter), device))
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def _hidream_random(layer_name, lo, hi, seed, hidden, inter, device):
+    """uniform(+-1/sqrt(fan_in)) per expert (nn.Linear's default bound), packed as the EP layer stores them."""
+    gate_up, down = [], []
+    for e in range(lo, hi):
+        gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
+        w1 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
+        w2 = _uniform(gen, (hidden, inter), 1.0 / math.sqrt(inter), device)
+        w3 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
+        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1))
+        down.append(w2.t())
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def _nucleus_read(reader, layer_name, lo, hi):
+    return (reader.read_slice(f"{layer_name}.experts.gate_up_proj", lo, hi),
+            reader.read_slice(f"{layer_name}.experts.down_proj", lo, hi))
+
+
+def _hidream_read(reader, layer_name, lo, hi):
+    gate_up, down = [], []
+    for e in range(lo, hi):
+        w1, w2, w3 = (reader.read(f"{layer_name}.experts.{e}.{w}.weight") for w in ("w1", "w2", "w3"))
+        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1))
+        down.append(w2.t())
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def _nucleus_materialize(layer, gate_up, down):
+    layer.experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+    layer.experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+
+
+def _hidream_materialize(layer, gate_up, down):
+    inter = down.shape[1]
+    for e, m in enumerate(layer.experts):
+        m.w1.weight = nn.Parameter(gate_up[e, :, :inter].t().contiguous(), requires_grad=False)
+        m.w3.weight = nn.Parameter(gate_up[e, :, inter:].t().contiguous(), requires_grad=False)
+        m.w2.weight = nn.Parameter(down[e].t().contiguous(), requires_grad=False)
+
+
+FAMILIES: dict[str, _Family] = {
+    "nucleusmoe": _Family(
+        moe_class="NucleusMoELayer", ep_class="xstage_dit.ops.moe_combine:NucleusMoEEPLayer",
+        meta_experts=_nucleus_meta_experts, num_experts=lambda layer: layer.num_experts,
+        dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim),
+        random_experts=_nucleus_random, read_experts=_nucleus_read, materialize=_nucleus_materialize,
+    ),
+    "hidream": _Family(
+        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.ops.moe_combine:HiDreamMoEEPLayer",
+        meta_experts=_hidream_meta_experts, num_experts=lambda layer: len(layer.experts),
+        dims=lambda layer: (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features),
+        random_experts=_hidream_random, read_experts=_hidream_read, materialize=_hidream_materialize,
+    ),
+}
+
+
+def family_of(family: str) -> _Family:
+    if family not in FAMILIES:
+        raise ValueError(f"expected a MoE model family in {sorted(FAMILIES)} for expert_shard, got {family!r}")
+    return FAMILIES[family]
+
+
+def _ep_cls(path: str):
+    import importlib
+
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _moe_layers(model: nn.Module, fam: _Family) -> list[tuple[str, nn.Module, str, nn.Module]]:
+    """(qualified name, parent, attribute, layer) of every MoE layer of ``fam`` in ``model``."""
+    found = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if type(child).__name__ == fam.moe_class:
+                found.append((f"{parent_name}.{child_name}" if parent_name else child_name, parent, child_name, child))
+    return found
+
+
+def _install_experts(model: nn.Module, fam: _Family, shard: ExpertShard | None, get_experts, *, dtype, device) -> int:
+    """Give every MoE layer of ``model`` its experts: the full diffusers layer (``shard`` None or world 1)
+    or the EP layer with this rank's experts. get_experts(layer_name, lo, hi, hidden, inter) -> (gate_up, down)."""
+    layers = _moe_layers(model, fam)
+    if not layers:
+        raise ValueError(f"expected {fam.moe_class} layers in {type(model).__name__}, found none")
+    for name, parent, attr, layer in layers:
+        num_experts = fam.num_experts(layer)
+        hidden, inter = fam.dims(layer)
+        lo, hi = (shard or ExpertShard(0, 1)).experts(num_experts)
+        gate_up, down = get_experts(name, lo, hi, hidden, inter)
+        gate_up = gate_up.to(device=device, dtype=dtype)
+        down = down.to(device=device, dtype=dtype)
+        LOAD_COUNTERS["expert_bytes"] += (gate_up.numel() + down.numel()) * gate_up.element_size()
+        if shard is None or shard.world == 1:
+            fam.materialize(layer, gate_up, down)
+        else:
+            setattr(parent, attr, _ep_cls(fam.ep_class).from_shard(layer, gate_up, down, shard.pair))
+    return len(layers)
+
+
+def build_with_experts(factory: Callable[[], nn.Module], family: str, *, seed: int, shard, build_module, device,
+                       dtype) -> nn.Module:
+    """``build_module(factory)`` with the routed experts made per (seed, layer, expert), only this rank's.
+
+    shard: None / (0, 1): diffusers MoE layers holding every expert; (rank, world): EP layers holding only
+    their experts (the others are never created).
+    """
+    fam = family_of(family)
+    shard = ExpertShard.of(shard)
+    with fam.meta_experts():
+        model = build_module(factory, seed=seed, device=device, dtype=dtype)
+    device = torch.device(device)
+    if device.type == "meta":
+        return model
+
+    def random(name, lo, hi, hidden, inter):
+        return fam.random_experts(name, lo, hi, seed, hidden, inter, device)
+
+    with torch.no_grad():
+        _install_experts(model, fam, shard, random, dtype=dtype, device=device)
+    _check_materialized(model)
+    return model
+
+
+def _check_materialized(model: nn.Module) -> None:
+    left = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+    if left:
+        raise RuntimeError(f"expected every parameter materialised after loading, got {len(left)} on meta: {left[:4]}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Local diffusers folders (safetensors)
+# ---------------------------------------------------------------------------------------------------------
+
+
+class _SafetensorsReader:
+    """The tensors of a diffusers model folder, by name, across its (possibly sharded) safetensors files."""
+
+    def __init__(self, folder: Path):
+        from safetensors import safe_open
+
+        index = folder / "diffusion_pytorch_model.safetensors.index.json"
+        single = folder / "diffusion_pytorch_model.safetensors"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            files = [single.name]
+        else:
+            raise ValueError(f"expected diffusion_pytorch_model.safetensors (or its index) in {str(folder)!r}, got none")
+        self._files = [safe_open(str(folder / f), framework="pt") for f in files]
+        self._where = {}
+        for handle in self._files:
+            for key in handle.keys():
+                self._where[key] = handle
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def _handle(self, key: str):
+        if key not in self._where:
+            raise KeyError(f"expected tensor {key!r} in the safetensors files, got none of that name")
+        return self._where[key]
+
+    def read(self, key: str) -> torch.Tensor:
+        LOAD_COUNTERS["expert_tensors_read"] += 1
+        return self._handle(key).get_tensor(key)
+
+    def read_slice(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of the first dim, without reading the rest of the tensor."""
+        LOAD_COUNTERS["expert_tensors_read"] += 1
+        return self._handle(key).get_slice(key)[lo:hi]
+
+    def read_plain(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+
+def load_transformer_sharded(folder: str | Path, family: str, shard, *, dtype: torch.dtype, device) -> nn.Module:
+    """The transformer of a local diffusers folder with only this rank's experts read (see module doc).
+
+    folder: the pipeline folder (with ``transformer/config.json`` and safetensors weights).
+    Returns the model on ``device`` in ``dtype``; with ``shard`` world > 1 its MoE layers are EP layers.
+    """
+    import diffusers
+    from accelerate import init_empty_weights
+
+    fam = family_of(family)
+    shard = ExpertShard.of(shard)
+    folder = Path(folder) / "transformer"
+    config = json.loads((folder / "config.json").read_text())
+    cls = getattr(diffusers, config["_class_name"])
+    with init_empty_weights():  # parameters on meta, buffers (rotary tables...) real
+        model = cls.from_config(config)
+    reader = _SafetensorsReader(folder)
+    expert_prefixes = tuple(f"{name}.experts." for name, *_ in _moe_layers(model, fam))
+    state = {}
+    for key in reader.keys():
+        if not key.startswith(expert_prefixes):
+            state[key] = reader.read_plain(key).to(dtype=dtype)
+    result = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in result.missing_keys if not k.startswith(expert_prefixes)]
+    if missing or result.unexpected_keys:
+        raise ValueError(
+            f"expected the safetensors of {str(folder)!r} to match {cls.__name__}, got missing {missing[:4]} and "
+            f"unexpected {result.unexpected_keys[:4]}"
+        )
+
+    def read(name, lo, hi, hidden, inter):
+        return fam.read_experts(reader, name, lo, hi)
+
+    with torch.no_grad():
+        _install_experts(model, fam, shard, read, dtype=dtype, device="cpu")
+    _check_materialized(model)
+    model.to(device=device, dtype=dtype)
+    model.eval().requires_grad_(False)
+    return model
