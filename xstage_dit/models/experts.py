@@ -398,6 +398,7 @@ def load_transformer_sharded(folder: str | Path, family: str, shard, *, dtype: t
     with torch.no_grad():
         _install_experts(model, fam, shard, read, dtype=dtype, device="cpu")
     _check_materialized(model)
-    model.to(device=device, dtype=dtype)
+    # nn.Module.to, not ModelMixin.to: diffusers' keep-in-fp32 warning is about its own loader (none here).
+    nn.Module.to(model, device=device, dtype=dtype)
     model.eval().requires_grad_(False)
     return model
