@@ -179,14 +179,14 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
                 "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
             )
         plan = plan_for(transformer)
-        if plan.check is not None:
-            plan.check(transformer, config)
-        if config.ep > 1 and not plan.moe_layers:
-            raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
         if plan.moe_layers:
             from xstage_dit.patches.expert_parallel import check_loaded_shards
 
             check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
+        if plan.check is not None:
+            plan.check(transformer, config)
+        if config.ep > 1 and not plan.moe_layers:
+            raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
         if config.cfg > 1 and plan.cfg is None:
             raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
         check_heads(transformer, config.sp)
