@@ -64,12 +64,20 @@ def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: t
         served = ServedModel.from_spec(name, spec)
         device = torch.device(ctx.device)
         want = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        pipe = load_pipeline(model, dtype=want, device=device, seed=seed)
+        # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.
+        expert_shard = None
+        if ep > 1:
+            from xstage_dit.patches.config import ParallelConfig as ShardConfig
+
+            expert_shard = ShardConfig(sp=sp, ep=ep, cfg=cfg).expert_shard(ctx.rank)
+        pipe = load_pipeline(model, dtype=want, device=device, seed=seed, expert_shard=expert_shard)
         handle, parallel = None, {"sp": sp, "ep": ep, "cfg": cfg, "world_size": ctx.world_size}
         if ctx.world_size > 1 or max(sp, ep, cfg) > 1:
             try:
                 from xstage_dit.patches import ParallelConfig, parallelize
             except ImportError as exc:
+                if expert_shard is not None:  # this rank holds only its experts: it cannot run alone
+                    raise RuntimeError(f"expected xstage_dit.patches for ep={ep} (experts loaded sharded), got {exc}") from exc
                 # Said loudly, once: every rank then runs the whole pipeline (same images, no speed-up).
                 log.warning("parallelize unavailable (%s): each of the %d ranks runs the whole pipeline",
                             exc, ctx.world_size)
@@ -77,6 +85,7 @@ def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: t
             else:
                 handle = parallelize(pipe, ParallelConfig(sp=sp, ep=ep, cfg=cfg))
                 parallel["mode"] = "parallelized"
+        parallel["experts_loaded"] = "all" if expert_shard is None else f"shard {expert_shard[0]} of {expert_shard[1]}"
         report = {"model": served.name, "parallel": parallel, "device": str(device), "dtype": str(want)}
         if ctx.rank == 0:
             report["calibration"] = calibration_report(device)

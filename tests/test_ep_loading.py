@@ -192,3 +192,65 @@ def test_sharded_loads_match_the_single_process_output(world, tmp_path):
             assert r["local_expert_bytes"] == r["full_expert_bytes"] // world, (where, r)
             assert r["local_held"] == r["built_held"], where
             assert r["max_abs_local"] <= TOL, (where, r)
+
+
+def test_config_gives_each_rank_its_ep_group_rank():
+    from xstage_dit.patches.config import ParallelConfig
+
+    assert ParallelConfig(sp=2, ep=2, cfg=2).expert_shard(3) == (1, 2)  # cfg branch 1, sequence shard 1
+    assert ParallelConfig(sp=4, ep=4).expert_shard(2) == (2, 4)
+    assert ParallelConfig(sp=4).expert_shard(2) is None  # ep=1: every expert on every rank
+    with pytest.raises(ValueError, match=r"rank in \[0, 2\), got 2"):
+        ParallelConfig(sp=2, ep=2).expert_shard(2)
+
+
+def test_serve_loader_loads_the_ranks_shard(monkeypatch):
+    import xstage_dit.models as models
+    from server.startup import model_loader
+    from server.worker import RankContext
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(model, **kwargs):
+        seen.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(models, "load_pipeline", fake_load)
+    with pytest.raises(Stop):
+        model_loader("tiny-hidream", sp=2, ep=2, cfg=2)(RankContext(rank=3, world_size=4))
+    assert seen["expert_shard"] == (1, 2)
+    with pytest.raises(Stop):
+        model_loader("tiny-hidream", sp=2, ep=1, cfg=2)(RankContext(rank=3, world_size=4))
+    assert seen["expert_shard"] is None
+
+
+def test_generate_ep2_loads_shards_and_writes_the_single_process_image(tmp_path):
+    import subprocess
+
+    import numpy as np
+    from PIL import Image
+
+    from xstage_dit.cli import main
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    args = ["generate", "--model", "tiny-hidream", "--steps", "1", "--no-progress", "--device", "cpu"]
+    assert main([*args, "-o", str(tmp_path / "one.png")]) == 0  # one process, every expert
+    proc = subprocess.run([sys.executable, "-m", "xstage_dit", *args, "-o", str(tmp_path / "ep2.png"), "--sp", "2",
+                           "--ep", "2"], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "read only its 2 of 4 experts in 2 MoE layers (ep=2)" in proc.stdout, proc.stdout
+    one = np.asarray(Image.open(tmp_path / "one.png"), dtype=np.int16)
+    ep2 = np.asarray(Image.open(tmp_path / "ep2.png"), dtype=np.int16)
+    assert np.abs(one - ep2).max() <= 1  # 8-bit images of outputs equal within fp32 reassociation
+
+
+def test_generate_ep_on_a_dense_model_is_refused_before_starting_ranks(capsys):
+    from xstage_dit.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", "tiny-flux", "--sp", "2", "--ep", "2"])
+    assert exc.value.code == 2
+    assert "--ep: expected --ep 1 for tiny-flux (no MoE layers to shard), got 2" in capsys.readouterr().err

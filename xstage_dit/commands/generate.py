@@ -140,6 +140,11 @@ def run(args: argparse.Namespace) -> int:
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
+    if args.ep > 1:  # before starting ranks: each would load only its experts, and a dense model has none
+        from xstage_dit.models.experts import FAMILIES
+
+        if spec.family not in FAMILIES:
+            raise UsageError(f"--ep: expected --ep 1 for {spec.name} (no MoE layers to shard), got {args.ep}")
     parallel = _parallel_setup(args)  # may start the ranks and return their exit code
     if isinstance(parallel, int):
         return parallel
@@ -151,7 +156,14 @@ def run(args: argparse.Namespace) -> int:
     from xstage_dit.models.generation import call_kwargs, save_output, to_pil_frames
 
     t0 = time.perf_counter()
-    pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed)
+    # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
+    expert_shard = parallel[0].expert_shard(parallel[1].rank) if parallel is not None else None
+    try:
+        pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed, expert_shard=expert_shard)
+    except ValueError as exc:
+        if expert_shard is None:
+            raise
+        raise UsageError(f"--ep: {exc}") from None  # no MoE layers, or ep not dividing the expert count
     t_build = time.perf_counter() - t0
     pipe.set_progress_bar_config(disable=args.no_progress or (parallel is not None and parallel[1].rank != 0),
                                  desc="denoising", file=sys.stderr, leave=False)
@@ -179,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
     what = "x".join(map(str, images[0].size)) + (f", {len(images)} frames" if spec.kind == "video" else "")
     print(f"wrote {path.resolve()} ({spec.name}, {what}, {kwargs['num_inference_steps']} steps, {device}, "
           f"{str(dtype).removeprefix('torch.')})")
+    if expert_shard is not None:
+        held = [m for m in pipe.transformer.modules() if getattr(m, "shard", None) == expert_shard]
+        print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
+              f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
           f"{t_gen + t_build:.2f} s total")
     return 0

@@ -63,6 +63,16 @@ class ParallelConfig:
         """Number of ranks this configuration needs: ``sp * cfg``."""
         return self.sp * self.cfg
 
+    def expert_shard(self, rank: int) -> tuple[int, int] | None:
+        """What global rank `rank` loads with ``load_pipeline(..., expert_shard=...)``: (its rank in the EP
+        group, ep) when ep > 1, None when experts are replicated (ep=1).
+
+        The EP group is the sp group, where global rank ``r`` has rank ``r % sp``.
+        """
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.world_size:
+            raise ValueError(f"expected a rank in [0, {self.world_size}), got {rank!r}")
+        return (rank % self.sp, self.ep) if self.ep > 1 else None
+
     def check_world(self, world_size: int) -> None:
         """Raise if the degrees do not multiply to `world_size`."""
         if self.world_size != world_size:
