@@ -254,3 +254,14 @@ def test_generate_ep_on_a_dense_model_is_refused_before_starting_ranks(capsys):
         main(["generate", "--model", "tiny-flux", "--sp", "2", "--ep", "2"])
     assert exc.value.code == 2
     assert "--ep: expected --ep 1 for tiny-flux (no MoE layers to shard), got 2" in capsys.readouterr().err
+
+
+def test_meta_build_of_a_shard_has_the_shard_shapes():
+    from xstage_dit.models import load_transformer
+
+    full = load_transformer("tiny-nucleusmoe", device="meta")
+    part = load_transformer("tiny-nucleusmoe", device="meta", expert_shard=(1, 4))
+    ep = _moe(part, "NucleusMoEEPLayer")[0]
+    assert ep.gate_up_proj.is_meta and ep.gate_up_proj.shape[0] == 1
+    assert sum(p.numel() for p in full.parameters()) - sum(p.numel() for p in part.parameters()) == \
+        _expert_bytes(full) // full.dtype.itemsize * 3 // 4

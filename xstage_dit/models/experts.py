@@ -95,7 +95,7 @@ class _Family:
     meta_experts: Callable[[], contextlib.AbstractContextManager]  # construction with the experts on meta
     num_experts: Callable[[nn.Module], int]
     dims: Callable[[nn.Module], tuple[int, int]]  # (hidden, inter)
-    random_experts: Callable  # (layer_name, lo, hi, seed, hidden, inter, device) -> (gate_up, down) fp32
+    random_experts: Callable  # (layer_name, lo, hi, seed, hidden, inter, device, dtype) -> (gate_up, down)
     read_experts: Callable  # (reader, layer_name, lo, hi) -> (gate_up, down)
     materialize: Callable  # (layer, gate_up, down) -> None: the full diffusers layer (world 1)
 
@@ -175,17 +175,19 @@ def _uniform(gen, shape, bound, device):
     return torch.empty(shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
 
 
-def _nucleus_random(layer_name, lo, hi, seed, hidden, inter, device):
-    """normal(0, 1/sqrt(fan_in)) per expert, as `build._init_left_uninitialized` initialises stacked matrices."""
+def _nucleus_random(layer_name, lo, hi, seed, hidden, inter, device, dtype):
+    """normal(0, 1/sqrt(fan_in)) per expert, as `build._init_left_uninitialized` initialises stacked matrices.
+
+    Drawn in fp32 and rounded to ``dtype`` one expert at a time (no fp32 copy of the whole layer)."""
     gate_up, down = [], []
     for e in range(lo, hi):
         gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
-        gate_up.append(_normal(gen, (hidden, 2 * inter), 1.0 / math.sqrt(hidden), device))
-        down.append(_normal(gen, (inter, hidden), 1.0 / math.sqrt(inter), device))
+        gate_up.append(_normal(gen, (hidden, 2 * inter), 1.0 / math.sqrt(hidden), device).to(dtype))
+        down.append(_normal(gen, (inter, hidden), 1.0 / math.sqrt(inter), device).to(dtype))
     return torch.stack(gate_up), torch.stack(down)
 
 
-def _hidream_random(layer_name, lo, hi, seed, hidden, inter, device):
+def _hidream_random(layer_name, lo, hi, seed, hidden, inter, device, dtype):
     """uniform(+-1/sqrt(fan_in)) per expert (nn.Linear's default bound), packed as the EP layer stores them."""
     gate_up, down = [], []
     for e in range(lo, hi):
@@ -193,8 +195,8 @@ def _hidream_random(layer_name, lo, hi, seed, hidden, inter, device):
         w1 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
         w2 = _uniform(gen, (hidden, inter), 1.0 / math.sqrt(inter), device)
         w3 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
-        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1))
-        down.append(w2.t())
+        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1).to(dtype))
+        down.append(w2.t().to(dtype))
     return torch.stack(gate_up), torch.stack(down)
 
 
@@ -277,7 +279,8 @@ def _install_experts(model: nn.Module, fam: _Family, shard: ExpertShard | None, 
         gate_up, down = get_experts(name, lo, hi, hidden, inter)
         gate_up = gate_up.to(device=device, dtype=dtype)
         down = down.to(device=device, dtype=dtype)
-        LOAD_COUNTERS["expert_bytes"] += (gate_up.numel() + down.numel()) * gate_up.element_size()
+        if gate_up.device.type != "meta":
+            LOAD_COUNTERS["expert_bytes"] += (gate_up.numel() + down.numel()) * gate_up.element_size()
         if shard is None or shard.world == 1:
             fam.materialize(layer, gate_up, down)
         else:
@@ -292,21 +295,40 @@ def build_with_experts(factory: Callable[[], nn.Module], family: str, *, seed: i
     shard: None / (0, 1): diffusers MoE layers holding every expert; (rank, world): EP layers holding only
     their experts (the others are never created).
     """
+    from xstage_dit.patches._diffusers_private import check_diffusers_version
+
+    check_diffusers_version()  # the meta-experts construction wraps diffusers' internal MoE classes
     fam = family_of(family)
     shard = ExpertShard.of(shard)
     with fam.meta_experts():
         model = build_module(factory, seed=seed, device=device, dtype=dtype)
     device = torch.device(device)
-    if device.type == "meta":
-        return model
+    if device.type != "meta":  # on meta everything is; nothing to tell apart
+        _check_meta_experts(model, fam)
 
     def random(name, lo, hi, hidden, inter):
-        return fam.random_experts(name, lo, hi, seed, hidden, inter, device)
+        if device.type == "meta":  # architecture only (parameter counts): the shapes of this rank's experts
+            return (torch.empty(hi - lo, hidden, 2 * inter, device="meta"),
+                    torch.empty(hi - lo, inter, hidden, device="meta"))
+        return fam.random_experts(name, lo, hi, seed, hidden, inter, device, dtype)
 
     with torch.no_grad():
         _install_experts(model, fam, shard, random, dtype=dtype, device=device)
-    _check_materialized(model)
+    if device.type != "meta":
+        _check_materialized(model)
     return model
+
+
+def _check_meta_experts(model: nn.Module, fam: _Family) -> None:
+    """The routed experts, and only they, were built on meta (else diffusers' MoE classes changed)."""
+    for name, _, _, layer in _moe_layers(model, fam):
+        for pname, p in layer.named_parameters():
+            if (p.device.type == "meta") != pname.startswith("experts."):
+                raise RuntimeError(
+                    f"expected only the routed experts of {name} ({fam.moe_class}) on the meta device during "
+                    f"construction, got {pname} on {p.device}: diffusers' MoE layer changed; update "
+                    "xstage_dit/models/experts.py"
+                )
 
 
 def _check_materialized(model: nn.Module) -> None:
