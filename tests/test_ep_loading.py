@@ -101,6 +101,8 @@ def test_unbound_shard_refuses_to_run_and_a_wrong_group_is_named():
     with pytest.raises(ValueError, match="rank 1 of 2 .* got rank 0 of 1"):
         ep.bind(None)  # no process group: world 1
     assert not ep.bound
+    with pytest.raises(RuntimeError, match="expected a bound HiDreamMoEEPLayer"):
+        ep.to_layer()
 
 
 def test_local_folder_reads_only_this_ranks_experts(tmp_path):

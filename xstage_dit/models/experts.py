@@ -32,7 +32,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-# Expert bytes this process created (random init) or read (safetensors), and expert tensors read.
+# Bytes of the expert tensors this process created (random init) or read (safetensors), counted in the
+# target dtype, and the number of expert tensors (or slices) read from safetensors files.
 LOAD_COUNTERS = {"expert_bytes": 0, "expert_tensors_read": 0}
 
 

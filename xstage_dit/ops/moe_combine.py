@@ -853,6 +853,13 @@ class _ShardBinding:
         self.group = None
         self.bound = False
 
+    def _check_gatherable(self) -> None:
+        if not self.bound and self.shard[1] > 1:
+            raise RuntimeError(
+                f"expected a bound {type(self).__name__} (bind(group)) to gather the other ranks' experts, got an "
+                f"unbound layer holding expert shard {self.shard[0]} of {self.shard[1]}"
+            )
+
     def _check_bound(self) -> None:
         if not self.bound and self.shard[1] > 1:
             raise RuntimeError(
@@ -980,6 +987,7 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
 
     def to_layer(self) -> nn.Module:
         """A full diffusers ``NucleusMoELayer`` again (collective: all-gathers the expert shards)."""
+        self._check_gatherable()
         from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
 
         layer = NucleusMoELayer(
@@ -1122,6 +1130,7 @@ class HiDreamMoEEPLayer(_ShardBinding, nn.Module):
 
     def to_layer(self) -> nn.Module:
         """A full diffusers ``MOEFeedForwardSwiGLU`` again (collective: all-gathers the expert shards)."""
+        self._check_gatherable()
         from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
         dim, inter = self._dims
