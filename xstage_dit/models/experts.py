@@ -21,13 +21,12 @@ Where the experts come from:
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import hashlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 from torch import nn
@@ -78,6 +77,13 @@ class ExpertShard:
         return self.rank, self.world
 
 
+def _private():
+    """The one module on diffusers internals (imported lazily: the patches package imports the models)."""
+    from xstage_dit.patches import _diffusers_private
+
+    return _diffusers_private
+
+
 def expert_seed(seed: int, layer_name: str, expert: int) -> int:
     """A 63-bit seed for one expert of one layer: stable across runs, processes and shardings."""
     digest = hashlib.sha256(f"{int(seed)}/{layer_name}/{int(expert)}".encode()).digest()
@@ -99,73 +105,6 @@ class _Family:
     random_experts: Callable  # (layer_name, lo, hi, seed, hidden, inter, device, dtype) -> (gate_up, down)
     read_experts: Callable  # (reader, layer_name, lo, hi) -> (gate_up, down)
     materialize: Callable  # (layer, gate_up, down) -> None: the full diffusers layer (world 1)
-
-
-@contextlib.contextmanager
-def _patched_init(cls, wrap):
-    original = cls.__dict__["__init__"]
-    cls.__init__ = wrap(original)
-    try:
-        yield
-    finally:
-        cls.__init__ = original
-
-
-@contextlib.contextmanager
-def _nucleus_meta_experts() -> Iterator[None]:
-    """Build NucleusMoE's ``SwiGLUExperts`` on the meta device (its tensors are plain ``torch.empty``)."""
-    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
-
-    def wrap(original):
-        def __init__(self, *args, **kwargs):
-            with torch.device("meta"):
-                original(self, *args, **kwargs)
-
-        return __init__
-
-    with _patched_init(mod.SwiGLUExperts, wrap):
-        yield
-
-
-_HIDREAM_EXPERT_WIDTH: contextvars.ContextVar[int | None] = contextvars.ContextVar("hidream_expert_width", default=None)
-
-
-@contextlib.contextmanager
-def _hidream_meta_experts() -> Iterator[None]:
-    """Build the routed experts of HiDream's ``MOEFeedForwardSwiGLU`` on the meta device.
-
-    Its shared expert and its routed experts are the same class; the routed ones are built with the
-    layer's ``hidden_dim``, the shared one with ``hidden_dim // 2``, which is how they are told apart here.
-    Meta construction draws no random numbers, so the other modules' weights do not depend on the sharding.
-    """
-    from diffusers.models.transformers import transformer_hidream_image as mod
-
-    def wrap_moe(original):
-        def __init__(self, dim, hidden_dim, *args, **kwargs):
-            token = _HIDREAM_EXPERT_WIDTH.set(hidden_dim)
-            try:
-                original(self, dim, hidden_dim, *args, **kwargs)
-            finally:
-                _HIDREAM_EXPERT_WIDTH.reset(token)
-
-        return __init__
-
-    def wrap_ff(original):
-        def __init__(self, dim, hidden_dim, *args, **kwargs):
-            if _HIDREAM_EXPERT_WIDTH.get() == hidden_dim:
-                token = _HIDREAM_EXPERT_WIDTH.set(None)  # nothing below a routed expert is one
-                try:
-                    with torch.device("meta"):
-                        original(self, dim, hidden_dim, *args, **kwargs)
-                finally:
-                    _HIDREAM_EXPERT_WIDTH.reset(token)
-            else:
-                original(self, dim, hidden_dim, *args, **kwargs)
-
-        return __init__
-
-    with _patched_init(mod.MOEFeedForwardSwiGLU, wrap_moe), _patched_init(mod.HiDreamImageFeedForwardSwiGLU, wrap_ff):
-        yield
 
 
 def _normal(gen, shape, std, device):
@@ -231,13 +170,13 @@ def _hidream_materialize(layer, gate_up, down):
 FAMILIES: dict[str, _Family] = {
     "nucleusmoe": _Family(
         moe_class="NucleusMoELayer", ep_class="xstage_dit.ops.moe_combine:NucleusMoEEPLayer",
-        meta_experts=_nucleus_meta_experts, num_experts=lambda layer: layer.num_experts,
+        meta_experts=lambda: _private().nucleus_meta_experts(), num_experts=lambda layer: layer.num_experts,
         dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim),
         random_experts=_nucleus_random, read_experts=_nucleus_read, materialize=_nucleus_materialize,
     ),
     "hidream": _Family(
         moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.ops.moe_combine:HiDreamMoEEPLayer",
-        meta_experts=_hidream_meta_experts, num_experts=lambda layer: len(layer.experts),
+        meta_experts=lambda: _private().hidream_meta_experts(), num_experts=lambda layer: len(layer.experts),
         dims=lambda layer: (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features),
         random_experts=_hidream_random, read_experts=_hidream_read, materialize=_hidream_materialize,
     ),

@@ -17,8 +17,12 @@ before any collective or GPU work.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
+
+import torch
 
 SUPPORTED_DIFFUSERS = ("0.42.",)
 XSTAGE_BACKEND = "xstage_ulysses"
@@ -97,3 +101,77 @@ def context_name(tracker: Any) -> str | None:
     """The ``cache_context`` name active now ("cond", "uncond", ...) or None outside any context."""
     ctx = getattr(tracker, "_context", None)
     return None if ctx is None else ctx.name
+
+
+# ------------------------------------------------------------- meta-device construction of routed experts
+# Used by xstage_dit/models/experts.py to build MoE transformers whose routed experts are never
+# materialised (each rank then reads or creates only its own): it wraps the __init__ of diffusers' MoE
+# expert classes for the duration of one construction.
+
+
+@contextlib.contextmanager
+def _patched_init(cls, wrap):
+    original = cls.__dict__["__init__"]
+    cls.__init__ = wrap(original)
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+@contextlib.contextmanager
+def nucleus_meta_experts() -> Iterator[None]:
+    """Build NucleusMoE's ``SwiGLUExperts`` on the meta device (its tensors are plain ``torch.empty``)."""
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            with torch.device("meta"):
+                original(self, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.SwiGLUExperts, wrap):
+        yield
+
+
+_HIDREAM_EXPERT_WIDTH: contextvars.ContextVar[int | None] = contextvars.ContextVar("hidream_expert_width", default=None)
+
+
+@contextlib.contextmanager
+def hidream_meta_experts() -> Iterator[None]:
+    """Build the routed experts of HiDream's ``MOEFeedForwardSwiGLU`` on the meta device.
+
+    Its shared expert and its routed experts are the same class; the routed ones are built with the
+    layer's ``hidden_dim``, the shared one with ``hidden_dim // 2``, which is how they are told apart here.
+    Meta construction draws no random numbers, so the other modules' weights do not depend on the sharding.
+    """
+    from diffusers.models.transformers import transformer_hidream_image as mod
+
+    def wrap_moe(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            token = _HIDREAM_EXPERT_WIDTH.set(hidden_dim)
+            try:
+                original(self, dim, hidden_dim, *args, **kwargs)
+            finally:
+                _HIDREAM_EXPERT_WIDTH.reset(token)
+
+        return __init__
+
+    def wrap_ff(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            if _HIDREAM_EXPERT_WIDTH.get() == hidden_dim:
+                token = _HIDREAM_EXPERT_WIDTH.set(None)  # nothing below a routed expert is one
+                try:
+                    with torch.device("meta"):
+                        original(self, dim, hidden_dim, *args, **kwargs)
+                finally:
+                    _HIDREAM_EXPERT_WIDTH.reset(token)
+            else:
+                original(self, dim, hidden_dim, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.MOEFeedForwardSwiGLU, wrap_moe), _patched_init(mod.HiDreamImageFeedForwardSwiGLU, wrap_ff):
+        yield
+
