@@ -4,6 +4,7 @@ screenshot goes to out/webpage.png (git-ignored); its path is printed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -47,6 +48,27 @@ def _browser(playwright, user_data_dir: str):
     return context
 
 
+@contextlib.contextmanager
+def _open_page(worker, wait_model_js: str):
+    """A live server over `worker` and Chromium on its page once the model name shows; yields the page.
+    Page errors are collected and asserted empty on exit; the worker is stopped either way."""
+    try:
+        sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+        with live_server(create_app(worker)) as url, sync_api.sync_playwright() as pw, \
+                tempfile.TemporaryDirectory() as profile:
+            context = _browser(pw, profile)
+            page = context.pages[0] if context.pages else context.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url + "/")
+            page.wait_for_function(wait_model_js)
+            yield page
+            context.close()
+        assert not errors, errors
+    finally:
+        worker.stop()
+
+
 def _assert_bar_moved(page, steps: int) -> None:
     values = [v for v, top in page.evaluate("window.__progress") if top == steps]
     assert any(0 < v < steps for v in values), f"the bar never showed a step in between: {values}"
@@ -55,77 +77,44 @@ def _assert_bar_moved(page, steps: int) -> None:
 
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
 def test_page_generates_an_image_with_a_moving_progress_bar():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     worker = start_worker(ServerConfig(max_batch_size=1, api_key=None))
     shot = ROOT / "out" / "webpage.png"
     shot.parent.mkdir(exist_ok=True)
-    try:
-        with live_server(create_app(worker)) as url, sync_api.sync_playwright() as pw, \
-                tempfile.TemporaryDirectory() as profile:
-            context = _browser(pw, profile)
-            page = context.pages[0] if context.pages else context.new_page()
-            errors = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.includes('tiny-flux')")
-            page.fill("#prompt", "a red cat on a blue sofa")
-            page.fill("#width", "128")
-            page.fill("#height", "128")
-            page.fill("#steps", "30")
-            page.fill("#seed", "5")
-            page.click("#generate")
-            page.wait_for_selector("#output", timeout=60_000)
-            _assert_bar_moved(page, 30)  # per step, not only at the end
-            page.wait_for_function("document.getElementById('output').naturalWidth === 128")
-            assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 30")
-            assert "done in" in page.text_content("#status")
-            page.screenshot(path=str(shot), full_page=True)
-            context.close()
-        assert not errors, errors
-    finally:
-        worker.stop()
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-flux')") as page:
+        page.fill("#prompt", "a red cat on a blue sofa")
+        page.fill("#width", "128")
+        page.fill("#height", "128")
+        page.fill("#steps", "30")
+        page.fill("#seed", "5")
+        page.click("#generate")
+        page.wait_for_selector("#output", timeout=60_000)
+        _assert_bar_moved(page, 30)  # per step, not only at the end
+        page.wait_for_function("document.getElementById('output').naturalWidth === 128")
+        assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 30")
+        assert "done in" in page.text_content("#status")
+        page.screenshot(path=str(shot), full_page=True)
     print(f"\nweb page screenshot: {shot}")
     assert shot.stat().st_size > 10_000
 
 
-def _has_tiny_wan() -> bool:
-    from xstage_dit.models import model_names
-
-    return "tiny-wan" in model_names()
-
-
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
-@pytest.mark.skipif(not _has_tiny_wan(), reason="tiny-wan is not in the model registry yet")
 def test_page_generates_a_video():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     worker = start_worker(ServerConfig(max_batch_size=1, api_key=None), model="tiny-wan")
     shot = ROOT / "out" / "webpage-video.png"
     shot.parent.mkdir(exist_ok=True)
-    try:
-        with live_server(create_app(worker)) as url, sync_api.sync_playwright() as pw, \
-                tempfile.TemporaryDirectory() as profile:
-            context = _browser(pw, profile)
-            page = context.pages[0] if context.pages else context.new_page()
-            errors = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.includes('tiny-wan (video)')")
-            assert page.is_visible("#frames")
-            page.fill("#prompt", "a cat walking on grass")
-            page.fill("#width", "64")
-            page.fill("#height", "64")
-            page.fill("#frames", "5")
-            page.fill("#steps", "3")
-            page.click("#generate")
-            page.wait_for_selector("video#output", timeout=60_000)
-            # The MP4 came through /v1/videos/{id}/content and the browser decoded its first frame.
-            page.wait_for_function("document.getElementById('output').readyState >= 2 && "
-                                   "document.getElementById('output').videoWidth === 64", timeout=30_000)
-            # A job this short may finish before the page subscribes to its events: only the end is certain.
-            assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 3")
-            page.screenshot(path=str(shot), full_page=True)
-            context.close()
-        assert not errors, errors
-    finally:
-        worker.stop()
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-wan (video)')") as page:
+        assert page.is_visible("#frames")
+        page.fill("#prompt", "a cat walking on grass")
+        page.fill("#width", "64")
+        page.fill("#height", "64")
+        page.fill("#frames", "5")
+        page.fill("#steps", "3")
+        page.click("#generate")
+        page.wait_for_selector("video#output", timeout=60_000)
+        # The MP4 came through /v1/videos/{id}/content and the browser decoded its first frame.
+        page.wait_for_function("document.getElementById('output').readyState >= 2 && "
+                               "document.getElementById('output').videoWidth === 64", timeout=30_000)
+        # A job this short may finish before the page subscribes to its events: only the end is certain.
+        assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 3")
+        page.screenshot(path=str(shot), full_page=True)
     print(f"\nweb page (video) screenshot: {shot}")
