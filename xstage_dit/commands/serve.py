@@ -18,6 +18,9 @@ import logging
 import os
 import sys
 
+# The defaults of the limits are ServerConfig's own (server/config.py imports only the standard library).
+from server.config import ServerConfig as _D
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -38,21 +41,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of a built-in model's random weights; default: %(default)s")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting jobs before 429; default: %(default)s")
-    p.add_argument("--max-batch-size", type=int, default=4,
+    p.add_argument("--max-queue", type=int, default=_D.max_queue, help="waiting jobs before 429; default: %(default)s")
+    p.add_argument("--max-batch-size", type=int, default=_D.max_batch_size,
                    help="images per pipeline call when requests are compatible; default: %(default)s")
-    p.add_argument("--batch-wait-ms", type=float, default=20.0,
+    p.add_argument("--batch-wait-ms", type=float, default=_D.batch_wait_s * 1000,
                    help="wait for compatible requests before a batch starts; default: %(default)s")
-    p.add_argument("--request-timeout", type=float, default=600.0,
+    p.add_argument("--request-timeout", type=float, default=_D.request_timeout_s,
                    help="seconds from submission until a job fails with 504; default: %(default)s")
-    p.add_argument("--max-steps", type=int, default=100, help="largest num_inference_steps; default: %(default)s")
-    p.add_argument("--max-n", type=int, default=4, help="largest n (images per request); default: %(default)s")
-    p.add_argument("--max-size", type=int, default=2048, help="largest width or height; default: %(default)s")
-    p.add_argument("--max-frames", type=int, default=161, help="largest video frame count; default: %(default)s")
-    p.add_argument("--max-body-bytes", type=int, default=65536, help="largest request body; default: %(default)s")
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0,
+    p.add_argument("--max-steps", type=int, default=_D.max_steps, help="largest num_inference_steps; default: %(default)s")
+    p.add_argument("--max-n", type=int, default=_D.max_n, help="largest n (images per request); default: %(default)s")
+    p.add_argument("--max-size", type=int, default=_D.max_size, help="largest width or height; default: %(default)s")
+    p.add_argument("--max-frames", type=int, default=_D.max_frames, help="largest video frame count; default: %(default)s")
+    p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes, help="largest request body; default: %(default)s")
+    p.add_argument("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s,
                    help="seconds without a heartbeat before a rank counts as dead; default: %(default)s")
-    p.add_argument("--exit-after-failure", type=float, default=30.0,
+    p.add_argument("--exit-after-failure", type=float, default=_D.exit_after_failure_s,
                    help="after a rank failure, answer 503 this long, then exit non-zero; default: %(default)s")
     p.add_argument("--collective-timeout", type=float, default=600.0,
                    help="timeout of torch.distributed collectives, seconds; default: %(default)s")
