@@ -195,8 +195,11 @@ def xstage_attention(
     if ctx is None or ctx.world == 1 or ctx.kv_layout == "replicated":
         if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
             schedule = _schedule_for(ctx, query, seq_q)
-            _count("ulysses")
-            return _ulysses_op()(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+            if schedule != "serial":
+                _count("ulysses")
+                return _ulysses_op()(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+            # World 1, serial: exactly diffusers' own SDPA call (no custom-op hop, no .contiguous() copy
+            # of the output), so parallelize at world 1 costs nothing over plain diffusers.
         _count("local")
         return _sdpa(query, key, value, mask, scale)
 
