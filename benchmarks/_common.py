@@ -33,7 +33,10 @@ import torch
 
 
 def git_commit(repo: str | Path | None = None) -> str:
-    """The checkout's commit (``-dirty`` when it has changes), else ``$XSTAGE_GIT_COMMIT``, else "unknown"."""
+    """``$XSTAGE_GIT_COMMIT`` when set (a tree copied to a GPU machine, whose `.git` there may be stale), else
+    the checkout's commit (``-dirty`` when it has changes), else "unknown"."""
+    if os.environ.get("XSTAGE_GIT_COMMIT"):
+        return os.environ["XSTAGE_GIT_COMMIT"]
     repo = Path(repo or Path(__file__).resolve().parent.parent)
     try:
         sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True,

@@ -208,7 +208,8 @@ def test_auto_path_takes_fused_only_where_measured_faster():
     assert _resolve_path("auto", cpu, 1, 128) == "reference"
     assert _resolve_path("auto", cuda, 1, 128) == "fused"                                  # NucleusMoE, one rank
     assert _resolve_path("auto", cuda, 1, FUSED_AUTO_MIN_LOCAL_EXPERTS - 1) == "serial"   # HiDream-like
-    assert _resolve_path("auto", cuda, 2, 128) == "serial"                                 # multi-process: not validated
+    assert _resolve_path("auto", cuda, 2, 64) == "fused"                                   # NucleusMoE, 2 ranks
+    assert _resolve_path("auto", cuda, 4, 1) == "serial"                                   # HiDream, 4 ranks
     assert _resolve_path("fused", cuda, 2, 4) == "fused"                                   # explicit choice is honoured
     with pytest.raises(ValueError, match="expected path in"):
         _resolve_path("fast", cuda, 1, 4)

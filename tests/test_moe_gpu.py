@@ -126,13 +126,18 @@ def _shared_gpu_worker(rank, world, port, queue):
 
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # The one-process reference runs on a group of this rank alone: group=None would mean the default
+        # (two-rank) group here, i.e. both ranks feeding the whole sequence as two shards of a doubled one.
+        solo = [dist.new_group([r]) for r in range(world)][rank]
         layer = _nucleus_layer()
         x, xu, t = _inputs()
-        one = NucleusMoEEPLayer.from_layer(layer, None, path="fused")(x, xu, t)  # one process, whole sequence
+        one = NucleusMoEEPLayer.from_layer(layer, solo, path="fused")(x, xu, t)  # one process, whole sequence
+        with torch.no_grad():
+            ref = layer(x, xu, t)  # diffusers' own layer on the whole sequence
         ep = NucleusMoEEPLayer.from_layer(layer, dist.group.WORLD, path="fused")
         idx = torch.tensor_split(torch.arange(x.shape[1]), world)[rank].cuda()
         y = ep(x[:, idx], xu[:, idx], t)
-        res = {"nucleus_rel": _rel(y, one[:, idx])}
+        res = {"nucleus_rel": _rel(y, one[:, idx]), "nucleus_vs_diffusers": _rel(y, ref[:, idx])}
 
         from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
@@ -141,7 +146,7 @@ def _shared_gpu_worker(rank, world, port, queue):
         for p in hd.parameters():
             torch.nn.init.normal_(p, std=256**-0.5)
         hd = hd.to("cuda", torch.bfloat16).eval()
-        one = HiDreamMoEEPLayer.from_layer(hd, None, path="fused")(x)
+        one = HiDreamMoEEPLayer.from_layer(hd, solo, path="fused")(x)
         y = HiDreamMoEEPLayer.from_layer(hd, dist.group.WORLD, path="fused")(x[:, idx])
         res["hidream_rel"] = _rel(y, one[:, idx])
         dist.barrier()
@@ -175,3 +180,4 @@ def test_two_processes_sharing_one_gpu_match_one_process():
     for rank, res in results.items():
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
         assert res["nucleus_rel"] < BF16_REL_TOL and res["hidream_rel"] < BF16_REL_TOL, res
+        assert res["nucleus_vs_diffusers"] < BF16_REL_TOL, res

@@ -140,6 +140,7 @@ def test_schedule_auto_keeps_gpu_unvalidated_head_dims_on_serial():
     ref = xstage.XStageParams.reference()
     kw = dict(batch=1, heads=24, world_size=8, dtype_bytes=2, seq_len=32768, fused_over_cudnn=1.0)
     assert choose_attention_schedule(ref, head_dim=128, **kw).name == "fused"
-    c = choose_attention_schedule(ref, head_dim=64, **kw)
-    assert 64 not in FUSED_GPU_VALIDATED_HEAD_DIMS
-    assert c.name == "serial" and "head_dim 64" in c.reason
+    assert choose_attention_schedule(ref, head_dim=64, **kw).name == "fused"
+    c = choose_attention_schedule(ref, head_dim=256, **kw)
+    assert 256 not in FUSED_GPU_VALIDATED_HEAD_DIMS
+    assert c.name == "serial" and "head_dim 256" in c.reason

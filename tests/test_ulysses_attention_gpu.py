@@ -25,6 +25,9 @@ CASES = [
     (2, 1000, 5, 64, 2, torch.float16),      # H not divisible by P, head_dim 64
     (1, 333, 7, 64, 4, torch.bfloat16),      # both, short: tiles straddle shards
     (1, 70, 8, 128, 8, torch.bfloat16),      # shards shorter than a tile (9 rows each)
+    (1, 336, 8, 128, 4, torch.bfloat16),     # shards of 84 rows: one partial tile each (64 < rows < 128)
+    (1, 512, 8, 64, 4, torch.float16),       # shards of exactly one tile
+    (1, 1000, 8, 128, 8, torch.bfloat16),    # shards of 125 rows
     (1, 1, 2, 64, 1, torch.bfloat16),        # one token
 ]
 

@@ -42,11 +42,10 @@ def _check_int(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"expected {name} to be an int >= {minimum}, got {value!r}")
 
 
-# `auto` picks the fused kernel only where the GPU tests passed: on the H200 (2026-12-02, triton 3.6) the
-# head_dim-64 configuration left the last shard's rows unwritten for (1, 333, 7, 64) bf16 at 4 ranks
-# (tests/test_ulysses_attention_gpu.py), while the interpreter path is correct. Until that is fixed and
-# re-validated, `auto` sends other head dims to the serial schedule; `schedule="fused"` still runs it.
-FUSED_GPU_VALIDATED_HEAD_DIMS = (128,)
+# `auto` picks the fused kernel only at head dims the GPU tests passed on the H200 (triton 3.6). Head_dim 64
+# once left rows unwritten; the cause was the 4-warp warp-specialized loop on shards of at most one tile
+# (any head_dim), now routed to the plain loop in `_attention_kernel.launch_attention`.
+FUSED_GPU_VALIDATED_HEAD_DIMS = (64, 128)
 
 
 def choose_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
@@ -86,7 +85,7 @@ def choose_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int, 
     if head_dim not in FUSED_GPU_VALIDATED_HEAD_DIMS:
         return ScheduleChoice(
             "serial", f"head_dim {head_dim}: the fused kernel is GPU-validated only at head_dim "
-            f"{FUSED_GPU_VALIDATED_HEAD_DIMS} (it left rows unwritten at head_dim 64 on the H200): serial schedule",
+            f"{FUSED_GPU_VALIDATED_HEAD_DIMS}: serial schedule",
             {"head_dim": head_dim})
 
     from xstage_dit.xstage import design_test

@@ -698,11 +698,11 @@ def _all_gather_counts(mine: torch.Tensor, group) -> torch.Tensor:
 EP_PATHS = ("auto", "fused", "serial", "reference")
 
 
-# `auto` runs the fused kernel only where it was measured faster and validated on the H200
-# (benchmarks/results/moe-combine-h200.md, gpu-tests-moe-h200-3d967d0.log): with >= 16 local experts
-# (NucleusMoE: 1.11x at 128, 1.39x at 16 per rank) and in one process. Few large experts (HiDream:
-# 4/2/1 per rank) ran 0.84-1.00x, and two processes sharing one GPU differed from one process by 3.2 %
-# at the NucleusMoE shape (not yet explained), so those take the serial path until re-measured.
+# `auto` runs the fused kernel only where it was measured faster (benchmarks/results/moe-combine-h200.md):
+# with >= 16 local experts (NucleusMoE: 1.11x at 128 local experts, 1.21-1.39x at 64/32/16 per rank).
+# Few large experts (HiDream: 4/2/1 per rank) ran 0.84-1.00x, so they take the serial path. The
+# multi-process fused path matches diffusers' layer on the GPU (two processes sharing the H200:
+# benchmarks/diag_moe_two_procs.py, 0.5 % vs diffusers, 0.1 % vs the EP reference path).
 FUSED_AUTO_MIN_LOCAL_EXPERTS = 16
 
 
@@ -717,9 +717,6 @@ def _resolve_path(path: str, device: torch.device, world: int, num_local_experts
     if path == "auto":
         if device.type != "cuda":
             return "reference"
-        if world > 1:
-            _log_auto_path("serial", f"world size {world}: the multi-process fused path is not GPU-validated yet")
-            return "serial"
         if num_local_experts < FUSED_AUTO_MIN_LOCAL_EXPERTS:
             _log_auto_path("serial", f"{num_local_experts} local experts < {FUSED_AUTO_MIN_LOCAL_EXPERTS}: "
                                      "the fused kernel was measured slower than grouped matmul there")
