@@ -313,6 +313,7 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     assert roles.count("zero") == len(vols) and roles.count("plateau") == len(vols) * len(plan.plateau_fractions)
     assert roles.count("sweep") == len(plan.gap_kib) * (len(plan.gap_fractions) - 1)
     assert len(sweep["isolated"]) == len(plan.isolated_kib)
+    assert sweep["free_running"] == []  # the quick plan skips the free-running comparison
     rep = cal.fit_sweep(sweep)
     assert rep["drain_limited"]
     assert rep["params"].drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.03)
@@ -323,6 +324,28 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
         assert r["gap_work_s"] == pytest.approx(gap_model.gap_s(r["gap_iters"]))
         assert r["gap_s"] == pytest.approx(r["gap_work_s"])  # the simulated stage stalls only in the issue window
         assert r["period_s"] == pytest.approx(r["issue_s"] + r["gap_s"], rel=0.02)
+    # the full plan adds one free-running volume, reported beside the fit and launched without per-burst alignment
+    full = cal.plan_for("host", quick=False)
+    calls.clear()
+    aligned_flags = []
+    real_fake = fake_run_bursts
+
+    def spy(*a, **kw):
+        aligned_flags.append((kw["num_bursts"], kw.get("align_every_burst", False), kw["bytes_per_producer"]))
+        kw["align_every_burst"] = True  # the simulated stage is the aligned law either way
+        return real_fake(*a, **kw)
+
+    monkeypatch.setattr(burst, "run_bursts", spy)
+    target = burst.BurstTarget("host", 0, full.max_kib * KIB * 132, None)
+    sweep = cal.sweep_target(target, plan=full, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
+    assert {r["role"] for r in sweep["free_running"]} == {"free"}
+    assert all(r["bytes_per_producer"] == full.free_running_kib * KIB for r in sweep["free_running"])
+    free_launches = [f for f in aligned_flags if f[0] > 1 and not f[1]]
+    assert free_launches and all(f[2] == full.free_running_kib * KIB for f in free_launches)
+    rep = cal.fit_sweep(sweep)
+    fr = rep["validation"]["free_running"]
+    assert fr["num_points"] == len(sweep["free_running"]) and fr["mape_issue_aligned_law_pct"] < 10
+    assert rep["summary"]["mape_issue_pct"] < 10 and rep["summary"]["mape_isolated_pct"] < 10
     assert burst.GapModel(1e-8, 1e-7).iters_for(1.1e-6) == 100
     assert burst.GapModel(1e-8, 1e-7).iters_for(0.0) == 0
     with pytest.raises(ValueError, match="expected the host buffer to hold"):

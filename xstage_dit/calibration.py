@@ -92,7 +92,9 @@ class SweepPlan:
     zero-gap period at that volume. plateau_fractions: long gaps (fractions of the zero-gap period)
     whose issue time is the backpressure-free plateau. isolated_kib: bytes per producer of the isolated
     sweep. num_bursts / warmup_bursts: bursts per periodic launch / dropped from its start.
-    repeats / isolated_repeats: launches per point (median).
+    repeats / isolated_repeats: launches per point (median). free_running_kib: one volume also swept with
+    free-running producers (only the first burst aligned, as real kernels without a barrier run), reported
+    beside the fit and not used by it; None skips it.
     """
 
     gap_kib: tuple[int, ...]
@@ -103,6 +105,7 @@ class SweepPlan:
     warmup_bursts: int = 4
     repeats: int = 3
     isolated_repeats: int = 5
+    free_running_kib: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gap_kib", "isolated_kib"):
@@ -135,10 +138,10 @@ _LOCAL_ISO_FULL = (16, 32, 64, 128, 256, 512, 768, 1024)
 _LOCAL_ISO_QUICK = (32, 128, 512, 1024)
 
 PLANS: dict[tuple[str, bool], SweepPlan] = {
-    ("local", False): SweepPlan((64, 256, 1024), _FINE_GAPS, (2.0, 3.0), _LOCAL_ISO_FULL),
+    ("local", False): SweepPlan((64, 256, 1024), _FINE_GAPS, (2.0, 3.0), _LOCAL_ISO_FULL, free_running_kib=256),
     ("local", True): SweepPlan((256, 1024), _QUICK_GAPS, (2.0,), _LOCAL_ISO_QUICK, num_bursts=14, repeats=1,
                                isolated_repeats=3),
-    ("remote", False): SweepPlan((16, 32, 64, 128, 256), _FINE_GAPS, (2.0, 3.0), _REMOTE_ISO_FULL),
+    ("remote", False): SweepPlan((16, 32, 64, 128, 256), _FINE_GAPS, (2.0, 3.0), _REMOTE_ISO_FULL, free_running_kib=64),
     ("remote", True): SweepPlan((32, 128), _QUICK_GAPS, (2.0,), _REMOTE_ISO_QUICK, num_bursts=14, repeats=1,
                                 isolated_repeats=3),
 }
@@ -334,6 +337,19 @@ def fit_sweep(sweep: dict) -> dict:
         v2 = validate(gap_params, sub)
         validation.update(mape_issue_drain_limited_pct=v2.mape_issue_pct,
                           mape_period_drain_limited_pct=v2.mape_period_pct, drain_limited_volumes=sorted(lim_vols))
+
+    free = sweep.get("free_running") or []
+    if free and math.isfinite(params.drain_rate_Bps):
+        # Diagnostic only (not fitted, not in the MAPEs above): the same volume with free-running producers.
+        fpts = [(r["volume_bytes"], max(r["gap_s"], 0.0), r["issue_s"], r["period_s"]) for r in free]
+        no_q = XStageParams(k, t0_fixed, issue_rate, params.drain_rate_Bps, math.inf)
+        validation["free_running"] = {
+            "volume_bytes": fpts[0][0], "num_points": len(fpts),
+            "mape_issue_aligned_law_pct": validate(params, fpts).mape_issue_pct,
+            "mape_issue_max_law_pct": validate(no_q, fpts).mape_issue_pct,
+            "mape_period_max_law_pct": validate(no_q, fpts).mape_period_pct,
+            "note": "free-running producers (only the first burst aligned) at one volume, predicted with the "
+                    "aligned-burst law and with Q = inf; not used by the fit"}
 
     v_ref = max(r["volume_bytes"] for r in periodic if r["role"] != "plateau")
     summary = {
@@ -583,10 +599,17 @@ def sweep_target(target, *, plan: SweepPlan, num_producers: int, clock_hz: float
                 continue  # the zero-gap point is already measured
             periodic.append(_periodic_point(target, kib=kib, gap_s=f * zero_period[kib], role="sweep", **kw))
     isolated = [_isolated_point(target, kib=kib, **kw) for kib in plan.isolated_kib]
+    free_running = []
+    if plan.free_running_kib is not None:
+        kib = plan.free_running_kib
+        z = _periodic_point(target, kib=kib, gap_s=0.0, role="free", align_every_burst=False, **kw)
+        free_running.append(z)
+        free_running += [_periodic_point(target, kib=kib, gap_s=f * z["period_s"], role="free", align_every_burst=False,
+                                         **kw) for f in _QUICK_GAPS + (3.0,) if f > 0]
     return {"target": target.name, "num_producers": k, "threads": threads, "clock_hz": clock_hz,
             "aligned_every_burst": True,
             "gap_model": {"s_per_iter": gap_model.s_per_iter, "overhead_s": gap_model.overhead_s},
-            "gap_kib": list(plan.gap_kib), "periodic": periodic, "isolated": isolated,
+            "gap_kib": list(plan.gap_kib), "periodic": periodic, "isolated": isolated, "free_running": free_running,
             "sweep_s": time.perf_counter() - t_start}
 
 
