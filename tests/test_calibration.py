@@ -22,12 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def synthetic_sweep(p: XStageParams, *, noise: float, seed: int, overhead_s: float = 0.3e-6,
-                    plan: cal.SweepPlan | None = None) -> dict:
+                    plan: cal.SweepPlan | None = None, aligned: bool = True) -> dict:
     """What ``sweep_target`` would record on a stage that follows the laws exactly, plus noise. The
-    loop's own overhead makes the measured gap slightly larger than the requested one."""
+    loop's own overhead makes the measured gap slightly larger than the requested one. ``aligned=False``:
+    an old free-running sweep, whose staggered long-gap bursts never back up (the max law, Q = inf)."""
     rng = random.Random(seed)
     plan = plan or cal.plan_for("host", quick=False)
     k = p.num_producers
+    periodic_law = p if aligned else XStageParams(k, p.t_iss0_fixed_s, p.issue_rate_Bps, p.drain_rate_Bps, math.inf)
 
     def n(x):
         return x * (1 + rng.gauss(0, noise))
@@ -35,7 +37,7 @@ def synthetic_sweep(p: XStageParams, *, noise: float, seed: int, overhead_s: flo
     def point(kib, gap_req, role):
         v = kib * KIB * k
         g = gap_req + overhead_s
-        iss = n(issue_time(p, v, g))
+        iss = n(issue_time(periodic_law, v, g))
         return {"bytes_per_producer": kib * KIB, "volume_bytes": v, "gap_request_s": gap_req, "gap_s": g,
                 "issue_s": iss, "period_s": iss + g, "role": role}
 
@@ -49,8 +51,11 @@ def synthetic_sweep(p: XStageParams, *, noise: float, seed: int, overhead_s: flo
         periodic += [point(kib, f * zero[kib], "sweep") for f in plan.gap_fractions if f > 0]
     isolated = [{"bytes_per_producer": kib * KIB, "volume_bytes": kib * KIB * k,
                  "issue_s": n(isolated_issue_time(p, kib * KIB * k))} for kib in plan.isolated_kib]
-    return {"target": "host", "num_producers": k, "threads": 512, "gap_kib": list(plan.gap_kib),
-            "periodic": periodic, "isolated": isolated}
+    sweep = {"target": "host", "num_producers": k, "threads": 512, "gap_kib": list(plan.gap_kib),
+             "periodic": periodic, "isolated": isolated}
+    if aligned:
+        sweep["aligned_every_burst"] = True
+    return sweep
 
 
 PCIE_LIKE = XStageParams(132, 0.6e-6, 4.8e12, 55e9, 4.0e6)  # DESIGN §4's H200 host-pinned probe
@@ -72,6 +77,21 @@ def test_fit_sweep_recovers_a_drain_limited_target(quick, seed):
     s = rep["summary"]
     assert set(s) >= {"R_GBps", "t_iss0_us", "Q_MiB", "mape_issue_pct", "mape_period_pct", "drain_limited"}
     assert s["R_GBps"] == pytest.approx(55, rel=0.05) and s["Q_MiB"] == pytest.approx(4.0e6 / MIB, rel=0.05)
+
+
+def test_fit_sweep_of_an_old_free_running_sweep():
+    # run <= 3: only the first burst aligned; long-gap bursts staggered and never backed up, while isolated
+    # bursts above the knee did. The gap sweep is predicted with Q = inf, the isolated one with Q, and a note says so.
+    rep = cal.fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False))
+    p = rep["params"]
+    assert rep["fit"]["aligned_every_burst"] is False
+    assert p.drain_rate_Bps == pytest.approx(55e9, rel=0.05) and p.capacity_bytes == pytest.approx(4.0e6, rel=0.05)
+    assert any("free-running" in n for n in rep["notes"])
+    assert rep["validation"]["mape_issue_pct"] < 10 and rep["validation"]["mape_isolated_pct"] < 10
+    # the same data read as aligned bursts would contradict the isolated sweep at long gaps
+    sweep = synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False)
+    sweep["aligned_every_burst"] = True
+    assert cal.fit_sweep(sweep)["validation"]["mape_issue_pct"] > 50
 
 
 def test_fit_sweep_says_so_when_the_target_never_backs_up():
@@ -268,9 +288,10 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     gap_model = burst.GapModel(s_per_iter=32e-9, overhead_s=0.2e-6)
 
     def fake_run_bursts(target, *, bytes_per_producer, num_producers, num_bursts, gap_iters, clock_hz, threads=512,
-                        tag=0):
+                        tag=0, align_every_burst=False):
         v = bytes_per_producer * num_producers
         calls.append((bytes_per_producer, num_bursts, gap_iters))
+        assert align_every_burst or num_bursts == 1  # periodic bursts are the laws' aligned bursts
         g = gap_model.gap_s(gap_iters)
         if num_bursts == 1:
             iss = np.full((num_producers, 1), isolated_issue_time(truth, v))
@@ -286,11 +307,13 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     plan = cal.plan_for("host", quick=True)
     target = burst.BurstTarget("host", 0, plan.max_kib * KIB * 132, None)
     sweep = cal.sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
+    assert sweep["aligned_every_burst"] is True and all(r["aligned_every_burst"] for r in sweep["periodic"])
     roles = [r["role"] for r in sweep["periodic"]]
     vols = set(plan.gap_kib) | set(plan.isolated_kib)
     assert roles.count("zero") == len(vols) and roles.count("plateau") == len(vols) * len(plan.plateau_fractions)
     assert roles.count("sweep") == len(plan.gap_kib) * (len(plan.gap_fractions) - 1)
     assert len(sweep["isolated"]) == len(plan.isolated_kib)
+    assert sweep["free_running"] == []  # the quick plan skips the free-running comparison
     rep = cal.fit_sweep(sweep)
     assert rep["drain_limited"]
     assert rep["params"].drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.03)
@@ -301,6 +324,28 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
         assert r["gap_work_s"] == pytest.approx(gap_model.gap_s(r["gap_iters"]))
         assert r["gap_s"] == pytest.approx(r["gap_work_s"])  # the simulated stage stalls only in the issue window
         assert r["period_s"] == pytest.approx(r["issue_s"] + r["gap_s"], rel=0.02)
+    # the full plan adds one free-running volume, reported beside the fit and launched without per-burst alignment
+    full = cal.plan_for("host", quick=False)
+    calls.clear()
+    aligned_flags = []
+    real_fake = fake_run_bursts
+
+    def spy(*a, **kw):
+        aligned_flags.append((kw["num_bursts"], kw.get("align_every_burst", False), kw["bytes_per_producer"]))
+        kw["align_every_burst"] = True  # the simulated stage is the aligned law either way
+        return real_fake(*a, **kw)
+
+    monkeypatch.setattr(burst, "run_bursts", spy)
+    target = burst.BurstTarget("host", 0, full.max_kib * KIB * 132, None)
+    sweep = cal.sweep_target(target, plan=full, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
+    assert {r["role"] for r in sweep["free_running"]} == {"free"}
+    assert all(r["bytes_per_producer"] == full.free_running_kib * KIB for r in sweep["free_running"])
+    free_launches = [f for f in aligned_flags if f[0] > 1 and not f[1]]
+    assert free_launches and all(f[2] == full.free_running_kib * KIB for f in free_launches)
+    rep = cal.fit_sweep(sweep)
+    fr = rep["validation"]["free_running"]
+    assert fr["num_points"] == len(sweep["free_running"]) and fr["mape_issue_aligned_law_pct"] < 10
+    assert rep["summary"]["mape_issue_pct"] < 10 and rep["summary"]["mape_isolated_pct"] < 10
     assert burst.GapModel(1e-8, 1e-7).iters_for(1.1e-6) == 100
     assert burst.GapModel(1e-8, 1e-7).iters_for(0.0) == 0
     with pytest.raises(ValueError, match="expected the host buffer to hold"):

@@ -26,9 +26,10 @@ def clock_hz(device):
     return hz
 
 
+@pytest.mark.parametrize("align", [False, True])
 @pytest.mark.parametrize("name", ["local", "host"])
 @pytest.mark.parametrize("kib", [16, 48])
-def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib):
+def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib, align):
     import numpy as np
     import torch
 
@@ -38,7 +39,11 @@ def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib):
     k = torch.cuda.get_device_properties(device).multi_processor_count
     target = _make_target(name, k * kib * 1024 + 4096, device)
     t = run_bursts(target, bytes_per_producer=kib * 1024, num_producers=k, num_bursts=6, gap_iters=100,
-                   clock_hz=clock_hz, tag=0xC0FFEE)
+                   clock_hz=clock_hz, tag=0xC0FFEE, align_every_burst=align)
+    assert t.aligned_every_burst is align
+    if align:  # every burst starts together: the start-to-start period is the same on every producer
+        spread = t.period_s.max(axis=0) - t.period_s.min(axis=0)
+        assert (spread < 2e-6 + 0.1 * t.period_s.mean(axis=0)).all(), f"period spread across producers {spread}"
     check_written(target, k, kib * 1024, last_burst=5, tag=0xC0FFEE)
     assert len(set(t.sm_ids.tolist())) == k, "expected one producer per SM"
     assert t.issue_s.shape == (k, 6) and t.period_s.shape == (k, 5)

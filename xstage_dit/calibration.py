@@ -40,14 +40,20 @@ from xstage_dit.xstage import (
     XStageParams,
     fit_capacity,
     fit_drain_rate,
+    fit_params,
     fit_t_iss0,
+    fit_t_iss0_free,
+    isolated_issue_time,
+    issue_time,
+    mape,
     validate,
 )
 
 log = logging.getLogger(__name__)
 
 # Bump when the sweep or the fit changes meaning: cached results of another version are recalibrated.
-SWEEP_VERSION = 1
+# 2: every periodic burst starts aligned across producers (1: only the first; the rest free-ran).
+SWEEP_VERSION = 2
 TARGETS = ("local", "host", "nvlink")
 # A zero-gap issue time this much above T_iss0 means the drain, not issue, limits the period.
 DRAIN_LIMITED_FACTOR = 1.25
@@ -86,7 +92,9 @@ class SweepPlan:
     zero-gap period at that volume. plateau_fractions: long gaps (fractions of the zero-gap period)
     whose issue time is the backpressure-free plateau. isolated_kib: bytes per producer of the isolated
     sweep. num_bursts / warmup_bursts: bursts per periodic launch / dropped from its start.
-    repeats / isolated_repeats: launches per point (median).
+    repeats / isolated_repeats: launches per point (median). free_running_kib: one volume also swept with
+    free-running producers (only the first burst aligned, as real kernels without a barrier run), reported
+    beside the fit and not used by it; None skips it.
     """
 
     gap_kib: tuple[int, ...]
@@ -97,6 +105,7 @@ class SweepPlan:
     warmup_bursts: int = 4
     repeats: int = 3
     isolated_repeats: int = 5
+    free_running_kib: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gap_kib", "isolated_kib"):
@@ -129,10 +138,10 @@ _LOCAL_ISO_FULL = (16, 32, 64, 128, 256, 512, 768, 1024)
 _LOCAL_ISO_QUICK = (32, 128, 512, 1024)
 
 PLANS: dict[tuple[str, bool], SweepPlan] = {
-    ("local", False): SweepPlan((64, 256, 1024), _FINE_GAPS, (2.0, 3.0), _LOCAL_ISO_FULL),
+    ("local", False): SweepPlan((64, 256, 1024), _FINE_GAPS, (2.0, 3.0), _LOCAL_ISO_FULL, free_running_kib=256),
     ("local", True): SweepPlan((256, 1024), _QUICK_GAPS, (2.0,), _LOCAL_ISO_QUICK, num_bursts=14, repeats=1,
                                isolated_repeats=3),
-    ("remote", False): SweepPlan((16, 32, 64, 128, 256), _FINE_GAPS, (2.0, 3.0), _REMOTE_ISO_FULL),
+    ("remote", False): SweepPlan((16, 32, 64, 128, 256), _FINE_GAPS, (2.0, 3.0), _REMOTE_ISO_FULL, free_running_kib=64),
     ("remote", True): SweepPlan((32, 128), _QUICK_GAPS, (2.0,), _REMOTE_ISO_QUICK, num_bursts=14, repeats=1,
                                 isolated_repeats=3),
 }
@@ -231,9 +240,20 @@ def fit_sweep(sweep: dict) -> dict:
     zero = [r for r in periodic if r["role"] == "zero"]
     if not plateau or not zero:
         raise ValueError(f"expected plateau and zero-gap points in the sweep, got {len(plateau)} and {len(zero)}")
+    # Sweeps before SWEEP_VERSION 2 aligned only the first burst of a launch; the producers then free-ran.
+    aligned = bool(sweep.get("aligned_every_burst", False))
     notes: list[str] = []
 
-    t_fit = fit_t_iss0([r["volume_bytes"] for r in plateau], [r["issue_s"] for r in plateau])
+    if aligned:
+        # Long-gap and isolated bursts both follow max(T_iss0, (V - Q)/R): T_iss0 only from those that did not
+        # back up (re-chosen with the capacity bound once Q is known, below).
+        long_pts = plateau + list(isolated)
+        t_fit, _ = fit_t_iss0_free([r["volume_bytes"] for r in long_pts], [r["issue_s"] for r in long_pts],
+                                   backed_up_tol=BACKED_UP_TOL)
+    else:
+        # Free-running producers stagger after the first backed-up burst: their long-gap bursts never arrive
+        # as one volume V and do not back up, so every plateau point is a free issue time.
+        t_fit = fit_t_iss0([r["volume_bytes"] for r in plateau], [r["issue_s"] for r in plateau])
     t0_fixed, issue_rate = t_fit.value
     t0_params = XStageParams(k, t0_fixed, issue_rate, math.inf, math.inf)
 
@@ -241,20 +261,31 @@ def fit_sweep(sweep: dict) -> dict:
     limited = [r for r in zero if r["issue_s"] > DRAIN_LIMITED_FACTOR * t0_params.t_iss0(r["volume_bytes"])]
     drain_limited = bool(limited)
     fit: dict[str, Any] = {"t_iss0_rel_rms": t_fit.rel_rms_error, "t_iss0_form": t_fit.note,
-                           "t_iss0_points": t_fit.num_points}
+                           "t_iss0_points": t_fit.num_points, "aligned_every_burst": aligned}
     if drain_limited:
         # R from the larger half of the drain-limited volumes (DESIGN §2: "fit over large V"), where
         # per-burst fixed costs are negligible against V/R.
         vols = sorted(r["volume_bytes"] for r in limited)
         large = [r for r in limited if r["volume_bytes"] >= vols[(len(vols) - 1) // 2]]
-        d_fit = fit_drain_rate([r["volume_bytes"] for r in large], [r["period_s"] for r in large])
+        zg = ([r["volume_bytes"] for r in large], [r["period_s"] for r in large])
+        if aligned and len(isolated) >= 2:
+            pf = fit_params(k, zero_gap=zg, plateau=([r["volume_bytes"] for r in plateau], [r["issue_s"] for r in plateau]),
+                            isolated=([r["volume_bytes"] for r in isolated], [r["issue_s"] for r in isolated]),
+                            backed_up_tol=BACKED_UP_TOL)
+            d_fit, t_fit, c_fit = pf.drain, pf.t_iss0, pf.capacity
+            t0_fixed, issue_rate = t_fit.value
+            fit.update(t_iss0_rel_rms=t_fit.rel_rms_error, t_iss0_form=t_fit.note, t_iss0_points=t_fit.num_points)
+        else:
+            d_fit = fit_drain_rate(*zg)
+            c_fit = None
+            if len(isolated) >= 2:
+                c_fit = fit_capacity([r["volume_bytes"] for r in isolated], [r["issue_s"] for r in isolated],
+                                     XStageParams(k, t0_fixed, issue_rate, d_fit.value, math.inf),
+                                     backed_up_tol=BACKED_UP_TOL)
         r_bps = d_fit.value
         fit.update(R_rel_rms=d_fit.rel_rms_error, R_points=d_fit.num_points)
-        no_q = XStageParams(k, t0_fixed, issue_rate, r_bps, math.inf)
         q = math.inf
-        if len(isolated) >= 2:
-            c_fit = fit_capacity([r["volume_bytes"] for r in isolated], [r["issue_s"] for r in isolated], no_q,
-                                 backed_up_tol=BACKED_UP_TOL)
+        if c_fit is not None:
             fit.update(Q_rel_rms=c_fit.rel_rms_error, Q_note=c_fit.note)
             if c_fit.note.startswith("lower bound"):
                 fit["Q_lower_bound_bytes"] = c_fit.value
@@ -273,18 +304,28 @@ def fit_sweep(sweep: dict) -> dict:
                      "and are reported as unbounded; the target never backs up")
         params = XStageParams(k, t0_fixed, issue_rate, math.inf, math.inf)
 
+    # The gap sweep is predicted with the capacity-aware burst-gap law for aligned bursts. Free-running
+    # producers (old sweeps) see the plain max law (Q = inf) at long gaps; their isolated sweep keeps Q.
+    gap_params = params
+    if not aligned:
+        gap_params = XStageParams(k, t0_fixed, issue_rate, params.drain_rate_Bps, math.inf)
+        notes.append("free-running sweep (before SWEEP_VERSION 2: only the first burst of a launch was aligned): the "
+                     "gap sweep is predicted with Q = inf, the isolated sweep with Q; near G = V/R the producers' "
+                     "stagger smooths the issue time, which no fluid law with R, T_iss0, Q describes")
+
     gap_points = [(r["volume_bytes"], max(r["gap_s"], 0.0), r["issue_s"], r["period_s"]) for r in periodic]
     iso_points = [(r["volume_bytes"], r["issue_s"]) for r in isolated]
-    val = validate(params, gap_points, iso_points or None)
+    val = validate(gap_params, gap_points, None)
+    mape_iso = mape([isolated_issue_time(params, v) for v, _ in iso_points], [t for _, t in iso_points]) \
+        if iso_points else None
     validation = {"mape_issue_pct": val.mape_issue_pct, "mape_period_pct": val.mape_period_pct,
-                  "mape_isolated_pct": val.mape_isolated_pct, "num_points": val.num_points}
+                  "mape_isolated_pct": mape_iso, "num_points": val.num_points,
+                  "law": "capacity-aware burst-gap law" if aligned else "max law (Q = inf) for free-running bursts"}
     # The issue time near G* is a small difference (V/R - G): its relative error is large even where the
     # period is right. Also report the issue error relative to the period, and the worst points.
-    from xstage_dit.xstage import issue_time
-
     rel = []
     for v, g, mi, mp in gap_points:
-        pi = issue_time(params, v, g)
+        pi = issue_time(gap_params, v, g)
         rel.append((abs(pi - mi) / mi, abs(pi - mi) / mp, v, g, mi, pi))
     validation["mean_issue_err_over_period_pct"] = 100.0 * sum(r[1] for r in rel) / len(rel)
     validation["worst_issue_points"] = [
@@ -293,9 +334,22 @@ def fit_sweep(sweep: dict) -> dict:
     if drain_limited:
         lim_vols = {r["volume_bytes"] for r in limited}
         sub = [p for p in gap_points if p[0] in lim_vols]
-        v2 = validate(params, sub)
+        v2 = validate(gap_params, sub)
         validation.update(mape_issue_drain_limited_pct=v2.mape_issue_pct,
                           mape_period_drain_limited_pct=v2.mape_period_pct, drain_limited_volumes=sorted(lim_vols))
+
+    free = sweep.get("free_running") or []
+    if free and math.isfinite(params.drain_rate_Bps):
+        # Diagnostic only (not fitted, not in the MAPEs above): the same volume with free-running producers.
+        fpts = [(r["volume_bytes"], max(r["gap_s"], 0.0), r["issue_s"], r["period_s"]) for r in free]
+        no_q = XStageParams(k, t0_fixed, issue_rate, params.drain_rate_Bps, math.inf)
+        validation["free_running"] = {
+            "volume_bytes": fpts[0][0], "num_points": len(fpts),
+            "mape_issue_aligned_law_pct": validate(params, fpts).mape_issue_pct,
+            "mape_issue_max_law_pct": validate(no_q, fpts).mape_issue_pct,
+            "mape_period_max_law_pct": validate(no_q, fpts).mape_period_pct,
+            "note": "free-running producers (only the first burst aligned) at one volume, predicted with the "
+                    "aligned-burst law and with Q = inf; not used by the fit"}
 
     v_ref = max(r["volume_bytes"] for r in periodic if r["role"] != "plateau")
     summary = {
@@ -305,6 +359,7 @@ def fit_sweep(sweep: dict) -> dict:
         "Q_MiB": _finite_or_none(params.capacity_bytes / (1024 * 1024)),
         "mape_issue_pct": val.mape_issue_pct,
         "mape_period_pct": val.mape_period_pct,
+        "mape_isolated_pct": mape_iso,
         "issue_err_over_period_pct": validation["mean_issue_err_over_period_pct"],
         "drain_limited": drain_limited,
     }
@@ -465,10 +520,15 @@ def resolve_targets(target: str, device: Any = None, *, allow_shared_gpu: bool =
 
 
 def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, clock_hz: float, threads: int,
-                    gap_model, role: str) -> dict:
+                    gap_model, role: str, align_every_burst: bool = True) -> dict:
     """One gap-sweep point: the mean over producers and steady-state bursts of the measured issue time
-    (start to stores accepted), gap (issue end to next start: the work, the loop's overhead and any
-    stall that lands after the issue window) and period (= issue + gap).
+    (start to stores accepted), gap (issue end to next start: the work, the loop's overhead, the wait at the
+    per-burst alignment barrier and any stall that lands after the issue window) and period (= issue + gap).
+
+    Every burst starts aligned (``align_every_burst``), the setting of the X-Stage laws. Free-running
+    producers (run 3 on the H200) stagger after the first backed-up burst: long-gap bursts of 8.65 MB then
+    issued in 1.27 us against 85 us for the same burst aligned, and near G = V/R the issue time depended on
+    the stagger (18 us measured vs 1.2 us predicted), which R, T_iss0 and Q do not determine.
 
     The model's G is the measured gap, not the work's nominal time (``gap_work_s``): ``period - work``
     subtracts two large numbers at long gaps (0.5 % clock error = the whole plateau issue time), which
@@ -482,14 +542,16 @@ def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, 
     runs = []
     for _ in range(plan.repeats):
         t = run_bursts(target, bytes_per_producer=kib * KIB, num_producers=k, num_bursts=plan.num_bursts,
-                       gap_iters=iters, clock_hz=clock_hz, threads=threads)
+                       gap_iters=iters, clock_hz=clock_hz, threads=threads, align_every_burst=align_every_burst)
         w = plan.warmup_bursts
+        # issue_s[:, b] pairs with gap_s[:, b] (the gap after burst b); the burst gap is the slowest producer's
+        # (from the last issue end to the next aligned start: the time the stage drains with no arrivals)
         runs.append((float(t.period_s[:, w:].mean()), float(t.issue_s[:, w:].mean()), float(t.gap_s[:, w:].mean()),
-                     float(t.issue_s[:, w:].max())))
-    per, issue_meas, gap_meas, issue_max = (float(np.median([r[i] for r in runs])) for i in range(4))
+                     float(t.issue_s[:, w:].max()), float(t.gap_s[:, w:].min(axis=0).mean())))
+    per, issue_meas, gap_meas, issue_max, gap_min = (float(np.median([r[i] for r in runs])) for i in range(5))
     return {"bytes_per_producer": kib * KIB, "volume_bytes": kib * KIB * k, "gap_request_s": gap_s,
             "gap_iters": iters, "gap_work_s": g_work, "gap_s": gap_meas, "issue_s": issue_meas, "period_s": per,
-            "issue_max_s": issue_max, "role": role}
+            "issue_max_s": issue_max, "burst_gap_s": gap_min, "aligned_every_burst": align_every_burst, "role": role}
 
 
 def _isolated_point(target, *, kib: int, k: int, plan: SweepPlan, clock_hz: float, threads: int,
@@ -537,9 +599,17 @@ def sweep_target(target, *, plan: SweepPlan, num_producers: int, clock_hz: float
                 continue  # the zero-gap point is already measured
             periodic.append(_periodic_point(target, kib=kib, gap_s=f * zero_period[kib], role="sweep", **kw))
     isolated = [_isolated_point(target, kib=kib, **kw) for kib in plan.isolated_kib]
+    free_running = []
+    if plan.free_running_kib is not None:
+        kib = plan.free_running_kib
+        z = _periodic_point(target, kib=kib, gap_s=0.0, role="free", align_every_burst=False, **kw)
+        free_running.append(z)
+        free_running += [_periodic_point(target, kib=kib, gap_s=f * z["period_s"], role="free", align_every_burst=False,
+                                         **kw) for f in _QUICK_GAPS + (3.0,) if f > 0]
     return {"target": target.name, "num_producers": k, "threads": threads, "clock_hz": clock_hz,
+            "aligned_every_burst": True,
             "gap_model": {"s_per_iter": gap_model.s_per_iter, "overhead_s": gap_model.overhead_s},
-            "gap_kib": list(plan.gap_kib), "periodic": periodic, "isolated": isolated,
+            "gap_kib": list(plan.gap_kib), "periodic": periodic, "isolated": isolated, "free_running": free_running,
             "sweep_s": time.perf_counter() - t_start}
 
 

@@ -10,16 +10,26 @@ sees it, for a fixed producer count ``K``:
 - ``Q = capacity_bytes``: effective outstanding capacity, from the knee of the isolated-burst issue
   time (``Q = V_knee - R * T_iss0(V_knee)``).
 
-Laws (``G`` = gap of useful work between a producer's bursts, seconds):
+Laws (``G`` = gap of useful work between a producer's bursts, seconds; bursts aligned across producers):
 
-- burst-gap law:      ``T_iss    = max(T_iss0(V), V/R - G)``
-- period:             ``T_period = max(V/R, T_iss0(V) + G)``   (the naive sum ``T_iss0 + G + V/R`` is wrong)
-- recovery gap:       ``G*       = V/R - T_iss0(V)``           (``G >= G*`` => issue at ``T_iss0``)
+- burst-gap law:      ``T_iss    = max(T_iss0(V), V/R - min(G, Q/R))``
+- period:             ``T_period = T_iss + G``  (``= max(V/R, T_iss0(V) + G)`` while ``G <= Q/R``; the naive
+                      sum ``T_iss0 + G + V/R`` is wrong)
+- recovery gap:       ``G*       = V/R - T_iss0(V)``           (``G >= G*`` => issue at ``T_iss0`` if V fits Q)
 - isolated burst:     ``T_iss    = max(T_iss0(V), (V - Q)/R)``  (free while ``V - R*T_iss0(V) <= Q``)
 - design test:        rate bound ``G >= G*`` and capacity bound ``V - R*T_iss0(V) <= Q``
 
-The fits (``fit_drain_rate``, ``fit_t_iss0``, ``fit_capacity``, combined by ``fit_params``) turn the
-three measured sweeps into ``XStageParams``; ``validate`` predicts a whole gap sweep from the params
+The burst-gap law is the fluid steady state of a stage of capacity Q drained at R: a backed-up burst
+leaves the stage full (Q), the gap drains ``min(Q, R*G)`` of it, so the next burst is accepted
+``V/R - min(G, Q/R)`` after it starts. Its two limits are DESIGN §2's laws: ``max(T_iss0, V/R - G)`` while
+the gap is shorter than ``Q/R`` (the stage never empties) and the isolated-burst law once it is longer
+(every burst meets an empty stage); and it is at ``T_iss0`` exactly when the design test passes. With
+``Q = inf`` it is the plain max law, which is what producers that free-run (not aligned per burst) see at
+long gaps: their bursts stagger and never arrive as one volume V.
+
+The fits (``fit_drain_rate``, ``fit_t_iss0`` / ``fit_t_iss0_free``, ``fit_capacity``, combined by
+``fit_params``) turn the three measured sweeps into ``XStageParams`` (T_iss0 only from bursts that did not
+back up: for aligned bursts a long gap does not make a burst of ``V > V_knee`` free); ``validate`` predicts a whole gap sweep from the params
 with no further fitted value and reports the mean absolute percentage errors.
 
 Example::
@@ -51,6 +61,7 @@ __all__ = [
     "design_test",
     "fit_drain_rate",
     "fit_t_iss0",
+    "fit_t_iss0_free",
     "fit_capacity",
     "fit_params",
     "validate",
@@ -139,15 +150,22 @@ class XStageParams:
 
 
 def issue_time(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
-    """Steady-state issue time (s) of periodic bursts: ``max(T_iss0(V), V/R - G)``."""
+    """Steady-state issue time (s) of periodic aligned bursts: ``max(T_iss0(V), V/R - min(G, Q/R))``.
+
+    ``Q = inf`` gives the max law ``max(T_iss0(V), V/R - G)``; ``G -> inf`` gives the isolated-burst law.
+    Example: ``issue_time(XStageParams(132, 0, 7e12, 59e9, 4e6), 8.65e6, 0.0)`` = V/R = 146.6e-6.
+    """
     _check_positive("gap_s", gap_s, allow_zero=True)
-    return max(params.t_iss0(volume_bytes), volume_bytes / params.drain_rate_Bps - gap_s)
+    r, q = params.drain_rate_Bps, params.capacity_bytes
+    drained_s = gap_s if math.isinf(q) else min(gap_s, q / r)
+    return max(params.t_iss0(volume_bytes), volume_bytes / r - drained_s)
 
 
 def period(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
-    """Steady-state period (s) of periodic bursts: ``max(V/R, T_iss0(V) + G)``."""
-    _check_positive("gap_s", gap_s, allow_zero=True)
-    return max(volume_bytes / params.drain_rate_Bps, params.t_iss0(volume_bytes) + gap_s)
+    """Steady-state period (s) of periodic aligned bursts: ``issue_time + G``, i.e. ``max(V/R, T_iss0(V) + G)``
+    while ``G <= Q/R`` (the gap overlaps with draining) and ``(V - Q)/R + G`` beyond (the stage empties
+    during the gap and the drain idles)."""
+    return issue_time(params, volume_bytes, gap_s) + gap_s
 
 
 def naive_period(params: XStageParams, volume_bytes: float, gap_s: float) -> float:
@@ -312,6 +330,46 @@ def fit_t_iss0(volumes: Sequence[float], plateau_issue_times: Sequence[float]) -
     return FitResult((t0, 1.0 / b), _rel_rms([t0 + b * v for v in vs], ts), len(vs), "affine")
 
 
+def fit_t_iss0_free(
+    volumes: Sequence[float],
+    long_gap_issue_times: Sequence[float],
+    *,
+    backed_up_tol: float = 0.15,
+    floor_s: float = 0.0,
+    keep: Sequence[bool] | None = None,
+) -> tuple[FitResult, list[bool]]:
+    """``T_iss0(V)`` from the backpressure-free points among long-gap (or isolated) issue times of aligned
+    bursts, which follow ``max(T_iss0(V), (V - Q)/R)``: only the volumes below the knee measure ``T_iss0``.
+
+    Without ``keep``, the free points are the longest run of smallest volumes whose median issue time stays
+    within ``(1 + backed_up_tol) * fit + floor_s`` of the affine fit through the smaller ones (the stage backs
+    up only above a volume, never below it). ``keep`` (one flag per point) fixes the set instead (e.g. the
+    points that pass the capacity bound once Q is known). Returns the fit (``fit_t_iss0`` on the kept points)
+    and the flags.
+    """
+    vs, ts = _as_points("volumes", volumes, "long_gap_issue_times", long_gap_issue_times, 1)
+    if keep is None:
+        by_v: dict[float, list[float]] = {}
+        for v, t in zip(vs, ts):
+            by_v.setdefault(v, []).append(t)
+        order = sorted(by_v)
+        chosen = set(order[:2])
+        for v in order[2:]:
+            sel = [(x, t) for x, t in zip(vs, ts) if x in chosen]
+            t0, ri = fit_t_iss0([x for x, _ in sel], [t for _, t in sel]).value
+            med = sorted(by_v[v])[len(by_v[v]) // 2]
+            if med > (1.0 + backed_up_tol) * (t0 + v / ri) + floor_s:
+                break
+            chosen.add(v)
+        keep = [v in chosen for v in vs]
+    keep = [bool(k) for k in keep]
+    if len(keep) != len(vs) or not any(keep):
+        raise ValueError(f"expected one keep flag per point and at least one kept, got {len(keep)} for {len(vs)}")
+    fit = fit_t_iss0([v for v, k in zip(vs, keep) if k], [t for t, k in zip(ts, keep) if k])
+    note = f"{fit.note} over {sum(keep)} backpressure-free points (V <= {max(v for v, k in zip(vs, keep) if k):.0f} B)"
+    return FitResult(fit.value, fit.rel_rms_error, fit.num_points, note), keep
+
+
 def fit_capacity(
     volumes: Sequence[float],
     isolated_issue_times: Sequence[float],
@@ -383,21 +441,38 @@ def fit_params(
     plateau: tuple[Sequence[float], Sequence[float]],
     isolated: tuple[Sequence[float], Sequence[float]] | None = None,
     capacity_if_unobserved: float = math.inf,
+    backed_up_tol: float = 0.10,
 ) -> ParamsFit:
-    """All three fits: R from ``zero_gap = (volumes, periods)``, T_iss0 from ``plateau = (volumes,
-    issue_times)``, Q from ``isolated = (volumes, issue_times)`` (or ``capacity_if_unobserved`` when
-    not given or when no isolated burst backed up)."""
+    """All three fits for aligned bursts: R from ``zero_gap = (volumes, periods)``; T_iss0 from the
+    backpressure-free points of ``plateau = (volumes, long-gap issue_times)`` and ``isolated = (volumes,
+    issue_times)`` (both follow ``max(T_iss0, (V - Q)/R)``); Q from the isolated knee (or
+    ``capacity_if_unobserved`` when not given or when no isolated burst backed up). Once Q is known the free
+    points are re-chosen by the capacity bound ``V - R*T_iss0(V) <= Q`` and T_iss0, Q refitted (a few rounds)."""
     drain = fit_drain_rate(*zero_gap)
-    t_fit = fit_t_iss0(*plateau)
-    t0, ri = t_fit.value
-    no_q = XStageParams(num_producers, t0, ri, drain.value, math.inf)
+    r = drain.value
+    long_v = list(plateau[0]) + (list(isolated[0]) if isolated is not None else [])
+    long_t = list(plateau[1]) + (list(isolated[1]) if isolated is not None else [])
+    t_fit, keep = fit_t_iss0_free(long_v, long_t, backed_up_tol=max(backed_up_tol, 0.15))
     cap = None
     q = capacity_if_unobserved
-    if isolated is not None:
-        cap = fit_capacity(isolated[0], isolated[1], no_q)
-        if not cap.note.startswith("lower bound"):
-            q = cap.value
-    return ParamsFit(XStageParams(num_producers, t0, ri, drain.value, q), drain, t_fit, cap)
+    for _ in range(5):
+        t0, ri = t_fit.value
+        q = capacity_if_unobserved
+        if isolated is None:
+            break
+        cap = fit_capacity(isolated[0], isolated[1], XStageParams(num_producers, t0, ri, r, math.inf),
+                           backed_up_tol=backed_up_tol)
+        if cap.note.startswith("lower bound"):
+            break
+        q = cap.value
+        p = XStageParams(num_producers, t0, ri, r, q)
+        new_keep = [v - r * p.t_iss0(v) <= q * (1.0 + 1e-9) for v in long_v]
+        if new_keep == keep or not any(new_keep):
+            break
+        keep = new_keep
+        t_fit, _ = fit_t_iss0_free(long_v, long_t, keep=keep)
+    t0, ri = t_fit.value
+    return ParamsFit(XStageParams(num_producers, t0, ri, r, q), drain, t_fit, cap)
 
 
 @dataclass(frozen=True)

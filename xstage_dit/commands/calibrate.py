@@ -11,6 +11,7 @@ result in the per-machine cache that the server loads at start-up.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -82,6 +83,9 @@ def draw_plots(result, out_dir: Path, prefix: str = "calibration") -> list[Path]
             params = result.params[name]
             sweep = rep["sweep"]
             periodic = sweep["periodic"]
+            aligned = bool(sweep.get("aligned_every_burst", False))
+            # old free-running sweeps: staggered bursts never see Q at long gaps (fit_sweep predicts them so)
+            gap_params = params if aligned else dataclasses.replace(params, capacity_bytes=math.inf)
             ax.set_title(f"{name} ({'drain-limited' if rep['drain_limited'] else 'never backs up'})")
             if plot in ("issue_vs_gap", "period_vs_gap"):
                 key = "issue_s" if plot == "issue_vs_gap" else "period_s"
@@ -95,15 +99,16 @@ def draw_plots(result, out_dir: Path, prefix: str = "calibration") -> list[Path]
                                    label=f"{kib} KiB/producer (V={v / MIB:.1f} MiB)")[0]
                     grid = [max(gs) * i / 200 for i in range(201)]
                     law = issue_time if plot == "issue_vs_gap" else period
-                    ax.plot([g * 1e6 for g in grid], [law(params, v, g) * 1e6 for g in grid], "-",
+                    ax.plot([g * 1e6 for g in grid], [law(gap_params, v, g) * 1e6 for g in grid], "-",
                             color=line.get_color(), lw=1.2)
                     if plot == "period_vs_gap" and math.isfinite(params.drain_rate_Bps):
                         ax.plot([g * 1e6 for g in grid], [naive_period(params, v, g) * 1e6 for g in grid], ":",
                                 color=line.get_color(), lw=1.0)
                 ax.set_xlabel("gap G, measured: work + loop overhead (us)")
                 ax.set_ylabel("issue time (us)" if key == "issue_s" else "period (us)")
-                ax.plot([], [], "k-", label="model: " + ("max(T_iss0, V/R - G)" if key == "issue_s"
-                                                         else "max(V/R, T_iss0 + G)"))
+                q_term = "min(G, Q/R)" if aligned else "G"
+                ax.plot([], [], "k-", label="model: " + (f"max(T_iss0, V/R - {q_term})" if key == "issue_s"
+                                                         else f"max(T_iss0, V/R - {q_term}) + G"))
                 if plot == "period_vs_gap":
                     ax.plot([], [], "k:", label="naive sum T_iss0 + G + V/R")
             elif plot == "isolated":

@@ -7,6 +7,13 @@
 // issue start/end are taken with clock64() (the SM clock; %globaltimer only ticks in 256 ns steps,
 // so it is used to align the producers' start and to convert cycles to seconds).
 //
+// With `align_every_burst` every burst starts aligned (a grid barrier after each producer's gap), which
+// is the setting of the X-Stage laws: a burst is V = K * B bytes issued together. Without it only the first
+// burst is aligned and the producers free-run: one backed-up burst staggers their finish times, the later
+// bursts start staggered, their aggregate never reaches V at once and the long-gap issue time stops
+// describing a burst of V (calibration run 3 on the H200: host-pinned, 8.65 MB, long gap 1.27 us vs 85 us
+// for the same burst issued aligned).
+//
 // Plain C ABI (no torch headers: builds in seconds with nvcc and loads with ctypes). Every entry point
 // returns a cudaError_t value (0 = success) or one of the XS_ERR_* codes below for bad arguments.
 
@@ -36,38 +43,45 @@ __device__ __forceinline__ unsigned int sm_id() {
   return s;
 }
 
+// Grid barrier that also aligns the start (one thread per CTA): the last CTA to arrive publishes a start
+// time `lead_ns` in the future on the global timer; everyone spins until then (all CTAs are co-resident:
+// K <= SMs). sync_pair[0] counts arrivals, sync_pair[1] holds the start time (both zeroed by the launcher).
+// A CTA that waits over 1 s (producers not co-resident) gives up and clears *aligned instead of hanging.
+__device__ __forceinline__ void align_start(unsigned long long* sync_pair, int* aligned, unsigned long long lead_ns) {
+  const unsigned long long t_enter = global_ns();
+  const unsigned long long arrived = atomicAdd(&sync_pair[0], 1ull) + 1ull;
+  if (arrived == gridDim.x) atomicExch(&sync_pair[1], global_ns() + lead_ns);
+  unsigned long long go;
+  while ((go = atomicAdd(&sync_pair[1], 0ull)) == 0ull) {
+    if (global_ns() - t_enter > 1000000000ull) {
+      *aligned = 0;
+      go = global_ns();
+      break;
+    }
+  }
+  while (global_ns() < go) {
+  }
+}
+
 // Row layout of `ts` (int64[num_producers][kHeader + 2 * num_bursts]):
 //   [0] smid, [1] globaltimer at start, [2] globaltimer at end, [3] clock64 at start,
-//   [4] clock64 at end, [5] 1 if the start was aligned with every producer (else 0), then (issue_start_clock, issue_end_clock) per burst.
+//   [4] clock64 at end, [5] 1 if every aligned start saw every producer (else 0), then
+//   (issue_start_clock, issue_end_clock) per burst.
 __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target, long long vec_per_producer,
                                                      int num_bursts, long long gap_iters,
-                                                     long long* __restrict__ ts, unsigned long long* sync,
-                                                     float* __restrict__ sink, unsigned int tag) {
+                                                     int align_every_burst, long long* __restrict__ ts,
+                                                     unsigned long long* sync, float* __restrict__ sink,
+                                                     unsigned int tag) {
   extern __shared__ long long stamps[];
   const int p = blockIdx.x;
   const int tid = threadIdx.x;
 
-  // Align the producers' first burst: the last CTA to arrive publishes a start time slightly in the
-  // future; everyone spins on the global timer until then (all CTAs are co-resident: K <= SMs).
-  // A CTA that waits over 1 s (producers not co-resident) gives up and flags it instead of hanging.
   __shared__ int aligned;
   __shared__ int marker;
   if (tid == 0) {
     aligned = 1;
     marker = 0;
-    const unsigned long long t_enter = global_ns();
-    unsigned long long arrived = atomicAdd(&sync[0], 1ull) + 1ull;
-    if (arrived == gridDim.x) atomicExch(&sync[1], global_ns() + 2000ull);
-    unsigned long long go;
-    while ((go = atomicAdd(&sync[1], 0ull)) == 0ull) {
-      if (global_ns() - t_enter > 1000000000ull) {
-        aligned = 0;
-        go = global_ns();
-        break;
-      }
-    }
-    while (global_ns() < go) {
-    }
+    align_start(&sync[0], &aligned, 2000ull);
   }
   __syncthreads();
   const unsigned long long g_start = global_ns();
@@ -76,6 +90,11 @@ __global__ void __launch_bounds__(1024) burst_kernel(uint4* __restrict__ target,
   uint4* __restrict__ dst = target + (long long)p * vec_per_producer;
   float acc = (float)tid;
   for (int b = 0; b < num_bursts; ++b) {
+    if (align_every_burst && b > 0) {
+      // Wait for the slowest producer's gap: the time spent here is part of this producer's gap (the
+      // stage drains meanwhile), so it shows in the measured gap and period, not in the issue time.
+      if (tid == 0) align_start(&sync[2 * b], &aligned, 1000ull);
+    }
     __syncthreads();
     const long long t0 = clock64();
     for (long long i = tid; i < vec_per_producer; i += blockDim.x) {
@@ -134,10 +153,14 @@ int xs_burst_row_words(int num_bursts) { return kHeader + 2 * num_bursts; }
 int xs_max_bursts() { return kMaxBursts; }
 
 // target: device-visible address of >= target_bytes bytes; ts: device int64[K][kHeader + 2*num_bursts];
-// sync: device uint64[2] (zeroed here); sink: device float[K * threads] (never written in practice).
+// sync: device uint64[xs_burst_sync_words(num_bursts)] (zeroed here); sink: device float[K * threads]
+// (never written in practice). align_every_burst: 1 = a grid barrier aligns every burst's start, 0 = only
+// the first burst is aligned and the producers free-run.
+int xs_burst_sync_words(int num_bursts) { return 2 * num_bursts; }
+
 int xs_burst_launch(void* target, long long target_bytes, long long bytes_per_producer, int num_producers,
-                    int threads, int num_bursts, long long gap_iters, long long* ts, unsigned long long* sync,
-                    float* sink, unsigned int tag, int device, void* stream) {
+                    int threads, int num_bursts, long long gap_iters, int align_every_burst, long long* ts,
+                    unsigned long long* sync, float* sink, unsigned int tag, int device, void* stream) {
   if (target == nullptr || ts == nullptr || sync == nullptr || sink == nullptr) return XS_ERR_BAD_ARGUMENT;
   if (bytes_per_producer <= 0 || bytes_per_producer % 16 != 0) return XS_ERR_BAD_ARGUMENT;
   if (num_producers <= 0 || threads < 32 || threads > 1024 || threads % 32 != 0) return XS_ERR_BAD_ARGUMENT;
@@ -152,10 +175,13 @@ int xs_burst_launch(void* target, long long target_bytes, long long bytes_per_pr
   err = cudaFuncSetAttribute(burst_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  err = cudaMemsetAsync(sync, 0, 2 * sizeof(unsigned long long), s);
+  if (align_every_burst != 0 && align_every_burst != 1) return XS_ERR_BAD_ARGUMENT;
+  const int sync_words = align_every_burst ? xs_burst_sync_words(num_bursts) : 2;
+  err = cudaMemsetAsync(sync, 0, sync_words * sizeof(unsigned long long), s);
   if (err != cudaSuccess) return err;
   burst_kernel<<<num_producers, threads, kSmemBytes, s>>>(static_cast<uint4*>(target), bytes_per_producer / 16,
-                                                          num_bursts, gap_iters, ts, sync, sink, tag);
+                                                          num_bursts, gap_iters, align_every_burst, ts, sync,
+                                                          sink, tag);
   return cudaGetLastError();
 }
 

@@ -36,7 +36,8 @@ class BurstLib:
     def __init__(self, path: str):
         lib = ctypes.CDLL(path)
         c_ll, c_int, c_vp, c_uint = ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_uint
-        lib.xs_burst_launch.argtypes = [c_vp, c_ll, c_ll, c_int, c_int, c_int, c_ll, c_vp, c_vp, c_vp, c_uint, c_int, c_vp]
+        lib.xs_burst_launch.argtypes = [c_vp, c_ll, c_ll, c_int, c_int, c_int, c_ll, c_int, c_vp, c_vp, c_vp, c_uint,
+                                        c_int, c_vp]
         lib.xs_burst_launch.restype = c_int
         lib.xs_clock_probe.argtypes = [c_vp, c_int, c_ll, c_int, c_vp]
         lib.xs_clock_probe.restype = c_int
@@ -47,6 +48,8 @@ class BurstLib:
         lib.xs_error_string.argtypes = [c_int]
         lib.xs_error_string.restype = ctypes.c_char_p
         lib.xs_max_bursts.restype = c_int
+        lib.xs_burst_sync_words.argtypes = [c_int]
+        lib.xs_burst_sync_words.restype = c_int
         self.lib = lib
         self.path = path
         self.max_bursts = int(lib.xs_max_bursts())
@@ -121,7 +124,8 @@ class BurstTiming:
     gap_s, period_s: (num_producers, num_bursts - 1) time from a burst's issue end (start) to the next
         burst's issue start: the measured gap (the work, the loop's own overhead and any stall that lands
         after the issue window) and the period.
-    gap_iters: FMA iterations of work per gap.
+    gap_iters: FMA iterations of work per gap. aligned_every_burst: every burst started aligned (a grid
+        barrier after the gaps; the wait for the slowest producer is part of the gap), else only the first.
     sm_ids: (num_producers,) SM of each producer. clock_hz: SM clock used to convert cycles.
     """
 
@@ -135,6 +139,7 @@ class BurstTiming:
     sm_ids: np.ndarray
     clock_hz: float
     kernel_s: float
+    aligned_every_burst: bool = False
 
     @property
     def volume_bytes(self) -> int:
@@ -162,11 +167,13 @@ def run_bursts(
     clock_hz: float,
     threads: int = DEFAULT_THREADS,
     tag: int = 0x5EED,
+    align_every_burst: bool = False,
 ) -> BurstTiming:
     """Launch ``num_bursts`` bursts of ``num_producers * bytes_per_producer`` bytes into ``target``, each
     producer doing ``gap_iters`` iterations of arithmetic between its bursts (``GapModel`` converts
     seconds); wait and return the timings. ``clock_hz`` converts cycles where the launch is too short
-    to carry its own clock.
+    to carry its own clock. ``align_every_burst``: start every burst aligned across producers (the
+    X-Stage setting, a burst of V at once); else only the first burst is aligned and the producers free-run.
 
     A launch of one burst is an isolated burst: the previous kernel's stores have drained when it starts.
     """
@@ -188,18 +195,18 @@ def run_bursts(
         raise ValueError(f"expected threads a multiple of 32 in [32, 1024], got {threads}")
     row = HEADER_WORDS + 2 * num_bursts
     ts = torch.empty(num_producers, row, dtype=torch.int64, device=device)
-    sync = torch.empty(2, dtype=torch.int64, device=device)
+    sync = torch.empty(max(2, int(lib.lib.xs_burst_sync_words(num_bursts))), dtype=torch.int64, device=device)
     sink = torch.empty(num_producers * threads, dtype=torch.float32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream
     code = lib.lib.xs_burst_launch(
         target.dev_ptr, target.nbytes, bytes_per_producer, num_producers, threads, num_bursts,
-        int(gap_iters), ts.data_ptr(), sync.data_ptr(), sink.data_ptr(), tag & 0xFFFFFFFF,
+        int(gap_iters), int(bool(align_every_burst)), ts.data_ptr(), sync.data_ptr(), sink.data_ptr(), tag & 0xFFFFFFFF,
         device.index or 0, stream,
     )
     lib.check(code, f"burst launch on {target.name}")
     t = ts.cpu().numpy()  # synchronizes with the stream
     if not (t[:, 5] == 1).all():
-        raise BurstError(f"{int((t[:, 5] != 1).sum())} of {num_producers} producers waited > 1 s at the start "
+        raise BurstError(f"{int((t[:, 5] != 1).sum())} of {num_producers} producers waited > 1 s at a start "
                          "barrier: producers were not co-resident (another kernel holding SMs?)")
     cycles = t[:, HEADER_WORDS:].reshape(num_producers, num_bursts, 2).astype(np.float64)
     start, end = cycles[:, :, 0], cycles[:, :, 1]
@@ -220,6 +227,7 @@ def run_bursts(
         sm_ids=t[:, 0].copy(),
         clock_hz=hz,
         kernel_s=kernel_ns * 1e-9,
+        aligned_every_burst=bool(align_every_burst),
     )
 
 
