@@ -22,7 +22,8 @@
 #
 # Knobs (environment): E2E_TOTAL_S (whole call, default 440), E2E_FLUX_S / E2E_NUCLEUS_S / E2E_WAN_S (soft
 # budgets per model, defaults 200 / 70 / 150), E2E_FLUX_PROMPTS (2), E2E_NUCLEUS_PROMPTS (2),
-# E2E_NUCLEUS_STEPS (4), E2E_WAN_STEPS (2), E2E_COMPILE_FLUX (1 = also the torch.compile variants),
+# E2E_NUCLEUS_STEPS (4), E2E_WAN_STEPS (2), E2E_COMPILE_MODELS ("flux": models that also run the torch.compile
+# variants), E2E_COMPILE_FLUX (0 drops flux from that list),
 # E2E_MODELS (default "flux nucleusmoe wan"), WHEEL_DIRS (default: ./.whl and ../.whl), PYTHON (python3).
 # A dry run of this script on a CPU: E2E_SIZE=tiny E2E_DEVICE=cpu WHEEL_DIRS=none PYTHON=.venv/bin/python.
 set -uo pipefail
@@ -80,14 +81,15 @@ start=$SECONDS
 # model -> soft budget (s) and options. Fewer prompts/steps than the defaults keep the call inside the
 # device budget; the JSON records what was used and the per-step transformer time measured.
 declare -A budget=( [flux]="${E2E_FLUX_S:-200}" [nucleusmoe]="${E2E_NUCLEUS_S:-70}" [wan]="${E2E_WAN_S:-150}" )
-flux_compile=""
-# Regional compilation (diffusers' compile_repeated_blocks) compiles one FLUX block of each kind: tens of
+# Regional compilation (diffusers' compile_repeated_blocks) compiles one block of each kind: tens of
 # seconds, not minutes; the estimate only decides what the soft budget still admits.
-[ "${E2E_COMPILE_FLUX:-1}" = "1" ] && flux_compile="--compile --compile-estimate-s ${E2E_COMPILE_ESTIMATE_S:-40}"
+compile_models=" ${E2E_COMPILE_MODELS:-flux} "
+[ "${E2E_COMPILE_FLUX:-1}" = "1" ] || compile_models="${compile_models/ flux / }"
+compile_opt() { [[ "$compile_models" == *" $1 "* ]] && echo "--compile --compile-estimate-s ${E2E_COMPILE_ESTIMATE_S:-40}"; }
 declare -A opts=(
-  [flux]="--model $size-flux --num-prompts ${E2E_FLUX_PROMPTS:-2} $flux_compile"
-  [nucleusmoe]="--model $size-nucleusmoe --num-prompts ${E2E_NUCLEUS_PROMPTS:-2} --steps ${E2E_NUCLEUS_STEPS:-4}"
-  [wan]="--model $size-wan --num-prompts 1 --steps ${E2E_WAN_STEPS:-2}"
+  [flux]="--model $size-flux --num-prompts ${E2E_FLUX_PROMPTS:-2} $(compile_opt flux)"
+  [nucleusmoe]="--model $size-nucleusmoe --num-prompts ${E2E_NUCLEUS_PROMPTS:-2} --steps ${E2E_NUCLEUS_STEPS:-4} $(compile_opt nucleusmoe)"
+  [wan]="--model $size-wan --num-prompts 1 --steps ${E2E_WAN_STEPS:-2} $(compile_opt wan)"
 )
 models=(${E2E_MODELS:-flux nucleusmoe wan})
 status=0
