@@ -9,6 +9,9 @@ Rows (each a median of CUDA-event timings after warm-up, ``triton.testing.do_ben
 - ``fused/wave``: persistent Triton kernel, wave-by-wave schedule (lead 0);
 - ``fused/D=n``: interleaved schedule with lead n.
 
+Config names: ``m{block_m}n{block_n1}n{block_n2}k{block_k}w{warps}s{stages}``; ``-static``: static tile
+stride instead of the atomic ticket; ``-desc``: TMA tensor-descriptor loads (``use_desc``).
+
 With ``P`` virtual ranks, rank 0 holds ``E/P`` experts and all their rows (what one GPU of a P-GPU
 node runs); its combine rows go to ``P`` buffers (here all in local HBM) through a pointer table.
 TFLOP/s count the expert MLP only: ``6 * rows * hidden * inter``.
@@ -49,6 +52,14 @@ CONFIGS = {
     "m64n64n128k64w4s4": MoEKernelConfig(64, 64, 128, 64, 4, 4),
     # Static tile stride (no atomic ticket per tile): not yet timed on the GPU.
     "m128n128n128k64w8s3-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False),
+    # TMA tensor-descriptor loads (use_desc; issue #5), not yet timed on the GPU. Shared memory per program
+    # (ptxas, sm_90): s3 144 KiB, s4 192 KiB, k128 s2 192 KiB, n64 s4 128 KiB - one program per SM each.
+    "m128n128n128k64w8s3-desc": MoEKernelConfig(128, 128, 128, 64, 8, 3, use_desc=True),
+    "m128n128n128k64w8s3-desc-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False, use_desc=True),
+    "m128n128n128k64w8s4-desc": MoEKernelConfig(128, 128, 128, 64, 8, 4, use_desc=True),
+    "m128n128n128k64w8s4-desc-static": MoEKernelConfig(128, 128, 128, 64, 8, 4, ticket=False, use_desc=True),
+    "m128n128n128k128w8s2-desc": MoEKernelConfig(128, 128, 128, 128, 8, 2, use_desc=True),
+    "m128n64n128k64w8s4-desc": MoEKernelConfig(128, 64, 128, 64, 8, 4, use_desc=True),
 }
 
 
@@ -271,6 +282,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=600.0, help="wall-clock budget; later variants are skipped")
     ap.add_argument("--top-configs", type=int, default=2, help="configs kept past the first world size")
     args = ap.parse_args(argv)
+    unknown = [k for k in args.configs.split(",") if k not in CONFIGS]
+    if unknown:
+        print(f"bench_moe_combine: expected configs from {list(CONFIGS)}, got unknown {unknown}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_moe_combine: needs a CUDA GPU, found none", file=sys.stderr)
         return 2

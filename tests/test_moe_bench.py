@@ -24,7 +24,8 @@ def stub(fn):
     return 1.0 + 0.01 * n["calls"]
 B.bench_ms = stub
 shape = dict(hidden=32, inter=48, experts=4, tokens=32, capacity_factor=2.0, top_k=None)
-cfgs = {"a": MoEKernelConfig(16, 16, 16, 16, 4, 1), "b": MoEKernelConfig(32, 16, 32, 16, 4, 1)}
+cfgs = {"a": MoEKernelConfig(16, 16, 16, 16, 4, 1), "b": MoEKernelConfig(32, 16, 32, 16, 4, 1),
+        "c": MoEKernelConfig(16, 16, 16, 16, 4, 1, use_desc=True)}
 res = B.run_shape("nucleusmoe", shape, [1, 2], [0, 1], cfgs, lambda m: None, B.Budget(600), 1)
 print("RESULTS " + json.dumps({"results": res, "summary": B.summarize(res)}))
 """
@@ -38,8 +39,8 @@ def test_bench_script_runs_every_variant_on_cpu():
     res = out["results"]
     assert not [r for r in res if "error" in r], [r for r in res if "error" in r]
     fused = [r for r in res if r["variant"].startswith("fused/")]
-    # P=1: 2 configs x 2 leads; P=2: the best config only (top_configs=1) x 2 leads.
-    assert len(fused) == 6, [r["variant"] for r in fused]
+    # P=1: 3 configs x 2 leads; P=2: the best config only (top_configs=1) x 2 leads.
+    assert len(fused) == 8, [r["variant"] for r in fused]
     assert all(r["rel_err_vs_reference"] < 1e-2 for r in fused)
     s = out["summary"]
     assert set(s["interleaved_over_wave"]) == {"nucleusmoe/P=1", "nucleusmoe/P=2"}

@@ -31,6 +31,24 @@ INTERP_CASES = [
     {"world": 4, "E": 8, "H": 48, "I": 40, "tokens_per_rank": [13, 9, 1, 20], "top_k": 3, "lead": 0, "seed": 2},
     # Static tile stride instead of the atomic ticket.
     {"world": 2, "E": 4, "H": 40, "I": 40, "tokens_per_rank": [13, 9], "top_k": 2, "lead": 2, "seed": 4, "ticket": False},
+    # TMA tensor descriptors (use_desc): K tails in Linear-1 (H = 40) and Linear-2 (I = 24, 40), partial row
+    # blocks, both schedules, fp32, static stride, and a block_k above the tails.
+    {"world": 1, "E": 3, "H": 32, "I": 24, "tokens_per_rank": [37], "top_k": 2, "lead": 0, "seed": 3, "use_desc": True},
+    {"world": 2, "E": 4, "H": 40, "I": 40, "tokens_per_rank": [13, 9], "top_k": 2, "lead": 1, "seed": 1,
+     "use_desc": True},
+    {"world": 4, "E": 8, "H": 48, "I": 40, "tokens_per_rank": [13, 9, 1, 20], "top_k": 3, "lead": 1, "seed": 2,
+     "dtype": "float32", "use_desc": True},
+    {"world": 2, "E": 4, "H": 40, "I": 40, "tokens_per_rank": [13, 9], "top_k": 2, "lead": 2, "seed": 4, "ticket": False,
+     "use_desc": True, "block_k": 32},
+    # Given expert layouts: empty experts (first, middle, last), one-row experts, partial blocks of 16.
+    {"kind": "direct", "world": 2, "E": 6, "H": 40, "I": 24, "tokens_per_rank": [], "top_k": 0, "lead": 0, "seed": 6,
+     "rows_per_expert": [0, 17, 1, 0, 33, 0], "use_desc": True},
+    {"kind": "direct", "world": 2, "E": 6, "H": 40, "I": 24, "tokens_per_rank": [], "top_k": 0, "lead": 1, "seed": 6,
+     "rows_per_expert": [0, 17, 1, 0, 33, 0], "use_desc": True},
+    {"kind": "direct", "world": 2, "E": 6, "H": 40, "I": 24, "tokens_per_rank": [], "top_k": 0, "lead": 1, "seed": 6,
+     "rows_per_expert": [0, 17, 1, 0, 33, 0]},
+    {"kind": "direct", "world": 2, "E": 5, "H": 64, "I": 48, "tokens_per_rank": [], "top_k": 0, "lead": 2, "seed": 7,
+     "rows_per_expert": [5, 0, 16, 31, 2], "use_desc": True, "block_k": 32, "dtype": "float32"},
 ]
 
 
@@ -56,6 +74,22 @@ def test_kernels_match_reference_under_interpreter(interp_results, case):
     assert res["reduce_rel"] < tol, res
     assert res["e2e_rel"] < 5 * tol, res
     assert res["leads"] == [INTERP_CASES[case]["lead"]] * INTERP_CASES[case]["world"]
+    assert res.get("overwritten_ranks", 0) == 0, res  # nothing stored past the table's rows
+
+
+def test_desc_operands_validated():
+    from xstage_dit.ops.moe_combine import _check_desc_operands
+
+    x = torch.zeros(8, 40, dtype=torch.float16)
+    gu = torch.zeros(2, 40, 48, dtype=torch.float16)
+    down = torch.zeros(2, 24, 40, dtype=torch.float16)
+    _check_desc_operands(x, gu, down, torch.zeros(8, 24, dtype=torch.float16), 40, 24)
+    with pytest.raises(ValueError, match="expected intermediate .* multiple of 16 bytes for use_desc, got 20 x 2 B"):
+        _check_desc_operands(x, torch.zeros(2, 40, 40, dtype=torch.float16), torch.zeros(2, 20, 40, dtype=torch.float16),
+                             torch.zeros(8, 32, dtype=torch.float16)[:, :20], 40, 20)  # fmt: skip
+    with pytest.raises(ValueError, match="expected expert strides of gate_up / down"):
+        _check_desc_operands(x, torch.zeros(40, 2, 48, dtype=torch.float16).transpose(0, 1), down,
+                             torch.zeros(8, 24, dtype=torch.float16), 40, 24)  # fmt: skip
 
 
 def test_row_blocks_uneven_and_empty_experts():

@@ -28,6 +28,8 @@ def _moe_mlp_combine_kernel(
     blocks_ptr,  # int32 (num_blocks, 3): (expert, row_start, row_end)
     sync_ptr,  # int32[1 + num_blocks], zero at launch: [0] = tile ticket, [1 + b] = finished L1 tiles of b
     num_tiles,
+    num_rows,  # rows of x and h (the row extent of their tensor descriptors)
+    num_experts,  # E_local (the row extent of the flattened weight descriptors)
     stride_xm,
     stride_w1e,
     stride_w1k,
@@ -46,8 +48,26 @@ def _moe_mlp_combine_kernel(
     BN2: tl.constexpr,
     BK: tl.constexpr,
     TICKET: tl.constexpr,
+    USE_DESC: tl.constexpr,  # TMA tensor-descriptor loads of x, w1, h, w2 (sm_90+; needs triton.set_allocator)
 ):
     out_ty = h_ptr.dtype.element_ty
+    if USE_DESC:
+        # No warp specialization: Triton 3.6's Hopper pass only partitions a top-level loop at 4 warps; a K loop
+        # inside this persistent while loop is left alone (8 warps, or 4 under an if) or aborts the compile
+        # (4 warps, directly in the while: "Other parent ops are not supported", TaskIdPropagation.cpp).
+        # Made once per program, over whole tensors: a per-tile descriptor per expert would put a tensormap
+        # write and proxy fence on every tile's critical path. The weights are viewed as (E*K, N) (the
+        # launcher checks the expert stride is K rows). What a box reads past a block's own rows or K
+        # range is harmless or zero (see the loads); columns and rows past the tensors read as zeros.
+        x_desc = tl.make_tensor_descriptor(x_ptr, shape=[num_rows, H], strides=[stride_xm, 1], block_shape=[BM, BK])
+        wg_desc = tl.make_tensor_descriptor(w1_ptr, shape=[num_experts * H, I], strides=[stride_w1k, 1],
+                                            block_shape=[BK, BN1])
+        # Up columns as their own (E*H, I) view: a partial last gate block reads zeros, not up columns.
+        wu_desc = tl.make_tensor_descriptor(w1_ptr + I, shape=[num_experts * H, I], strides=[stride_w1k, 1],
+                                            block_shape=[BK, BN1])
+        h_desc = tl.make_tensor_descriptor(h_ptr, shape=[num_rows, I], strides=[stride_hm, 1], block_shape=[BM, BK])
+        w2_desc = tl.make_tensor_descriptor(w2_ptr, shape=[num_experts * I, H], strides=[stride_w2k, 1],
+                                            block_shape=[BK, BN2])
     # TICKET: tiles are taken in array order through one atomic ticket: a program waiting on block b's
     # counter waits on Linear-1 tiles that earlier tickets already handed to running programs, so
     # progress is guaranteed whatever is resident. Otherwise a static stride (tile pid, pid + G, ...):
@@ -75,19 +95,37 @@ def _moe_mlp_combine_kernel(
             mask_n1 = offs_n1 < I
             acc_g = tl.zeros((BM, BN1), dtype=tl.float32)
             acc_u = tl.zeros((BM, BN1), dtype=tl.float32)
-            a1_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k0[None, :]
-            wg_ptrs = w1_ptr + e * stride_w1e + offs_k0[:, None] * stride_w1k + offs_n1[None, :] * stride_w1n
-            wu_ptrs = wg_ptrs + I * stride_w1n
-            for k1 in range(0, H, BK):
-                mask_k1 = (offs_k0 + k1) < H
-                a = tl.load(a1_ptrs, mask=mask_m[:, None] & mask_k1[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
-                acc_g = tl.dot(a, wg, acc_g)
-                acc_u = tl.dot(a, wu, acc_u)
-                a1_ptrs += BK
-                wg_ptrs += BK * stride_w1k
-                wu_ptrs += BK * stride_w1k
+            if USE_DESC:
+                # Rows past row_end (a partial last block of an expert) are the next expert's rows: their
+                # results land only in rows the masked stores drop (a GEMM row depends on its own A row).
+                # K past H: x reads zeros there; the weight box reads the next expert's first rows, zeroed
+                # when H % BK != 0 so that even non-finite weights cannot leak in.
+                e1 = e.to(tl.int32)
+                n1_col = n * BN1
+                for k1d in range(0, H, BK):
+                    a_d = x_desc.load([row_start, k1d])
+                    wg_d = wg_desc.load([e1 * H + k1d, n1_col])
+                    wu_d = wu_desc.load([e1 * H + k1d, n1_col])
+                    if H % BK != 0:
+                        in_k1 = (offs_k0 + k1d) < H
+                        wg_d = tl.where(in_k1[:, None], wg_d, 0.0)
+                        wu_d = tl.where(in_k1[:, None], wu_d, 0.0)
+                    acc_g = tl.dot(a_d, wg_d, acc_g)
+                    acc_u = tl.dot(a_d, wu_d, acc_u)
+            else:
+                a1_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k0[None, :]
+                wg_ptrs = w1_ptr + e * stride_w1e + offs_k0[:, None] * stride_w1k + offs_n1[None, :] * stride_w1n
+                wu_ptrs = wg_ptrs + I * stride_w1n
+                for k1 in range(0, H, BK):
+                    mask_k1 = (offs_k0 + k1) < H
+                    a = tl.load(a1_ptrs, mask=mask_m[:, None] & mask_k1[None, :], other=0.0)
+                    wg = tl.load(wg_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
+                    wu = tl.load(wu_ptrs, mask=mask_k1[:, None] & mask_n1[None, :], other=0.0)
+                    acc_g = tl.dot(a, wg, acc_g)
+                    acc_u = tl.dot(a, wu, acc_u)
+                    a1_ptrs += BK
+                    wg_ptrs += BK * stride_w1k
+                    wu_ptrs += BK * stride_w1k
             h1_val = acc_g * tl.sigmoid(acc_g) * acc_u
             h1_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_n1[None, :]
             tl.store(h1_ptrs, h1_val.to(out_ty), mask=mask_m[:, None] & mask_n1[None, :])
@@ -102,15 +140,26 @@ def _moe_mlp_combine_kernel(
             offs_n2 = n * BN2 + tl.arange(0, BN2)
             mask_n2 = offs_n2 < H
             acc2 = tl.zeros((BM, BN2), dtype=tl.float32)
-            h2_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k0[None, :]
-            w2_ptrs = w2_ptr + e * stride_w2e + offs_k0[:, None] * stride_w2k + offs_n2[None, :] * stride_w2n
-            for k2 in range(0, I, BK):
-                mask_k2 = (offs_k0 + k2) < I
-                h2v = tl.load(h2_ptrs, mask=mask_m[:, None] & mask_k2[None, :], other=0.0)
-                w2v = tl.load(w2_ptrs, mask=mask_k2[:, None] & mask_n2[None, :], other=0.0)
-                acc2 = tl.dot(h2v, w2v, acc2)
-                h2_ptrs += BK
-                w2_ptrs += BK * stride_w2k
+            if USE_DESC:
+                # As in Linear-1: extra rows only reach dropped rows; K past I reads zeros from h.
+                e2 = e.to(tl.int32)
+                n2_col = n * BN2
+                for k2d in range(0, I, BK):
+                    h2_d = h_desc.load([row_start, k2d])
+                    w2_d = w2_desc.load([e2 * I + k2d, n2_col])
+                    if I % BK != 0:
+                        w2_d = tl.where(((offs_k0 + k2d) < I)[:, None], w2_d, 0.0)
+                    acc2 = tl.dot(h2_d, w2_d, acc2)
+            else:
+                h2_ptrs = h_ptr + offs_m[:, None].to(tl.int64) * stride_hm + offs_k0[None, :]
+                w2_ptrs = w2_ptr + e * stride_w2e + offs_k0[:, None] * stride_w2k + offs_n2[None, :] * stride_w2n
+                for k2 in range(0, I, BK):
+                    mask_k2 = (offs_k0 + k2) < I
+                    h2v = tl.load(h2_ptrs, mask=mask_m[:, None] & mask_k2[None, :], other=0.0)
+                    w2v = tl.load(w2_ptrs, mask=mask_k2[:, None] & mask_n2[None, :], other=0.0)
+                    acc2 = tl.dot(h2v, w2v, acc2)
+                    h2_ptrs += BK
+                    w2_ptrs += BK * stride_w2k
             # Epilogue: router weight, then each row straight into its source rank's combine buffer.
             row_w2 = tl.load(row_w_ptr + offs_m, mask=mask_m, other=0.0)
             out2 = (acc2 * row_w2[:, None]).to(out_ty)

@@ -83,6 +83,9 @@ class MoEKernelConfig:
     block_m rows per block; block_n1 intermediate columns per Linear-1 tile (gate and up each);
     block_n2 hidden columns per Linear-2 tile; block_k reduction step. num_programs: persistent grid
     size (default: number of SMs). lead: None = chosen by ``choose_moe_lead``; 0 = wave-by-wave.
+    use_desc: TMA tensor-descriptor loads of x, weights and the SwiGLU output (sm_90+; rows and weight
+    rows 16-byte aligned, expert stride of each weight = its K rows). No warp-specialization option:
+    Triton 3.6 does not specialize a K loop inside the persistent tile loop (see ``_moe_kernel.py``).
     """
 
     # Defaults: the fastest of the configs timed on the H200 at both MoE shapes
@@ -97,6 +100,8 @@ class MoEKernelConfig:
     lead: int | None = None
     wave_blocks: int | None = None
     ticket: bool = True  # False: static tile stride (no atomic per tile; needs every program resident)
+    # Off by default until timed on the H200 (issue #5): the pointer/cp.async path is the measured one.
+    use_desc: bool = False
 
     def __post_init__(self):
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -549,6 +554,9 @@ def expert_mlp_combine(
         )
     # Destinations as element offsets from h_buffer: the kernel then knows their alignment (16-byte stores).
     table_off = (combine_table - h_buffer.data_ptr()) // elem
+    if cfg.use_desc:
+        _check_desc_operands(x, gate_up, down, h_buffer, H, I)
+        _install_allocator()
     sync = torch.zeros(1 + schedule.num_blocks, dtype=torch.int32, device=x.device)
     grid = (min(num_programs, schedule.num_tiles),)
     if not cfg.ticket and _interpreting():
@@ -556,17 +564,49 @@ def expert_mlp_combine(
     _kernels()._moe_mlp_combine_kernel[grid](
         x, gate_up, down, h_buffer,
         h_buffer, table_off, dest_rank, dest_row, row_weight,
-        schedule.tiles, schedule.blocks, sync, schedule.num_tiles,
+        schedule.tiles, schedule.blocks, sync, schedule.num_tiles, rows, El,
         x.stride(0),
         gate_up.stride(0), gate_up.stride(1), gate_up.stride(2),
         h_buffer.stride(0),
         down.stride(0), down.stride(1), down.stride(2),
         row_stride,
         H=H, I=I, N1=schedule.n1, ELEM_BYTES=elem, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
-        TICKET=cfg.ticket,
+        TICKET=cfg.ticket, USE_DESC=cfg.use_desc,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return schedule
+
+
+def _check_desc_operands(x, gate_up, down, h_buffer, H: int, I: int) -> None:
+    """TMA descriptor constraints of ``use_desc``: 16-byte aligned bases and row strides, and each weight's
+    expert stride equal to its K rows (the kernel views gate_up as (E*H, 2I) and down as (E*I, H))."""
+    elem = x.element_size()
+    for name, t in (("x", x), ("gate_up", gate_up), ("down", down), ("h_buffer", h_buffer)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"expected {name} 16-byte aligned for use_desc, got address {t.data_ptr():#x}")
+    strides = (("x row", x.stride(0)), ("gate_up row", gate_up.stride(1)), ("down row", down.stride(1)),
+               ("h_buffer row", h_buffer.stride(0)), ("intermediate (up column offset)", I))  # fmt: skip
+    for name, st in strides:
+        if (st * elem) % 16:
+            raise ValueError(f"expected {name} stride a multiple of 16 bytes for use_desc, got {st} x {elem} B")
+    if gate_up.stride(0) != H * gate_up.stride(1) or down.stride(0) != I * down.stride(1):
+        raise ValueError(
+            f"expected expert strides of gate_up / down = {H} / {I} rows for use_desc, got strides "
+            f"{gate_up.stride()} / {down.stride()}"
+        )
+
+
+def _desc_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, device="cpu" if _interpreting() else "cuda", dtype=torch.int8)
+
+
+def _install_allocator() -> None:
+    # In-kernel tensor descriptors need a small global scratch per launch. Triton keeps the allocator in a
+    # ContextVar, so it is set on every launch (cheap): a once-per-process setting would be missing in
+    # other threads (server workers).
+    import triton
+
+    triton.set_allocator(_desc_scratch)
 
 
 def push_rows(
