@@ -87,3 +87,27 @@ def test_two_processes_sharing_the_gpu_equal_one(seq_len, heads):
         assert r["equal_to_single_process"], r
         assert r["rel_err_0"] < BF16_TOL and r["rel_err_1"] < BF16_TOL, r
         assert not r["nan"]
+
+
+@pytest.mark.gpu
+def test_fused_kernel_launches_from_a_fresh_thread():
+    # A server worker thread launches after the main thread did: Triton's allocator is per context.
+    import threading
+
+    from xstage_dit.ops.ulysses_attention import attention_reference, fused_attention_virtual_ranks
+
+    q, k, v = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = attention_reference(q, k, v)
+    results = []
+
+    def work():
+        try:
+            results.append(_rel(torch.cat(fused_attention_virtual_ranks(q, k, v, world_size=2), dim=1), ref))
+        except Exception as exc:  # noqa: BLE001 - reported by the assertion
+            results.append(repr(exc))
+
+    work()
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert len(results) == 2 and all(isinstance(r, float) and r < BF16_TOL for r in results), results

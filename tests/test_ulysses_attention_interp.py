@@ -39,3 +39,29 @@ def test_interpreted_kernel_matches_reference(interp_results, case):
 def test_virtual_rank_lengths_follow_torch_chunk(interp_results):
     assert interp_results["w4_straddling_tiles"]["lengths"] == [23, 23, 23, 21]
     assert interp_results["w4_empty_last_rank"]["lengths"] == [1, 1, 1, 0]
+
+
+
+def test_descriptor_allocator_is_installed_in_each_thread():
+    # Triton keeps the tensor-descriptor scratch allocator in a ContextVar: a thread that did not set it sees
+    # the null allocator, and a GPU launch fails there. Server workers launch from their own threads, so
+    # every launch installs it (xstage_dit/ops/_triton_alloc.py); the GPU test launches from a fresh thread.
+    import threading
+
+    from triton.runtime import _allocation
+
+    from xstage_dit.ops._triton_alloc import _scratch, install_descriptor_allocator
+
+    install_descriptor_allocator()
+    assert _allocation._allocator.get() is _scratch
+    seen = []
+
+    def work():
+        seen.append(_allocation._allocator.get() is _scratch)  # a fresh thread starts without it
+        install_descriptor_allocator()
+        seen.append(_allocation._allocator.get() is _scratch)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen == [False, True]

@@ -30,13 +30,14 @@ for the mask.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from xstage_dit.ops._triton_alloc import install_descriptor_allocator
 
 LOG2E = 1.4426950408889634
 
@@ -281,15 +282,6 @@ def default_config(head_dim: int, device: torch.device) -> KernelConfig:
     return KernelConfig(block_m=128, block_n=128, num_warps=4, num_stages=2, warp_specialize=True, use_desc=True)
 
 
-@functools.cache
-def _install_allocator() -> None:
-    # In-kernel tensor descriptors need a small global scratch per launch.
-    def alloc(size: int, alignment: int, stream):
-        return torch.empty(size, device="cuda" if not interpreting() else "cpu", dtype=torch.int8)
-
-    triton.set_allocator(alloc)
-
-
 def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_table: torch.Tensor, *,
                      seq_len: int, seq_local: int, head_offset: int, out_strides: tuple[int, int, int],
                      scale: float, config: KernelConfig):
@@ -301,7 +293,7 @@ def launch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_tabl
     """
     batch, _, heads_local, head_dim = q.shape
     if config.use_desc:
-        _install_allocator()
+        install_descriptor_allocator()
     ws = config.warp_specialize and not interpreting()
     if ws and config.num_warps < 8 and seq_local <= config.block_m:
         # Triton 3.6, H200: the 4-warp warp-specialized kernel left rows 64.. of each tile unwritten (and

@@ -50,6 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from xstage_dit.distributed import symmetric_buffer, world_of
+from xstage_dit.ops._triton_alloc import install_descriptor_allocator
 from xstage_dit.ops.moe_schedule import TileSchedule, build_schedule
 
 log = logging.getLogger(__name__)
@@ -556,7 +557,7 @@ def expert_mlp_combine(
     table_off = (combine_table - h_buffer.data_ptr()) // elem
     if cfg.use_desc:
         _check_desc_operands(x, gate_up, down, h_buffer, H, I)
-        _install_allocator()
+        install_descriptor_allocator()
     sync = torch.zeros(1 + schedule.num_blocks, dtype=torch.int32, device=x.device)
     grid = (min(num_programs, schedule.num_tiles),)
     if not cfg.ticket and _interpreting():
@@ -594,19 +595,6 @@ def _check_desc_operands(x, gate_up, down, h_buffer, H: int, I: int) -> None:
             f"expected expert strides of gate_up / down = {H} / {I} rows for use_desc, got strides "
             f"{gate_up.stride()} / {down.stride()}"
         )
-
-
-def _desc_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, device="cpu" if _interpreting() else "cuda", dtype=torch.int8)
-
-
-def _install_allocator() -> None:
-    # In-kernel tensor descriptors need a small global scratch per launch. Triton keeps the allocator in a
-    # ContextVar, so it is set on every launch (cheap): a once-per-process setting would be missing in
-    # other threads (server workers).
-    import triton
-
-    triton.set_allocator(_desc_scratch)
 
 
 def push_rows(
