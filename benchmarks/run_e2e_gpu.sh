@@ -24,7 +24,7 @@
 # budgets per model, defaults 200 / 70 / 150), E2E_FLUX_PROMPTS (2), E2E_NUCLEUS_PROMPTS (2),
 # E2E_NUCLEUS_STEPS (4), E2E_WAN_STEPS (2), E2E_COMPILE_MODELS ("flux": models that also run the torch.compile
 # variants), E2E_COMPILE_FLUX (0 drops flux from that list),
-# E2E_MODELS (default "flux nucleusmoe wan"), WHEEL_DIRS (default: ./.whl and ../.whl), PYTHON (python3).
+# E2E_MODELS (default "nucleusmoe wan flux": the cheap models first, so FLUX's compile variants cannot starve them), WHEEL_DIRS (default: ./.whl and ../.whl), PYTHON (python3).
 # A dry run of this script on a CPU: E2E_SIZE=tiny E2E_DEVICE=cpu WHEEL_DIRS=none PYTHON=.venv/bin/python.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -91,7 +91,7 @@ declare -A opts=(
   [nucleusmoe]="--model $size-nucleusmoe --num-prompts ${E2E_NUCLEUS_PROMPTS:-2} --steps ${E2E_NUCLEUS_STEPS:-4} $(compile_opt nucleusmoe)"
   [wan]="--model $size-wan --num-prompts 1 --steps ${E2E_WAN_STEPS:-2} $(compile_opt wan)"
 )
-models=(${E2E_MODELS:-flux nucleusmoe wan})
+models=(${E2E_MODELS:-nucleusmoe wan flux})
 status=0
 for i in "${!models[@]}"; do
   m="${models[$i]}"
