@@ -153,6 +153,8 @@ def test_summary_and_comparisons_are_the_measured_ratios():
     rec = {r["name"]: r for r in records}
     assert rec["xstage-calibrated"]["speedup_vs_xstage_serial"] == pytest.approx(1.28)
     assert rec["xstage-serial+compile"]["speedup_vs_diffusers_same_compile"] == pytest.approx(1.25)
+    assert "baseline_drift_pct" not in rec["diffusers"]  # no repeat measured: no drift, no verdict
+    assert "not_slower_than_diffusers" not in rec["xstage-serial"]
     # 24 missing steps at the measured 0.1 s/step, labelled as an extrapolation.
     assert rec["diffusers"]["latency_s_at_default_steps_extrapolated"] == pytest.approx(2.0 + 24 * 0.1)
 
@@ -161,11 +163,13 @@ def test_run_order_baseline_first_irreversible_last():
     order = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
     assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
-    assert order[:6] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers+compile",
+    assert order[:7] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers-repeat", "diffusers+compile",
                          "xstage-serial+compile", "xstage-calibrated+compile"]
     order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
     assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 10
+    assert len(order1) == len(set(order1)) == 11
+    # No xstage contender, no repeat.
+    assert [c.name for c in bench.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
     skipped = bench.make_contenders(["diffusers"], False)
     assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
 
@@ -259,7 +263,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     stem = tmp_path / "e2e-tiny-flux-1xcpu"
     record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in record["rows"]}
-    expected = {n + s for n in bench_cli.CONTENDERS for s in ("", "+compile")}
+    expected = {n + s for n in bench_cli.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
     assert set(rows) == expected
 
     base = rows["diffusers"]
@@ -288,6 +292,8 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
             assert rows[name]["status"] == "ok", rows[name]
             # Same seed, same prompt, world 1, fp32: the same image as plain diffusers.
             assert rows[name]["output_max_abs_diff_vs_diffusers"] < 1e-3
+            assert isinstance(rows[name]["not_slower_than_diffusers"], bool)  # judged against the A/B/A baselines
+        assert rows["diffusers-repeat"]["status"] == "ok" and "baseline_drift_pct" in rows["diffusers"]
 
     summary = record["summary"]
     assert summary["measured_at_steps"] == 2 and summary["baseline"] == "diffusers"
@@ -395,3 +401,17 @@ def test_measure_undoes_a_half_applied_contender():
     record, _ = bench.measure(_fake_bench(), HalfApplied(False), None)
     assert record["status"] == "failed" and "expected sp to divide 24 heads" in record["reason"]
     assert events == ["apply", "restore"]
+
+
+def test_repeat_baseline_gives_the_drift_and_the_not_slower_verdict():
+    records = [_ok("diffusers", 2.00), _ok("xstage-serial", 2.015), _ok("xstage-calibrated", 2.05),
+               _ok("diffusers-repeat", 2.02), _ok("xstage-serial+compile", 3.0, compile=True)]
+    bench.add_comparisons(records, default_steps=4, steps=4)
+    rec = {r["name"]: r for r in records}
+    assert rec["diffusers"]["baseline_drift_pct"] == pytest.approx(1.0)
+    assert rec["xstage-serial"]["not_slower_than_diffusers"] is True       # 2.015 <= max(2.00, 2.02)
+    assert rec["xstage-calibrated"]["not_slower_than_diffusers"] is False  # 2.05 > 2.02
+    assert "not_slower_than_diffusers" not in rec["xstage-serial+compile"]
+    summary = bench.build_summary(records, {"steps": 4})["contenders"]
+    assert summary["xstage-calibrated"]["not_slower_than_diffusers"] is False
+    assert summary["diffusers"]["baseline_drift_pct"] == pytest.approx(1.0)
