@@ -49,6 +49,7 @@ def _moe_mlp_combine_kernel(
     BK: tl.constexpr,
     TICKET: tl.constexpr,
     USE_DESC: tl.constexpr,  # TMA tensor-descriptor loads of x, w1, h, w2 (sm_90+; needs triton.set_allocator)
+    PROXY_FENCE: tl.constexpr = False,  # USE_DESC on a GPU: fence.proxy.async.global before TMA reads of h
 ):
     out_ty = h_ptr.dtype.element_ty
     if USE_DESC:
@@ -136,6 +137,12 @@ def _moe_mlp_combine_kernel(
             done2 = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
             while done2 < N1:
                 done2 = tl.atomic_add(sync_ptr + 1 + b, 0, sem="acquire", scope="gpu")
+            if PROXY_FENCE:
+                # h was written by other programs with ordinary (generic-proxy) stores and is read below by
+                # TMA (the async proxy): the acquire orders generic accesses only, so without this proxy
+                # fence the TMA loads may see stale rows (PTX memory model; cf. deepseek-ai/DeepEP#642).
+                tl.inline_asm_elementwise("fence.proxy.async.global; mov.b32 $0, $1;", "=r,r", [done2],
+                                          dtype=tl.int32, is_pure=False, pack=1)
             tl.debug_barrier()
             offs_n2 = n * BN2 + tl.arange(0, BN2)
             mask_n2 = offs_n2 < H

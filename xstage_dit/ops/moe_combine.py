@@ -572,7 +572,7 @@ def expert_mlp_combine(
         down.stride(0), down.stride(1), down.stride(2),
         row_stride,
         H=H, I=I, N1=schedule.n1, ELEM_BYTES=elem, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
-        TICKET=cfg.ticket, USE_DESC=cfg.use_desc,
+        TICKET=cfg.ticket, USE_DESC=cfg.use_desc, PROXY_FENCE=cfg.use_desc and not _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return schedule
