@@ -140,6 +140,26 @@ def time_ms(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 10, device: s
     }
 
 
+def interleaved_times(fns: dict[str, Callable[[], Any]], time_fn: Callable[[Callable[[], Any]], float], *,
+                      rounds: int = 3) -> dict[str, list[float]]:
+    """Time several variants in ``rounds`` interleaved rounds: ``{name: [ms per round]}``.
+
+    Timing variant A to completion and then variant B lets a drift of the GPU over the run (clocks,
+    temperature) read as a difference between A and B. Here every round times every variant once
+    (``time_fn(fn)`` -> ms, e.g. a median of CUDA events), forward in even rounds and backward in odd
+    ones (A B C, C B A, ...): over an even number of rounds a linear drift gives every variant the same
+    median over rounds.
+    """
+    if rounds < 1:
+        raise ValueError(f"expected rounds >= 1, got {rounds}")
+    names = list(fns)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            out[name].append(float(time_fn(fns[name])))
+    return out
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e4 else f"{value:.0f}"

@@ -19,5 +19,5 @@ if [ "${SWEEP:-0}" = 1 ]; then
 else
     sweep_args=(--config 128,128,4,2,1,1)
 fi
-timeout "${BENCH_TIMEOUT:-140}" python3 benchmarks/bench_attention_a2a.py "${sweep_args[@]}" --skip-checks \
+timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_attention_a2a.py "${sweep_args[@]}" --skip-checks \
     --out-dir "$out" --commit "$commit" 2>&1 | tee "$out/bench.log" | grep -v '^{"gpu'

@@ -21,7 +21,7 @@ for t in ${TESTS:-ulysses_attention moe parallelize calibration}; do
 done
 if [ "${BENCH:-1}" = 1 ]; then
   echo "== attention benchmark"
-  timeout "${BENCH_S:-170}" python3 benchmarks/bench_attention_a2a.py --config 128,128,4,2,1,1 --skip-checks \
+  timeout "${BENCH_S:-300}" python3 benchmarks/bench_attention_a2a.py --config 128,128,4,2,1,1 --skip-checks \
     --out-dir "$R" --commit "${XSTAGE_GIT_COMMIT:-unknown}" > "$R/attention-bench.log" 2>&1
   echo "exit $?"; grep -A12 '"summary"' "$R/attention-a2a-h200.json" | head -14
 fi
