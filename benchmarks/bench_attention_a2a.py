@@ -230,7 +230,7 @@ def bench(shapes, config, checkpoint=None, rounds: int = 4) -> tuple[list[dict],
         variants = {"cudnn": sdpa_fn(q, k, v, SDPBackend.CUDNN_ATTENTION),
                     "flash": sdpa_fn(q, k, v, SDPBackend.FLASH_ATTENTION), "local": local}
         variants.update({f"fused_{w}": fused_fn(q, k, v, w, config)[0] for w in VIRTUAL_RANKS})
-        # Interleaved rounds with a rotating order: a drift over the run does not read as a residual (the
+        # Interleaved rounds, forward then backward: a drift over the run does not read as a residual (the
         # 2026-12-03 run timed local, P2, P4, P8, local in sequence and every later timing came out faster).
         per_round = interleaved_times(variants, lambda fn: cuda_time_ms(fn, target_ms=250.0 / rounds, min_reps=3),
                                       rounds=rounds)
