@@ -5,12 +5,7 @@
 #   OUT=dir XSTAGE_COMMIT=sha bash benchmarks/run_final_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRANSFORMERS_VERBOSITY=error
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. benchmarks/device_env.sh
 OUT="${OUT:-.gpu_out}"; mkdir -p "$OUT"
 PT=(python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="")
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

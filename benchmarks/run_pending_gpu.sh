@@ -10,13 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-.gpu_out}"; P="$OUT/pending"; mkdir -p "$P"
-export PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error XSTAGE_DIT_CACHE=/tmp/xstage-cache
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    2>&1 | grep -v -i warning
-fi
-export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+. benchmarks/device_env.sh
+export XSTAGE_DIT_CACHE=/tmp/xstage-cache
 pack() { tar -czf "$OUT/pending.tgz" -C "$OUT" pending; }
 
 echo "== 1. calibration (aligned bursts)"

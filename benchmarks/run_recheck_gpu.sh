@@ -5,12 +5,8 @@
 #   OUT=dir XSTAGE_GIT_COMMIT=sha bash benchmarks/run_recheck_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    2>&1 | grep -v -i warning; export PYTHONPATH=/tmp/site
-fi
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" TRANSFORMERS_VERBOSITY=error
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 XSTAGE_DIT_CACHE=/tmp/xstage-cache
+. benchmarks/device_env.sh
+export XSTAGE_DIT_CACHE=/tmp/xstage-cache
 OUT="${OUT:-.gpu_out}"; R="$OUT/recheck"; mkdir -p "$R"
 PT=(python3 -m pytest -v --tb=short -p no:cacheprovider -o addopts="" -m gpu)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
