@@ -150,27 +150,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="diag_moe.json")
     args = ap.parse_args()
-    import torch.multiprocessing as mp
-
-    from xstage_dit.launch import free_port
+    from xstage_dit.launch import run_rank_processes
 
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(2):
-            rank, res = queue.get(timeout=240)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    results = run_rank_processes(_worker, 2, timeout_s=240)
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps(results, indent=1, default=str))
 

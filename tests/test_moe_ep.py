@@ -10,9 +10,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from xstage_dit.launch import free_port
+from xstage_dit.launch import run_rank_processes
 from xstage_dit.ops.moe_combine import HiDreamMoEEPLayer, NucleusMoEEPLayer
 
 BF16_REL_TOL = 2e-2
@@ -139,22 +138,8 @@ def _worker(rank, world, port, queue):
 
 
 def _run_world(world: int, timeout_s: float = 60.0) -> list[dict]:
-    ctx = mp.get_context("fork")  # fork: no re-import of torch/diffusers per rank (CI time)
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, res = queue.get(timeout=timeout_s)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+    # fork: no re-import of torch/diffusers per rank (CI time)
+    results = run_rank_processes(_worker, world, start_method="fork", timeout_s=timeout_s, join_s=5)
     for rank, res in results.items():
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
     return [results[r] for r in range(world)]

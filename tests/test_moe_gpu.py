@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xstage_dit.distributed import local_buffer_table
-from xstage_dit.launch import free_port
+from xstage_dit.launch import run_rank_processes
 from xstage_dit.ops.moe_combine import (
     combine_reduce,
     combine_reduce_reference,
@@ -157,26 +157,9 @@ def _shared_gpu_worker(rank, world, port, queue):
 
 def test_two_processes_sharing_one_gpu_match_one_process():
     pytest.importorskip("diffusers")
-    import torch.multiprocessing as mp
-
     # Both ranks map buffers of the same GPU; set before the children import torch.
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_shared_gpu_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(2):
-            rank, res = queue.get(timeout=180)
-            results[rank] = res
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+    results = run_rank_processes(_shared_gpu_worker, 2, timeout_s=180)
     for rank, res in results.items():
         assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
         assert res["nucleus_rel"] < BF16_REL_TOL and res["hidream_rel"] < BF16_REL_TOL, res

@@ -115,6 +115,36 @@ def launch(
     return code
 
 
+def run_rank_processes(target, world_size: int, *, start_method: str = "spawn", timeout_s: float = 180.0,
+                       join_s: float = 10.0) -> dict[int, object]:
+    """Run ``target(rank, world_size, port, queue)`` in ``world_size`` Python processes; return ``{rank: result}``.
+
+    Each rank puts one ``(rank, result)`` on ``queue`` (by convention a traceback string when it failed);
+    ``port`` is a free localhost port for its process group. Waits up to ``timeout_s`` for each result,
+    then joins every process for ``join_s`` and kills what is left. For tests and diagnostics that need
+    ranks in-process; serving and benchmarks start ranks with `launch`.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context(start_method)
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world_size, port, queue)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, object] = {}
+    try:
+        for _ in range(world_size):
+            rank, res = queue.get(timeout=timeout_s)
+            results[rank] = res
+    finally:
+        for p in procs:
+            p.join(timeout=join_s)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
 def stop_ranks(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     """SIGTERM every running rank's process group, then SIGKILL what is left after `grace_s`."""
     for p in procs:
