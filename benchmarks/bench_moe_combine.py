@@ -45,14 +45,15 @@ DEVICE = "cuda"  # the CPU smoke test of this script sets "cpu" and float16 (wit
 DTYPE = torch.bfloat16
 
 CONFIGS = {
-    "m128n64n128k64w8s3": MoEKernelConfig(128, 64, 128, 64, 8, 3),
-    "m128n64n256k64w8s3": MoEKernelConfig(128, 64, 256, 64, 8, 3),
-    "m128n128n128k64w8s3": MoEKernelConfig(128, 128, 128, 64, 8, 3),
-    "m128n64n128k64w4s4": MoEKernelConfig(128, 64, 128, 64, 4, 4),
-    "m64n64n128k64w4s4": MoEKernelConfig(64, 64, 128, 64, 4, 4),
-    # Static tile stride (no atomic ticket per tile): not yet timed on the GPU.
-    "m128n128n128k64w8s3-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False),
-    # TMA tensor-descriptor loads (use_desc; issue #5), not yet timed on the GPU. Shared memory per program
+    # Pointer (cp.async) loads, use_desc=False: the default config takes TMA descriptors where it can.
+    "m128n64n128k64w8s3": MoEKernelConfig(128, 64, 128, 64, 8, 3, use_desc=False),
+    "m128n64n256k64w8s3": MoEKernelConfig(128, 64, 256, 64, 8, 3, use_desc=False),
+    "m128n128n128k64w8s3": MoEKernelConfig(128, 128, 128, 64, 8, 3, use_desc=False),
+    "m128n64n128k64w4s4": MoEKernelConfig(128, 64, 128, 64, 4, 4, use_desc=False),
+    "m64n64n128k64w4s4": MoEKernelConfig(64, 64, 128, 64, 4, 4, use_desc=False),
+    # Static tile stride (no atomic ticket per tile).
+    "m128n128n128k64w8s3-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False, use_desc=False),
+    # TMA tensor-descriptor loads (use_desc; timed 2026-12-03: moe-tma-h200.md). Shared memory per program
     # (ptxas, sm_90): s3 144 KiB, s4 192 KiB, k128 s2 192 KiB, n64 s4 128 KiB - one program per SM each.
     "m128n128n128k64w8s3-desc": MoEKernelConfig(128, 128, 128, 64, 8, 3, use_desc=True),
     "m128n128n128k64w8s3-desc-static": MoEKernelConfig(128, 128, 128, 64, 8, 3, ticket=False, use_desc=True),

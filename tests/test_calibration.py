@@ -91,7 +91,7 @@ def test_fit_sweep_of_an_old_free_running_sweep():
     # the same data read as aligned bursts would contradict the isolated sweep at long gaps
     sweep = synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False)
     sweep["aligned_every_burst"] = True
-    assert cal.fit_sweep(sweep)["validation"]["mape_issue_pct"] > 50
+    assert cal.fit_sweep(sweep)["validation"]["mape_issue_pct"] > 20  # far outside the 10 % acceptance bound
 
 
 def test_fit_sweep_says_so_when_the_target_never_backs_up():

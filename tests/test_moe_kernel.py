@@ -92,6 +92,24 @@ def test_desc_operands_validated():
                              torch.zeros(8, 24, dtype=torch.float16), 40, 24)  # fmt: skip
 
 
+
+def test_use_desc_auto_falls_back_to_pointer_loads_and_true_insists(monkeypatch):
+    from xstage_dit.ops.moe_combine import _resolve_use_desc
+
+    x = torch.zeros(8, 40, dtype=torch.float16)
+    gu, down = torch.zeros(2, 40, 48, dtype=torch.float16), torch.zeros(2, 24, 40, dtype=torch.float16)
+    h = torch.zeros(8, 24, dtype=torch.float16)
+    assert _resolve_use_desc(None, x, gu, down, h, 40, 24) is False  # CPU: no TMA
+    assert _resolve_use_desc(False, x, gu, down, h, 40, 24) is False
+    assert _resolve_use_desc(True, x, gu, down, h, 40, 24) is True  # operands meet the constraints
+    bad_h = torch.zeros(8, 32, dtype=torch.float16)[:, :20]
+    with pytest.raises(ValueError, match="multiple of 16 bytes for use_desc"):
+        _resolve_use_desc(True, x, torch.zeros(2, 40, 40, dtype=torch.float16),
+                          torch.zeros(2, 20, 40, dtype=torch.float16), bad_h, 40, 20)
+    assert MoEKernelConfig().use_desc is None and MoEKernelConfig().num_stages is None
+    with pytest.raises(ValueError, match="expected num_stages >= 1 or None, got 0"):
+        MoEKernelConfig(num_stages=0)
+
 def test_row_blocks_uneven_and_empty_experts():
     assert row_blocks([0, 5, 5, 21], 8) == [(0, 0, 5), (2, 5, 13), (2, 13, 21)]
     with pytest.raises(ValueError, match="non-decreasing"):

@@ -234,6 +234,29 @@ def test_fits_are_exact_without_noise():
     assert v.mape_issue_pct < 1e-6 and v.mape_period_pct < 1e-6 and v.mape_isolated_pct is None
 
 
+
+@pytest.mark.parametrize("seed", range(5))
+def test_fit_params_reads_r_from_backed_up_bursts_when_the_shortest_gap_drains_the_stage(seed):
+    # Local-HBM-like (H200 run at 9124f31): the producers' barrier is the shortest gap (5 us) and longer
+    # than Q/R (~0.3 us), so the "zero-gap" period is (V - Q)/R + G, not V/R: R from it reads ~17 % low.
+    rng = random.Random(seed)
+    truth = XStageParams(132, 0.0, 7.4e12, 4.8e12, 1.5 * MIB)
+    barrier = 5e-6
+
+    def n(x):
+        return x * (1.0 + rng.gauss(0.0, 0.01))
+
+    vols = [132 * b * KIB for b in (16, 32, 64, 128, 256, 512, 768, 1024)]
+    zero_gap = (vols, [n(period(truth, v, barrier)) for v in vols])
+    plateau = ([v for v in vols for _ in range(2)], [n(issue_time(truth, v, 50e-6)) for v in vols for _ in range(2)])
+    isolated = (vols, [n(isolated_issue_time(truth, v)) for v in vols])
+    fit = fit_params(132, zero_gap=zero_gap, plateau=plateau, isolated=isolated)
+    assert fit.drain_zero_gap.value < 0.9 * truth.drain_rate_Bps  # what the old fit would have used
+    assert fit.params.drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.05)
+    assert fit.params.capacity_bytes == pytest.approx(truth.capacity_bytes, abs=0.5 * MIB)
+    sweep = [(v, g, n(issue_time(truth, v, g)), n(period(truth, v, g))) for v in vols for g in (barrier, 20e-6, 80e-6)]
+    assert validate(fit.params, sweep).mape_issue_pct < 5
+
 def test_fit_capacity_reports_a_lower_bound_when_nothing_backs_up():
     p = XStageParams(132, 1e-6, 5e12, 4e12, math.inf)  # drains about as fast as it issues: no knee
     vols = [132 * b * KIB for b in (8, 64, 256, 1024)]

@@ -274,7 +274,11 @@ def fit_sweep(sweep: dict) -> dict:
                             backed_up_tol=BACKED_UP_TOL)
             d_fit, t_fit, c_fit = pf.drain, pf.t_iss0, pf.capacity
             t0_fixed, issue_rate = t_fit.value
-            fit.update(t_iss0_rel_rms=t_fit.rel_rms_error, t_iss0_form=t_fit.note, t_iss0_points=t_fit.num_points)
+            fit.update(t_iss0_rel_rms=t_fit.rel_rms_error, t_iss0_form=t_fit.note, t_iss0_points=t_fit.num_points,
+                       R_note=d_fit.note or "zero-gap periods (V/R)")
+            if pf.drain_zero_gap is not None and pf.drain_zero_gap is not d_fit:
+                # Cross-check only: the zero-gap period is V/R only while the barrier gap is shorter than Q/R.
+                fit["R_zero_gap_period_GBps"] = pf.drain_zero_gap.value / 1e9
         else:
             d_fit = fit_drain_rate(*zg)
             c_fit = None

@@ -6,9 +6,10 @@ sees it, for a fixed producer count ``K``:
 
 - ``T_iss0(V) = t_iss0_fixed_s + V / issue_rate_Bps``: backpressure-free issue time of a burst of
   ``V`` bytes (all ``K`` producers together), the plateau of the issue time at long gaps;
-- ``R = drain_rate_Bps``: effective drain rate, from zero-gap periodic bursts (``T_period = V / R``);
-- ``Q = capacity_bytes``: effective outstanding capacity, from the knee of the isolated-burst issue
-  time (``Q = V_knee - R * T_iss0(V_knee)``).
+- ``R = drain_rate_Bps``: effective drain rate, and
+- ``Q = capacity_bytes``: effective outstanding capacity, both from the bursts that back up into an empty
+  stage (isolated, or aligned after a long gap: ``T_iss = (V - Q)/R`` above the knee); zero-gap periodic
+  bursts (``T_period = V / R``) give R where fewer than two volumes back up.
 
 Laws (``G`` = gap of useful work between a producer's bursts, seconds; bursts aligned across producers):
 
@@ -27,7 +28,7 @@ the gap is shorter than ``Q/R`` (the stage never empties) and the isolated-burst
 ``Q = inf`` it is the plain max law, which is what producers that free-run (not aligned per burst) see at
 long gaps: their bursts stagger and never arrive as one volume V.
 
-The fits (``fit_drain_rate``, ``fit_t_iss0`` / ``fit_t_iss0_free``, ``fit_capacity``, combined by
+The fits (``fit_drain_capacity``, ``fit_drain_rate``, ``fit_t_iss0`` / ``fit_t_iss0_free``, ``fit_capacity``, combined by
 ``fit_params``) turn the three measured sweeps into ``XStageParams`` (T_iss0 only from bursts that did not
 back up: for aligned bursts a long gap does not make a burst of ``V > V_knee`` free); ``validate`` predicts a whole gap sweep from the params
 with no further fitted value and reports the mean absolute percentage errors.
@@ -417,6 +418,70 @@ def fit_capacity(
     return FitResult(q, _rel_rms(pred, ts), len(vs), f"knee fit over {len(backed)} backed-up points")
 
 
+def fit_drain_capacity(
+    volumes: Sequence[float],
+    issue_times: Sequence[float],
+    params_t_iss0: XStageParams,
+    *,
+    backed_up_tol: float = 0.10,
+) -> tuple[FitResult, FitResult] | None:
+    """R and Q together from the issue times of bursts that met an empty stage (isolated bursts and
+    aligned bursts after a long gap), which follow ``T_iss = max(T_iss0(V), (V - Q)/R)``.
+
+    ``params_t_iss0`` supplies ``T_iss0`` (its R and Q are ignored). The backed-up points (issue time above
+    ``T_iss0(V)`` by more than ``backed_up_tol``) lie on the line ``T = V/R - Q/R``: a relative-weighted
+    line fit through them gives the start, then R and Q are refined on the whole law over every point
+    (a point near the knee may sit on either branch). Returns (R fit, Q fit), or None when fewer than two
+    distinct backed-up volumes exist (R is then not observable from these bursts).
+
+    Why not R from zero-gap periods: the aligned sweep's shortest gap is the producers' barrier, and
+    where that barrier is longer than ``Q/R`` the stage empties during it, so the zero-gap period is
+    ``(V - Q)/R + G``, not ``V/R`` (local HBM on the H200: 5 us barrier against Q/R ~ 0.3 us).
+    """
+    vs, ts = _as_points("volumes", volumes, "issue_times", issue_times, 2)
+    t0s = [params_t_iss0.t_iss0(v) for v in vs]
+    backed = [i for i in range(len(vs)) if ts[i] > t0s[i] * (1.0 + backed_up_tol)]
+    if len({vs[i] for i in backed}) < 2:
+        return None
+    # T = a*V + b over the backed-up points, minimising relative residuals (weights 1/T^2).
+    w = [1.0 / ts[i] ** 2 for i in backed]
+    sw = sum(w)
+    swv = sum(wi * vs[i] for wi, i in zip(w, backed))
+    swt = sum(wi * ts[i] for wi, i in zip(w, backed))
+    swvv = sum(wi * vs[i] ** 2 for wi, i in zip(w, backed))
+    swvt = sum(wi * vs[i] * ts[i] for wi, i in zip(w, backed))
+    a = (sw * swvt - swv * swt) / (sw * swvv - swv * swv)
+    b = (swt - a * swv) / sw
+    if a <= 0:
+        return None  # issue time does not grow with V among the backed-up points: no drain rate to read
+
+    def err(inv_r: float, q: float) -> float:
+        return sum(((max(t0, (v - q) * inv_r) - t) / t) ** 2 for v, t, t0 in zip(vs, ts, t0s))
+
+    # Refine (1/R, Q) by alternating golden-section searches around the line fit.
+    inv_r, q = a, max(0.0, -b / a)
+    vmax = max(vs)
+    phi = (math.sqrt(5) - 1) / 2
+
+    def golden(f, lo: float, hi: float) -> float:
+        for _ in range(50):
+            x1, x2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
+            if f(x1) <= f(x2):
+                hi = x2
+            else:
+                lo = x1
+        return (lo + hi) / 2
+
+    for _ in range(8):
+        cand = golden(lambda x: err(x, q), inv_r * 0.5, inv_r * 2.0)
+        inv_r = min((inv_r, cand), key=lambda x: err(x, q))
+        cand = golden(lambda x: err(inv_r, x), 0.0, vmax)
+        q = min((q, cand), key=lambda x: err(inv_r, x))
+    rms = math.sqrt(err(inv_r, q) / len(vs))
+    note = f"joint fit of R and Q on the isolated law over {len(vs)} points ({len(backed)} backed up)"
+    return FitResult(1.0 / inv_r, rms, len(vs), note), FitResult(q, rms, len(vs), note)
+
+
 @dataclass(frozen=True)
 class ParamsFit:
     """``fit_params`` result: the params and each fit's error and note."""
@@ -425,6 +490,7 @@ class ParamsFit:
     drain: FitResult
     t_iss0: FitResult
     capacity: FitResult | None
+    drain_zero_gap: FitResult | None = None  # R from zero-gap periods (V/R): a cross-check
 
     def errors(self) -> dict:
         out = {"R_rel_rms": self.drain.rel_rms_error, "t_iss0_rel_rms": self.t_iss0.rel_rms_error}
@@ -443,12 +509,15 @@ def fit_params(
     capacity_if_unobserved: float = math.inf,
     backed_up_tol: float = 0.10,
 ) -> ParamsFit:
-    """All three fits for aligned bursts: R from ``zero_gap = (volumes, periods)``; T_iss0 from the
-    backpressure-free points of ``plateau = (volumes, long-gap issue_times)`` and ``isolated = (volumes,
-    issue_times)`` (both follow ``max(T_iss0, (V - Q)/R)``); Q from the isolated knee (or
+    """All three fits for aligned bursts. T_iss0 from the backpressure-free points of ``plateau = (volumes,
+    long-gap issue_times)`` and ``isolated = (volumes, issue_times)`` (both follow ``max(T_iss0, (V - Q)/R)``);
+    R and Q jointly from the backed-up ones (``fit_drain_capacity``). Where fewer than two volumes backed
+    up, R comes from ``zero_gap = (volumes, periods)`` (``V/R``) and Q from the isolated knee (or
     ``capacity_if_unobserved`` when not given or when no isolated burst backed up). Once Q is known the free
-    points are re-chosen by the capacity bound ``V - R*T_iss0(V) <= Q`` and T_iss0, Q refitted (a few rounds)."""
-    drain = fit_drain_rate(*zero_gap)
+    points are re-chosen by the capacity bound ``V - R*T_iss0(V) <= Q`` and the fits redone (a few rounds).
+    ``drain_zero_gap`` keeps the zero-gap period estimate of R as a cross-check."""
+    zero_gap_drain = fit_drain_rate(*zero_gap)
+    drain = zero_gap_drain
     r = drain.value
     long_v = list(plateau[0]) + (list(isolated[0]) if isolated is not None else [])
     long_t = list(plateau[1]) + (list(isolated[1]) if isolated is not None else [])
@@ -460,11 +529,18 @@ def fit_params(
         q = capacity_if_unobserved
         if isolated is None:
             break
-        cap = fit_capacity(isolated[0], isolated[1], XStageParams(num_producers, t0, ri, r, math.inf),
-                           backed_up_tol=backed_up_tol)
-        if cap.note.startswith("lower bound"):
-            break
-        q = cap.value
+        joint = fit_drain_capacity(long_v, long_t, XStageParams(num_producers, t0, ri, r, math.inf),
+                                   backed_up_tol=backed_up_tol)
+        if joint is not None:
+            drain, cap = joint
+            r, q = drain.value, cap.value
+        else:
+            drain, r = zero_gap_drain, zero_gap_drain.value
+            cap = fit_capacity(isolated[0], isolated[1], XStageParams(num_producers, t0, ri, r, math.inf),
+                               backed_up_tol=backed_up_tol)
+            if cap.note.startswith("lower bound"):
+                break
+            q = cap.value
         p = XStageParams(num_producers, t0, ri, r, q)
         new_keep = [v - r * p.t_iss0(v) <= q * (1.0 + 1e-9) for v in long_v]
         if new_keep == keep or not any(new_keep):
@@ -472,7 +548,7 @@ def fit_params(
         keep = new_keep
         t_fit, _ = fit_t_iss0_free(long_v, long_t, keep=keep)
     t0, ri = t_fit.value
-    return ParamsFit(XStageParams(num_producers, t0, ri, r, q), drain, t_fit, cap)
+    return ParamsFit(XStageParams(num_producers, t0, ri, r, q), drain, t_fit, cap, zero_gap_drain)
 
 
 @dataclass(frozen=True)

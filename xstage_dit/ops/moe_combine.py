@@ -85,24 +85,28 @@ class MoEKernelConfig:
     block_n2 hidden columns per Linear-2 tile; block_k reduction step. num_programs: persistent grid
     size (default: number of SMs). lead: None = chosen by ``choose_moe_lead``; 0 = wave-by-wave.
     use_desc: TMA tensor-descriptor loads of x, weights and the SwiGLU output (sm_90+; rows and weight
-    rows 16-byte aligned, expert stride of each weight = its K rows). No warp-specialization option:
+    rows 16-byte aligned, expert stride of each weight = its K rows). None (default): descriptors where
+    the GPU and the operands allow them, else pointer loads; True: descriptors or ValueError.
+    num_stages: software-pipeline depth; None: 4 with descriptors, 3 with pointer loads (each the
+    fastest timed for its path). No warp-specialization option:
     Triton 3.6 does not specialize a K loop inside the persistent tile loop (see ``_moe_kernel.py``).
     """
 
-    # Defaults: the fastest of the configs timed on the H200 at both MoE shapes
-    # (benchmarks/results/moe-combine-h200.md: m128n128n128k64w8s3).
+    # Defaults: the fastest of the configs timed on the H200 (benchmarks/results/moe-tma-h200.md, NucleusMoE
+    # shape: TMA descriptors with 4 stages 1.30x the grouped-matmul reference at 1 rank, 1.43-1.47x at 4;
+    # pointer loads with 3 stages 1.12x). The static stride was faster still at 1 rank (1.37x) but needs
+    # every program resident, so the atomic ticket stays the default.
     block_m: int = 128
     block_n1: int = 128
     block_n2: int = 128
     block_k: int = 64
     num_warps: int = 8
-    num_stages: int = 3
+    num_stages: int | None = None
     num_programs: int | None = None
     lead: int | None = None
     wave_blocks: int | None = None
     ticket: bool = True  # False: static tile stride (no atomic per tile; needs every program resident)
-    # Off by default until timed on the H200 (issue #5): the pointer/cp.async path is the measured one.
-    use_desc: bool = False
+    use_desc: bool | None = None
 
     def __post_init__(self):
         for name in ("block_m", "block_n1", "block_n2", "block_k"):
@@ -113,6 +117,8 @@ class MoEKernelConfig:
             raise ValueError(f"expected num_warps in (1, 2, 4, 8, 16), got {self.num_warps}")
         if self.lead is not None and self.lead < 0:
             raise ValueError(f"expected lead >= 0 or None, got {self.lead}")
+        if self.num_stages is not None and self.num_stages < 1:
+            raise ValueError(f"expected num_stages >= 1 or None, got {self.num_stages}")
 
 
 def _interpreting() -> bool:
@@ -555,9 +561,10 @@ def expert_mlp_combine(
         )
     # Destinations as element offsets from h_buffer: the kernel then knows their alignment (16-byte stores).
     table_off = (combine_table - h_buffer.data_ptr()) // elem
-    if cfg.use_desc:
-        _check_desc_operands(x, gate_up, down, h_buffer, H, I)
+    use_desc = _resolve_use_desc(cfg.use_desc, x, gate_up, down, h_buffer, H, I)
+    if use_desc:
         install_descriptor_allocator()
+    num_stages = cfg.num_stages if cfg.num_stages is not None else (4 if use_desc else 3)
     sync = torch.zeros(1 + schedule.num_blocks, dtype=torch.int32, device=x.device)
     grid = (min(num_programs, schedule.num_tiles),)
     if not cfg.ticket and _interpreting():
@@ -572,10 +579,28 @@ def expert_mlp_combine(
         down.stride(0), down.stride(1), down.stride(2),
         row_stride,
         H=H, I=I, N1=schedule.n1, ELEM_BYTES=elem, BM=cfg.block_m, BN1=cfg.block_n1, BN2=cfg.block_n2, BK=cfg.block_k,
-        TICKET=cfg.ticket, USE_DESC=cfg.use_desc, PROXY_FENCE=cfg.use_desc and not _interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        TICKET=cfg.ticket, USE_DESC=use_desc, PROXY_FENCE=use_desc and not _interpreting(),
+        num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     return schedule
+
+
+def _resolve_use_desc(use_desc: bool | None, x, gate_up, down, h_buffer, H: int, I: int) -> bool:
+    """``MoEKernelConfig.use_desc`` for these operands: True checks the descriptor constraints (ValueError
+    naming the first one broken); None takes descriptors on a CUDA GPU of compute capability 9.0+ whose
+    operands meet them (pointer loads otherwise, e.g. under the interpreter or on an unaligned view)."""
+    if use_desc:
+        _check_desc_operands(x, gate_up, down, h_buffer, H, I)
+        return True
+    if use_desc is not None or _interpreting() or x.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] < 9:
+        return False
+    try:
+        _check_desc_operands(x, gate_up, down, h_buffer, H, I)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_desc_operands(x, gate_up, down, h_buffer, H: int, I: int) -> None:
