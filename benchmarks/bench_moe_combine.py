@@ -61,6 +61,8 @@ CONFIGS = {
     "m128n128n128k64w8s4-desc-static": MoEKernelConfig(128, 128, 128, 64, 8, 4, ticket=False, use_desc=True),
     "m128n128n128k128w8s2-desc": MoEKernelConfig(128, 128, 128, 128, 8, 2, use_desc=True),
     "m128n64n128k64w8s4-desc": MoEKernelConfig(128, 64, 128, 64, 8, 4, use_desc=True),
+    # What expert_mlp_combine runs without a config (descriptors where possible; 4 stages with them).
+    "default": MoEKernelConfig(),
 }
 
 
