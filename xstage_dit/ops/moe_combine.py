@@ -752,7 +752,8 @@ EP_PATHS = ("auto", "fused", "serial", "reference")
 
 
 # `auto` runs the fused kernel only where it was measured faster (benchmarks/results/moe-combine-h200.md):
-# with >= 16 local experts (NucleusMoE: 1.11x at 128 local experts, 1.21-1.39x at 64/32/16 per rank).
+# with >= 16 local experts (NucleusMoE: 1.30x at 128 local experts with TMA descriptors, moe-tma-h200.md;
+# 1.21-1.39x at 64/32/16 per rank with pointer loads, moe-combine-h200.md).
 # Few large experts (HiDream: 4/2/1 per rank) ran 0.84-1.00x, so they take the serial path. The
 # multi-process fused path matches diffusers' layer on the GPU (two processes sharing the H200:
 # benchmarks/diag_moe_two_procs.py, 0.5 % vs diffusers, 0.1 % vs the EP reference path).
