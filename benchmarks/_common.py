@@ -177,20 +177,26 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str] | None = None) -
 
 
 def write_results(stem: str | Path, benchmark: str, rows: Sequence[dict], summary: dict,
-                  columns: Sequence[str] | None = None, notes: str = "", env: dict | None = None
-                  ) -> tuple[Path, Path]:
-    """Write ``<stem>.json`` (environment, summary, rows) and ``<stem>.md`` (environment line, table, notes)."""
+                  columns: Sequence[str] | None = None, notes: str = "", env: dict | None = None,
+                  table_rows: Sequence[dict] | None = None, extra: dict | None = None) -> tuple[Path, Path]:
+    """Write ``<stem>.json`` (environment, summary, rows) and ``<stem>.md`` (environment line, table, notes).
+
+    table_rows: the rows as the table shows them, where a cell reads differently from the JSON value (default:
+    ``rows``). extra: more top-level keys of the JSON (e.g. ``provenance``), after the four above.
+    """
     stem = Path(stem)
     stem.parent.mkdir(parents=True, exist_ok=True)
     env = env or environment()
     payload = {"benchmark": benchmark, "environment": env, "summary": summary, "rows": list(rows)}
-    json_path = stem.with_suffix(".json")
+    payload.update({k: v for k, v in (extra or {}).items() if k not in payload})
+    # Not with_suffix: a stem may hold a dot of its own (a model folder named FLUX.1-dev).
+    json_path = stem.parent / f"{stem.name}.json"
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     who = ", ".join(f"{k} {env.get(k)}" for k in ("gpu", "driver", "torch", "triton", "diffusers") if env.get(k))
     md = [f"# {benchmark}", "", f"{who}; commit {env.get('git_commit')}; {env.get('time_utc')}", "",
-          markdown_table(rows, columns)]
+          markdown_table(rows if table_rows is None else table_rows, columns)]
     if notes:
         md += [notes.strip(), ""]
-    md_path = stem.with_suffix(".md")
+    md_path = stem.parent / f"{stem.name}.md"
     md_path.write_text("\n".join(md))
     return json_path, md_path

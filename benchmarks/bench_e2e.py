@@ -8,6 +8,12 @@ forward, from forward pre/post hooks), the peak GPU memory (``torch.cuda.max_mem
 per contender) and the speedup over plain diffusers on one GPU. Contenders share one loaded pipeline:
 each is applied, measured and undone in turn, so a 12-14B parameter model is built once.
 
+Drift: a GPU's clocks and temperature move over a run by more than the differences measured here. With
+``--rounds N`` (N >= 2) the eager diffusers and xstage contenders are measured in N interleaved rounds (the
+order rotated every round) and compared by paired ratios (same round, same prompt); with N = 1 plain diffusers
+runs again after them (an A/B/A order). Each eager xstage row gets a verdict from a 95% interval of the paired
+ratios: "slower" or "faster" only when the interval excludes 1, else "same within noise".
+
 Writes ``<out-dir>/e2e-<model>-<gpus>x<gpu>.json`` (top-level ``summary``: per contender the median
 latency in seconds and the speedup over plain diffusers on one GPU), ``.md`` (table) and ``.png``
 (bar chart). The JSON and the table are rewritten after every contender, so a run cut short by a
@@ -19,6 +25,8 @@ Usage (the options are those of ``xstage-dit bench``; see ``--help``)::
     python benchmarks/bench_e2e.py --model full-flux --num-prompts 3 --compile          # one H200
     torchrun --nproc-per-node 4 benchmarks/bench_e2e.py --model full-flux --gpus 4      # four GPUs
     python benchmarks/bench_e2e.py --model full-flux --gpus 4     # the same: starts its 4 ranks itself
+    python benchmarks/bench_e2e.py --model full-nucleusmoe --steps 4 --rounds 4           # drift-robust
+    python benchmarks/bench_e2e.py --rerender benchmarks/results/e2e-full-flux-1xh200.json   # no measuring
 
 ``benchmarks/run_e2e_gpu.sh`` runs the three models of issue 8 on a GPU machine in one budgeted call.
 """
@@ -37,6 +45,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +64,9 @@ from xstage_dit.commands import bench as bench_cli  # noqa: E402
 from xstage_dit.jsonable import to_jsonable  # noqa: E402
 
 BASELINE = "diffusers"
+# Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
+# the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
+OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated")
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
 # Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
 MOE_FAMILIES = ("nucleusmoe", "hidream")
@@ -323,8 +335,8 @@ class PlainDiffusers(Contender):
 
 
 class PlainDiffusersRepeat(PlainDiffusers):
-    """Plain diffusers again, after the eager xstage contenders (an A/B/A order): the baseline's own drift
-    over the run (clocks, temperature) is the yardstick for "not slower than diffusers"."""
+    """Plain diffusers again, after the eager xstage contenders (an A/B/A order, at ``--rounds 1``): the
+    baseline's own drift over the run (clocks, temperature) shows, and the xstage rows pair with both runs."""
 
     family = "diffusers-repeat"
 
@@ -484,10 +496,11 @@ class DiffusersCP(Contender):
         super().apply(b)
 
 
-def make_contenders(names: list[str], with_compile: bool, world_size: int = 1) -> list[Contender]:
+def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
     the other reversible stacks, then each irreversible contender with its compiled variant (they leave
-    the pipeline modified)."""
+    the pipeline modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no
+    diffusers-repeat."""
     factories = {
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
@@ -499,8 +512,8 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1) -
     compiled = [factories[n](True) for n in names]
     # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
     # before a diffusers/xstage measurement.
-    ours = [c for c in eager + compiled if c.family in ("diffusers", "xstage-serial", "xstage-calibrated")]
-    if "diffusers" in names and any(n.startswith("xstage") for n in names):
+    ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
+    if rounds == 1 and "diffusers" in names and any(n.startswith("xstage") for n in names):
         # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
@@ -539,12 +552,13 @@ def _agree(b: Bench, value):
     return box[0]
 
 
-def estimate_cost_s(b: Bench, contender: Contender, baseline: dict | None) -> float | None:
-    """Seconds a contender should take, from the eager baseline's measured warm-up and runs (plus the
-    assumed compile time, plus a rebuild of the pipeline when it needs a pristine one)."""
-    if baseline is None or baseline.get("status") != "ok":
+def estimate_cost_s(b: Bench, contender: Contender, measured: dict | None, rounds: int = 1) -> float | None:
+    """Seconds ``rounds`` rounds of a contender should take (each round: its warm-up and one run per prompt),
+    from a measured row (the eager baseline's, or the contender's own), plus the assumed compile time and a
+    rebuild of the pipeline when it needs a pristine one (both paid once)."""
+    if measured is None or measured.get("status") != "ok":
         return None
-    cost = baseline["warmup_s"] + baseline["median_s"] * len(b.prompts)
+    cost = rounds * (measured["warmup_s"] + measured["median_s"] * len(b.prompts))
     if contender.compile:
         cost += b.args.compile_estimate_s
     if not contender.accepts(b.dirty):
@@ -560,11 +574,34 @@ def _row(contender: Contender, status: str, reason: str | None = None) -> dict:
     return row
 
 
-def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tuple[dict, np.ndarray | None]:
-    """Apply, warm up, time every prompt, undo. Returns the row and the first prompt's output."""
-    row = _row(contender, "failed")
+def _info_fields(contender: Contender) -> dict:
+    """What a contender recorded about itself (schedules, versions, compile mode), as row fields."""
+    return {k: v for k, v in contender.info.items() if k != "skip_reason"}
+
+
+@dataclasses.dataclass
+class RoundResult:
+    """One round of one contender: applied, warmed up, one timed run per prompt (in prompt order), undone."""
+
+    latencies_s: list[float]
+    step_s: list[float]  # transformer seconds per denoising step, per prompt
+    forwards: list[int]  # transformer forwards of the run, per prompt
+    setup_s: float
+    warmup_s: float
+    peak_memory_gib: float | None  # None on the CPU
+    first_output: np.ndarray | None  # the first prompt's output, to compare contenders' results
+
+
+def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, dict]:
+    """Apply, warm up, time every prompt, undo.
+
+    Returns the round (None when it failed) and what went wrong as row fields: ``reason`` and ``traceback``
+    of a failure, ``restore_error`` when undoing failed (the pipeline is then marked dirty, so the next
+    contender gets a freshly built one).
+    """
     stopwatch = Stopwatch(b.device)
-    first_output = None
+    problems: dict = {}
+    result = None
     timer = None
     applied = False
     try:
@@ -585,6 +622,7 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
         warmup_s = time.perf_counter() - t0
         timer.collect()
         latencies, step_times, forwards = [], [], []
+        first_output = None
         for i, prompt in enumerate(b.prompts):
             latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
             transformer_s, calls = timer.collect()
@@ -593,22 +631,10 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
             forwards.append(calls)
             if i == 0:
                 first_output = _output_array(output)
-        row.update(
-            status="ok",
-            median_s=statistics.median(latencies),
-            p90_s=percentile(latencies, 90),
-            transformer_step_ms=1e3 * statistics.median(step_times),
-            peak_memory_gib=(torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None),
-            latencies_s=latencies,
-            transformer_step_ms_all=[1e3 * t for t in step_times],
-            transformer_forwards_per_step=statistics.median(forwards) / b.steps,
-            setup_s=setup_s,
-            warmup_s=warmup_s,
-        )
-        if reference is not None and first_output is not None and first_output.shape == reference.shape:
-            row["output_max_abs_diff_vs_diffusers"] = float(np.abs(first_output - reference).max())
+        peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
+        result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output)
     except Exception as exc:
-        row.update(status="failed", reason=_error(exc), traceback=traceback.format_exc(limit=8)[-4000:])
+        problems.update(reason=_error(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
     finally:
@@ -618,30 +644,314 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
             try:
                 contender.restore(b)
             except Exception as exc:  # the next contender gets a freshly built pipeline instead
-                row["restore_error"] = _error(exc)
+                problems["restore_error"] = _error(exc)
                 b.dirty = f"{contender.name} (restore failed)"
-    row.update({k: v for k, v in contender.info.items() if k != "skip_reason"})
-    return row, first_output
+    return result, problems
+
+
+def rounds_row(contender: Contender, results: list[RoundResult], reference: np.ndarray | None, steps: int) -> dict:
+    """The "ok" row of a contender measured in ``len(results)`` >= 1 rounds of ``steps`` denoising steps.
+
+    Medians and p90 are over every (round, prompt) sample; ``latencies_s`` keeps the samples round by round,
+    prompt by prompt (what ``paired_ratios`` pairs on); the peak memory is the highest of any round; set-up
+    and warm-up times are round 1's (what the budget estimates from); the output is compared on round 1.
+    """
+    latencies = [t for r in results for t in r.latencies_s]
+    step_s = [t for r in results for t in r.step_s]
+    forwards = [n for r in results for n in r.forwards]
+    peaks = [r.peak_memory_gib for r in results if r.peak_memory_gib is not None]
+    row = _row(contender, "ok")
+    row.update(
+        median_s=statistics.median(latencies),
+        p90_s=percentile(latencies, 90),
+        transformer_step_ms=1e3 * statistics.median(step_s),
+        peak_memory_gib=max(peaks) if peaks else None,
+        latencies_s=latencies,
+        rounds=len(results),
+        round_medians_s=[statistics.median(r.latencies_s) for r in results],
+        transformer_step_ms_all=[1e3 * t for t in step_s],
+        transformer_forwards_per_step=statistics.median(forwards) / steps,
+        setup_s=results[0].setup_s,
+        warmup_s=results[0].warmup_s,
+    )
+    first = results[0].first_output
+    if reference is not None and first is not None and first.shape == reference.shape:
+        row["output_max_abs_diff_vs_diffusers"] = float(np.abs(first - reference).max())
+    return row
+
+
+def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tuple[dict, np.ndarray | None]:
+    """One round of a contender as its row (apply, warm up, time every prompt, undo). Returns the row and
+    the first prompt's output."""
+    result, problems = measure_round(b, contender)
+    row = _row(contender, "failed") if result is None else rounds_row(contender, [result], reference, b.steps)
+    row.update(problems)
+    row.update(_info_fields(contender))
+    return row, None if result is None else result.first_output
+
+
+# ----------------------------------------------------------------------------------------------------
+# The run order: each contender once, or the eager group in interleaved rounds
+
+
+def precheck(b: Bench, contender: Contender, baseline_row: dict | None) -> tuple[str | None, str | None]:
+    """(status, reason) of a contender that will not be measured ("skipped": not requested or no time left,
+    "cannot run": what it detected), or (None, None); the same on every rank."""
+    reason = contender.info.get("skip_reason")
+    status = "skipped" if reason else None
+    if status is None:
+        reason = _agree(b, contender.check(b))
+        status = "cannot run" if reason else None
+    if status is None and contender.name != BASELINE:
+        cost = estimate_cost_s(b, contender, baseline_row)
+        left = b.seconds_left()
+        if cost is not None and cost > left:
+            status, reason = "skipped", f"time budget (needs ~{cost:.0f} s, {max(left, 0):.0f} s left)"
+        status, reason = _agree(b, (status, reason))
+    return status, reason
+
+
+def unmeasured_row(contender: Contender, status: str, reason: str) -> dict:
+    """The row of a contender that was not measured: its status, why, and what it recorded about itself."""
+    row = _row(contender, status, reason)
+    row.update(_info_fields(contender))
+    return row
+
+
+def prepare_pipeline(b: Bench, contender: Contender, settings: dict) -> None:
+    """Build the pipeline again when the contender cannot run on what the previous one left behind."""
+    if contender.accepts(b.dirty):
+        return
+    if b.rank == 0:
+        print(f"[bench] rebuilding the pipeline (left modified by {b.dirty})", flush=True)
+    b.rebuild()
+    settings.setdefault("rebuilds_s", []).append(b.build_s)
+
+
+class Report:
+    """The rows so far, in run order, and where they go: rank 0 prints every change and rewrites the JSON
+    and the table, so a run cut short by a time limit still leaves what it measured."""
+
+    def __init__(self, b: Bench, settings: dict, env: dict, stem: Path):
+        self.b, self.settings, self.env, self.stem = b, settings, env, stem
+        self.rows: list[dict] = []
+
+    def row(self, name: str) -> dict | None:
+        return next((r for r in self.rows if r["name"] == name), None)
+
+    def put(self, row: dict, label: str | None = None) -> None:
+        """Add ``row``, or replace the row of the same name (a contender measured in rounds, after each)."""
+        names = [r["name"] for r in self.rows]
+        if row["name"] in names:
+            self.rows[names.index(row["name"])] = row
+        else:
+            self.rows.append(row)
+        if self.b.rank == 0:
+            detail = f"median {row['median_s']:.3f} s" if row["status"] == "ok" else row.get("reason", "")
+            print(f"[bench] {label or row['name']}: {row['status']} {detail}", flush=True)
+        self.write()
+
+    def write(self, chart: bool = False) -> list[Path]:
+        """Recompute the comparisons and rewrite the files (rank 0; the other ranks write nothing)."""
+        if self.b.rank != 0:
+            return []
+        add_comparisons(self.rows, self.b.spec.steps, self.b.steps)
+        self.settings["elapsed_s"] = time.perf_counter() - self.b.t_start
+        return write_all(self.rows, self.settings, self.env, self.stem, chart=chart)
+
+    def finish(self) -> None:
+        for path in self.write(chart=True):
+            print(f"[bench] wrote {path}", flush=True)
+
+
+def round_order(group: list, r: int) -> list:
+    """Round ``r``'s order (r from 0): the group rotated to start at offset r mod k, so no contender always
+    runs first and each runs in every position as often as the rounds allow."""
+    k = len(group)
+    return group[r % k:] + group[:r % k] if k else []
+
+
+def next_round_fits(b: Bench, active: list[Contender], report: Report) -> tuple[bool, float, float]:
+    """Whether one more round of the ``active`` contenders fits the time left, from their own measured rows
+    (round 1's warm-up, the median run); (fits, estimated s, s left), the same on every rank."""
+    cost = sum(estimate_cost_s(b, c, report.row(c.name)) or 0.0 for c in active)
+    left = b.seconds_left()
+    return _agree(b, (cost <= left, cost, left))
+
+
+def measure_in_rounds(b: Bench, group: list[Contender], rounds: int, report: Report
+                      ) -> tuple[dict | None, np.ndarray | None]:
+    """Measure the eager diffusers/xstage contenders in ``rounds`` interleaved rounds.
+
+    Each round applies, warms up, times every prompt on, and undoes each contender, in ``round_order``: a
+    drift of the GPU over the run (clocks, temperature) then hits every contender alike instead of reading
+    as a difference between them. A contender skipped or failing in round 1 is not retried (its row says
+    why); one failing later keeps its completed rounds and leaves the rest (``round_failure``). Before each
+    later round: if it would not fit the time budget, no contender gets more rounds, so all keep the same
+    number (``settings["rounds_completed"]``).
+
+    Returns the baseline's row and its round-1 output of the first prompt (the reference of every
+    ``output_max_abs_diff_vs_diffusers``).
+    """
+    settings = report.settings
+    results: dict[str, list[RoundResult]] = {c.name: [] for c in group}
+    active: list[Contender] = []
+    baseline_row, reference = None, None
+    for r in range(rounds):
+        if r > 0:
+            fits, cost, left = next_round_fits(b, active, report)
+            if not fits:
+                settings["rounds_stopped"] = (f"time budget: round {r + 1} needs ~{cost:.0f} s, "
+                                              f"{max(left, 0):.0f} s left")
+                if b.rank == 0:
+                    print(f"[bench] no more rounds: {settings['rounds_stopped']}", flush=True)
+                report.write()
+                break
+        for contender in round_order(group, r):
+            if r == 0:
+                status, reason = precheck(b, contender, baseline_row)
+                if status is not None:
+                    report.put(unmeasured_row(contender, status, reason))
+                    continue
+                active.append(contender)
+            elif contender not in active:
+                continue
+            label = f"{contender.name} (round {r + 1}/{rounds})"
+            prepare_pipeline(b, contender, settings)
+            if b.rank == 0:
+                print(f"[bench] {label}: running", flush=True)
+            result, problems = measure_round(b, contender)
+            done = results[contender.name]
+            if result is not None:
+                done.append(result)
+                if r == 0 and contender.name == BASELINE:
+                    reference = result.first_output
+            if problems:
+                active.remove(contender)  # a failure, or a failed undo, would only repeat
+            if done:
+                # The baseline's own output is the reference: no comparison with itself.
+                row = rounds_row(contender, done, None if contender.name == BASELINE else reference, b.steps)
+                if problems:
+                    why = problems.get("reason") or f"restore failed: {problems['restore_error']}"
+                    row["round_failure"] = f"round {r + 1}: {why}"
+                    row.update({k: v for k, v in problems.items() if k != "reason"})
+            else:
+                row = _row(contender, "failed")
+                row.update(problems)
+            row.update(_info_fields(contender))
+            if contender.name == BASELINE and row["status"] == "ok":
+                baseline_row = row
+            report.put(row, label)
+        settings["rounds_completed"] = r + 1
+        report.write()
+    return baseline_row, reference
+
+
+# ----------------------------------------------------------------------------------------------------
+# Noise-aware comparison: paired latency ratios and a 95% interval of their geometric mean
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (scipy is not a dependency); past 30
+# the normal quantile 1.96 (at most 4% narrower than t's).
+T95_TWO_SIDED = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+                 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+                 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """Two-sided 95% quantile of Student's t with ``df`` >= 1 degrees of freedom (1.96 past 30)."""
+    if df < 1:
+        raise ValueError(f"expected df >= 1, got {df}")
+    return T95_TWO_SIDED[df - 1] if df <= len(T95_TWO_SIDED) else 1.96
+
+
+def ratio_verdict(ratios: Sequence[float]) -> dict:
+    """Is a contender slower than the baseline? From paired latency ratios r_i = x_i / base_i.
+
+    The log ratios' mean m and standard error s/sqrt(n) give the 95% t-interval exp(m ± t95(n-1)·s/sqrt(n))
+    of the geometric-mean ratio: "slower" when it lies wholly above 1, "faster" wholly below 1, else "same
+    within noise" (also with a single pair, which has no interval); "not measured" without pairs. Logs,
+    because latencies scale: 1.1 and 1/1.1 cancel.
+
+    Returns ``{"ratio": geometric mean | None, "ci95": [lo, hi] | None, "verdict": str, "pairs": n}``.
+
+    Example::
+
+        ratio_verdict([1.01, 0.99, 1.00])["verdict"]   # 'same within noise' (ci95 ~ [0.975, 1.025])
+        ratio_verdict([1.10, 1.11, 1.09])["verdict"]   # 'slower'
+    """
+    if any(not (math.isfinite(r) and r > 0) for r in ratios):
+        raise ValueError(f"expected positive finite latency ratios, got {list(ratios)}")
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    if n == 0:
+        return {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
+    mean = statistics.fmean(logs)
+    if n == 1:
+        return {"ratio": math.exp(mean), "ci95": None, "verdict": "same within noise", "pairs": 1}
+    half = t95(n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    verdict = "slower" if lo > 1 else "faster" if hi < 1 else "same within noise"
+    return {"ratio": math.exp(mean), "ci95": [lo, hi], "verdict": verdict, "pairs": n}
+
+
+def paired_ratios(row: dict, baselines: Sequence[dict]) -> list[float]:
+    """``x_i / base_i`` for every sample i that ``row`` shares with each baseline row, in order.
+
+    Rows keep their samples round by round, prompt by prompt, so index i is the same (round, prompt) in
+    both; a contender that left the rounds early pairs the rounds it has. With several baselines (at one
+    round: diffusers before and diffusers-repeat after) every sample pairs with each of them.
+    """
+    latencies = row.get("latencies_s") or []
+    return [x / base for baseline in baselines for x, base in zip(latencies, baseline.get("latencies_s") or [])]
+
+
+def verdict_cell(row: dict) -> str:
+    """The table's verdict cell, e.g. 'same within noise (0.996x, 95% CI 0.990-1.002)'."""
+    verdict, ratio, ci = row.get("verdict"), row.get("ratio_vs_diffusers"), row.get("ratio_ci95")
+    if verdict is None or ratio is None:
+        return verdict or ""
+    if ci is None:
+        return f"{verdict} ({ratio:.3f}x, one pair: no CI)"
+    return f"{verdict} ({ratio:.3f}x, 95% CI {ci[0]:.3f}-{ci[1]:.3f})"
 
 
 # ----------------------------------------------------------------------------------------------------
 # Results
 
+# What add_comparisons derives from the measured fields. Cleared before it runs, so it can run again on rows
+# it has seen (after every contender, and on --rerender) without leaving a stale value behind.
+DERIVED_FIELDS = ("speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
+                  "baseline_drift_pct", "baseline_round_spread_pct", "ratio_vs_diffusers", "ratio_ci95",
+                  "ratio_pairs", "verdict", "not_slower_than_diffusers", "latency_s_at_default_steps_extrapolated")
+
 
 def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
     """Ratios of measured medians: against plain diffusers on one GPU (eager: the headline), against
     diffusers with the same compile setting, and calibrated against serial (the difference the
-    calibrated schedule makes); plus a labelled estimate at the model's default step count."""
+    calibrated schedule makes); the baseline's drift over the run; for each eager xstage row the
+    noise-aware verdict against diffusers (``ratio_verdict`` of ``paired_ratios``); plus a labelled
+    estimate at the model's default step count."""
     by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        for key in DERIVED_FIELDS:
+            r.pop(key, None)
+
+    def ok_row(name: str) -> dict | None:
+        r = by_name.get(name)
+        return r if r is not None and r.get("status") == "ok" else None
 
     def median_of(name: str) -> float | None:
-        r = by_name.get(name)
-        return r["median_s"] if r is not None and r.get("status") == "ok" else None
+        r = ok_row(name)
+        return r["median_s"] if r is not None else None
 
-    base = median_of(BASELINE)
-    repeat = median_of(PlainDiffusersRepeat.family)
+    base_row, repeat_row = ok_row(BASELINE), ok_row(PlainDiffusersRepeat.family)
+    base, repeat = median_of(BASELINE), median_of(PlainDiffusersRepeat.family)
     if base and repeat:
-        by_name[BASELINE]["baseline_drift_pct"] = 100.0 * (repeat - base) / base
+        base_row["baseline_drift_pct"] = 100.0 * (repeat - base) / base
+    round_medians = (base_row or {}).get("round_medians_s") or []
+    if len(round_medians) >= 2:
+        base_row["baseline_round_spread_pct"] = (
+            100.0 * (max(round_medians) - min(round_medians)) / statistics.median(round_medians))
     for r in rows:
         if r.get("status") != "ok":
             continue
@@ -651,9 +961,14 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
         r["speedup_vs_diffusers_same_compile"] = same / r["median_s"] if same else None
         if r["family"] == "xstage-calibrated":
             r["speedup_vs_xstage_serial"] = serial / r["median_s"] if serial else None
-        if r["family"].startswith("xstage") and not r["compile"] and base and repeat:
-            # Not slower: no slower than the slower of the two baseline runs that bracket it.
-            r["not_slower_than_diffusers"] = r["median_s"] <= max(base, repeat)
+        if r["family"].startswith("xstage") and not r["compile"] and base_row is not None:
+            # Paired with the diffusers runs of the same round and prompt (at one round: the run before and
+            # the repeat after), so drift over the run cancels instead of reading as a speedup.
+            stats = ratio_verdict(paired_ratios(r, [x for x in (base_row, repeat_row) if x is not None]))
+            r.update(ratio_vs_diffusers=stats["ratio"], ratio_ci95=stats["ci95"], ratio_pairs=stats["pairs"],
+                     verdict=stats["verdict"])
+            if stats["pairs"]:
+                r["not_slower_than_diffusers"] = stats["verdict"] != "slower"
         if steps != default_steps:
             # Not measured: the measured latency plus the missing steps at the measured step time.
             r["latency_s_at_default_steps_extrapolated"] = (
@@ -662,13 +977,15 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
 
 def build_summary(rows: list[dict], settings: dict) -> dict:
     """Headline figures: per contender its status, median latency (s) and speedup over plain diffusers
-    on one GPU; with the settings they were measured at."""
+    on one GPU (and, where present, the baseline's drift and the eager xstage rows' verdicts); with the
+    settings they were measured at."""
     contenders = {}
     for r in rows:
         if r["status"] == "ok":
             contenders[r["name"]] = {"status": "ok", "median_latency_s": r["median_s"],
                                      "speedup_vs_diffusers_1gpu": r.get("speedup_vs_diffusers_1gpu")}
-            for key in ("baseline_drift_pct", "not_slower_than_diffusers"):
+            for key in ("baseline_drift_pct", "baseline_round_spread_pct", "not_slower_than_diffusers", "verdict",
+                        "ratio_vs_diffusers", "ratio_ci95"):
                 if key in r:
                     contenders[r["name"]][key] = r[key]
         else:
@@ -679,26 +996,48 @@ def build_summary(rows: list[dict], settings: dict) -> dict:
 
 TABLE_COLUMNS = ("name", "status", "median_s", "p90_s", "transformer_step_ms", "peak_memory_gib",
                  "speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
-                 "output_max_abs_diff_vs_diffusers", "note")
+                 "verdict", "output_max_abs_diff_vs_diffusers", "note")
 
 
 def add_notes(rows: list[dict], settings: dict) -> None:
     """Each row's ``note`` (a table column): why it has no numbers, or what else it carries (compile
-    mode, schedules, xfuser's degree-1 path, the default-steps estimate)."""
+    mode, schedules, xfuser's degree-1 path, the baseline's drift, a contender that left the rounds
+    early, the default-steps estimate)."""
     for r in rows:
         notes = []
         if r["status"] != "ok":
             notes.append(r.get("reason", ""))
+        if r.get("round_failure"):
+            notes.append(f"no later rounds after {r['round_failure']}")
         if r.get("compile_mode"):
             notes.append(f"compile: {r['compile_mode']}")
         if r.get("xfuser_naive_forward"):
             notes.append("xfuser at degree 1 runs the unmodified diffusers pipeline")
         if r.get("schedules"):
             notes.append("schedules: " + json.dumps(r["schedules"], ensure_ascii=False)[:300])
+        if "baseline_drift_pct" in r:
+            notes.append(f"drift {r['baseline_drift_pct']:+.1f}% by diffusers-repeat")
+        if "baseline_round_spread_pct" in r:
+            notes.append(f"round medians {', '.join(f'{m:.3f}' for m in r['round_medians_s'])} s "
+                         f"(spread {r['baseline_round_spread_pct']:.1f}%)")
         if "latency_s_at_default_steps_extrapolated" in r:
             notes.append(f"{r['latency_s_at_default_steps_extrapolated']:.2f} s at {settings['default_steps']} "
                          "steps (extrapolated from the measured step time, not measured)")
         r["note"] = "; ".join(n for n in notes if n).replace("|", "/").replace("\n", " ")
+
+
+def rounds_text(settings: dict) -> str:
+    """How the eager group was ordered: interleaved rounds, or once each with the A/B/A repeat."""
+    rounds = settings.get("rounds", 1)  # results written before --rounds existed: one round
+    if rounds < 2:
+        return ("diffusers-repeat: plain diffusers again after the eager xstage contenders (an A/B/A order), "
+                "a second baseline the xstage rows pair with.")
+    done = settings.get("rounds_completed", rounds)
+    stopped = f", stopped by the {settings['rounds_stopped']}" if settings.get("rounds_stopped") else ""
+    return (f"The eager diffusers and xstage contenders ran in {done} interleaved rounds ({rounds} requested"
+            f"{stopped}): each round applies, warms up, times every prompt and undoes each of them, in an order "
+            "rotated every round; median_s / p90_s are over all rounds and prompts. The torch.compile variants and "
+            "the other stacks ran once, after them (compiling again every round would cost minutes).")
 
 
 def notes_text(settings: dict) -> str:
@@ -714,9 +1053,12 @@ def notes_text(settings: dict) -> str:
         "transformer_step_ms: CUDA events around every transformer forward, summed per denoising step "
         "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
         "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
-        "speedup_vs_xstage_serial: the difference the calibrated schedule makes. diffusers-repeat: plain diffusers "
-        "again after the eager xstage contenders; an xstage row is not slower when its median is at most the "
-        "slower of the two diffusers runs.",
+        "speedup_vs_xstage_serial: the difference the calibrated schedule makes. " + rounds_text(s),
+        "",
+        "verdict (eager xstage rows): the geometric mean of the paired latency ratios xstage / diffusers (same "
+        "round, same prompt; below 1 = faster) with its 95% t-interval; \"slower\" or \"faster\" only when the "
+        "interval lies wholly above or below 1, else \"same within noise\". not_slower_than_diffusers (JSON): the "
+        "verdict is not \"slower\".",
         "",
         f"Command: `{s['command']}`",
     ])
@@ -751,16 +1093,48 @@ def bar_chart(rows: list[dict], settings: dict, gpu: str | None, path: Path) -> 
     return path
 
 
-def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bool) -> list[Path]:
-    """``<stem>.json`` + ``.md`` through the shared writer, and the bar chart ``<stem>.png``."""
+def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bool,
+              extra: dict | None = None) -> list[Path]:
+    """``<stem>.json`` + ``.md`` through the shared writer, and the bar chart ``<stem>.png``; ``extra``: more
+    top-level keys of the JSON (``provenance``)."""
     add_notes(rows, settings)
+    # The table's verdict cell carries the ratio and its interval; the JSON keeps them as separate fields.
+    table_rows = [dict(r, verdict=verdict_cell(r)) if "verdict" in r else r for r in rows]
     paths = list(write_results(stem, "e2e", rows, build_summary(rows, settings), columns=TABLE_COLUMNS,
-                               notes=notes_text(settings), env=env))
+                               notes=notes_text(settings), env=env, table_rows=table_rows, extra=extra))
     if chart:
-        png = bar_chart(rows, settings, env.get("gpu"), stem.with_suffix(".png"))
+        png = bar_chart(rows, settings, env.get("gpu"), stem.parent / f"{stem.name}.png")
         if png is not None:
             paths.append(png)
     return paths
+
+
+def rerender(path: str | Path) -> list[Path]:
+    """Recompute the comparisons, verdicts, summary and notes of a results JSON written by this script with
+    the current code, and rewrite its .json/.md/.png in place. Measures nothing: the measured fields
+    (latencies, step times, memory), the settings and the environment stay as they are; the JSON's
+    ``provenance.rerendered`` records the commit that recomputed them (earlier provenance is kept)."""
+    from benchmarks._common import git_commit
+    from xstage_dit.cli import UsageError
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {str(path)!r} "
+                         f"({_error(exc)})") from None
+    settings = doc.get("summary", {}).get("settings") if isinstance(doc, dict) else None
+    if not (isinstance(doc, dict) and doc.get("benchmark") == "e2e" and isinstance(doc.get("rows"), list)
+            and isinstance(settings, dict) and isinstance(doc.get("environment"), dict)):
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench (benchmark 'e2e' with "
+                         f"environment, rows and summary.settings), got {str(path)!r}")
+    rows = doc["rows"]
+    add_comparisons(rows, settings["default_steps"], settings["steps"])
+    extra = {k: v for k, v in doc.items() if k not in ("benchmark", "environment", "summary", "rows")}
+    extra["provenance"] = dict(doc.get("provenance") or {}, rerendered={
+        "at_commit": git_commit(), "what": "comparisons and verdicts recomputed from the measured latencies"})
+    stem = path.parent / path.name.removesuffix(".json")
+    return write_all(rows, settings, doc["environment"], stem, chart=True, extra=extra)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -816,6 +1190,10 @@ def run_benchmark(args: argparse.Namespace) -> int:
 
     t_start = time.perf_counter()
     bench_cli.validate(args)
+    if args.rerender:
+        for path in rerender(args.rerender):
+            print(f"[bench] rewrote {path}", flush=True)
+        return 0
     names = bench_cli.parse_contenders(args.contenders)
     try:
         spec = model_spec(args.model)
@@ -857,50 +1235,37 @@ def run_benchmark(args: argparse.Namespace) -> int:
         "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": bool(args.compile),
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
+        # measure_in_rounds counts the rounds every eager contender of our group completed.
+        "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
-    rows: list[dict] = []
+    report = Report(b, settings, env, stem)
+    contenders = make_contenders(names, args.compile, info.world_size, rounds=args.rounds)
+    # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
+    # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
+    interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]
+                   if args.rounds >= 2 else [])
     baseline_row, reference = None, None
-    for contender in make_contenders(names, args.compile, info.world_size):
-        reason = contender.info.get("skip_reason")
-        status = "skipped" if reason else None
-        if status is None:
-            reason = _agree(b, contender.check(b))
-            status = "cannot run" if reason else None
-        if status is None and contender.name != BASELINE:
-            cost = estimate_cost_s(b, contender, baseline_row)
-            left = b.seconds_left()
-            if cost is not None and cost > left:
-                status, reason = "skipped", f"time budget (needs ~{cost:.0f} s, {max(left, 0):.0f} s left)"
-            status, reason = _agree(b, (status, reason))
+    if interleaved:
+        baseline_row, reference = measure_in_rounds(b, interleaved, args.rounds, report)
+    for contender in contenders:
+        if contender in interleaved:
+            continue
+        status, reason = precheck(b, contender, baseline_row)
         if status is not None:
-            row = _row(contender, status, reason)
-            row.update({k: v for k, v in contender.info.items() if k != "skip_reason"})
-        else:
-            if not contender.accepts(b.dirty):
-                if info.rank == 0:
-                    print(f"[bench] rebuilding the pipeline (left modified by {b.dirty})", flush=True)
-                b.rebuild()
-                settings.setdefault("rebuilds_s", []).append(b.build_s)
-            if info.rank == 0:
-                print(f"[bench] {contender.name}: running", flush=True)
-            row, output = measure(b, contender, reference)
-            if contender.name == BASELINE and row["status"] == "ok":
-                baseline_row, reference = row, output
-        rows.append(row)
+            report.put(unmeasured_row(contender, status, reason))
+            continue
+        prepare_pipeline(b, contender, settings)
         if info.rank == 0:
-            detail = f"median {row['median_s']:.3f} s" if row["status"] == "ok" else row.get("reason", "")
-            print(f"[bench] {contender.name}: {row['status']} {detail}", flush=True)
-            add_comparisons(rows, spec.steps, steps)
-            settings["elapsed_s"] = time.perf_counter() - t_start
-            # Rewritten after every contender: a run cut short still leaves what it measured.
-            write_all(rows, settings, env, stem, chart=False)
-    if info.rank == 0:
-        for path in write_all(rows, settings, env, stem, chart=True):
-            print(f"[bench] wrote {path}", flush=True)
+            print(f"[bench] {contender.name}: running", flush=True)
+        row, output = measure(b, contender, reference)
+        if contender.name == BASELINE and row["status"] == "ok":
+            baseline_row, reference = row, output
+        report.put(row)
+    report.finish()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in rows)
+    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in report.rows)
     return 0 if base_ok or BASELINE not in names else 1
 
 

@@ -23,7 +23,10 @@
 # Knobs (environment): E2E_TOTAL_S (whole call, default 440), E2E_FLUX_S / E2E_NUCLEUS_S / E2E_WAN_S (soft
 # budgets per model, defaults 200 / 70 / 150), E2E_FLUX_PROMPTS (2), E2E_NUCLEUS_PROMPTS (2),
 # E2E_NUCLEUS_STEPS (4), E2E_WAN_STEPS (2), E2E_COMPILE_MODELS ("flux": models that also run the torch.compile
-# variants), E2E_COMPILE_FLUX (0 drops flux from that list),
+# variants), E2E_COMPILE_FLUX (0 drops flux from that list), E2E_FLUX_ROUNDS / E2E_NUCLEUS_ROUNDS / E2E_WAN_ROUNDS
+# (--rounds per model, defaults 2 / 4 / 1: interleaved rounds of the eager diffusers/xstage contenders, more where
+# a call is short and noisy; 1 = once each, with the A/B/A diffusers-repeat; rounds that no longer fit the soft
+# budget are dropped for every contender alike),
 # E2E_MODELS (default "nucleusmoe wan flux": the cheap models first, so FLUX's compile variants cannot starve them), WHEEL_DIRS (default: ./.whl and ../.whl), PYTHON (python3).
 # A dry run of this script on a CPU: E2E_SIZE=tiny E2E_DEVICE=cpu WHEEL_DIRS=none PYTHON=.venv/bin/python.
 set -uo pipefail
@@ -87,9 +90,9 @@ compile_models=" ${E2E_COMPILE_MODELS:-flux} "
 [ "${E2E_COMPILE_FLUX:-1}" = "1" ] || compile_models="${compile_models/ flux / }"
 compile_opt() { [[ "$compile_models" == *" $1 "* ]] && echo "--compile --compile-estimate-s ${E2E_COMPILE_ESTIMATE_S:-40}"; }
 declare -A opts=(
-  [flux]="--model $size-flux --num-prompts ${E2E_FLUX_PROMPTS:-2} $(compile_opt flux)"
-  [nucleusmoe]="--model $size-nucleusmoe --num-prompts ${E2E_NUCLEUS_PROMPTS:-2} --steps ${E2E_NUCLEUS_STEPS:-4} $(compile_opt nucleusmoe)"
-  [wan]="--model $size-wan --num-prompts 1 --steps ${E2E_WAN_STEPS:-2} $(compile_opt wan)"
+  [flux]="--model $size-flux --num-prompts ${E2E_FLUX_PROMPTS:-2} --rounds ${E2E_FLUX_ROUNDS:-2} $(compile_opt flux)"
+  [nucleusmoe]="--model $size-nucleusmoe --num-prompts ${E2E_NUCLEUS_PROMPTS:-2} --steps ${E2E_NUCLEUS_STEPS:-4} --rounds ${E2E_NUCLEUS_ROUNDS:-4} $(compile_opt nucleusmoe)"
+  [wan]="--model $size-wan --num-prompts 1 --steps ${E2E_WAN_STEPS:-2} --rounds ${E2E_WAN_ROUNDS:-1} $(compile_opt wan)"
 )
 models=(${E2E_MODELS:-nucleusmoe wan flux})
 status=0

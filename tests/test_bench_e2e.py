@@ -90,6 +90,8 @@ def test_transformer_timer_counts_each_forward_and_detaches():
         (["--steps", "0"], "--steps >= 1, got 0"),
         (["--num-prompts", "-1"], "--num-prompts >= 1, got -1"),
         (["--warmup", "-2"], "--warmup >= 0, got -2"),
+        (["--rounds", "0"], "--rounds >= 1, got 0"),
+        (["--rerender", "/nonexistent/e2e.json"], "/nonexistent/e2e.json"),
         (["--contenders", "diffusers,vllm"], "'diffusers,vllm'"),
         (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
         (["--model", "no-such-model"], "no-such-model"),
@@ -127,10 +129,13 @@ def test_help_lists_every_contender(capsys):
 # Results: summary, comparisons, run order, budget
 
 
-def _ok(name, median, step_s=0.1, compile=False):
+def _ok(name, median, step_s=0.1, compile=False, latencies=None):
     family = name.replace("+compile", "")
-    return {"name": name, "family": family, "compile": compile, "status": "ok",
-            "median_s": median, "p90_s": median, "transformer_step_ms": 1e3 * step_s, "warmup_s": 1.0}
+    row = {"name": name, "family": family, "compile": compile, "status": "ok",
+           "median_s": median, "p90_s": median, "transformer_step_ms": 1e3 * step_s, "warmup_s": 1.0}
+    if latencies is not None:
+        row["latencies_s"] = latencies
+    return row
 
 
 def test_summary_and_comparisons_are_the_measured_ratios():
@@ -147,14 +152,16 @@ def test_summary_and_comparisons_are_the_measured_ratios():
     by = summary["contenders"]
     assert summary["baseline"] == "diffusers" and summary["measured_at_steps"] == 4
     assert by["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
-    assert by["xstage-calibrated"] == {"status": "ok", "median_latency_s": 1.25, "speedup_vs_diffusers_1gpu": pytest.approx(1.6)}
+    assert by["xstage-calibrated"] == {"status": "ok", "median_latency_s": 1.25, "speedup_vs_diffusers_1gpu": pytest.approx(1.6),
+                                       "verdict": "not measured", "ratio_vs_diffusers": None, "ratio_ci95": None}
     assert by["xstage-serial+compile"]["speedup_vs_diffusers_1gpu"] == pytest.approx(2.5)
     assert by["xfuser-usp"] == {"status": "cannot run", "reason": "why"}
     rec = {r["name"]: r for r in records}
     assert rec["xstage-calibrated"]["speedup_vs_xstage_serial"] == pytest.approx(1.28)
     assert rec["xstage-serial+compile"]["speedup_vs_diffusers_same_compile"] == pytest.approx(1.25)
-    assert "baseline_drift_pct" not in rec["diffusers"]  # no repeat measured: no drift, no verdict
-    assert "not_slower_than_diffusers" not in rec["xstage-serial"]
+    assert "baseline_drift_pct" not in rec["diffusers"]  # no repeat measured: no drift
+    assert "not_slower_than_diffusers" not in rec["xstage-serial"]  # no latencies to pair: no claim either way
+    assert "verdict" not in rec["xstage-serial+compile"]  # verdicts are for the eager xstage rows
     # 24 missing steps at the measured 0.1 s/step, labelled as an extrapolation.
     assert rec["diffusers"]["latency_s_at_default_steps_extrapolated"] == pytest.approx(2.0 + 24 * 0.1)
 
@@ -168,6 +175,9 @@ def test_run_order_baseline_first_irreversible_last():
     order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
     assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
     assert len(order1) == len(set(order1)) == 11
+    # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
+    order_rounds = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1, rounds=2)]
+    assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
     # No xstage contender, no repeat.
     assert [c.name for c in bench.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
     skipped = bench.make_contenders(["diffusers"], False)
@@ -213,6 +223,8 @@ def test_budget_estimate_uses_the_measured_baseline():
     assert bench.estimate_cost_s(b, plain, None) is None  # nothing measured yet: run it
     assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0)
     assert bench.estimate_cost_s(b, compiled, baseline) == pytest.approx(1.0 + 3 * 2.0 + 100.0)
+    # Warm-up and runs every round; the compile once.
+    assert bench.estimate_cost_s(b, compiled, baseline, rounds=4) == pytest.approx(4 * (1.0 + 3 * 2.0) + 100.0)
     b.dirty = "xfuser-usp"  # a pristine pipeline has to be built again first
     assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
 
@@ -293,6 +305,9 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
             # Same seed, same prompt, world 1, fp32: the same image as plain diffusers.
             assert rows[name]["output_max_abs_diff_vs_diffusers"] < 1e-3
             assert isinstance(rows[name]["not_slower_than_diffusers"], bool)  # judged against the A/B/A baselines
+            assert rows[name]["ratio_pairs"] == 2  # one prompt, paired with diffusers and diffusers-repeat
+            assert rows[name]["verdict"] in ("slower", "faster", "same within noise")
+            assert f"| {rows[name]['verdict']} (" in stem.with_suffix(".md").read_text(encoding="utf-8")
         assert rows["diffusers-repeat"]["status"] == "ok" and "baseline_drift_pct" in rows["diffusers"]
 
     summary = record["summary"]
@@ -403,15 +418,275 @@ def test_measure_undoes_a_half_applied_contender():
     assert events == ["apply", "restore"]
 
 
-def test_repeat_baseline_gives_the_drift_and_the_not_slower_verdict():
-    records = [_ok("diffusers", 2.00), _ok("xstage-serial", 2.015), _ok("xstage-calibrated", 2.05),
-               _ok("diffusers-repeat", 2.02), _ok("xstage-serial+compile", 3.0, compile=True)]
+def test_repeat_baseline_gives_the_drift_and_the_paired_verdict():
+    records = [_ok("diffusers", 2.005, latencies=[2.00, 2.01]),
+               _ok("xstage-serial", 2.0175, latencies=[2.015, 2.02]),
+               _ok("xstage-calibrated", 2.405, latencies=[2.40, 2.41]),
+               _ok("diffusers-repeat", 2.025, latencies=[2.02, 2.03]),
+               _ok("xstage-serial+compile", 3.0, compile=True, latencies=[3.0, 3.0])]
     bench.add_comparisons(records, default_steps=4, steps=4)
     rec = {r["name"]: r for r in records}
-    assert rec["diffusers"]["baseline_drift_pct"] == pytest.approx(1.0)
-    assert rec["xstage-serial"]["not_slower_than_diffusers"] is True       # 2.015 <= max(2.00, 2.02)
-    assert rec["xstage-calibrated"]["not_slower_than_diffusers"] is False  # 2.05 > 2.02
-    assert "not_slower_than_diffusers" not in rec["xstage-serial+compile"]
+    assert rec["diffusers"]["baseline_drift_pct"] == pytest.approx(100 * 0.02 / 2.005)
+    serial, calibrated = rec["xstage-serial"], rec["xstage-calibrated"]
+    # 2 prompts x 2 baselines: x_p / diffusers_p and x_p / repeat_p.
+    assert serial["ratio_pairs"] == 4
+    assert serial["ratio_vs_diffusers"] == pytest.approx(
+        math.prod([2.015 / 2.00, 2.02 / 2.01, 2.015 / 2.02, 2.02 / 2.03]) ** 0.25)
+    assert serial["verdict"] == "same within noise" and serial["not_slower_than_diffusers"] is True
+    assert calibrated["verdict"] == "slower" and calibrated["not_slower_than_diffusers"] is False
+    assert calibrated["ratio_ci95"][0] > 1
+    assert "verdict" not in rec["xstage-serial+compile"] and "verdict" not in rec["diffusers"]
     summary = bench.build_summary(records, {"steps": 4})["contenders"]
     assert summary["xstage-calibrated"]["not_slower_than_diffusers"] is False
-    assert summary["diffusers"]["baseline_drift_pct"] == pytest.approx(1.0)
+    assert summary["xstage-calibrated"]["verdict"] == "slower"
+    assert summary["xstage-serial"]["ratio_ci95"] == serial["ratio_ci95"]
+    assert summary["diffusers"]["baseline_drift_pct"] == pytest.approx(rec["diffusers"]["baseline_drift_pct"])
+    # Derived fields are recomputed, never left stale: without the repeat, the pairs are with diffusers only.
+    records = [r for r in records if r["name"] != "diffusers-repeat"]
+    bench.add_comparisons(records, default_steps=4, steps=4)
+    assert "baseline_drift_pct" not in records[0] and records[1]["ratio_pairs"] == 2
+
+
+def test_the_h200_flux_run_reads_same_within_noise():
+    """FLUX on an H200: 5.041 / 5.064 / 5.050 s (diffusers, xstage-serial, diffusers-repeat) made the strict
+    median rule say "slower" for 0.3%; the paired interval says the difference is noise."""
+    records = [_ok("diffusers", 5.0412, latencies=[5.0418857421875, 5.04060400390625]),
+               _ok("xstage-serial", 5.0642, latencies=[5.04188916015625, 5.08658544921875]),
+               _ok("diffusers-repeat", 5.0498, latencies=[5.0382236328125, 5.0614443359375])]
+    bench.add_comparisons(records, default_steps=28, steps=28)
+    serial = records[1]
+    assert serial["median_s"] > max(records[0]["median_s"], records[2]["median_s"])  # the old rule: "slower"
+    assert serial["verdict"] == "same within noise" and serial["not_slower_than_diffusers"] is True
+    lo, hi = serial["ratio_ci95"]
+    assert lo < 1 < hi < 1.02
+    assert bench.verdict_cell(serial) == f"same within noise ({serial['ratio_vs_diffusers']:.3f}x, 95% CI {lo:.3f}-{hi:.3f})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The verdict's statistics
+
+
+def test_t95_table():
+    assert bench.t95(1) == pytest.approx(12.706)
+    assert bench.t95(10) == pytest.approx(2.228)
+    assert bench.t95(30) == pytest.approx(2.042)
+    assert bench.t95(31) == bench.t95(1000) == 1.96
+    assert all(a > b for a, b in zip(bench.T95_TWO_SIDED, bench.T95_TWO_SIDED[1:]))  # narrower with more df
+    with pytest.raises(ValueError, match="df >= 1, got 0"):
+        bench.t95(0)
+
+
+def test_ratio_verdict_interval_by_hand():
+    # logs 0 and ln 1.1: mean ln(1.1)/2, sd ln(1.1)/sqrt(2), se ln(1.1)/2, t(1) = 12.706.
+    out = bench.ratio_verdict([1.0, 1.1])
+    half = 12.706 * math.log(1.1) / 2
+    assert out["ratio"] == pytest.approx(math.sqrt(1.1))
+    assert out["ci95"] == pytest.approx([math.sqrt(1.1) * math.exp(-half), math.sqrt(1.1) * math.exp(half)])
+    assert out["pairs"] == 2 and out["verdict"] == "same within noise"
+
+
+def test_ratio_verdict_on_synthetic_pairs():
+    rng = np.random.default_rng(0)
+
+    def noise(n, sigma):  # n log-normal factors around 1
+        return np.exp(rng.normal(0.0, sigma, n))
+
+    slower = bench.ratio_verdict(list(1.10 * noise(8, 0.02)))
+    assert slower["verdict"] == "slower" and slower["ci95"][0] > 1 and slower["ratio"] == pytest.approx(1.10, rel=0.03)
+    faster = bench.ratio_verdict(list(0.80 * noise(8, 0.02)))
+    assert faster["verdict"] == "faster" and faster["ci95"][1] < 1
+    # Equal on average, +-15% per pair (the NucleusMoE spread): no verdict either way.
+    spread = noise(8, 0.15)
+    same = bench.ratio_verdict(list(spread / np.exp(np.log(spread).mean())))
+    assert same["verdict"] == "same within noise" and same["ci95"][0] < 1 < same["ci95"][1]
+    # Exactly equal latencies: a zero-width interval at 1, still "same".
+    assert bench.ratio_verdict([1.0, 1.0, 1.0]) == {"ratio": 1.0, "ci95": [1.0, 1.0], "verdict": "same within noise",
+                                                   "pairs": 3}
+    # One pair: no interval, and no "slower" from a single sample however large.
+    one = bench.ratio_verdict([1.5])
+    assert one["ci95"] is None and one["verdict"] != "slower" and one["ratio"] == pytest.approx(1.5)
+    assert bench.verdict_cell({"verdict": one["verdict"], "ratio_vs_diffusers": 1.5, "ratio_ci95": None}) == \
+        "same within noise (1.500x, one pair: no CI)"
+    assert bench.ratio_verdict([]) == {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
+    with pytest.raises(ValueError, match="positive finite"):
+        bench.ratio_verdict([1.0, 0.0])
+
+
+def test_paired_ratios_pair_the_same_round_and_prompt():
+    x = {"latencies_s": [1.0, 2.0, 3.0, 4.0]}  # 2 rounds x 2 prompts
+    base = {"latencies_s": [2.0, 2.0, 4.0, 8.0]}
+    assert bench.paired_ratios(x, [base]) == [0.5, 1.0, 0.75, 0.5]
+    # A contender that left after round 1 pairs its round only; a second baseline adds its own pairs.
+    assert bench.paired_ratios({"latencies_s": [1.0, 2.0]}, [base, {"latencies_s": [1.0, 4.0]}]) == [0.5, 1.0, 1.0, 0.5]
+    assert bench.paired_ratios({"latencies_s": []}, [base]) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interleaved rounds
+
+
+class _FakeXStage(bench.Contender):
+    """A reversible stand-in for an xstage contender on the fake pipeline; fails in the rounds listed."""
+
+    def __init__(self, family="xstage-serial", fail_in_rounds=()):
+        super().__init__(False)
+        self.family = family
+        self.fail_in_rounds = set(fail_in_rounds)
+        self.applied = 0
+
+    def apply(self, b):
+        self.applied += 1
+        if self.applied in self.fail_in_rounds:
+            raise RuntimeError(f"boom in round {self.applied}")
+
+
+def _settings(**over):
+    settings = {"model": "fake", "kind": "image", "family": "flux", "gpus": 1, "world_size": 1, "height": 8,
+                "width": 8, "frames": 1, "steps": 3, "default_steps": 3, "guidance": 1.0, "seed": 0,
+                "dtype": "float32", "num_prompts": 1, "prompts": ["a"], "warmup": 1, "warmup_steps": 1,
+                "command": "test", "rounds": 3, "rounds_completed": 0}
+    settings.update(over)
+    return settings
+
+
+def _rounds_run(tmp_path, group, rounds, seconds_left):
+    """measure_in_rounds on the fake pipeline (one prompt); ``seconds_left`` answers every budget question."""
+    import types
+
+    b = _fake_bench(prompts=["a"], spec=types.SimpleNamespace(steps=3))
+    b.seconds_left = seconds_left
+    report = bench.Report(b, _settings(rounds=rounds), {"git_commit": "test"}, tmp_path / "e2e-fake-1xcpu")
+    baseline_row, reference = bench.measure_in_rounds(b, group, rounds, report)
+    return report, baseline_row, reference
+
+
+def test_rounds_rotate_and_a_failure_is_not_retried(tmp_path, capsys):
+    failing_first = _FakeXStage("xstage-calibrated", fail_in_rounds={1})
+    failing_later = _FakeXStage("xstage-serial", fail_in_rounds={2})
+    group = [bench.PlainDiffusers(False), failing_later, failing_first]
+    report, baseline_row, reference = _rounds_run(tmp_path, group, 3, lambda: math.inf)
+    rows = {r["name"]: r for r in report.rows}
+    assert report.settings["rounds_completed"] == 3 and "rounds_stopped" not in report.settings
+    base = rows["diffusers"]
+    assert baseline_row is base and reference.shape == (2, 2, 3)
+    assert base["rounds"] == 3 and len(base["latencies_s"]) == len(base["round_medians_s"]) == 3
+    assert base["median_s"] == statistics.median(base["latencies_s"])
+    assert "baseline_round_spread_pct" in base
+    # Failed in round 1: a failed row, never applied again.
+    assert rows["xstage-calibrated"]["status"] == "failed" and "boom in round 1" in rows["xstage-calibrated"]["reason"]
+    assert failing_first.applied == 1
+    # Failed in round 2: keeps round 1, says why it has no more, pairs its one round with diffusers' round 1.
+    serial = rows["xstage-serial"]
+    assert serial["status"] == "ok" and serial["rounds"] == 1 and failing_later.applied == 2
+    assert serial["round_failure"].startswith("round 2: RuntimeError: boom in round 2")
+    assert serial["ratio_pairs"] == 1 and serial["verdict"] != "slower"
+    assert "no later rounds after round 2" in serial["note"]
+    # Round r starts at offset r mod 3.
+    running = [line.split(" (round")[0].removeprefix("[bench] ") for line in capsys.readouterr().out.splitlines()
+               if line.endswith(": running")]
+    assert running == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-serial", "diffusers", "diffusers"]
+    written = json.loads((tmp_path / "e2e-fake-1xcpu.json").read_text(encoding="utf-8"))
+    assert [r["name"] for r in written["rows"]] == ["diffusers", "xstage-serial", "xstage-calibrated"]
+
+
+def test_rounds_stop_for_everyone_when_the_next_does_not_fit(tmp_path):
+    answers = iter([math.inf, 1e6, 0.0])  # round 1's budget check of xstage, before round 2, before round 3
+    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    report, _, _ = _rounds_run(tmp_path, group, 4, lambda: next(answers))
+    rows = {r["name"]: r for r in report.rows}
+    assert report.settings["rounds_completed"] == 2
+    assert report.settings["rounds_stopped"].startswith("time budget: round 3 needs ~")
+    assert rows["diffusers"]["rounds"] == rows["xstage-serial"]["rounds"] == 2
+    assert rows["xstage-serial"]["ratio_pairs"] == 2
+    md = (tmp_path / "e2e-fake-1xcpu.md").read_text(encoding="utf-8")
+    assert "ran in 2 interleaved rounds (4 requested, stopped by the time budget: round 3" in md
+
+
+def test_a_first_round_that_does_not_fit_is_skipped(tmp_path):
+    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    report, _, _ = _rounds_run(tmp_path, group, 2, lambda: 0.0)
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["diffusers"]["status"] == "ok"  # the baseline is never skipped for time
+    assert rows["xstage-serial"]["status"] == "skipped" and rows["xstage-serial"]["reason"].startswith("time budget")
+    assert report.settings["rounds_completed"] == 1  # round 2 of the baseline alone did not fit either
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end in rounds, and --rerender (one tiny run shared by both)
+
+
+@pytest.fixture(scope="module")
+def rounds_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rounds")
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main(["bench", "--model", "tiny-flux", "--num-prompts", "1", "--steps", "1", "--rounds", "2",
+                       "--contenders", "diffusers,xstage-serial,xstage-calibrated", "--out-dir", str(out)])
+    assert rc == 0, stdout.getvalue()[-3000:]
+    return out / "e2e-tiny-flux-1xcpu.json", stdout.getvalue()
+
+
+def test_rounds_end_to_end_tiny_flux(rounds_run):
+    path, stdout = rounds_run
+    record = json.loads(path.read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in record["rows"]}
+    assert "diffusers-repeat" not in rows  # the rounds interleave instead of A/B/A
+    settings = record["summary"]["settings"]
+    assert (settings["rounds"], settings["rounds_completed"]) == (2, 2)
+    base = rows["diffusers"]
+    assert base["status"] == "ok" and base["rounds"] == 2
+    assert len(base["latencies_s"]) == 2 * 1 and len(base["round_medians_s"]) == 2
+    assert base["round_medians_s"] == base["latencies_s"]  # one prompt: a round's median is its one run
+    assert "baseline_round_spread_pct" in base and "baseline_drift_pct" not in base
+    assert "output_max_abs_diff_vs_diffusers" not in base  # the reference itself
+    assert "[bench] xstage-serial (round 2/2): running" in stdout
+    if _patches_importable():
+        for name in ("xstage-serial", "xstage-calibrated"):
+            row = rows[name]
+            assert row["status"] == "ok" and row["rounds"] == 2 and len(row["latencies_s"]) == 2, row
+            assert row["ratio_pairs"] == 2 and row["verdict"] in ("slower", "faster", "same within noise")
+            assert len(row["ratio_ci95"]) == 2 and row["not_slower_than_diffusers"] == (row["verdict"] != "slower")
+            assert record["summary"]["contenders"][name]["verdict"] == row["verdict"]
+            assert row["output_max_abs_diff_vs_diffusers"] < 1e-3
+    md = path.with_suffix(".md").read_text(encoding="utf-8")
+    assert "| verdict |" in md and "ran in 2 interleaved rounds (2 requested)" in md
+
+
+def test_rerender_recomputes_without_measuring(rounds_run, tmp_path, capsys):
+    source, _ = rounds_run
+    path = tmp_path / source.name
+    record = json.loads(source.read_text(encoding="utf-8"))
+    measured = {r["name"]: (r.get("median_s"), r.get("latencies_s"), r.get("round_medians_s")) for r in record["rows"]}
+    # What an older version wrote: the strict rule's field, no verdicts; and provenance of its own.
+    for row in record["rows"]:
+        for key in ("verdict", "ratio_vs_diffusers", "ratio_ci95", "ratio_pairs"):
+            row.pop(key, None)
+        if row["name"].startswith("xstage"):
+            row["not_slower_than_diffusers"] = "stale"
+    record["provenance"] = {"measured": "on the device"}
+    path.write_text(json.dumps(record), encoding="utf-8")
+
+    assert cli.main(["bench", "--rerender", str(path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.stem + s for s in (".json", ".md", ".png")]
+    new = json.loads(path.read_text(encoding="utf-8"))
+    assert {r["name"]: (r.get("median_s"), r.get("latencies_s"), r.get("round_medians_s")) for r in new["rows"]} == measured
+    assert new["environment"] == record["environment"] and new["summary"]["settings"] == record["summary"]["settings"]
+    assert new["provenance"]["measured"] == "on the device"
+    rerendered = new["provenance"]["rerendered"]
+    assert rerendered["at_commit"] and rerendered["what"] == "comparisons and verdicts recomputed from the measured latencies"
+    if _patches_importable():
+        serial = next(r for r in new["rows"] if r["name"] == "xstage-serial")
+        assert serial["not_slower_than_diffusers"] is (serial["verdict"] != "slower") and serial["ratio_pairs"] == 2
+    assert "rewrote" in capsys.readouterr().out
+
+
+def test_rerender_refuses_other_json(tmp_path, capsys):
+    path = tmp_path / "flux-step.json"
+    path.write_text(json.dumps({"benchmark": "flux-step", "rows": []}), encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--rerender", str(path)])
+    assert exc.value.code == 2
+    assert "expected --rerender to be a results JSON written by xstage-dit bench" in capsys.readouterr().err

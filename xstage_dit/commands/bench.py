@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=1,
                         help="denoising steps of a warm-up generation: every step runs the same kernels, so one step "
                              "warms up (and compiles) everything (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the eager diffusers and xstage contenders in N interleaved rounds (each round "
+                             "applies, warms up, times every prompt and undoes each of them, in an order rotated "
+                             "every round), so drift of the GPU over the run hits them all alike; the compiled "
+                             "variants and the other stacks still run once. 1 = once each, with plain diffusers "
+                             "repeated after the xstage contenders (default: %(default)s)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="weights and activations; auto = bf16 on a GPU, fp32 on the CPU (default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
@@ -78,6 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile time assumed by the budget check for a torch.compile variant (default: %(default)s)")
     parser.add_argument("--out-dir", default=str(REPO_ROOT / "benchmarks" / "results"),
                         help="where e2e-<model>-<gpus>x<gpu>.{json,md,png} go (default: benchmarks/results)")
+    parser.add_argument("--rerender", metavar="PATH.json", default=None,
+                        help="measure nothing: recompute the comparisons, verdicts, summary and notes of a results "
+                             "JSON written by this benchmark with the current code, and rewrite its .json/.md/.png "
+                             "in place (the measured numbers stay as they are; the other options are ignored)")
 
 
 def parse_contenders(text: str) -> list[str]:
@@ -97,10 +107,12 @@ def validate(args: argparse.Namespace) -> None:
 
     positive = {"--steps": args.steps, "--num-prompts": args.num_prompts, "--gpus": args.gpus,
                 "--height": args.height, "--width": args.width, "--frames": args.frames,
-                "--warmup-steps": args.warmup_steps}
+                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds}
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise UsageError(f"expected {flag} >= 1, got {value}")
+    if args.rerender is not None and not Path(args.rerender).is_file():
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {args.rerender!r}")
     if args.warmup < 0:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:
