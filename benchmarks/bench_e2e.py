@@ -869,8 +869,8 @@ def ratio_verdict(ratios: Sequence[float]) -> dict:
 
     The log ratios' mean m and standard error s/sqrt(n) give the 95% t-interval exp(m ± t95(n-1)·s/sqrt(n))
     of the geometric-mean ratio: "slower" when it lies wholly above 1, "faster" wholly below 1, else "same
-    within noise" (also with a single pair, which has no interval); "not measured" without pairs. Logs,
-    because latencies scale: 1.1 and 1/1.1 cancel.
+    within noise"; "one pair: no verdict" with a single pair (no spread, so no noise to compare with);
+    "not measured" without pairs. Logs, because latencies scale: 1.1 and 1/1.1 cancel.
 
     Returns ``{"ratio": geometric mean | None, "ci95": [lo, hi] | None, "verdict": str, "pairs": n}``.
 
@@ -887,7 +887,7 @@ def ratio_verdict(ratios: Sequence[float]) -> dict:
         return {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
     mean = statistics.fmean(logs)
     if n == 1:
-        return {"ratio": math.exp(mean), "ci95": None, "verdict": "same within noise", "pairs": 1}
+        return {"ratio": math.exp(mean), "ci95": None, "verdict": "one pair: no verdict", "pairs": 1}
     half = t95(n - 1) * statistics.stdev(logs) / math.sqrt(n)
     lo, hi = math.exp(mean - half), math.exp(mean + half)
     verdict = "slower" if lo > 1 else "faster" if hi < 1 else "same within noise"
@@ -895,14 +895,20 @@ def ratio_verdict(ratios: Sequence[float]) -> dict:
 
 
 def paired_ratios(row: dict, baselines: Sequence[dict]) -> list[float]:
-    """``x_i / base_i`` for every sample i that ``row`` shares with each baseline row, in order.
+    """``x_i / base_i`` for every sample i that ``row`` shares with the baseline rows, in order.
 
     Rows keep their samples round by round, prompt by prompt, so index i is the same (round, prompt) in
     both; a contender that left the rounds early pairs the rounds it has. With several baselines (at one
-    round: diffusers before and diffusers-repeat after) every sample pairs with each of them.
+    round: diffusers before and diffusers-repeat after, an A/B/A bracket) base_i is their geometric mean:
+    one pair per sample, since pairing one xstage sample with each baseline would count it twice and
+    narrow the interval without any new measurement.
     """
     latencies = row.get("latencies_s") or []
-    return [x / base for baseline in baselines for x, base in zip(latencies, baseline.get("latencies_s") or [])]
+    series = [baseline.get("latencies_s") or [] for baseline in baselines]
+    if not series:
+        return []
+    n = min([len(latencies)] + [len(s) for s in series])
+    return [latencies[i] / math.exp(statistics.fmean(math.log(s[i]) for s in series)) for i in range(n)]
 
 
 def verdict_cell(row: dict) -> str:
@@ -967,7 +973,7 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
             stats = ratio_verdict(paired_ratios(r, [x for x in (base_row, repeat_row) if x is not None]))
             r.update(ratio_vs_diffusers=stats["ratio"], ratio_ci95=stats["ci95"], ratio_pairs=stats["pairs"],
                      verdict=stats["verdict"])
-            if stats["pairs"]:
+            if stats["pairs"] >= 2:  # one pair has no spread: no claim either way
                 r["not_slower_than_diffusers"] = stats["verdict"] != "slower"
         if steps != default_steps:
             # Not measured: the measured latency plus the missing steps at the measured step time.

@@ -3,7 +3,10 @@
 #   1. the calibration with the joint R/Q fit (issue #3: both targets' issue-time MAPE),
 #   2. the MoE GPU tests with TMA descriptors as the kernel's default,
 #   3. end-to-end NucleusMoE and FLUX with interleaved rounds (issue #8's noise-aware verdict),
-#   4. the MoE kernel's default config against the pointer path (NucleusMoE shape).
+#   4. (RUN_MOE_DEFAULT=1) the MoE kernel's default config against the pointer path (NucleusMoE shape).
+# Wan runs in a call of its own right after this one (the device idles out after 30 s):
+#   E2E_MODELS=wan E2E_COMPILE_MODELS=wan E2E_WAN_ROUNDS=2 E2E_TOTAL_S=400 E2E_WAN_S=360 E2E_COMPILE_ESTIMATE_S=15 \
+#     OUT=$OUT XSTAGE_GIT_COMMIT=sha bash benchmarks/run_e2e_gpu.sh
 # Each step has its own time limit, so a slow step cannot starve the later ones; everything lands in
 # $OUT/pending.tgz plus the e2e tables (at most 8 files come back from a device call).
 #   OUT=dir XSTAGE_GIT_COMMIT=sha bash benchmarks/run_pending_gpu.sh      (carry .whl)
@@ -34,6 +37,7 @@ E2E_MODELS="${E2E_MODELS:-nucleusmoe flux}" E2E_COMPILE_MODELS="${E2E_COMPILE_MO
 echo "exit $?"; grep -E "^\[bench\]" "$P/e2e.log" | tail -30
 pack
 
+[ "${RUN_MOE_DEFAULT:-0}" = "1" ] || exit 0
 echo "== 4. MoE default config (NucleusMoE shape)"
 timeout "${MOE_S:-50}" python3 benchmarks/bench_moe_combine.py --shapes nucleusmoe --worlds 1,4 --leads 0,2 \
   --configs default,m128n128n128k64w8s3 --budget-s "${MOE_BUDGET_S:-40}" --out "$P/moe-default-h200" \
