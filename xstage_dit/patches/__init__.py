@@ -245,6 +245,7 @@ def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
+    from xstage_dit.patches.compile_fixes import fix_grouped_mm_offsets
     from xstage_dit.patches.expert_parallel import apply_expert_parallel
     from xstage_dit.patches.sequence_parallel import apply_sequence_parallel
 
@@ -253,6 +254,8 @@ def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
         undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group)
         handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
+    # MoE layers that stay diffusers' own (ep = 1) get the torch.compile work-around of compile_fixes.
+    handle._undo.append(fix_grouped_mm_offsets(transformer)[0])
 
     spec = plan.build_sp(transformer)
     handle._undo.append(
