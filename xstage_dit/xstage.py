@@ -371,6 +371,18 @@ def fit_t_iss0_free(
     return FitResult(fit.value, fit.rel_rms_error, fit.num_points, note), keep
 
 
+def _golden_min(f, lo: float, hi: float, iterations: int = 50) -> float:
+    """The argument in [lo, hi] where the unimodal ``f`` is smallest, by golden-section search."""
+    phi = (math.sqrt(5) - 1) / 2
+    for _ in range(iterations):
+        x1, x2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
+        if f(x1) <= f(x2):
+            hi = x2
+        else:
+            lo = x1
+    return (lo + hi) / 2
+
+
 def fit_capacity(
     volumes: Sequence[float],
     isolated_issue_times: Sequence[float],
@@ -405,15 +417,7 @@ def fit_capacity(
     candidates += [vmax * i / 4000.0 for i in range(4001)]
     best = min(candidates, key=err)
     # refine around the best grid point by golden-section search on the bracket
-    lo, hi = max(0.0, best - vmax / 4000.0), best + vmax / 4000.0
-    phi = (math.sqrt(5) - 1) / 2
-    for _ in range(60):
-        a, b = hi - phi * (hi - lo), lo + phi * (hi - lo)
-        if err(a) <= err(b):
-            hi = b
-        else:
-            lo = a
-    q = min((best, (lo + hi) / 2), key=err)
+    q = min((best, _golden_min(err, max(0.0, best - vmax / 4000.0), best + vmax / 4000.0, 60)), key=err)
     pred = [max(t0, (v - q) / r) for v, t0 in zip(vs, t0s)]
     return FitResult(q, _rel_rms(pred, ts), len(vs), f"knee fit over {len(backed)} backed-up points")
 
@@ -461,21 +465,10 @@ def fit_drain_capacity(
     # Refine (1/R, Q) by alternating golden-section searches around the line fit.
     inv_r, q = a, max(0.0, -b / a)
     vmax = max(vs)
-    phi = (math.sqrt(5) - 1) / 2
-
-    def golden(f, lo: float, hi: float) -> float:
-        for _ in range(50):
-            x1, x2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
-            if f(x1) <= f(x2):
-                hi = x2
-            else:
-                lo = x1
-        return (lo + hi) / 2
-
     for _ in range(8):
-        cand = golden(lambda x: err(x, q), inv_r * 0.5, inv_r * 2.0)
+        cand = _golden_min(lambda x: err(x, q), inv_r * 0.5, inv_r * 2.0)
         inv_r = min((inv_r, cand), key=lambda x: err(x, q))
-        cand = golden(lambda x: err(inv_r, x), 0.0, vmax)
+        cand = _golden_min(lambda x: err(inv_r, x), 0.0, vmax)
         q = min((q, cand), key=lambda x: err(inv_r, x))
     rms = math.sqrt(err(inv_r, q) / len(vs))
     note = f"joint fit of R and Q on the isolated law over {len(vs)} points ({len(backed)} backed up)"
