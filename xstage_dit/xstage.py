@@ -297,6 +297,19 @@ def fit_drain_rate(volumes: Sequence[float], zero_gap_periods: Sequence[float]) 
     return FitResult(r, _rel_rms([v / r for v in vs], ts), len(vs))
 
 
+def _rel_line_fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
+    """(intercept, slope) of the line ``y = c + m*x`` minimising ``sum(((c + m*x) - y) / y)^2``: least
+    squares with weights ``1/y^2``. Needs at least two distinct x."""
+    w = [1.0 / (y * y) for y in ys]
+    sw = sum(w)
+    swx = sum(wi * x for wi, x in zip(w, xs))
+    swy = sum(wi * y for wi, y in zip(w, ys))
+    swxx = sum(wi * x * x for wi, x in zip(w, xs))
+    swxy = sum(wi * x * y for wi, x, y in zip(w, xs, ys))
+    det = sw * swxx - swx * swx
+    return (swxx * swy - swx * swxy) / det, (sw * swxy - swx * swy) / det
+
+
 def fit_t_iss0(volumes: Sequence[float], plateau_issue_times: Sequence[float]) -> FitResult:
     """``T_iss0(V) = t0 + V / issue_rate`` from large-gap (plateau) issue times.
 
@@ -313,19 +326,10 @@ def fit_t_iss0(volumes: Sequence[float], plateau_issue_times: Sequence[float]) -
 
     if len(set(vs)) < 2:
         return proportional()
-    # Minimise sum(((t0 + b*V) - T)/T)^2: weights w = 1/T^2.
-    w = [1.0 / (t * t) for t in ts]
-    sw = sum(w)
-    swv = sum(wi * v for wi, v in zip(w, vs))
-    swt = sum(wi * t for wi, t in zip(w, ts))
-    swvv = sum(wi * v * v for wi, v in zip(w, vs))
-    swvt = sum(wi * v * t for wi, v, t in zip(w, vs, ts))
-    det = sw * swvv - swv * swv
-    t0 = (swvv * swt - swv * swvt) / det
-    b = (sw * swvt - swv * swt) / det
+    t0, b = _rel_line_fit(vs, ts)
     if t0 < 0 or b <= 0:
         if b <= 0 and t0 > 0:  # flat: issue time independent of V within noise
-            t_mean = swt / sw
+            t_mean = sum(1.0 / t for t in ts) / sum(1.0 / (t * t) for t in ts)  # relative-LS constant
             return FitResult((t_mean, math.inf), _rel_rms([t_mean] * len(ts), ts), len(vs), "constant")
         return proportional()
     return FitResult((t0, 1.0 / b), _rel_rms([t0 + b * v for v in vs], ts), len(vs), "affine")
@@ -447,15 +451,8 @@ def fit_drain_capacity(
     backed = [i for i in range(len(vs)) if ts[i] > t0s[i] * (1.0 + backed_up_tol)]
     if len({vs[i] for i in backed}) < 2:
         return None
-    # T = a*V + b over the backed-up points, minimising relative residuals (weights 1/T^2).
-    w = [1.0 / ts[i] ** 2 for i in backed]
-    sw = sum(w)
-    swv = sum(wi * vs[i] for wi, i in zip(w, backed))
-    swt = sum(wi * ts[i] for wi, i in zip(w, backed))
-    swvv = sum(wi * vs[i] ** 2 for wi, i in zip(w, backed))
-    swvt = sum(wi * vs[i] * ts[i] for wi, i in zip(w, backed))
-    a = (sw * swvt - swv * swt) / (sw * swvv - swv * swv)
-    b = (swt - a * swv) / sw
+    # T = b + a*V over the backed-up points (the line V/R - Q/R), minimising relative residuals.
+    b, a = _rel_line_fit([vs[i] for i in backed], [ts[i] for i in backed])
     if a <= 0:
         return None  # issue time does not grow with V among the backed-up points: no drain rate to read
 
