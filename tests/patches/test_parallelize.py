@@ -60,7 +60,7 @@ def test_config_rejects_bad_values(kwargs, match):
 
 
 def test_split_rule_is_the_ops_rule():
-    from xstage_dit.ops.attention.op import shard_bounds
+    from xstage_dit.ops.attention import shard_bounds
     from xstage_dit.patches.sharding import split_offsets, split_sizes
 
     for total in range(0, 40):
