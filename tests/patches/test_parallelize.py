@@ -242,7 +242,8 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         eager, compiled = results["flux"], results["flux-compile"]
         assert compiled["schedule_choices"] == eager["schedule_choices"] != {}, (eager, compiled)
         assert compiled["op_schedules"] == eager["op_schedules"] == sorted(set(eager["schedule_choices"].values()))
-    assert "local" in paths["wan"]  # cross-attention to the replicated text: no exchange
+    # (Wan's cross-attention to the replicated text: diffusers hands the backend no parallel config there,
+    # so it is plain local attention outside any handle; its correctness is max_abs_parallel above.)
     assert results["nucleusmoe"]["moe_layers"] >= 1 and results["hidream"]["moe_layers"] >= 1
     if world == 4:
         assert results["hidream-cfg"]["moe_layers"] >= 1  # sp=2, ep=2, cfg=2
