@@ -40,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
 
     from benchmarks.bench_calibration import markdown
-    from xstage_dit.calibration.runner import CalibrationResult, fit_sweep
+    from xstage_dit.calibration import CalibrationResult, fit_sweep
     from xstage_dit.cli.calibrate import draw_plots, format_table
 
     raw = json.loads(Path(args.raw).read_text())

@@ -5,7 +5,8 @@ above it. One module per chooser: `attention`, `moe_tiles`; `choices` holds `Sch
 """
 
 from xstage_dit.schedule.attention import choose_attention_schedule
-from xstage_dit.schedule.choices import ScheduleChoice, choose_moe_lead
+from xstage_dit.schedule.choices import ScheduleChoice
 from xstage_dit.schedule.facts import DeviceFacts
+from xstage_dit.schedule.moe_tiles import choose_moe_lead
 
 __all__ = ["DeviceFacts", "ScheduleChoice", "choose_attention_schedule", "choose_moe_lead"]

@@ -29,7 +29,8 @@ class ScheduleChoice:
 
 
 def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
-    """Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.schedule.moe_tiles.choose_moe_lead``."""
+    """(Kept for ``ops.moe``'s callers; the chooser lives in `moe_tiles`, importable from ``xstage_dit.schedule``.)
+    Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.schedule.moe_tiles.choose_moe_lead``."""
     from xstage_dit.schedule.moe_tiles import choose_moe_lead as _choose
 
     return _choose(xparams, **shape)

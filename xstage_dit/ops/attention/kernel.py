@@ -1,6 +1,6 @@
 """Triton FlashAttention forward whose epilogue stores each output tile through a destination table.
 
-Device code only knows pointers, strides and sizes; `ulysses_attention.py` owns the torch-facing API.
+Device code only knows pointers, strides and sizes; `table.py` and the package `__init__` own the torch-facing API.
 
 The kernel computes full (non-causal) attention for the heads held by this rank over the whole
 (padded) sequence and writes output row `m` of local head `h` straight into the buffer of the rank
