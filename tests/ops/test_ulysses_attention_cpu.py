@@ -81,10 +81,13 @@ def test_custom_op_opcheck_and_fake():
         assert out.shape == fq.shape and out.dtype == fq.dtype
 
 
-def test_compile_traces_the_op():
+@pytest.mark.parametrize("schedule, xparams", [("serial", None), ("auto", None), ("auto", XStageParams.reference())])
+def test_compile_traces_the_op(schedule, xparams):
+    # "auto" resolves at trace time (the same function eager calls), so the graph holds the op and nothing else
+    torch._dynamo.reset()
     q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
-    fn = torch.compile(lambda a, b, c: ulysses_attention(a * 2.0, b, c, schedule="serial"), backend="eager",
-                       fullgraph=True)
+    fn = torch.compile(lambda a, b, c: ulysses_attention(a * 2.0, b, c, schedule=schedule, xparams=xparams),
+                       backend="eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), attention_reference(q * 2.0, k, v), rtol=1e-5, atol=1e-5)
 
 

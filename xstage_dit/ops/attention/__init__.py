@@ -73,6 +73,17 @@ def _log_auto(key: tuple, name: str, reason: str) -> None:
     log.info("ulysses_attention %s: schedule %s (%s)", key, name, reason)
 
 
+@torch.compiler.assume_constant_result
+def _auto_schedule(xparams, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
+                   dtype: torch.dtype, device: torch.device) -> str:
+    # Under torch.compile, Dynamo runs this at trace time and bakes the name into the graph: eager and
+    # compiled calls resolve "auto" in this one place, logged once per shape.
+    choice = resolve_attention_schedule(xparams, batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
+                                        world_size=world_size, dtype=dtype, device=device)
+    _log_auto((batch, seq_len, heads, head_dim, world_size, str(dtype)), choice.name, choice.reason)
+    return choice.name
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str = "auto",
                       scale: float | None = None, seq_len: int | None = None, xparams=None) -> torch.Tensor:
     """Sequence-parallel (Ulysses) attention over the ranks of ``group``.
@@ -96,9 +107,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         rank, world_size = world_of(group)
         seq_len = check_inputs(q, k, v, rank, world_size, seq_len)
         batch, _, heads, head_dim = q.shape
-        choice = resolve_attention_schedule(xparams, batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
-                                            world_size=world_size, dtype=q.dtype, device=q.device)
-        _log_auto((batch, seq_len, heads, head_dim, world_size, str(q.dtype)), choice.name, choice.reason)
-        schedule = choice.name
+        schedule = _auto_schedule(xparams, int(batch), int(seq_len), int(heads), int(head_dim), world_size, q.dtype,
+                                  q.device)
     return torch.ops.xstage_dit.ulysses_attention(q, k, v, group_name(group), schedule,
                                                   None if scale is None else float(scale), seq_len)
