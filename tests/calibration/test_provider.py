@@ -91,6 +91,17 @@ def test_loading_goes_through_the_cache_unless_measuring_is_allowed(monkeypatch)
     assert calls[-1] == ("measure", True)
 
 
+def test_other_ranks_read_rank_0s_cache_and_never_measure(world_of_two, monkeypatch):
+    calls = []
+    monkeypatch.setattr(provider.dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(provider, "_gpu_indices", lambda device, group: [0, 0])
+    monkeypatch.setattr(provider, "machine_key", lambda device: {"gpu": "fake"})
+    monkeypatch.setattr(provider, "load_cache", lambda key: calls.append("cache") or FakeResult({"local": LOCAL}))
+    monkeypatch.setattr(provider, "load_or_calibrate", lambda device, quick: calls.append("measure"))
+    chosen = params_for(torch.device("cuda", 0), None, allow_measure=True)
+    assert chosen.params is LOCAL and calls == ["cache"]
+
+
 def test_a_failed_measurement_is_a_reason_not_an_exception(monkeypatch, caplog):
     def broken(device, quick):
         raise RuntimeError("burst kernel crashed")

@@ -127,7 +127,9 @@ def params_for(device: torch.device | str | None, group=None, *, allow_measure: 
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()  # rank 0's measurement is cached before anyone else looks
         if rank != 0:
-            loaded = _load(dev, allow_measure)
+            # Read what rank 0 cached (the machine key holds no device index): never a second measurement,
+            # also when rank 0's failed.
+            loaded = _load(dev, allow_measure=False)
         if isinstance(loaded, str):
             return ChosenParams(None, target, f"no calibration ({loaded})")
         result = loaded

@@ -7,7 +7,8 @@
     handle.restore()                                                         # the original pipeline again
 
 One module per concern: `config` (ParallelConfig), `groups` (process groups), `sharding` (the split
-rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `expert_parallel` (EP MoE
+rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `attention_schedules` (the
+schedule per shape, from the params `calibration.params_for` gives once), `expert_parallel` (EP MoE
 layers), `cfg_parallel` (guidance branches), `plans` (model registry), `_diffusers_private` (the only
 user of private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
