@@ -1,7 +1,7 @@
 """Schedule choice: turns calibrated X-Stage params and a layer shape into the schedule a fused op runs,
 with the reason (DESIGN §2, "How the two kernels use the test").
 
-Each op adds its chooser here (``choose_attention_schedule``, ``choose_moe_lead``); all return a
+Each op has its chooser (``choose_attention_schedule`` here; the MoE path and lead in ``schedule/moe.py``); all return a
 ``ScheduleChoice``. Without a calibration (``xparams=None``, e.g. on the CPU) a chooser still returns a
 choice whose reason says so.
 """
@@ -123,12 +123,3 @@ def choose_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int, 
         "fused", f"design test holds ({shape}): {test.reason}; predicted fused {t_fused * 1e6:.0f} us "
         f"<= serial {t_serial * 1e6:.0f} us", params)
 
-
-# ------------------------------------------------------------------------------------------ MoE combine
-
-
-def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
-    """Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.ops.moe_schedule.choose_moe_lead``."""
-    from xstage_dit.schedule.moe_tiles import choose_moe_lead as _choose
-
-    return _choose(xparams, **shape)
