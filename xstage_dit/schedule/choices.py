@@ -1,9 +1,9 @@
 """Schedule choice: turns calibrated X-Stage params and a layer shape into the schedule a fused op runs,
 with the reason (DESIGN §2, "How the two kernels use the test").
 
-Each op has its chooser (``choose_attention_schedule`` here; the MoE path and lead in ``schedule/moe.py``); all return a
-``ScheduleChoice``. Without a calibration (``xparams=None``, e.g. on the CPU) a chooser still returns a
-choice whose reason says so.
+Each op has its chooser: ``choose_attention_schedule`` here, the MoE path and lead in ``schedule/moe.py``
+(its steps return a ``ScheduleChoice`` too). Without a calibration (``xparams=None``, e.g. on the CPU) a
+chooser still returns a choice whose reason says so.
 """
 
 from __future__ import annotations
