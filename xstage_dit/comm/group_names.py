@@ -1,5 +1,7 @@
-"""Process groups by name, for torch custom ops: a ``ProcessGroup`` cannot cross the op boundary, so a
-caller passes ``group_name(group)`` (a string) and the op's implementation calls ``resolve_group(name)``.
+"""Process groups by name, for torch custom ops.
+
+A ``ProcessGroup`` cannot cross the op boundary, so a caller passes ``group_name(group)`` (a string) and the
+op's implementation calls ``resolve_group(name)``.
 
     name = group_name(group)          # "" for None (the default group)
     assert resolve_group(name) is group

@@ -1,4 +1,5 @@
-"""Expert-parallel MoE ops, one module per concern:
+"""Expert-parallel MoE ops, one module per concern.
+
 
 - ``config``: ``MoEKernelConfig`` (tile and launch shape of the persistent kernel);
 - ``plan``: ``EPPlan`` / ``build_ep_plan`` (every offset from the all-gathered count matrix);

@@ -1,5 +1,6 @@
-"""The MoE fast ops as torch custom ops (``torch.library.custom_op`` + ``register_fake``), registered here
-once, so that ``torch.compile`` traces them as single ops and CUDA graphs see them.
+"""The MoE fast ops as torch custom ops (``torch.library.custom_op`` + ``register_fake``), registered once.
+
+Registered here, so that ``torch.compile`` traces them as single ops and CUDA graphs see them.
 
 ``xstage_dit::moe_combine_reduce(buf, slot_offsets, slots, shared) -> (tokens, hidden)`` and
 ``xstage_dit::moe_expert_mlp_combine(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row,
