@@ -127,3 +127,24 @@ def test_world1_fused_layer_matches_diffusers_on_the_gpu():
     assert rel < 2e-2, rel  # bf16: routing and the expert MLP in another order of summation
     assert not _moe_layers(model, "NucleusMoEEPLayer")
     torch.testing.assert_close(restored, ref, atol=0, rtol=0)
+
+
+def test_bind_hands_a_loaded_shard_the_models_scheduler_and_unbind_takes_it_back():
+    from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
+
+    from xstage_dit.patches.ep_layers import NucleusMoEEPLayer
+    from xstage_dit.schedule.moe import MoEScheduler
+
+    layer = NucleusMoELayer(32, 24, 4, 2.0, False, 2.5, False)
+    gate_up, down = layer.experts.gate_up_proj.detach(), layer.experts.down_proj.detach()
+    shared = MoEScheduler(xparams="calibrated")
+    other = NucleusMoEEPLayer.from_shard(layer, gate_up[2:], down[2:], (1, 2))
+    with pytest.raises(ValueError, match="rank 1 of 2 .* got rank 0 of 1"):
+        other.bind(None, shared)  # the wrong group: nothing changes
+    assert not other.bound and other.scheduler is not shared
+    ep = NucleusMoEEPLayer.from_shard(layer, gate_up, down, (0, 1))  # a group of one can bind it
+    loaded = ep.scheduler
+    ep.bind(None, shared)
+    assert ep.bound and ep.scheduler is shared
+    ep.unbind()
+    assert not ep.bound and ep.scheduler is loaded

@@ -72,6 +72,7 @@ class _ShardBinding:
         self.path = check_moe_path(path)
         self.config = config
         self.scheduler = scheduler if scheduler is not None else MoEScheduler()
+        self._loaded_scheduler = self.scheduler  # what unbind() goes back to
         self.schedule_choice = None  # the decision of the last forward (path, lead, reason)
 
     def _schedule(self, x: torch.Tensor, *, hidden: int, intermediate: int, rows_per_expert: int) -> MoESchedule:
@@ -97,7 +98,6 @@ class _ShardBinding:
             )
         self.group = group
         self.bound = True
-        self._loaded_scheduler = self.scheduler
         if scheduler is not None:
             self.scheduler = scheduler
 
@@ -106,7 +106,7 @@ class _ShardBinding:
         raises)."""
         self.group = None
         self.bound = False
-        self.scheduler = getattr(self, "_loaded_scheduler", self.scheduler)
+        self.scheduler = self._loaded_scheduler
 
     def _check_gatherable(self) -> None:
         if not self.bound and self.shard[1] > 1:
