@@ -127,8 +127,8 @@ def _moe_inputs(hidden: int, inter: int, experts: int, rows_per_expert: int):
 
 def moe_point(name: str, hidden: int, inter: int, experts: int, rows_per_expert: int, params, facts,
               rounds: int, reps: int) -> dict:
-    from xstage_dit.ops.moe.combine import expert_mlp_combine
-    from xstage_dit.schedule.choices import choose_moe_lead
+    from xstage_dit.ops.moe import MoEKernelConfig, expert_mlp_combine
+    from xstage_dit.schedule.moe import choose_moe_lead
 
     x, gate_up, down, offsets, weight, dest_rank, dest_row = _moe_inputs(hidden, inter, experts, rows_per_expert)
     rows = x.shape[0]
@@ -149,8 +149,10 @@ def moe_point(name: str, hidden: int, inter: int, experts: int, rows_per_expert:
     assert torch.equal(host, local.cpu()), f"host-written combine rows differ from local ({name})"
     times = interleaved_times(fns, lambda fn: _median_ms(fn, reps), rounds=rounds)
     ms = {key: statistics.median(ts) for key, ts in times.items()}
-    choice = choose_moe_lead(params, hidden=hidden, intermediate=inter, rows_per_expert=rows_per_expert,
-                             num_experts_per_rank=experts, num_producers=facts.num_sms, dtype_bytes=2)
+    cfg = MoEKernelConfig()  # the tiles expert_mlp_combine runs without a config
+    choice = choose_moe_lead(params, facts, hidden=hidden, intermediate=inter, rows_per_expert=rows_per_expert,
+                             num_experts_per_rank=experts, dtype_bytes=x.element_size(), block_m=cfg.block_m,
+                             block_n1=cfg.block_n1, block_n2=cfg.block_n2)
     leads = []
     for d in LEADS:
         pred = moe_prediction(params, facts, hidden=hidden, intermediate=inter, experts=experts,

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
-from xstage_dit.ops.registry import group_name
+from xstage_dit.comm.group_names import group_name
 from xstage_dit.patches import _diffusers_private as private
 from xstage_dit.patches import sharding
 from xstage_dit.patches.attention_backend import AttentionContext, xstage_attention

@@ -1,7 +1,7 @@
-"""``ScheduleChoice``, what every chooser returns, and the MoE chooser's entry point.
+"""``ScheduleChoice``, what every chooser returns.
 
-Each op's chooser lives in its own module (`attention`: fused/serial Ulysses attention; `moe_tiles`: the
-MoE combine order and lead). Without a calibration (``xparams=None``, e.g. on the CPU) a chooser still
+Each op's chooser lives in its own module (`attention`: fused/serial Ulysses attention; `moe`: the MoE
+path, combine order and lead). Without a calibration (``xparams=None``, e.g. on the CPU) a chooser still
 returns a choice whose reason says so.
 """
 
@@ -25,12 +25,3 @@ class ScheduleChoice:
     params: dict[str, Any] = field(default_factory=dict)
 
 
-# ------------------------------------------------------------------------------------------ MoE combine
-
-
-def choose_moe_lead(xparams, **shape) -> ScheduleChoice:
-    """(Kept for ``ops.moe``'s callers; the chooser lives in `moe_tiles`, importable from ``xstage_dit.schedule``.)
-    Wave-by-wave or interleaved MoE combine and its lead ``D``; see ``xstage_dit.schedule.moe_tiles.choose_moe_lead``."""
-    from xstage_dit.schedule.moe_tiles import choose_moe_lead as _choose
-
-    return _choose(xparams, **shape)

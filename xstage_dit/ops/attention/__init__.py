@@ -33,7 +33,8 @@ from xstage_dit.ops.attention.partition import head_split, shard_bounds
 from xstage_dit.ops.attention.reference import attention_reference, ulysses_attention_reference
 from xstage_dit.ops.attention.serial import serial_attention
 from xstage_dit.ops.attention.table import fused_attention, fused_attention_virtual_ranks
-from xstage_dit.ops.registry import NAMESPACE, group_name, resolve_group
+from xstage_dit.comm.group_names import group_name, resolve_group
+from xstage_dit.ops.registry import NAMESPACE
 
 log = logging.getLogger(__name__)
 
