@@ -114,9 +114,11 @@ def run(args: argparse.Namespace) -> int:
     world_size = config.parallel.world_size
     started_as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if world_size > 1 and not started_as_rank:
-        from xstage_dit.server.launch import supervise
+        from xstage_dit.comm.launcher import launch
 
-        return supervise(world_size, _argv(args))
+        # Rank 0 decides: it must stay up to answer 503 and report another rank's failure.
+        return launch(world_size, [sys.executable, "-m", "xstage_dit", *_argv(args)], policy="leader", poll_s=0.2,
+                      label="xstage-dit serve")
     if started_as_rank and int(os.environ["WORLD_SIZE"]) != world_size:
         from xstage_dit.cli import UsageError
 
