@@ -183,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
-        raise UsageError(f"--model: {exc}") from None
+        flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
+        raise UsageError(f"{flag}: {exc}") from None
     t1 = time.perf_counter()
     result = pipe(**kwargs)
     if device.type == "cuda":

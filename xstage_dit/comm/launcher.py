@@ -28,8 +28,6 @@ from typing import Sequence
 
 log = logging.getLogger(__name__)
 
-IN_LAUNCH_ENV = "XSTAGE_LAUNCHED"  # set in children: "I am one rank of a launch"
-
 
 def free_port() -> int:
     """A TCP port free on localhost right now (for MASTER_PORT)."""
@@ -53,7 +51,7 @@ def rank_env(rank: int, world_size: int, port: int, base: dict | None = None, *,
     env = apply_safe_env(dict(os.environ if base is None else base), force=True)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{IN_LAUNCH_ENV: "1"},
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     if share_gpu:
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
