@@ -117,7 +117,8 @@ def run_benchmark(args: argparse.Namespace) -> int:
     settings = {
         "model": args.model, "kind": spec.kind, "family": spec.family, "gpus": gpus, "world_size": info.world_size,
         "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
-        "guidance": spec.guidance, "seed": args.seed, "weights_seed": args.weights_seed, "dtype": str(dtype).replace("torch.", ""),
+        "guidance": spec.guidance, "seed": args.seed, "weights_seed": args.weights_seed,
+        "dtype": str(dtype).replace("torch.", ""),
         "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": bool(args.compile),
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),

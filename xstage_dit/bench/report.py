@@ -75,7 +75,8 @@ def notes_text(settings: dict) -> str:
     size = f"{s['height']}x{s['width']}" + (f", {s['frames']} frames" if s["kind"] == "video" else "")
     return "\n".join([
         f"Model {s['model']} ({s['family']}, {size}), **measured at {s['steps']} denoising steps** (model "
-        f"default {s['default_steps']}), guidance {s['guidance']}, seed {s['seed']}, {s['dtype']}, "
+        f"default {s['default_steps']}), guidance {s['guidance']}, seed {s['seed']} (weights seed "
+        f"{s.get('weights_seed', s['seed'])}), {s['dtype']}, "
         f"{s['gpus']} GPU(s); {s['num_prompts']} prompt(s) from xstage_dit/bench/prompts.txt per contender, each after "
         f"{s['warmup']} warm-up run(s) of {s['warmup_steps']} step(s).",
         "",
