@@ -64,3 +64,33 @@ def test_generate_and_server_give_the_same_png_on_cuda(tmp_path):
     served = server_pngs("cuda:0")[0]
     assert cli_png(tmp_path, "cuda:0") == served
     assert served != server_pngs("cuda:0", weights_seed=WEIGHTS_SEED + 1)[0]
+
+
+def test_the_one_request_and_generator_rule():
+    from dataclasses import replace
+
+    from xstage_dit.models.generation import GenerationRequest, generators_for, pipeline_kwargs
+
+    request = GenerationRequest(kind="image", prompt="a fox", width=16, height=16, steps=1, guidance=1.0, seed=5, n=3)
+    generators = generators_for(request)
+    assert [g.device.type for g in generators] == ["cpu"] * 3 and [g.initial_seed() for g in generators] == [5, 6, 7]
+    assert [(r.seed, r.n) for r in request.per_image()] == [(5, 1), (6, 1), (7, 1)]
+
+    class Pipe:  # the arguments of a pipeline without a negative prompt
+        def __call__(self, prompt, height, width, num_inference_steps, guidance_scale, generator, output_type,
+                     max_sequence_length=512):
+            pass
+
+    kwargs = pipeline_kwargs(Pipe(), request.per_image(), kind="image", fixed={"max_sequence_length": 64})
+    assert kwargs["prompt"] == ["a fox"] * 3 and [g.initial_seed() for g in kwargs["generator"]] == [5, 6, 7]
+    assert kwargs["max_sequence_length"] == 64
+    one = pipeline_kwargs(Pipe(), [request.per_image()[0]], kind="image")
+    assert one["prompt"] == "a fox" and one["generator"].initial_seed() == 5
+    with pytest.raises(ValueError, match="negative_prompt"):
+        pipeline_kwargs(Pipe(), [replace(request, negative_prompt="blue")], kind="image")
+    with pytest.raises(ValueError, match="one batch_key"):
+        pipeline_kwargs(Pipe(), [request, replace(request, steps=2)], kind="image")
+    for bad, needle in (({"seed": -1}, "seed"), ({"prompt": " "}, "prompt"), ({"width": 0}, "width"),
+                        ({"guidance": float("nan")}, "guidance"), ({"kind": "audio"}, "kind")):
+        with pytest.raises(ValueError, match=needle):
+            replace(request, **bad)

@@ -117,7 +117,8 @@ def generators_for(request: GenerationRequest) -> list[torch.Generator]:
 
 
 def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, fixed: Mapping = ()) -> dict:
-    """Keyword arguments of one ``pipe(**kwargs)`` call making every image of `requests` (equal batch_key).
+    """Keyword arguments of one ``pipe(**kwargs)`` call making every image of `requests` (equal batch_key):
+    lists of prompts and generators, one per image (plain values for a single image).
 
     fixed: the model's fixed arguments (`fixed_kwargs(spec)`). Raises ValueError naming any argument the
     pipeline does not take (a negative prompt for a pipeline without one, ...).
@@ -147,6 +148,12 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
         kwargs["true_cfg_scale"] = first.true_cfg_scale
     if kind == "video":
         kwargs["num_frames"] = first.num_frames
+    if len(kwargs["prompt"]) == 1:
+        # One image: plain values, as a user calls a pipeline (wrappers such as xfuser's expect them); diffusers
+        # draws the same noise from one generator as from a list of one.
+        for key in ("prompt", "negative_prompt", "generator"):
+            if key in kwargs:
+                kwargs[key] = kwargs[key][0]
     unknown = sorted(k for k in kwargs if k not in params)
     if unknown:
         raise ValueError(f"expected arguments of {type(pipe).__name__}.__call__, got {unknown}")
