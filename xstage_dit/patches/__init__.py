@@ -233,6 +233,7 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedu
     # ep > 1: every MoE layer becomes an EP layer. World 1: only where the MoE chooser runs the fused
     # kernel (NucleusMoE on a GPU); the others stay diffusers' own, with the reason logged.
     if config.ep > 1 or (groups.world_size == 1 and plan.moe_layers):
+        xparams = handle.calibration.params if handle.calibration is not None else None
         undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=xparams)
         handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
