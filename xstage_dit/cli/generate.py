@@ -140,11 +140,10 @@ def run(args: argparse.Namespace) -> int:
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
-    if args.ep > 1:  # before starting ranks: each would load only its experts, and a dense model has none
-        from xstage_dit.models.experts import FAMILIES
+    from xstage_dit.cli.validate import check_parallel
 
-        if spec.family not in FAMILIES:
-            raise UsageError(f"--ep: expected --ep 1 for {spec.name} (no MoE layers to shard), got {args.ep}")
+    # Before any rank starts: what the model's config decides fails here once, in one line.
+    check_parallel(spec, sp=args.sp, ep=args.ep, cfg=args.cfg, guidance=args.guidance)
     parallel = _parallel_setup(args)  # may start the ranks and return their exit code
     if isinstance(parallel, int):
         return parallel

@@ -82,9 +82,12 @@ def _config(args: argparse.Namespace):
     try:
         from xstage_dit.models import model_spec
 
-        model_spec(args.model)
+        spec = model_spec(args.model)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
+    from xstage_dit.cli.validate import check_parallel
+
+    check_parallel(spec, sp=args.sp, ep=args.ep, cfg=args.cfg)  # before any rank starts
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,

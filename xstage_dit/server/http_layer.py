@@ -190,7 +190,7 @@ def install_error_handlers(app: FastAPI, metrics: Any) -> None:
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
         metrics.errors.labels("validation").inc()
-        return error_response(exc.status, exc.message, exc.param)
+        return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):

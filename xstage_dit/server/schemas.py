@@ -18,17 +18,18 @@ from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.jobs import GenerationParams
 
 MAX_SEED = 2**63 - 1
-_SIZE_RE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 class RequestError(Exception):
     """A request that is well-formed JSON but not acceptable: answered as `status` with `param` named."""
 
-    def __init__(self, param: str, message: str, status: int = 422):
+    def __init__(self, param: str, message: str, status: int = 422, headers: dict[str, str] | None = None):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = f"{param}: {message}"
         self.status = status
+        self.headers = headers
 
 
 class _Strict(BaseModel):
@@ -77,7 +78,8 @@ class Timings(BaseModel):
     queued_s: float | None = Field(None, description="Time waiting in the queue.")
     run_s: float | None = Field(None, description="Time in the pipeline (the whole batch).")
     total_s: float | None = Field(None, description="Submission to completion.")
-    mean_step_s: float | None = None
+    mean_step_s: float | None = Field(
+        None, description="Mean denoising step, from the second step on (for a one-step job: run_s).")
 
 
 class ImageGenerationResponse(BaseModel):
@@ -171,7 +173,7 @@ def _common(req, served: ServedModel, config: ServerConfig, kind: str) -> dict:
         raise RequestError("model", f"expected {served.name!r} (the served model), got {req.model!r}", 404)
     if served.kind != kind:
         other = "POST /v1/videos" if served.kind == "video" else "POST /v1/images/generations"
-        raise RequestError("model", f"expected a {kind} model for this endpoint, got {served.name!r} which "
+        raise RequestError("model", f"expected {'an' if kind == 'image' else 'a'} {kind} model for this endpoint, got {served.name!r} which "
                            f"generates {served.kind}s: use {other}", 400)
     prompt = _prompt(req.prompt, "prompt", config, required=True)
     negative = _prompt(req.negative_prompt, "negative_prompt", config, required=False)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.jobs import COMPLETED, Job
 from xstage_dit.server.routes.deps import config_of, job_or_404, require_key, served, submit, worker_of
 from xstage_dit.server.routes.events import events, sse_response
-from xstage_dit.server.schemas import ErrorResponse, Progress, Timings, VideoCreateRequest, VideoJob, video_params
+from xstage_dit.server.schemas import (ErrorResponse, Progress, RequestError, Timings, VideoCreateRequest, VideoJob,
+                                       video_params)
 from xstage_dit.server.worker import Worker
 
 router = APIRouter(dependencies=[Depends(require_key)])
@@ -46,7 +47,7 @@ async def get_video(video_id: str, worker: Worker = Depends(worker_of)):
 async def video_content(video_id: str, worker: Worker = Depends(worker_of)):
     job = job_or_404(worker, video_id, "video")
     if job.status != COMPLETED:
-        raise HTTPException(409, f"id: video {video_id!r} is {job.status}, not completed")
+        raise RequestError("id", f"video {video_id!r} is {job.status}, not completed", 409)
     return Response(job.results[0], media_type="video/mp4",
                     headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 
