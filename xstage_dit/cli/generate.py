@@ -196,4 +196,6 @@ def run(args: argparse.Namespace) -> int:
               f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
           f"{t_gen + t_build:.2f} s total")
+    if spec.weights_notice:
+        print(f"note: {spec.weights_notice}")
     return 0

@@ -28,6 +28,8 @@ class ServedModel:
     default_width/default_height, default_steps, default_guidance: used when a request omits them.
     default_frames / frame_multiple: video only; valid frame counts are `k * frame_multiple + 1`.
     pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length).
+    weights_notice: set when the weights are random (a built-in model): what to tell users, and how to
+        use real weights; None for real weights.
     """
 
     name: str
@@ -41,6 +43,7 @@ class ServedModel:
     frame_multiple: int = 4
     default_fps: int = 16
     pipeline_kwargs: dict = field(default_factory=dict)
+    weights_notice: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -82,6 +85,7 @@ class ServedModel:
             frame_multiple=int(pick("frame_multiple", "temporal_multiple", default=4)),
             default_fps=int(pick("fps", "default_fps", default=16)),
             pipeline_kwargs=extra,
+            weights_notice=pick("weights_notice"),
         )
 
 

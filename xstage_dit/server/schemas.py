@@ -121,6 +121,8 @@ class ModelCard(BaseModel):
     size_multiple: int
     default_steps: int
     default_frames: int | None = None
+    random_weights: bool = Field(..., description="True for a built-in model: its outputs are noise, whatever the prompt.")
+    weights_notice: str | None = Field(None, description="With random weights: what that means and how to use real ones.")
 
 
 class ModelList(BaseModel):

@@ -18,7 +18,8 @@ async def models(worker: Worker = Depends(worker_of)):
     s = served(worker)
     return ModelList(data=[ModelCard(id=s.name, kind=s.kind, default_size=f"{s.default_width}x{s.default_height}",
                                      size_multiple=s.size_multiple, default_steps=s.default_steps,
-                                     default_frames=s.default_frames if s.kind == "video" else None)])
+                                     default_frames=s.default_frames if s.kind == "video" else None,
+                                     random_weights=s.weights_notice is not None, weights_notice=s.weights_notice)])
 
 
 @router.get("/v1/calibration", summary="X-Stage numbers and the schedules chosen at start-up")
