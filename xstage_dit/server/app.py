@@ -15,7 +15,7 @@ from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.http_layer import BodyLimitMiddleware, RequestCountMiddleware, install_error_handlers
 from xstage_dit.server.assets import install_offline_docs
 from xstage_dit.server.routes import ROUTERS
-from xstage_dit.server.schemas import ErrorResponse
+from xstage_dit.server.schemas import error_responses
 from xstage_dit.server.worker import Worker
 
 
@@ -25,7 +25,7 @@ def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
     metrics = worker.metrics
     app = FastAPI(title="xstage_dit server", version=__version__,
                   description="Image and video generation with diffusers DiT pipelines over several GPUs.",
-                  responses={400: {"model": ErrorResponse}, 422: {"model": ErrorResponse}},
+                  responses=error_responses(400, 413, 415, 422),
                   docs_url=None, redoc_url=None)  # served from local assets by install_offline_docs
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
     app.add_middleware(RequestCountMiddleware, metrics=metrics)

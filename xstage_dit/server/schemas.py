@@ -141,6 +141,11 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def error_responses(*codes: int) -> dict[int, dict]:
+    """OpenAPI `responses` documenting `codes` as the error envelope (so clients and fuzzers know them)."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
 def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[int, int]:
     """'WxH' -> (width, height), checked against the model's multiple and the server's bounds."""
     match = _SIZE_RE.match(size)

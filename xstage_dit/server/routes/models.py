@@ -7,10 +7,10 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
 from xstage_dit.server.routes.deps import require_key, served, worker_of
-from xstage_dit.server.schemas import ModelCard, ModelList
+from xstage_dit.server.schemas import ModelCard, ModelList, error_responses
 from xstage_dit.server.worker import Worker
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 503))
 
 
 @router.get("/v1/models", response_model=ModelList)
