@@ -127,6 +127,8 @@ def test_a_body_that_is_not_json_gets_415(client):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"prompt": "x", "size": "100000x100000"}, "size", "size: expected width in [16, 2048], got 100000"),
+    ({"prompt": "x", "size": "64x" + "9" * 5000}, "size",
+     "size: expected height in [16, 2048], got 999999999999999999... (5000 digits)"),
     ({"prompt": "x", "n": 4.5}, "n", "n: expected an integer, got 4.5"),
     ({"prompt": "x", "n": "two"}, "n", "n: expected an integer, got 'two'"),
     ({"prompt": "x", "stream": "maybe"}, "stream", "stream: expected true or false, got 'maybe'"),

@@ -151,10 +151,15 @@ def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[in
     match = _SIZE_RE.match(size)
     if not match:
         raise RequestError("size", f"expected 'WIDTHxHEIGHT' such as '64x64', got {size!r}")
-    width, height = int(match.group(1)), int(match.group(2))
+    # Any digit run is a number (so "100000x100000" is out of range, not malformed); past 18 digits it is
+    # out of range without being converted (int() refuses thousands of digits).
+    texts = {"width": match.group(1).lstrip("0") or "0", "height": match.group(2).lstrip("0") or "0"}
+    for name, text in texts.items():
+        if len(text) > 18 or not config.min_size <= int(text) <= config.max_size:
+            shown = text if len(text) <= 18 else f"{text[:18]}... ({len(text)} digits)"
+            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {shown}")
+    width, height = int(texts["width"]), int(texts["height"])
     for name, value in (("width", width), ("height", height)):
-        if not config.min_size <= value <= config.max_size:
-            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {value}")
         if value % served.size_multiple:
             raise RequestError("size", f"expected {name} a multiple of {served.size_multiple} for model "
                                f"{served.name}, got {value}")
