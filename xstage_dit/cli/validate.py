@@ -11,7 +11,7 @@ tests/cli/test_first_hour_validate.py holds both to the same verdict on every bu
 
 Example::
 
-    check_parallel(model_spec("tiny-flux"), sp=3, ep=1, cfg=1)   # UsageError: --sp: expected at least ...
+    check_parallel(model_spec("tiny-flux"), ParallelConfig(sp=3))   # UsageError: --sp: expected at most ...
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from xstage_dit.cli import UsageError
+from xstage_dit.errors import UsageError
 from xstage_dit.models.registry import FAMILY_MODULES
 from xstage_dit.models.spec import ModelSpec
+from xstage_dit.patches.config import ParallelConfig
 
 #: config key of the expert count, per MoE family (the families `xstage_dit.models.experts` shards).
 _EXPERT_KEYS = {"nucleusmoe": "num_experts", "hidream": "num_routed_experts"}
@@ -64,17 +65,12 @@ def transformer_facts(spec: ModelSpec) -> TransformerFacts:
                             num_experts=int(config[key]) if key and key in config else None)
 
 
-def check_parallel(spec: ModelSpec, *, sp: int, ep: int, cfg: int, guidance: float | None = None) -> None:
-    """Raise `UsageError` (one line naming the option) when `spec` cannot run with these degrees.
+def check_parallel(spec: ModelSpec, config: ParallelConfig, guidance: float | None = None) -> None:
+    """Raise `UsageError` (one line naming the option) when `spec` cannot run with `config`'s degrees
+    (the command's one ParallelConfig, itself already valid).
 
     guidance: the guidance scale asked for (None: the model's default), checked with cfg=2.
     """
-    from xstage_dit.patches.config import ParallelConfig
-
-    try:
-        config = ParallelConfig(sp=sp, ep=ep, cfg=cfg)
-    except ValueError as exc:
-        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
     facts = transformer_facts(spec)
     if facts.heads < config.sp:
         raise UsageError(f"--sp: expected at most {facts.heads} (the attention heads of {spec.name}: Ulysses gives "

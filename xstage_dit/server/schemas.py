@@ -1,5 +1,6 @@
 """Request and response models of the HTTP API (pydantic), and the checks that depend on the served
-model and the server's limits (`to_params`), which turn a request into `GenerationParams`.
+model and the server's limits (`image_params`, `video_params`), which turn a request into the
+`GenerationRequest` items a job runs (one per image).
 
 Unknown fields are rejected (`extra="forbid"`), so a typo such as `num_inference_step` is a 422 naming
 the field rather than a silently ignored option.
@@ -14,10 +15,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xstage_dit.models.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.jobs import GenerationParams
 
-MAX_SEED = 2**63 - 1
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
@@ -204,8 +204,8 @@ def _common(req, served: ServedModel, config: ServerConfig, kind: str) -> dict:
                 guidance=float(guidance), seed=seed)
 
 
-def image_params(req: ImageGenerationRequest, served: ServedModel, config: ServerConfig) -> list[GenerationParams]:
-    """One `GenerationParams` per requested image (seeds seed, seed+1, ...)."""
+def image_params(req: ImageGenerationRequest, served: ServedModel, config: ServerConfig) -> list[GenerationRequest]:
+    """One one-image `GenerationRequest` per requested image (seeds seed, seed+1, ...)."""
     common = _common(req, served, config, "image")
     if not 1 <= req.n <= config.max_n:
         raise RequestError("n", f"expected an integer in [1, {config.max_n}], got {req.n}")
@@ -214,11 +214,10 @@ def image_params(req: ImageGenerationRequest, served: ServedModel, config: Serve
     true_cfg = req.true_cfg_scale
     if true_cfg is not None and not (math.isfinite(true_cfg) and 0 <= true_cfg <= 100):
         raise RequestError("true_cfg_scale", f"expected a number in [0, 100], got {true_cfg}")
-    base_seed = common.pop("seed")
-    return [GenerationParams(**common, seed=base_seed + i, true_cfg_scale=true_cfg) for i in range(req.n)]
+    return GenerationRequest(**common, true_cfg_scale=true_cfg, n=req.n).per_image()
 
 
-def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig) -> GenerationParams:
+def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig) -> GenerationRequest:
     common = _common(req, served, config, "video")
     frames = served.default_frames if req.num_frames is None else req.num_frames
     if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
@@ -227,4 +226,4 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")
-    return GenerationParams(**common, num_frames=frames, fps=fps)
+    return GenerationRequest(**common, num_frames=frames, fps=fps)
