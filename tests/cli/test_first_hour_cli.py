@@ -86,3 +86,12 @@ def test_version_is_the_package_version():
     done, _ = _cli("--version")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == f"xstage-dit {xstage_dit.__version__}"
+
+
+def test_generate_says_once_that_the_weights_are_random(tmp_path, capsys):
+    from xstage_dit.cli import main
+
+    assert main(["generate", "--model", "tiny-flux", "--height", "32", "--width", "32", "--steps", "1",
+                 "--no-progress", "--output", str(tmp_path / "fox.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("random weights") == 1 and "--model /path/to/FLUX.1-dev" in out, out
