@@ -39,7 +39,10 @@ def parallel_config(args: argparse.Namespace, timeout_flag: str | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from xstage_dit import __version__
+
     parser = argparse.ArgumentParser(prog="xstage-dit", description="Fast multi-GPU serving of diffusers DiT pipelines.")
+    parser.add_argument("--version", action="version", version=f"xstage-dit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         importlib.import_module(name).add_parser(sub)

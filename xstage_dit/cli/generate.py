@@ -144,11 +144,10 @@ def run(args: argparse.Namespace) -> int:
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
-    if args.ep > 1:  # before starting ranks: each would load only its experts, and a dense model has none
-        from xstage_dit.models.experts import FAMILIES
+    from xstage_dit.cli.validate import check_parallel
 
-        if spec.family not in FAMILIES:
-            raise UsageError(f"--ep: expected --ep 1 for {spec.name} (no MoE layers to shard), got {args.ep}")
+    # Before any rank starts: what the model's config decides fails here once, in one line.
+    check_parallel(spec, parallel, guidance=args.guidance)
     rank_info = _parallel_setup(parallel)  # may start the ranks and return their exit code
     if isinstance(rank_info, int):
         return rank_info
@@ -206,4 +205,6 @@ def run(args: argparse.Namespace) -> int:
               f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
           f"{t_gen + t_build:.2f} s total")
+    if spec.weights_notice:
+        print(f"note: {spec.weights_notice}")
     return 0

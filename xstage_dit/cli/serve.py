@@ -78,9 +78,12 @@ def _config(args: argparse.Namespace):
     try:
         from xstage_dit.models import model_spec
 
-        model_spec(args.model)
+        spec = model_spec(args.model)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
+    from xstage_dit.cli.validate import check_parallel
+
+    check_parallel(spec, parallel)  # before any rank starts
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
@@ -173,17 +176,11 @@ def serve_rank(args: argparse.Namespace, config) -> int:
 
     def announce() -> None:
         if worker.wait_ready(timeout_s=config.parallel.timeout_s * 2):
-            served, base = worker.served, f"http://{args.host}:{args.port}"
-            print(f"xstage-dit serve: {served.name} ready on {base} ({worker.ctx.world_size} rank(s)); "
-                  f"web page at {base}/ , API docs at {base}/docs", file=sys.stderr, flush=True)
-            if served.kind == "image":
-                example = (f"curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
-                           f"-d '{{\"prompt\": \"a red fox in the snow\", \"size\": \"{served.default_width}x"
-                           f"{served.default_height}\", \"seed\": 1}}'")
-            else:
-                example = (f"curl -s {base}/v1/videos -H 'Content-Type: application/json' "
-                           f"-d '{{\"prompt\": \"a cat walking on grass\", \"seed\": 1}}'")
-            print(f"xstage-dit serve: try  {example}", file=sys.stderr, flush=True)
+            from xstage_dit.server.announce import ready_lines
+
+            for line in ready_lines(worker.served, f"http://{args.host}:{args.port}", worker.ctx.world_size,
+                                    needs_key=config.api_key is not None):
+                print(line, file=sys.stderr, flush=True)
 
     import threading
 

@@ -32,7 +32,7 @@ from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "ParallelConfig", "ParallelHandle", "supported_models"]
+__all__ = ["parallelize", "check_degrees", "ParallelConfig", "ParallelHandle", "supported_models"]
 
 _MARK = "_xstage_parallel_handle"
 
@@ -125,6 +125,24 @@ def _calibrated_params(config: ParallelConfig, groups: ParallelGroups) -> Chosen
     return chosen
 
 
+def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
+    """The model's own rules for `config` (its plan's check, ep only with MoE layers, cfg only where CFG
+    applies, enough heads for sp); ValueError naming the rule. Returns the transformer's `ModelPlan`.
+    Touches no process group, so it also runs on a meta-device transformer (the CLI's pre-check test)."""
+    from xstage_dit.patches.plans import plan_for
+    from xstage_dit.patches.sequence_parallel import check_heads
+
+    plan = plan_for(transformer)
+    if plan.check is not None:
+        plan.check(transformer, config)
+    if config.ep > 1 and not plan.moe_layers:
+        raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
+    if config.cfg > 1 and plan.cfg is None:
+        raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
+    check_heads(transformer, config.sp)
+    return plan
+
+
 def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any) -> ParallelHandle:
     """Make `pipe` (a diffusers DiT pipeline, or a bare transformer) run on `sp * cfg` ranks.
 
@@ -144,7 +162,6 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
 
     from xstage_dit.patches import _diffusers_private as private
     from xstage_dit.patches.plans import plan_for
-    from xstage_dit.patches.sequence_parallel import check_heads
 
     private.check_diffusers_version()
     transformers = _transformers_of(pipe)
@@ -154,19 +171,11 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
             raise RuntimeError(
                 "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
             )
-        plan = plan_for(transformer)
-        if plan.moe_layers:
+        if plan_for(transformer).moe_layers:
             from xstage_dit.patches.expert_parallel import check_loaded_shards
 
             check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
-        if plan.check is not None:
-            plan.check(transformer, config)
-        if config.ep > 1 and not plan.moe_layers:
-            raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
-        if config.cfg > 1 and plan.cfg is None:
-            raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
-        check_heads(transformer, config.sp)
-        plans.append(plan)
+        plans.append(check_degrees(transformer, config))
     _ensure_process_group(config)
     world = dist.get_world_size() if dist.is_initialized() else 1
     config.check_world(world)

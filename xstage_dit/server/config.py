@@ -32,6 +32,8 @@ class ServedModel:
     default_frames / frame_multiple: video only; valid frame counts are `k * frame_multiple + 1`.
     pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length),
         `xstage_dit.models.generation.fixed_kwargs` of the spec.
+    weights_notice: set when the weights are random (a built-in model): what to tell users, and how to
+        use real weights; None for real weights.
     """
 
     name: str
@@ -45,6 +47,7 @@ class ServedModel:
     frame_multiple: int = 4
     default_fps: int = 16
     pipeline_kwargs: dict = field(default_factory=dict)
+    weights_notice: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -66,7 +69,7 @@ class ServedModel:
         return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
                    default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
                    default_frames=spec.frames, frame_multiple=spec.frame_multiple, default_fps=spec.fps,
-                   pipeline_kwargs=fixed_kwargs(spec))
+                   pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice)
 
 
 @dataclass(frozen=True)

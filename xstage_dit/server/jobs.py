@@ -95,6 +95,9 @@ class Job:
         run = (self.finished - self.started) if (self.finished and self.started) else None
         total = (self.finished - self.created) if self.finished else None
         mean_step = sum(self.step_times) / len(self.step_times) if self.step_times else None
+        if mean_step is None and run is not None and self.steps_done:
+            # One step: its only interval also holds prompt encoding and decoding, the best bound there is.
+            mean_step = run / self.steps_done
         return {"queued_s": queued, "run_s": run, "total_s": total, "mean_step_s": mean_step}
 
     # --- subscribers (asyncio side) ---

@@ -18,17 +18,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from xstage_dit.models.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 
-_SIZE_RE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 class RequestError(Exception):
     """A request that is well-formed JSON but not acceptable: answered as `status` with `param` named."""
 
-    def __init__(self, param: str, message: str, status: int = 422):
+    def __init__(self, param: str, message: str, status: int = 422, headers: dict[str, str] | None = None):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = f"{param}: {message}"
         self.status = status
+        self.headers = headers
 
 
 class _Strict(BaseModel):
@@ -77,7 +78,8 @@ class Timings(BaseModel):
     queued_s: float | None = Field(None, description="Time waiting in the queue.")
     run_s: float | None = Field(None, description="Time in the pipeline (the whole batch).")
     total_s: float | None = Field(None, description="Submission to completion.")
-    mean_step_s: float | None = None
+    mean_step_s: float | None = Field(
+        None, description="Mean denoising step, from the second step on (for a one-step job: run_s).")
 
 
 class ImageGenerationResponse(BaseModel):
@@ -119,6 +121,8 @@ class ModelCard(BaseModel):
     size_multiple: int
     default_steps: int
     default_frames: int | None = None
+    random_weights: bool = Field(..., description="True for a built-in model: its outputs are noise, whatever the prompt.")
+    weights_notice: str | None = Field(None, description="With random weights: what that means and how to use real ones.")
 
 
 class ModelList(BaseModel):
@@ -137,15 +141,25 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def error_responses(*codes: int) -> dict[int, dict]:
+    """OpenAPI `responses` documenting `codes` as the error envelope (so clients and fuzzers know them)."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
 def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[int, int]:
     """'WxH' -> (width, height), checked against the model's multiple and the server's bounds."""
     match = _SIZE_RE.match(size)
     if not match:
         raise RequestError("size", f"expected 'WIDTHxHEIGHT' such as '64x64', got {size!r}")
-    width, height = int(match.group(1)), int(match.group(2))
+    # Any digit run is a number (so "100000x100000" is out of range, not malformed); past 18 digits it is
+    # out of range without being converted (int() refuses thousands of digits).
+    texts = {"width": match.group(1).lstrip("0") or "0", "height": match.group(2).lstrip("0") or "0"}
+    for name, text in texts.items():
+        if len(text) > 18 or not config.min_size <= int(text) <= config.max_size:
+            shown = text if len(text) <= 18 else f"{text[:18]}... ({len(text)} digits)"
+            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {shown}")
+    width, height = int(texts["width"]), int(texts["height"])
     for name, value in (("width", width), ("height", height)):
-        if not config.min_size <= value <= config.max_size:
-            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {value}")
         if value % served.size_multiple:
             raise RequestError("size", f"expected {name} a multiple of {served.size_multiple} for model "
                                f"{served.name}, got {value}")
@@ -171,7 +185,7 @@ def _common(req, served: ServedModel, config: ServerConfig, kind: str) -> dict:
         raise RequestError("model", f"expected {served.name!r} (the served model), got {req.model!r}", 404)
     if served.kind != kind:
         other = "POST /v1/videos" if served.kind == "video" else "POST /v1/images/generations"
-        raise RequestError("model", f"expected a {kind} model for this endpoint, got {served.name!r} which "
+        raise RequestError("model", f"expected {'an' if kind == 'image' else 'a'} {kind} model for this endpoint, got {served.name!r} which "
                            f"generates {served.kind}s: use {other}", 400)
     prompt = _prompt(req.prompt, "prompt", config, required=True)
     negative = _prompt(req.negative_prompt, "negative_prompt", config, required=False)

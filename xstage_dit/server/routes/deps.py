@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.http_layer import error_response
 from xstage_dit.server.jobs import Job, QueueFull, Unavailable, new_job_id
+from xstage_dit.server.schemas import RequestError
 from xstage_dit.server.worker import READY, Worker
 
 
@@ -30,7 +31,7 @@ def require_key(request: Request) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise HTTPException(401, "authorization: expected 'Bearer <API key>'", headers={"WWW-Authenticate": "Bearer"})
+        raise RequestError("authorization", "expected 'Bearer <API key>'", 401, headers={"WWW-Authenticate": "Bearer"})
 
 
 def served(worker: Worker) -> ServedModel:
@@ -57,7 +58,7 @@ def submit(worker: Worker, config: ServerConfig, items) -> Job:
 def job_or_404(worker: Worker, job_id: str, kind: str | None = None) -> Job:
     job = worker.queue.get(job_id)
     if job is None or (kind is not None and job.kind != kind):
-        raise HTTPException(404, f"id: no {kind or 'job'} {job_id!r}")
+        raise RequestError("id", f"no {kind or 'job'} {job_id!r}", 404)
     return job
 
 

@@ -12,7 +12,8 @@ from xstage_dit.server.worker import READY, Worker
 router = APIRouter()
 
 
-@router.get("/health", summary="Ready only when every rank is")
+@router.get("/health", summary="Server state: 200 when every rank is ready, 503 (with the reason) otherwise",
+            responses={503: {"description": "Not ready: the same body, with the state and its reason"}})
 async def health(worker: Worker = Depends(worker_of)):
     body = {"status": worker.state, "world_size": worker.ctx.world_size if worker.ctx else None,
             "model": worker.served.name if worker.served else None, "reason": worker.reason,

@@ -14,13 +14,13 @@ from xstage_dit.server.http_layer import error_response
 from xstage_dit.server.jobs import COMPLETED, Job
 from xstage_dit.server.routes.deps import config_of, failure, require_key, served, submit, worker_of
 from xstage_dit.server.routes.events import events, sse_response
-from xstage_dit.server.schemas import (ErrorResponse, ImageData, ImageGenerationRequest, ImageGenerationResponse,
-                                       Timings, image_params)
+from xstage_dit.server.schemas import (ImageData, ImageGenerationRequest, ImageGenerationResponse, Timings,
+                                       error_responses, image_params)
 from xstage_dit.server.worker import Worker
 
 DISCONNECT_POLL_S = 0.25
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 429, 499, 503, 504))
 
 
 def image_payload(worker: Worker, job: Job) -> dict:
@@ -33,7 +33,7 @@ def image_payload(worker: Worker, job: Job) -> dict:
 
 
 @router.post("/v1/images/generations", response_model=ImageGenerationResponse,
-             responses={429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+             responses={200: {"content": {"text/event-stream": {}}}})
 async def generate_images(req: ImageGenerationRequest, request: Request, worker: Worker = Depends(worker_of),
                           config: ServerConfig = Depends(config_of)):
     """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`

@@ -6,9 +6,10 @@ from fastapi import APIRouter, Depends
 
 from xstage_dit.server.routes.deps import job_or_404, require_key, worker_of
 from xstage_dit.server.routes.events import events, sse_response
+from xstage_dit.server.schemas import error_responses
 from xstage_dit.server.worker import Worker
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404))
 
 
 @router.get("/v1/jobs/{job_id}")

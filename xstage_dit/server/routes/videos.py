@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, HTTPException
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.jobs import COMPLETED, Job
 from xstage_dit.server.routes.deps import config_of, job_or_404, require_key, served, submit, worker_of
 from xstage_dit.server.routes.events import events, sse_response
-from xstage_dit.server.schemas import ErrorResponse, Progress, Timings, VideoCreateRequest, VideoJob, video_params
+from xstage_dit.server.schemas import (Progress, RequestError, Timings, VideoCreateRequest, VideoJob, error_responses,
+                                       video_params)
 from xstage_dit.server.worker import Worker
 
-router = APIRouter(dependencies=[Depends(require_key)])
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 503))
 
 
 def video_payload(worker: Worker, job: Job) -> VideoJob:
@@ -27,8 +28,7 @@ def video_payload(worker: Worker, job: Job) -> VideoJob:
                     timings=Timings(**job.timings()))
 
 
-@router.post("/v1/videos", response_model=VideoJob, status_code=202,
-             responses={429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+@router.post("/v1/videos", response_model=VideoJob, status_code=202, responses=error_responses(429))
 async def create_video(req: VideoCreateRequest, worker: Worker = Depends(worker_of),
                        config: ServerConfig = Depends(config_of)):
     """Queue a video job; poll `GET /v1/videos/{id}` or stream `GET /v1/videos/{id}/events`."""
@@ -42,11 +42,11 @@ async def get_video(video_id: str, worker: Worker = Depends(worker_of)):
 
 
 @router.get("/v1/videos/{video_id}/content",
-            responses={200: {"content": {"video/mp4": {}}}, 409: {"model": ErrorResponse}})
+            responses={200: {"content": {"video/mp4": {}}}, **error_responses(409)})
 async def video_content(video_id: str, worker: Worker = Depends(worker_of)):
     job = job_or_404(worker, video_id, "video")
     if job.status != COMPLETED:
-        raise HTTPException(409, f"id: video {video_id!r} is {job.status}, not completed")
+        raise RequestError("id", f"video {video_id!r} is {job.status}, not completed", 409)
     return Response(job.results[0], media_type="video/mp4",
                     headers={"Content-Disposition": f'inline; filename="{job.id}.mp4"'})
 
