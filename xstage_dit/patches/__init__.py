@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.calibration.provider import ChosenParams, params_for
-from xstage_dit.patches.attention_schedules import AttentionSchedules
 from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.patches.groups import ParallelGroups
 from xstage_dit.schedule.facts import DeviceFacts
@@ -186,6 +185,10 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     chosen = _calibrated_params(config, groups)
     handle = ParallelHandle(config=config, groups=groups, transformer=transformers[0], transformers=transformers,
                             calibration=chosen)
+    # Imported here, not at the top: it pulls in the attention op (and torch._dynamo through its
+    # assume_constant_result), which the CLI's pre-checks of a ParallelConfig must not pay for.
+    from xstage_dit.patches.attention_schedules import AttentionSchedules
+
     schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
                                    xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
                                    choices=handle.schedule_choices, paths=handle.attention_paths)
@@ -230,7 +233,7 @@ def _log_layer_shapes(transformer, handle: ParallelHandle) -> None:
                  "count (%s)", cls, hidden, experts, len(names), handle.config.ep, calibrated)
 
 
-def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedules) -> None:
+def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSchedules") -> None:  # noqa: F821
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
