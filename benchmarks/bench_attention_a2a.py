@@ -28,8 +28,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import interleaved_times  # noqa: E402
-from xstage_dit.ops import _attention_kernel as kern  # noqa: E402
-from xstage_dit.ops.ulysses_attention import (attention_reference, attention_to_buffers,  # noqa: E402
+from xstage_dit.ops.attention import kernel as kern  # noqa: E402
+from xstage_dit.ops.attention.op import (attention_reference, attention_to_buffers,  # noqa: E402
                                               fused_attention_virtual_ranks)
 
 SHAPES = [  # (seq_len, heads, where it comes from)
@@ -111,7 +111,7 @@ def fused_fn(q, k, v, world: int, config):
 
 def push_fn(q, k, v, world: int):
     """The pre-attention All-to-All of P virtual ranks as the push kernel (all ranks' pushes)."""
-    from xstage_dit.ops.ulysses_attention import head_split, push_to_owners, shard_bounds
+    from xstage_dit.ops.attention.op import head_split, push_to_owners, shard_bounds
 
     batch, seq, heads, head_dim = q.shape
     chunk = -(-seq // world)

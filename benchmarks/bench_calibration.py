@@ -27,7 +27,7 @@ QUICK_SNIPPET = r"""
 import json, sys, tempfile, time
 import torch
 torch.cuda.init(); torch.empty(1, device="cuda"); torch.cuda.synchronize()
-from xstage_dit.calibration import load_or_calibrate
+from xstage_dit.calibration.runner import load_or_calibrate
 cache = tempfile.mkdtemp()
 t0 = time.perf_counter()
 res = load_or_calibrate(quick=True, target=sys.argv[1], cache_dir=cache, force=True)
@@ -45,7 +45,7 @@ print("QUICK_JSON " + json.dumps({"quick_calibration_s": quick_s, "cache_load_ms
 
 def env_info() -> dict:
     from benchmarks._common import environment
-    from xstage_dit.calibration import machine_key
+    from xstage_dit.calibration.runner import machine_key
 
     info = environment()
     info["machine_key"] = machine_key()
@@ -81,8 +81,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    from xstage_dit.calibration import CalibrationConfig, run_calibration
-    from xstage_dit.commands.calibrate import draw_plots, format_table
+    from xstage_dit.calibration.runner import CalibrationConfig, run_calibration
+    from xstage_dit.cli.calibrate import draw_plots, format_table
 
     doc: dict = {"summary": {}}
     # 1. quick calibration + cache load, in a fresh process

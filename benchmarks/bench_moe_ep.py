@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_moe_combine import env_info  # noqa: E402
 
-from xstage_dit.distributed import init_distributed  # noqa: E402
-from xstage_dit.ops.moe_combine import HiDreamMoEEPLayer, MoEKernelConfig, NucleusMoEEPLayer  # noqa: E402
+from xstage_dit.comm.distributed import init_distributed  # noqa: E402
+from xstage_dit.ops.moe.combine import HiDreamMoEEPLayer, MoEKernelConfig, NucleusMoEEPLayer  # noqa: E402
 
 
 def build(model: str, tiny: bool, device, dtype):

@@ -145,7 +145,7 @@ def single(args) -> dict:
 
 def rank_main(args) -> int:
     """One of the 2 ranks sharing the GPU: parallelize(sp=2), check, time; rank 0 saves its output."""
-    from xstage_dit.distributed import init_distributed
+    from xstage_dit.comm.distributed import init_distributed
     from xstage_dit.patches import ParallelConfig, parallelize
 
     info = init_distributed(timeout_s=300)
@@ -194,7 +194,7 @@ def main() -> int:
     stem = Path(args.out) / f"parallelize-flux-{gpu}"
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1))  # kept if the 2-rank run is cut short
 
-    from xstage_dit.launch import launch
+    from xstage_dit.comm.launcher import launch
 
     t0 = time.perf_counter()
     code = launch(2, [sys.executable, __file__, "--rank", "--out", args.out, "--reps", str(args.reps),

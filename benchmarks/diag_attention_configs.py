@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from xstage_dit.ops._attention_kernel import KernelConfig  # noqa: E402
-from xstage_dit.ops.ulysses_attention import attention_reference, fused_attention_virtual_ranks  # noqa: E402
+from xstage_dit.ops.attention.kernel import KernelConfig  # noqa: E402
+from xstage_dit.ops.attention.op import attention_reference, fused_attention_virtual_ranks  # noqa: E402
 
 SHAPES = [  # batch, seq_len, heads, head_dim, virtual ranks, dtype
     (1, 333, 7, 64, 4, "bf16"),

@@ -65,9 +65,9 @@ def _variants():
 def _case(rank, world, hidden, inter, experts, cf, batch, seq):
     import torch.distributed as dist
 
-    from xstage_dit import distributed as xdist
-    from xstage_dit.ops import moe_combine
-    from xstage_dit.ops.moe_combine import NucleusMoEEPLayer
+    from xstage_dit.comm import distributed as xdist
+    from xstage_dit.ops.moe import combine as moe_combine
+    from xstage_dit.ops.moe.combine import NucleusMoEEPLayer
 
     layer = _layer(hidden, inter, experts, cf)
     x, xu, t = _inputs(batch, seq, hidden)
@@ -150,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="diag_moe.json")
     args = ap.parse_args()
-    from xstage_dit.launch import run_rank_processes
+    from xstage_dit.comm.launcher import run_rank_processes
 
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     results = run_rank_processes(_worker, 2, timeout_s=240)

@@ -40,8 +40,8 @@ def main() -> int:
     args = ap.parse_args()
 
     from benchmarks.bench_calibration import markdown
-    from xstage_dit.calibration import CalibrationResult, fit_sweep
-    from xstage_dit.commands.calibrate import draw_plots, format_table
+    from xstage_dit.calibration.runner import CalibrationResult, fit_sweep
+    from xstage_dit.cli.calibrate import draw_plots, format_table
 
     raw = json.loads(Path(args.raw).read_text())
     params, reports = {}, {}

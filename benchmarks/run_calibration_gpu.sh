@@ -14,7 +14,7 @@ OUT="${OUT:-out}"; mkdir -p "$OUT"
   python3 -c "
 import time, torch
 t0 = time.perf_counter()
-from xstage_dit.csrc.burst import library_for
+from xstage_dit.calibration.csrc.burst import library_for
 lib = library_for(torch.device('cuda', 0))
 print(f'built+loaded {lib.path} in {time.perf_counter() - t0:.2f} s')"
   echo "== tests"

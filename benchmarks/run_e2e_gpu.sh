@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # End-to-end latency benchmarks of issue 8 on a GPU machine, in ONE call that budgets itself.
 #
-# Runs benchmarks/bench_e2e.py for FLUX.1-dev (1024², 28 steps), NucleusMoE image (1024²) and Wan 2.1 14B
+# Runs xstage_dit/bench/e2e.py for FLUX.1-dev (1024², 28 steps), NucleusMoE image (1024²) and Wan 2.1 14B
 # (480p, 81 frames): full-size architectures, random weights built on the GPU in bf16. Each model runs in
 # its own process with a soft budget (bench_e2e.py reports contenders that do not fit as
 # "skipped: time budget") and a hard timeout (so one model never eats the others' time). At most 8 files
@@ -112,7 +112,7 @@ for i in "${!models[@]}"; do
   hard=$(( soft + 45 < left ? soft + 45 : left ))  # grace for the contender running when the budget ends
   echo "[run_e2e_gpu] $m: soft budget ${soft}s, hard limit ${hard}s (${left}s left)"
   # shellcheck disable=SC2086
-  timeout -k 10 "$hard" "$py" benchmarks/bench_e2e.py ${opts[$m]} --device "${E2E_DEVICE:-cuda}" --time-budget-s "$soft" \
+  timeout -k 10 "$hard" "$py" xstage_dit/bench/e2e.py ${opts[$m]} --device "${E2E_DEVICE:-cuda}" --time-budget-s "$soft" \
     --out-dir "$work/results" > "$work/logs/$m.log" 2>&1
   rc=$?
   grep -E "^\[bench\]|Error|error" "$work/logs/$m.log" | tail -25

@@ -17,8 +17,8 @@ __version__ = "0.1.0"
 # name -> module that defines it; resolved on first attribute access.
 _LAZY = {
     "XStageParams": "xstage_dit.xstage",
-    "calibrate": "xstage_dit.calibration",
-    "CalibrationConfig": "xstage_dit.calibration",
+    "calibrate": "xstage_dit.calibration.runner",
+    "CalibrationConfig": "xstage_dit.calibration.runner",
     "parallelize": "xstage_dit.patches",
     "ParallelConfig": "xstage_dit.patches",
     "load_pipeline": "xstage_dit.models",

@@ -1,7 +1,7 @@
 """Expert-sharded MoE transformers: each rank creates or reads only its own experts.
 
 ``load_pipeline(model, expert_shard=(rank, world))`` builds the MoE transformer with its routed experts
-never materialised (meta device), then puts on every MoE layer the EP layer of `xstage_dit.ops.moe_combine`
+never materialised (meta device), then puts on every MoE layer the EP layer of `xstage_dit.ops.moe.combine`
 holding experts ``[rank*E/world, (rank+1)*E/world)`` only (``from_shard``). `parallelize` later binds those
 layers to the EP group (see `xstage_dit.patches.expert_parallel`).
 
@@ -169,13 +169,13 @@ def _hidream_materialize(layer, gate_up, down):
 
 FAMILIES: dict[str, _Family] = {
     "nucleusmoe": _Family(
-        moe_class="NucleusMoELayer", ep_class="xstage_dit.ops.moe_combine:NucleusMoEEPLayer",
+        moe_class="NucleusMoELayer", ep_class="xstage_dit.ops.moe.combine:NucleusMoEEPLayer",
         meta_experts=lambda: _private().nucleus_meta_experts(), num_experts=lambda layer: layer.num_experts,
         dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim),
         random_experts=_nucleus_random, read_experts=_nucleus_read, materialize=_nucleus_materialize,
     ),
     "hidream": _Family(
-        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.ops.moe_combine:HiDreamMoEEPLayer",
+        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.ops.moe.combine:HiDreamMoEEPLayer",
         meta_experts=lambda: _private().hidream_meta_experts(), num_experts=lambda layer: len(layer.experts),
         dims=lambda layer: (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features),
         random_experts=_hidream_random, read_experts=_hidream_read, materialize=_hidream_materialize,

@@ -42,7 +42,7 @@ def resolve_group(name: str) -> dist.ProcessGroup | None:
 @torch.library.custom_op(f"{NAMESPACE}::ulysses_attention", mutates_args=())
 def _ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, schedule: str,
                        scale: float | None, seq_len: int | None) -> torch.Tensor:
-    from xstage_dit.ops.ulysses_attention import ulysses_attention_impl
+    from xstage_dit.ops.attention.op import ulysses_attention_impl
 
     return ulysses_attention_impl(q, k, v, group=resolve_group(group), schedule=schedule, scale=scale, seq_len=seq_len)
 
@@ -64,7 +64,7 @@ def ulysses_attention_op(q, k, v, *, group=None, schedule="auto", scale=None, se
 @torch.library.custom_op(f"{NAMESPACE}::moe_combine_reduce", mutates_args=())
 def _moe_combine_reduce_op(buf: torch.Tensor, slot_offsets: torch.Tensor, slots: torch.Tensor,
                            shared: torch.Tensor | None) -> torch.Tensor:
-    from xstage_dit.ops.moe_combine import combine_reduce
+    from xstage_dit.ops.moe.combine import combine_reduce
 
     return combine_reduce(buf, slot_offsets, slots, shared, buf.dtype)
 
@@ -80,7 +80,7 @@ def _moe_expert_mlp_combine_op(x: torch.Tensor, gate_up: torch.Tensor, down: tor
                                combine_table: torch.Tensor, combine_buffer: torch.Tensor, lead: int) -> None:
     # combine_buffer: this rank's own combine buffer (one entry of the table), declared mutated so that a
     # compiled graph orders the combine-reduce after this op; peers' writes are ordered by the barrier.
-    from xstage_dit.ops.moe_combine import expert_mlp_combine
+    from xstage_dit.ops.moe.combine import expert_mlp_combine
 
     expert_mlp_combine(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine_table,
                        lead=None if lead < 0 else lead)

@@ -100,7 +100,7 @@ def _transformers_of(pipe: Any) -> list[torch.nn.Module]:
 
 def _ensure_process_group(config: ParallelConfig) -> None:
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from xstage_dit.distributed import init_distributed
+        from xstage_dit.comm.distributed import init_distributed
 
         init_distributed(timeout_s=config.timeout_s)
 
@@ -115,7 +115,7 @@ def _startup_calibration(config: ParallelConfig, groups: ParallelGroups):
         log.info("no X-Stage calibration (%s): schedules use the uncalibrated rule", why)
         return None, None
     try:
-        from xstage_dit.calibration import CalibrationUnavailable, load_or_calibrate
+        from xstage_dit.calibration.runner import CalibrationUnavailable, load_or_calibrate
     except ImportError as exc:
         log.warning("no X-Stage calibration module (%s): schedules use the uncalibrated rule", exc)
         return None, None

@@ -1,5 +1,5 @@
 """The ``xstage_ulysses`` diffusers attention backend: every attention call of a sequence-parallel
-transformer goes through `xstage_dit.ops.ulysses_attention` on the rank's sequence shard.
+transformer goes through `xstage_dit.ops.attention.op` on the rank's sequence shard.
 
 Each patched processor carries an `AttentionContext` in its ``_parallel_config`` slot (diffusers passes
 that object to the backend untouched). The context says how the key/value tokens are laid out:
@@ -80,7 +80,7 @@ def _log_once(key: str, msg: str, *args) -> None:
 
 
 def _ulysses_op():
-    from xstage_dit.ops.ulysses_attention import ulysses_attention
+    from xstage_dit.ops.attention.op import ulysses_attention
 
     return ulysses_attention
 
@@ -97,7 +97,7 @@ def _schedule_for(ctx: AttentionContext, q: torch.Tensor, seq_total: int) -> str
     if torch.compiler.is_compiling():
         return "auto"  # the op decides; decisions are made (and logged) in eager warm-up
     try:
-        from xstage_dit.schedule import choose_attention_schedule
+        from xstage_dit.schedule.choices import choose_attention_schedule
     except ImportError:  # schedule helper not merged yet: let the op decide and say so
         _log_once("no-schedule", "attention schedule: xstage_dit.schedule.choose_attention_schedule missing; op decides")
         ctx.choices[key] = "auto"

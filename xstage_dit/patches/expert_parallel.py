@@ -1,4 +1,4 @@
-"""Expert parallelism: swap a transformer's MoE layers for the EP layers of `xstage_dit.ops.moe_combine`.
+"""Expert parallelism: swap a transformer's MoE layers for the EP layers of `xstage_dit.ops.moe.combine`.
 
 EP shares the ranks of the sequence-parallel group: each EP layer receives this rank's sequence shard
 and holds ``num_experts / ep`` experts (``from_layer`` copies only this rank's experts). The original
@@ -26,7 +26,7 @@ def _ep_class(path: str):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"expected the EP layer {path} (xstage_dit.ops.moe_combine), got {exc!r}") from exc
+        raise RuntimeError(f"expected the EP layer {path} (xstage_dit.ops.moe.combine), got {exc!r}") from exc
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:

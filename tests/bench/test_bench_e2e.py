@@ -1,0 +1,680 @@
+"""CPU tests of the end-to-end benchmark (`xstage_dit/bench/e2e.py`, `xstage-dit bench`).
+
+The end-to-end test runs the real script on the tiny FLUX pipeline (1 prompt, 2 steps) through the
+`xstage-dit bench` entry point and checks what it writes; the others check the pieces whose numbers
+end up in the committed tables (percentiles, speedups, budget decisions, the transformer timer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import numpy as np
+import pytest
+import torch
+
+from xstage_dit import cli
+from xstage_dit.bench import e2e as bench
+from xstage_dit.cli import bench as bench_cli
+
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs and helpers
+
+
+def test_prompts_file_is_a_varied_dozen():
+    prompts = bench.load_prompts(bench_cli.PROMPTS)
+    assert len(prompts) == 12
+    assert len(set(prompts)) == 12
+    assert any(len(p.split()) <= 3 for p in prompts), "expected a short prompt"
+    assert any(len(p.split()) > 70 for p in prompts), "expected a long prompt (past CLIP's 77-token window)"
+    assert sum(any(ord(ch) > 127 for ch in p) for p in prompts) >= 3, "expected several non-ASCII prompts"
+    assert bench.load_prompts(bench_cli.PROMPTS, 2) == prompts[:2]
+
+
+def test_load_prompts_skips_comments_and_rejects_too_many(tmp_path):
+    path = tmp_path / "p.txt"
+    path.write_text("# comment\n\n  first  \nsecond\n", encoding="utf-8")
+    assert bench.load_prompts(path) == ["first", "second"]
+    with pytest.raises(ValueError, match="num-prompts <= 2.*got 3"):
+        bench.load_prompts(path, 3)
+    path.write_text("# only a comment\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="at least one prompt"):
+        bench.load_prompts(path)
+
+
+def test_percentile_interpolates_between_order_statistics():
+    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    assert bench.percentile([5.0], 90) == 5.0
+    values = list(np.random.default_rng(0).random(11))
+    assert bench.percentile(values, 50) == pytest.approx(statistics.median(values))
+
+
+def test_model_slug_and_gpu_label():
+    assert bench.model_slug("full-flux") == "full-flux"
+    assert bench.model_slug("/data/models/FLUX.1-dev") == "FLUX.1-dev"
+    assert bench.gpu_label(torch.device("cpu")) == "cpu"
+
+
+def test_transformer_timer_counts_each_forward_and_detaches():
+    module = torch.nn.Linear(8, 8)
+    timer = bench.TransformerTimer(module, torch.device("cpu"))
+    for _ in range(3):
+        module(torch.randn(2, 8))
+    total_s, calls = timer.collect()
+    assert calls == 3 and total_s > 0
+    assert timer.collect() == (0, 0)  # collect starts a new window
+    timer.remove()
+    module(torch.randn(2, 8))
+    assert timer.collect() == (0, 0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Options: one-line errors naming the bad value
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--steps", "0"], "--steps >= 1, got 0"),
+        (["--num-prompts", "-1"], "--num-prompts >= 1, got -1"),
+        (["--warmup", "-2"], "--warmup >= 0, got -2"),
+        (["--rounds", "0"], "--rounds >= 1, got 0"),
+        (["--rerender", "/nonexistent/e2e.json"], "/nonexistent/e2e.json"),
+        (["--contenders", "diffusers,vllm"], "'diffusers,vllm'"),
+        (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
+        (["--model", "no-such-model"], "no-such-model"),
+        (["--num-prompts", "13"], "got 13"),
+        (["--height", "100"], "height to be a positive multiple of 16 for tiny-flux, got 100"),
+    ],
+)
+def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("xstage-dit: error:") and "\n" not in err
+    assert needle in err
+
+
+def test_gpus_must_match_the_launched_ranks(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as under torchrun --nproc-per-node 3
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--gpus", "2"])
+    assert exc.value.code == 2
+    assert "expected --gpus to equal the launched ranks (WORLD_SIZE=3), got --gpus 2" in capsys.readouterr().err
+
+
+def test_help_lists_every_contender(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in bench_cli.CONTENDERS:
+        assert name in out
+    assert "--compile" in out and "--time-budget-s" in out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Results: summary, comparisons, run order, budget
+
+
+def _ok(name, median, step_s=0.1, compile=False, latencies=None):
+    family = name.replace("+compile", "")
+    row = {"name": name, "family": family, "compile": compile, "status": "ok",
+           "median_s": median, "p90_s": median, "transformer_step_ms": 1e3 * step_s, "warmup_s": 1.0}
+    if latencies is not None:
+        row["latencies_s"] = latencies
+    return row
+
+
+def test_summary_and_comparisons_are_the_measured_ratios():
+    records = [
+        _ok("diffusers", 2.0),
+        _ok("xstage-serial", 1.6),
+        _ok("xstage-calibrated", 1.25),
+        _ok("diffusers+compile", 1.0, compile=True),
+        _ok("xstage-serial+compile", 0.8, compile=True),
+        {"name": "xfuser-usp", "family": "xfuser-usp", "compile": False, "status": "cannot run", "reason": "why"},
+    ]
+    bench.add_comparisons(records, default_steps=28, steps=4)
+    summary = bench.build_summary(records, {"steps": 4})
+    by = summary["contenders"]
+    assert summary["baseline"] == "diffusers" and summary["measured_at_steps"] == 4
+    assert by["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
+    assert by["xstage-calibrated"] == {"status": "ok", "median_latency_s": 1.25, "speedup_vs_diffusers_1gpu": pytest.approx(1.6),
+                                       "verdict": "not measured", "ratio_vs_diffusers": None, "ratio_ci95": None}
+    assert by["xstage-serial+compile"]["speedup_vs_diffusers_1gpu"] == pytest.approx(2.5)
+    assert by["xfuser-usp"] == {"status": "cannot run", "reason": "why"}
+    rec = {r["name"]: r for r in records}
+    assert rec["xstage-calibrated"]["speedup_vs_xstage_serial"] == pytest.approx(1.28)
+    assert rec["xstage-serial+compile"]["speedup_vs_diffusers_same_compile"] == pytest.approx(1.25)
+    assert "baseline_drift_pct" not in rec["diffusers"]  # no repeat measured: no drift
+    assert "not_slower_than_diffusers" not in rec["xstage-serial"]  # no latencies to pair: no claim either way
+    assert "verdict" not in rec["xstage-serial+compile"]  # verdicts are for the eager xstage rows
+    # 24 missing steps at the measured 0.1 s/step, labelled as an extrapolation.
+    assert rec["diffusers"]["latency_s_at_default_steps_extrapolated"] == pytest.approx(2.0 + 24 * 0.1)
+
+
+def test_run_order_baseline_first_irreversible_last():
+    order = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=4)]
+    assert order[0] == "diffusers"
+    assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    assert order[:7] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers-repeat", "diffusers+compile",
+                         "xstage-serial+compile", "xstage-calibrated+compile"]
+    order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
+    assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    assert len(order1) == len(set(order1)) == 11
+    # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
+    order_rounds = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1, rounds=2)]
+    assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
+    # No xstage contender, no repeat.
+    assert [c.name for c in bench.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
+    skipped = bench.make_contenders(["diffusers"], False)
+    assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
+
+
+class _Args:
+    compile_estimate_s = 100.0
+    compile_mode = "regional"
+    time_budget_s = 0.0
+
+
+class _FakePipe:
+    """Stands in for a pipeline: a transformer module called `steps` times per generation."""
+
+    def __init__(self):
+        self.transformer = torch.nn.Linear(4, 4)
+
+    def __call__(self, num_inference_steps, **_):
+        for _ in range(num_inference_steps):
+            self.transformer(torch.randn(1, 4))
+        return type("Out", (), {"images": np.zeros((1, 2, 2, 3), np.float32)})()
+
+
+def _fake_bench(**over):
+    class FakeBench(bench.Bench):
+        def call_kwargs(self, prompt, steps):
+            return {"num_inference_steps": steps}
+
+    args = _Args()
+    args.warmup, args.warmup_steps = 1, 1
+    fields = dict(args=args, spec=None, pipe=_FakePipe(), device=torch.device("cpu"), dtype=torch.float32,
+                  rank=0, world_size=1, prompts=["a", "b", "c"], steps=3, height=8, width=8, frames=1,
+                  t_start=0.0, build_s=7.0)
+    fields.update(over)
+    return FakeBench(**fields)
+
+
+def test_budget_estimate_uses_the_measured_baseline():
+    b = _fake_bench()
+    baseline = _ok("diffusers", 2.0)
+    plain, compiled = bench.PlainDiffusers(False), bench.PlainDiffusers(True)
+    assert bench.estimate_cost_s(b, plain, None) is None  # nothing measured yet: run it
+    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0)
+    assert bench.estimate_cost_s(b, compiled, baseline) == pytest.approx(1.0 + 3 * 2.0 + 100.0)
+    # Warm-up and runs every round; the compile once.
+    assert bench.estimate_cost_s(b, compiled, baseline, rounds=4) == pytest.approx(4 * (1.0 + 3 * 2.0) + 100.0)
+    b.dirty = "xfuser-usp"  # a pristine pipeline has to be built again first
+    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
+
+
+def test_measure_times_every_prompt_and_counts_forwards():
+    b = _fake_bench()
+    record, output = bench.measure(b, bench.PlainDiffusers(False), None)
+    assert record["status"] == "ok", record
+    assert len(record["latencies_s"]) == 3 and record["median_s"] == statistics.median(record["latencies_s"])
+    assert record["transformer_forwards_per_step"] == 1.0
+    assert record["transformer_step_ms"] > 0
+    assert output.shape == (2, 2, 3)
+
+
+def test_measure_reports_a_failing_contender_and_undoes_it():
+    events = []
+
+    class Broken(bench.Contender):
+        family = "broken"
+
+        def apply(self, b):
+            events.append("apply")
+
+        def call(self, b, kwargs):
+            raise RuntimeError("boom at step 1")
+
+        def restore(self, b):
+            events.append("restore")
+
+    b = _fake_bench()
+    record, output = bench.measure(b, Broken(False), None)
+    assert record["status"] == "failed" and "RuntimeError: boom at step 1" in record["reason"]
+    assert events == ["apply", "restore"] and output is None
+    assert b.pipe.transformer._forward_hooks == {}  # the timer's hooks are gone too
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end on the tiny FLUX pipeline (CPU)
+
+
+def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
+    rc = cli.main([
+        "bench", "--model", "tiny-flux", "--num-prompts", "1", "--steps", "2", "--out-dir", str(tmp_path),
+        # Compile variants are requested but cannot fit the budget: reported as skipped, never omitted.
+        "--compile", "--compile-estimate-s", "1e6", "--time-budget-s", "1e5",
+    ])
+    assert rc == 0
+    stem = tmp_path / "e2e-tiny-flux-1xcpu"
+    record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in record["rows"]}
+    expected = {n + s for n in bench_cli.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
+    assert set(rows) == expected
+
+    base = rows["diffusers"]
+    assert base["status"] == "ok"
+    assert len(base["latencies_s"]) == 1 and base["median_s"] > 0
+    assert 0 < base["transformer_step_ms"] / 1e3 < base["median_s"]
+    assert base["transformer_forwards_per_step"] == 1.0  # FLUX.1-dev: guidance-distilled, one forward a step
+    assert base["peak_memory_gib"] is None  # CPU
+
+    for name, row in rows.items():
+        assert row["status"] in ("ok", "cannot run", "skipped", "failed"), row
+        if row["status"] != "ok":
+            assert row["reason"], f"{name} has no reason"
+        if name.endswith("+compile"):
+            eager = rows[name.replace("+compile", "")]
+            if eager["status"] == "cannot run":  # the same detected reason, before any budget question
+                assert (row["status"], row["reason"]) == ("cannot run", eager["reason"])
+            else:
+                assert row["status"] == "skipped" and row["reason"].startswith("time budget"), row
+    # diffusers' native context parallelism needs an accelerator (and refuses degree 1): detected, not assumed.
+    assert rows["diffusers-cp"]["status"] == "cannot run"
+    assert "needs an accelerator" in rows["diffusers-cp"]["reason"]
+    assert rows["xfuser-usp"]["status"] == "cannot run"
+    for name in ("xstage-serial", "xstage-calibrated"):
+        assert rows[name]["status"] == "ok", rows[name]
+        # Same seed, same prompt, world 1, fp32: the same image as plain diffusers.
+        assert rows[name]["output_max_abs_diff_vs_diffusers"] < 1e-3
+        # One prompt, paired with the geometric mean of diffusers and diffusers-repeat around it: one pair,
+        # no spread, so no verdict and no "not slower" claim (the GPU runs use rounds or several prompts).
+        assert rows[name]["ratio_pairs"] == 1
+        assert rows[name]["verdict"] == "one pair: no verdict"
+        assert "not_slower_than_diffusers" not in rows[name]
+        assert f"| {rows[name]['verdict']} (" in stem.with_suffix(".md").read_text(encoding="utf-8")
+    assert rows["diffusers-repeat"]["status"] == "ok" and "baseline_drift_pct" in rows["diffusers"]
+
+    summary = record["summary"]
+    assert summary["measured_at_steps"] == 2 and summary["baseline"] == "diffusers"
+    assert set(summary["contenders"]) == expected
+    assert summary["contenders"]["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
+    assert math.isclose(summary["contenders"]["diffusers"]["median_latency_s"], base["median_s"])
+    settings = summary["settings"]
+    assert (settings["steps"], settings["default_steps"], settings["num_prompts"]) == (2, 4, 1)
+    assert record["environment"]["torch"] and record["environment"]["git_commit"]
+    assert settings["command"].startswith("xstage-dit bench") and "--steps 2" in settings["command"]
+
+    md = stem.with_suffix(".md").read_text(encoding="utf-8")
+    assert "measured at 2 denoising steps" in md
+    for name in expected:
+        assert f"| {name} |" in md
+    assert "time budget" in md
+
+    png = stem.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    with Image.open(png) as image:
+        assert image.width > 200 and image.height > 200
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_diffusers_cp_reasons_are_detected(monkeypatch):
+    b = _fake_bench()
+    cp = bench.DiffusersCP(False)
+    if torch.accelerator.device_count() == 0:
+        assert "needs an accelerator" in cp.check(b)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
+    assert "Linear ships no _cp_plan" in cp.check(b)
+    b.pipe.transformer._cp_plan = {"": {}}
+    reason = cp.check(b)  # world 1: diffusers itself refuses a Ulysses degree of 1
+    assert "ContextParallelConfig(ulysses_degree=1) refuses" in reason and "greater than 1" in reason
+
+
+def test_two_ranks_agree_and_rank0_writes(tmp_path):
+    """2 CPU ranks (gloo), started by the benchmark itself (xstage_dit.comm.launcher): every rank takes the
+    same decisions, rank 0 writes the files."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(bench_cli.REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("WORLD_SIZE", None)
+    options = ["--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1", "--steps", "1",
+               "--warmup", "0", "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)]
+    cmd = [sys.executable, "-m", "xstage_dit.bench.e2e", *options]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"e2e-tiny-flux-2xcpu.{s}" for s in ("json", "md", "png")]
+    record = json.loads((tmp_path / "e2e-tiny-flux-2xcpu.json").read_text(encoding="utf-8"))
+    assert record["summary"]["settings"]["gpus"] == record["summary"]["settings"]["world_size"] == 2
+    rows = {r["name"]: r for r in record["rows"]}
+    assert rows["diffusers"]["status"] == "ok"
+    assert proc.stdout.count("[bench] diffusers: ok") == 1  # rank 0 reports, the other rank is silent
+    assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
+    assert rows["xstage-serial"]["parallel_config"]["sp"] == 2
+    assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 1e-3
+
+
+@pytest.mark.gpu
+def test_end_to_end_tiny_flux_gpu(tmp_path):
+    """The CUDA paths: event timing of the call and of every transformer forward, peak memory, GPU label."""
+    rc = cli.main(["bench", "--model", "tiny-flux", "--device", "cuda", "--num-prompts", "2", "--steps", "2",
+                   "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    (json_path,) = tmp_path.glob("e2e-tiny-flux-1x*.json")
+    assert not json_path.name.endswith("1xcpu.json")
+    record = json.loads(json_path.read_text(encoding="utf-8"))
+    assert record["environment"]["gpu"]
+    rows = {r["name"]: r for r in record["rows"]}
+    base = rows["diffusers"]
+    assert base["status"] == "ok" and base["median_s"] > 0
+    assert 0 < base["transformer_step_ms"] / 1e3 < base["median_s"]
+    assert base["transformer_forwards_per_step"] == 1.0
+    assert base["peak_memory_gib"] > 0
+    assert record["summary"]["settings"]["dtype"] == "bfloat16"
+    assert rows["xstage-serial"]["status"] == "ok", rows["xstage-serial"]
+    assert rows["xstage-serial"]["output_max_abs_diff_vs_diffusers"] < 0.2  # bf16: kernels may differ; garbage is ~0.5+
+
+
+def test_measure_undoes_a_half_applied_contender():
+    events = []
+
+    class HalfApplied(bench.Contender):
+        family = "half"
+
+        def apply(self, b):
+            events.append("apply")
+            raise ValueError("expected sp to divide 24 heads, got sp=5")
+
+        def restore(self, b):
+            events.append("restore")
+
+    record, _ = bench.measure(_fake_bench(), HalfApplied(False), None)
+    assert record["status"] == "failed" and "expected sp to divide 24 heads" in record["reason"]
+    assert events == ["apply", "restore"]
+
+
+def test_repeat_baseline_gives_the_drift_and_the_paired_verdict():
+    records = [_ok("diffusers", 2.005, latencies=[2.00, 2.01]),
+               _ok("xstage-serial", 2.0175, latencies=[2.015, 2.02]),
+               _ok("xstage-calibrated", 2.405, latencies=[2.40, 2.41]),
+               _ok("diffusers-repeat", 2.025, latencies=[2.02, 2.03]),
+               _ok("xstage-serial+compile", 3.0, compile=True, latencies=[3.0, 3.0])]
+    bench.add_comparisons(records, default_steps=4, steps=4)
+    rec = {r["name"]: r for r in records}
+    assert rec["diffusers"]["baseline_drift_pct"] == pytest.approx(100 * 0.02 / 2.005)
+    serial, calibrated = rec["xstage-serial"], rec["xstage-calibrated"]
+    # 2 prompts, each against the geometric mean of the diffusers run before and the repeat after.
+    assert serial["ratio_pairs"] == 2
+    assert serial["ratio_vs_diffusers"] == pytest.approx(
+        math.prod([2.015 / math.sqrt(2.00 * 2.02), 2.02 / math.sqrt(2.01 * 2.03)]) ** 0.5)
+    assert serial["verdict"] == "same within noise" and serial["not_slower_than_diffusers"] is True
+    assert calibrated["verdict"] == "slower" and calibrated["not_slower_than_diffusers"] is False
+    assert calibrated["ratio_ci95"][0] > 1
+    assert "verdict" not in rec["xstage-serial+compile"] and "verdict" not in rec["diffusers"]
+    summary = bench.build_summary(records, {"steps": 4})["contenders"]
+    assert summary["xstage-calibrated"]["not_slower_than_diffusers"] is False
+    assert summary["xstage-calibrated"]["verdict"] == "slower"
+    assert summary["xstage-serial"]["ratio_ci95"] == serial["ratio_ci95"]
+    assert summary["diffusers"]["baseline_drift_pct"] == pytest.approx(rec["diffusers"]["baseline_drift_pct"])
+    # Derived fields are recomputed, never left stale: without the repeat, the pairs are with diffusers only.
+    records = [r for r in records if r["name"] != "diffusers-repeat"]
+    bench.add_comparisons(records, default_steps=4, steps=4)
+    assert "baseline_drift_pct" not in records[0] and records[1]["ratio_pairs"] == 2
+    assert records[1]["ratio_vs_diffusers"] == pytest.approx(math.sqrt(2.015 / 2.00 * 2.02 / 2.01))
+
+
+def test_the_h200_flux_run_reads_same_within_noise():
+    """FLUX on an H200: 5.041 / 5.064 / 5.050 s (diffusers, xstage-serial, diffusers-repeat) made the strict
+    median rule say "slower" for 0.3%; the paired interval says the difference is noise."""
+    records = [_ok("diffusers", 5.0412, latencies=[5.0418857421875, 5.04060400390625]),
+               _ok("xstage-serial", 5.0642, latencies=[5.04188916015625, 5.08658544921875]),
+               _ok("diffusers-repeat", 5.0498, latencies=[5.0382236328125, 5.0614443359375])]
+    bench.add_comparisons(records, default_steps=28, steps=28)
+    serial = records[1]
+    assert serial["median_s"] > max(records[0]["median_s"], records[2]["median_s"])  # the old rule: "slower"
+    assert serial["verdict"] == "same within noise" and serial["not_slower_than_diffusers"] is True
+    lo, hi = serial["ratio_ci95"]
+    assert lo < 1 < hi  # two pairs (two prompts against the bracketing baselines): a wide interval around 1
+    assert bench.verdict_cell(serial) == f"same within noise ({serial['ratio_vs_diffusers']:.3f}x, 95% CI {lo:.3f}-{hi:.3f})"
+
+
+# ----------------------------------------------------------------------------------------------------
+# The verdict's statistics
+
+
+def test_t95_table():
+    assert bench.t95(1) == pytest.approx(12.706)
+    assert bench.t95(10) == pytest.approx(2.228)
+    assert bench.t95(30) == pytest.approx(2.042)
+    assert bench.t95(31) == bench.t95(1000) == 1.96
+    assert all(a > b for a, b in zip(bench.T95_TWO_SIDED, bench.T95_TWO_SIDED[1:]))  # narrower with more df
+    with pytest.raises(ValueError, match="df >= 1, got 0"):
+        bench.t95(0)
+
+
+def test_ratio_verdict_interval_by_hand():
+    # logs 0 and ln 1.1: mean ln(1.1)/2, sd ln(1.1)/sqrt(2), se ln(1.1)/2, t(1) = 12.706.
+    out = bench.ratio_verdict([1.0, 1.1])
+    half = 12.706 * math.log(1.1) / 2
+    assert out["ratio"] == pytest.approx(math.sqrt(1.1))
+    assert out["ci95"] == pytest.approx([math.sqrt(1.1) * math.exp(-half), math.sqrt(1.1) * math.exp(half)])
+    assert out["pairs"] == 2 and out["verdict"] == "same within noise"
+
+
+def test_ratio_verdict_on_synthetic_pairs():
+    rng = np.random.default_rng(0)
+
+    def noise(n, sigma):  # n log-normal factors around 1
+        return np.exp(rng.normal(0.0, sigma, n))
+
+    slower = bench.ratio_verdict(list(1.10 * noise(8, 0.02)))
+    assert slower["verdict"] == "slower" and slower["ci95"][0] > 1 and slower["ratio"] == pytest.approx(1.10, rel=0.03)
+    faster = bench.ratio_verdict(list(0.80 * noise(8, 0.02)))
+    assert faster["verdict"] == "faster" and faster["ci95"][1] < 1
+    # Equal on average, +-15% per pair (the NucleusMoE spread): no verdict either way.
+    spread = noise(8, 0.15)
+    same = bench.ratio_verdict(list(spread / np.exp(np.log(spread).mean())))
+    assert same["verdict"] == "same within noise" and same["ci95"][0] < 1 < same["ci95"][1]
+    # Exactly equal latencies: a zero-width interval at 1, still "same".
+    assert bench.ratio_verdict([1.0, 1.0, 1.0]) == {"ratio": 1.0, "ci95": [1.0, 1.0], "verdict": "same within noise",
+                                                   "pairs": 3}
+    # One pair: no interval and no verdict either way, however large the ratio.
+    one = bench.ratio_verdict([1.5])
+    assert one["ci95"] is None and one["verdict"] == "one pair: no verdict" and one["ratio"] == pytest.approx(1.5)
+    assert bench.verdict_cell({"verdict": one["verdict"], "ratio_vs_diffusers": 1.5, "ratio_ci95": None}) == \
+        "one pair: no verdict (1.500x, one pair: no CI)"
+    assert bench.ratio_verdict([]) == {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
+    with pytest.raises(ValueError, match="positive finite"):
+        bench.ratio_verdict([1.0, 0.0])
+
+
+def test_paired_ratios_pair_the_same_round_and_prompt():
+    x = {"latencies_s": [1.0, 2.0, 3.0, 4.0]}  # 2 rounds x 2 prompts
+    base = {"latencies_s": [2.0, 2.0, 4.0, 8.0]}
+    assert bench.paired_ratios(x, [base]) == pytest.approx([0.5, 1.0, 0.75, 0.5])
+    # A contender that left after round 1 pairs its round only; two baselines (an A/B/A bracket) give one pair per
+    # sample, against their geometric mean.
+    assert bench.paired_ratios({"latencies_s": [1.0, 2.0]}, [base, {"latencies_s": [1.0, 4.0]}]) == \
+        pytest.approx([1.0 / 2**0.5, 2.0 / 8**0.5])
+    assert bench.paired_ratios({"latencies_s": []}, [base]) == []
+
+
+# ----------------------------------------------------------------------------------------------------
+# Interleaved rounds
+
+
+class _FakeXStage(bench.Contender):
+    """A reversible stand-in for an xstage contender on the fake pipeline; fails in the rounds listed."""
+
+    def __init__(self, family="xstage-serial", fail_in_rounds=()):
+        super().__init__(False)
+        self.family = family
+        self.fail_in_rounds = set(fail_in_rounds)
+        self.applied = 0
+
+    def apply(self, b):
+        self.applied += 1
+        if self.applied in self.fail_in_rounds:
+            raise RuntimeError(f"boom in round {self.applied}")
+
+
+def _settings(**over):
+    settings = {"model": "fake", "kind": "image", "family": "flux", "gpus": 1, "world_size": 1, "height": 8,
+                "width": 8, "frames": 1, "steps": 3, "default_steps": 3, "guidance": 1.0, "seed": 0,
+                "dtype": "float32", "num_prompts": 1, "prompts": ["a"], "warmup": 1, "warmup_steps": 1,
+                "command": "test", "rounds": 3, "rounds_completed": 0}
+    settings.update(over)
+    return settings
+
+
+def _rounds_run(tmp_path, group, rounds, seconds_left):
+    """measure_in_rounds on the fake pipeline (one prompt); ``seconds_left`` answers every budget question."""
+    import types
+
+    b = _fake_bench(prompts=["a"], spec=types.SimpleNamespace(steps=3))
+    b.seconds_left = seconds_left
+    report = bench.Report(b, _settings(rounds=rounds), {"git_commit": "test"}, tmp_path / "e2e-fake-1xcpu")
+    baseline_row, reference = bench.measure_in_rounds(b, group, rounds, report)
+    return report, baseline_row, reference
+
+
+def test_rounds_rotate_and_a_failure_is_not_retried(tmp_path, capsys):
+    failing_first = _FakeXStage("xstage-calibrated", fail_in_rounds={1})
+    failing_later = _FakeXStage("xstage-serial", fail_in_rounds={2})
+    group = [bench.PlainDiffusers(False), failing_later, failing_first]
+    report, baseline_row, reference = _rounds_run(tmp_path, group, 3, lambda: math.inf)
+    rows = {r["name"]: r for r in report.rows}
+    assert report.settings["rounds_completed"] == 3 and "rounds_stopped" not in report.settings
+    base = rows["diffusers"]
+    assert baseline_row is base and reference.shape == (2, 2, 3)
+    assert base["rounds"] == 3 and len(base["latencies_s"]) == len(base["round_medians_s"]) == 3
+    assert base["median_s"] == statistics.median(base["latencies_s"])
+    assert "baseline_round_spread_pct" in base
+    # Failed in round 1: a failed row, never applied again.
+    assert rows["xstage-calibrated"]["status"] == "failed" and "boom in round 1" in rows["xstage-calibrated"]["reason"]
+    assert failing_first.applied == 1
+    # Failed in round 2: keeps round 1, says why it has no more, pairs its one round with diffusers' round 1.
+    serial = rows["xstage-serial"]
+    assert serial["status"] == "ok" and serial["rounds"] == 1 and failing_later.applied == 2
+    assert serial["round_failure"].startswith("round 2: RuntimeError: boom in round 2")
+    assert serial["ratio_pairs"] == 1 and serial["verdict"] != "slower"
+    assert "no later rounds after round 2" in serial["note"]
+    # Round r starts at offset r mod 3.
+    running = [line.split(" (round")[0].removeprefix("[bench] ") for line in capsys.readouterr().out.splitlines()
+               if line.endswith(": running")]
+    assert running == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-serial", "diffusers", "diffusers"]
+    written = json.loads((tmp_path / "e2e-fake-1xcpu.json").read_text(encoding="utf-8"))
+    assert [r["name"] for r in written["rows"]] == ["diffusers", "xstage-serial", "xstage-calibrated"]
+
+
+def test_rounds_stop_for_everyone_when_the_next_does_not_fit(tmp_path):
+    answers = iter([math.inf, 1e6, 0.0])  # round 1's budget check of xstage, before round 2, before round 3
+    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    report, _, _ = _rounds_run(tmp_path, group, 4, lambda: next(answers))
+    rows = {r["name"]: r for r in report.rows}
+    assert report.settings["rounds_completed"] == 2
+    assert report.settings["rounds_stopped"].startswith("time budget: round 3 needs ~")
+    assert rows["diffusers"]["rounds"] == rows["xstage-serial"]["rounds"] == 2
+    assert rows["xstage-serial"]["ratio_pairs"] == 2
+    md = (tmp_path / "e2e-fake-1xcpu.md").read_text(encoding="utf-8")
+    assert "ran in 2 interleaved rounds (4 requested, stopped by the time budget: round 3" in md
+
+
+def test_a_first_round_that_does_not_fit_is_skipped(tmp_path):
+    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    report, _, _ = _rounds_run(tmp_path, group, 2, lambda: 0.0)
+    rows = {r["name"]: r for r in report.rows}
+    assert rows["diffusers"]["status"] == "ok"  # the baseline is never skipped for time
+    assert rows["xstage-serial"]["status"] == "skipped" and rows["xstage-serial"]["reason"].startswith("time budget")
+    assert report.settings["rounds_completed"] == 1  # round 2 of the baseline alone did not fit either
+
+
+# ----------------------------------------------------------------------------------------------------
+# End to end in rounds, and --rerender (one tiny run shared by both)
+
+
+@pytest.fixture(scope="module")
+def rounds_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("rounds")
+    import contextlib
+    import io
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = cli.main(["bench", "--model", "tiny-flux", "--num-prompts", "1", "--steps", "1", "--rounds", "2",
+                       "--contenders", "diffusers,xstage-serial,xstage-calibrated", "--out-dir", str(out)])
+    assert rc == 0, stdout.getvalue()[-3000:]
+    return out / "e2e-tiny-flux-1xcpu.json", stdout.getvalue()
+
+
+def test_rounds_end_to_end_tiny_flux(rounds_run):
+    path, stdout = rounds_run
+    record = json.loads(path.read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in record["rows"]}
+    assert "diffusers-repeat" not in rows  # the rounds interleave instead of A/B/A
+    settings = record["summary"]["settings"]
+    assert (settings["rounds"], settings["rounds_completed"]) == (2, 2)
+    base = rows["diffusers"]
+    assert base["status"] == "ok" and base["rounds"] == 2
+    assert len(base["latencies_s"]) == 2 * 1 and len(base["round_medians_s"]) == 2
+    assert base["round_medians_s"] == base["latencies_s"]  # one prompt: a round's median is its one run
+    assert "baseline_round_spread_pct" in base and "baseline_drift_pct" not in base
+    assert "output_max_abs_diff_vs_diffusers" not in base  # the reference itself
+    assert "[bench] xstage-serial (round 2/2): running" in stdout
+    for name in ("xstage-serial", "xstage-calibrated"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["rounds"] == 2 and len(row["latencies_s"]) == 2, row
+        assert row["ratio_pairs"] == 2 and row["verdict"] in ("slower", "faster", "same within noise")
+        assert len(row["ratio_ci95"]) == 2 and row["not_slower_than_diffusers"] == (row["verdict"] != "slower")
+        assert record["summary"]["contenders"][name]["verdict"] == row["verdict"]
+        assert row["output_max_abs_diff_vs_diffusers"] < 1e-3
+    md = path.with_suffix(".md").read_text(encoding="utf-8")
+    assert "| verdict |" in md and "ran in 2 interleaved rounds (2 requested)" in md
+
+
+def test_rerender_recomputes_without_measuring(rounds_run, tmp_path, capsys):
+    source, _ = rounds_run
+    path = tmp_path / source.name
+    record = json.loads(source.read_text(encoding="utf-8"))
+    measured = {r["name"]: (r.get("median_s"), r.get("latencies_s"), r.get("round_medians_s")) for r in record["rows"]}
+    # What an older version wrote: the strict rule's field, no verdicts; and provenance of its own.
+    for row in record["rows"]:
+        for key in ("verdict", "ratio_vs_diffusers", "ratio_ci95", "ratio_pairs"):
+            row.pop(key, None)
+        if row["name"].startswith("xstage"):
+            row["not_slower_than_diffusers"] = "stale"
+    record["provenance"] = {"measured": "on the device"}
+    path.write_text(json.dumps(record), encoding="utf-8")
+
+    assert cli.main(["bench", "--rerender", str(path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [source.stem + s for s in (".json", ".md", ".png")]
+    new = json.loads(path.read_text(encoding="utf-8"))
+    assert {r["name"]: (r.get("median_s"), r.get("latencies_s"), r.get("round_medians_s")) for r in new["rows"]} == measured
+    assert new["environment"] == record["environment"] and new["summary"]["settings"] == record["summary"]["settings"]
+    assert new["provenance"]["measured"] == "on the device"
+    rerendered = new["provenance"]["rerendered"]
+    assert rerendered["at_commit"] and rerendered["what"] == "comparisons and verdicts recomputed from the measured latencies"
+    serial = next(r for r in new["rows"] if r["name"] == "xstage-serial")
+    assert serial["not_slower_than_diffusers"] is (serial["verdict"] != "slower") and serial["ratio_pairs"] == 2
+    assert "rewrote" in capsys.readouterr().out
+
+
+def test_rerender_refuses_other_json(tmp_path, capsys):
+    path = tmp_path / "flux-step.json"
+    path.write_text(json.dumps({"benchmark": "flux-step", "rows": []}), encoding="utf-8")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--rerender", str(path)])
+    assert exc.value.code == 2
+    assert "expected --rerender to be a results JSON written by xstage-dit bench" in capsys.readouterr().err

@@ -1,0 +1,96 @@
+"""Helpers of the server tests: the tiny real pipelines, an in-process worker, a live uvicorn server on
+127.0.0.1, and reference images computed by calling the pipeline directly."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import socket
+import threading
+import time
+
+import numpy as np
+import torch
+
+from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.media import to_uint8
+from xstage_dit.server.worker import LoadedModel, Worker
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """One intra-op thread while the test process also runs an HTTP server and clients: on a busy 2-core
+    machine two OpenMP threads spin against those threads and a batch takes 5-10x longer."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tiny(model: str = "tiny-flux", seed: int = 0):
+    """(pipeline, ServedModel) of a built-in tiny model: real diffusers classes, random weights."""
+    from xstage_dit.models import load_pipeline, model_spec
+
+    pipe = load_pipeline(model, dtype=torch.float32, device="cpu", seed=seed)
+    return pipe, ServedModel.from_spec(model, model_spec(model))
+
+
+def start_worker(config: ServerConfig, model: str = "tiny-flux") -> Worker:
+    pipe, served = tiny(model)
+    worker = Worker(lambda ctx: LoadedModel(pipe, served, {"model": served.name, "calibration": None}), config)
+    worker.start()
+    assert worker.wait_ready(60), worker.reason
+    return worker
+
+
+@contextlib.contextmanager
+def live_server(app, port: int | None = None):
+    """Run `app` under uvicorn on 127.0.0.1 in a thread; yields the base URL."""
+    import uvicorn
+
+    port = port or free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        if time.time() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def decode_png(b64: str) -> np.ndarray:
+    from PIL import Image
+
+    return np.array(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def reference_image(pipe, served: ServedModel, prompt: str, seed: int, width: int, height: int, steps: int,
+                    guidance: float | None = None) -> np.ndarray:
+    """uint8 (height, width, 3): the pipeline called directly for one prompt and one seed."""
+    out = pipe(prompt, height=height, width=width, num_inference_steps=steps,
+               guidance_scale=served.default_guidance if guidance is None else guidance,
+               generator=torch.Generator("cpu").manual_seed(seed), output_type="np", **served.pipeline_kwargs)
+    return to_uint8(np.asarray(out.images[0]))
+
+
+def assert_same_image(got: np.ndarray, want: np.ndarray, what: str = "image") -> None:
+    """Equal up to one uint8 level: batched matmuls round differently in fp32 (about 1e-6 here), which
+    can move a pixel across a rounding boundary; a swapped or wrong image differs by far more."""
+    assert got.shape == want.shape, f"{what}: expected shape {want.shape}, got {got.shape}"
+    diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    assert diff.max() <= 1, f"{what}: max pixel difference {diff.max()} (mean {diff.mean():.3f})"

@@ -1,0 +1,31 @@
+"""The server on a GPU (run by scripts/gpu_tests.sh): tiny FLUX in bfloat16 through the production
+loader (calibration report included), one batched request answered with the right images."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from xstage_dit.server.app import create_app
+from xstage_dit.server.config import ServerConfig
+from xstage_dit.server.startup import model_loader
+from xstage_dit.server.worker import RankContext, Worker
+from tests.helpers.server import decode_png, live_server
+
+
+@pytest.mark.gpu
+def test_tiny_flux_server_on_gpu():
+    worker = Worker(model_loader("tiny-flux"), ServerConfig(max_batch_size=4, api_key=None),
+                    join=lambda: RankContext(device=torch.device("cuda", 0))).start()
+    assert worker.wait_ready(300), worker.reason
+    assert str(worker.model.pipe.transformer.dtype) == "torch.bfloat16"
+    with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=120) as client:
+        r = client.post("/v1/images/generations", json={"prompt": "a red cat", "n": 3, "size": "64x64", "seed": 11})
+        assert r.status_code == 200, r.text
+        images = [decode_png(d["b64_json"]) for d in r.json()["data"]]
+        assert [img.shape for img in images] == [(64, 64, 3)] * 3 and r.json()["batch_size"] == 3
+        assert len({img.tobytes() for img in images}) == 3
+        calibration = client.get("/v1/calibration").json()["calibration"]
+        assert "available" in calibration
+    worker.stop()

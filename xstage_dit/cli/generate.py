@@ -1,0 +1,200 @@
+"""`xstage-dit generate`: one image (PNG) or video (MP4, or a PNG grid of frames) from a prompt.
+
+Example::
+
+    xstage-dit generate --model tiny-flux --prompt "a red fox in snow" --output out/fox.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_PROMPT = "a photo of a red fox sitting in the snow at sunrise, high quality"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from xstage_dit.models import model_names
+
+    p = subparsers.add_parser(
+        "generate",
+        help="generate an image or a video from a prompt",
+        description="Generate an image (PNG) or a video (MP4, or a PNG grid of its frames) with a diffusers "
+        "pipeline: a built-in model with random weights (no download) or a local diffusers folder. Options "
+        "left out take the model's defaults.",
+    )
+    p.add_argument("--model", default="tiny-flux",
+                   help=f"built-in model ({', '.join(model_names())}) or a local diffusers folder "
+                   "(e.g. /path/to/FLUX.1-dev); default: %(default)s")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text prompt (any language); default: %(default)r")
+    p.add_argument("--negative-prompt", default=None,
+                   help="negative prompt, for models that take one (Wan, NucleusMoE, HiDream)")
+    p.add_argument("--height", type=int, default=None,
+                   help="image height in pixels, a multiple of the model's patch size (16 for all built-in models)")
+    p.add_argument("--width", type=int, default=None, help="image width in pixels, same rule as --height")
+    p.add_argument("--frames", type=int, default=None,
+                   help="video frames (video models only): 1 + a multiple of 4 for Wan")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (>= 1)")
+    p.add_argument("--guidance", type=float, default=None, help="guidance scale (>= 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial noise and of the random weights of built-in models; default: %(default)s")
+    p.add_argument("--output", "-o", default=None,
+                   help="output file: .png/.jpg/.webp for images; .mp4 or an image suffix (a grid of frames) "
+                   "for video; default: out/<model>-seed<seed>.png (or .mp4)")
+    p.add_argument("--device", default="auto", help="torch device (cpu, cuda, cuda:1...); default: cuda if present")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and compute dtype; auto = bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar over the denoising steps")
+    # Parallelism (xstage_dit.parallelize): sp * cfg ranks; started here unless already under torchrun.
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE models: 1 or --sp")
+    p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree: 1 or 2 (cond/uncond on separate ranks)")
+    p.set_defaults(func=run)
+    return p
+
+
+def _resolve_device_dtype(device_arg: str, dtype_arg: str):
+    import torch
+
+    from xstage_dit.cli import UsageError
+
+    if device_arg == "auto":
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    else:
+        try:
+            device = torch.device(device_arg)
+        except (RuntimeError, ValueError):
+            raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {device_arg!r}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise UsageError(f"--device: expected a device present here, got {device_arg!r} (no CUDA GPU found)")
+        if device.type not in ("cpu", "cuda"):
+            raise UsageError(f"--device: expected cpu, cuda or cuda:N, got {device_arg!r}")
+    if dtype_arg == "auto":
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = getattr(torch, dtype_arg)
+    return device, dtype
+
+
+def _parallel_setup(args: argparse.Namespace):
+    """None for one process; the exit code after starting sp*cfg ranks; (ParallelConfig, RankInfo) in a rank."""
+    from xstage_dit.cli import UsageError
+    from xstage_dit.patches.config import ParallelConfig
+
+    try:
+        config = ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg)
+    except ValueError as exc:
+        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if config.world_size == 1 and world == 1:
+        return None
+    if world == 1:  # not under torchrun: start the ranks ourselves and supervise them
+        from xstage_dit.comm.launcher import launch
+
+        return launch(config.world_size, [sys.executable, "-m", "xstage_dit", *sys.argv[1:]])
+    if world != config.world_size:
+        raise UsageError(f"--sp/--cfg: expected sp * cfg == {world} (the ranks started), got {config.world_size}")
+    from xstage_dit.comm.distributed import init_distributed
+
+    return config, init_distributed(timeout_s=config.timeout_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    # transformers warns at import about optional vision backends no pipeline here uses.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from xstage_dit.cli import UsageError
+    from xstage_dit.models import model_spec
+
+    try:
+        spec = model_spec(args.model)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    # Check every value before building anything, so a typo fails in milliseconds.
+    for flag, value in (("--steps", args.steps), ("--height", args.height), ("--width", args.width),
+                        ("--frames", args.frames)):
+        if value is not None and value < 1:
+            raise UsageError(f"{flag}: expected a positive integer, got {value}")
+    if args.guidance is not None and not args.guidance >= 0:
+        raise UsageError(f"--guidance: expected a number >= 0, got {args.guidance}")
+    if args.frames is not None and spec.kind == "image" and args.frames != 1:
+        raise UsageError(f"--frames: expected no --frames for the image model {spec.name}, got {args.frames}")
+    height = spec.height if args.height is None else args.height
+    width = spec.width if args.width is None else args.width
+    frames = spec.frames if args.frames is None else args.frames
+    try:
+        spec.check_size(height, width, frames)
+    except ValueError as exc:
+        flag = "--height" if "height" in str(exc) else "--width" if "width" in str(exc) else "--frames"
+        raise UsageError(f"{flag}: {exc}") from None
+    if not args.prompt.strip():
+        raise UsageError(f"--prompt: expected a non-empty prompt, got {args.prompt!r}")
+    default_suffix = ".mp4" if spec.kind == "video" else ".png"
+    stem = Path(spec.name).name if spec.size == "local" else spec.name
+    output = Path(args.output) if args.output else Path("out") / f"{stem}-seed{args.seed}{default_suffix}"
+    from xstage_dit.models.generation import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
+    allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
+    if output.suffix.lower() not in allowed:
+        raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
+    if args.ep > 1:  # before starting ranks: each would load only its experts, and a dense model has none
+        from xstage_dit.models.experts import FAMILIES
+
+        if spec.family not in FAMILIES:
+            raise UsageError(f"--ep: expected --ep 1 for {spec.name} (no MoE layers to shard), got {args.ep}")
+    parallel = _parallel_setup(args)  # may start the ranks and return their exit code
+    if isinstance(parallel, int):
+        return parallel
+    device, dtype = _resolve_device_dtype(args.device, args.dtype)
+    if parallel is not None and device.type == "cuda" and args.device == "auto":
+        device = parallel[1].device  # one GPU per local rank (ranks share it where there are fewer)
+
+    from xstage_dit.models import load_pipeline
+    from xstage_dit.models.generation import call_kwargs, save_output, to_pil_frames
+
+    t0 = time.perf_counter()
+    # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
+    expert_shard = parallel[0].expert_shard(parallel[1].rank) if parallel is not None else None
+    try:
+        pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed, expert_shard=expert_shard)
+    except ValueError as exc:
+        if expert_shard is None:
+            raise
+        raise UsageError(f"--ep: {exc}") from None  # no MoE layers, or ep not dividing the expert count
+    t_build = time.perf_counter() - t0
+    pipe.set_progress_bar_config(disable=args.no_progress or (parallel is not None and parallel[1].rank != 0),
+                                 desc="denoising", file=sys.stderr, leave=False)
+    if parallel is not None:
+        from xstage_dit.patches import parallelize
+
+        try:
+            parallelize(pipe, parallel[0])
+        except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
+            raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    kwargs = call_kwargs(pipe, spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=height,
+                         width=width, frames=frames, steps=args.steps, guidance=args.guidance, seed=args.seed)
+    t1 = time.perf_counter()
+    result = pipe(**kwargs)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    t_gen = time.perf_counter() - t1
+    if parallel is not None and parallel[1].rank != 0:
+        return 0  # only rank 0 writes the output
+    images = to_pil_frames(result, spec.kind)
+    path = save_output(images, output, kind=spec.kind, fps=spec.fps)
+    # The size actually made: HiDream, for one, keeps a fixed pixel area and only follows the aspect ratio.
+    what = "x".join(map(str, images[0].size)) + (f", {len(images)} frames" if spec.kind == "video" else "")
+    print(f"wrote {path.resolve()} ({spec.name}, {what}, {kwargs['num_inference_steps']} steps, {device}, "
+          f"{str(dtype).removeprefix('torch.')})")
+    if expert_shard is not None:
+        held = [m for m in pipe.transformer.modules() if getattr(m, "shard", None) == expert_shard]
+        print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
+              f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
+    print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
+          f"{t_gen + t_build:.2f} s total")
+    return 0

@@ -1,0 +1,205 @@
+"""`xstage-dit serve`: the generation server (FastAPI under uvicorn) over `sp * cfg` ranks.
+
+Example::
+
+    xstage-dit serve --model tiny-flux --port 8000
+    curl -s localhost:8000/v1/images/generations -H 'content-type: application/json' \\
+         -d '{"prompt": "a red fox", "size": "64x64", "seed": 1}'
+
+With `--sp 2` (or `--cfg 2`) the command starts the ranks itself (one process per rank, like torchrun),
+or runs as one rank when started by `torchrun --nproc-per-node N -m xstage_dit serve ...`. Rank 0 runs
+the HTTP server; every request runs on all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+# The defaults of the limits are ServerConfig's own (xstage_dit/server/config.py imports only the standard library).
+from xstage_dit.server.config import ServerConfig as _D
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="serve image/video generation over HTTP (OpenAI-style API, web page at /)",
+        description="Serve a diffusers pipeline over HTTP on sp*cfg ranks: POST /v1/images/generations, "
+        "POST /v1/videos (jobs), per-step progress as server-sent events, /health, /metrics (Prometheus), "
+        "/v1/models, /v1/calibration, OpenAPI docs at /docs and a web page at /. Set $XSTAGE_API_KEY to "
+        "require 'Authorization: Bearer <key>' on /v1/*.")
+    p.add_argument("--model", default="tiny-flux",
+                   help="built-in model name (random weights) or a local diffusers folder; default: %(default)s")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, 1 or equal to --sp; default: %(default)s")
+    p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree, 1 or 2; default: %(default)s")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of a built-in model's random weights; default: %(default)s")
+    p.add_argument("--max-queue", type=int, default=_D.max_queue, help="waiting jobs before 429; default: %(default)s")
+    p.add_argument("--max-batch-size", type=int, default=_D.max_batch_size,
+                   help="images per pipeline call when requests are compatible; default: %(default)s")
+    p.add_argument("--batch-wait-ms", type=float, default=_D.batch_wait_s * 1000,
+                   help="wait for compatible requests before a batch starts; default: %(default)s")
+    p.add_argument("--request-timeout", type=float, default=_D.request_timeout_s,
+                   help="seconds from submission until a job fails with 504; default: %(default)s")
+    p.add_argument("--max-steps", type=int, default=_D.max_steps, help="largest num_inference_steps; default: %(default)s")
+    p.add_argument("--max-n", type=int, default=_D.max_n, help="largest n (images per request); default: %(default)s")
+    p.add_argument("--max-size", type=int, default=_D.max_size, help="largest width or height; default: %(default)s")
+    p.add_argument("--max-frames", type=int, default=_D.max_frames, help="largest video frame count; default: %(default)s")
+    p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes, help="largest request body; default: %(default)s")
+    p.add_argument("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s,
+                   help="seconds without a heartbeat before a rank counts as dead; default: %(default)s")
+    p.add_argument("--exit-after-failure", type=float, default=_D.exit_after_failure_s,
+                   help="after a rank failure, answer 503 this long, then exit non-zero; default: %(default)s")
+    p.add_argument("--collective-timeout", type=float, default=600.0,
+                   help="timeout of torch.distributed collectives, seconds; default: %(default)s")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip the one-step warm-up at the model's default size before reporting ready")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _config(args: argparse.Namespace):
+    from xstage_dit.server.config import ServerConfig
+    from xstage_dit.cli import UsageError
+
+    for flag in ("sp", "ep", "cfg"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag}: expected an integer >= 1, got {getattr(args, flag)}")
+    if args.cfg not in (1, 2):
+        raise UsageError(f"--cfg: expected 1 or 2, got {args.cfg}")
+    if args.ep not in (1, args.sp):
+        raise UsageError(f"--ep: expected 1 or equal to --sp ({args.sp}), got {args.ep}")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port: expected 0..65535, got {args.port}")
+    try:
+        from xstage_dit.models import model_spec
+
+        model_spec(args.model)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
+    try:
+        return ServerConfig(
+            max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
+            request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+            max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
+            max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
+            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup)
+    except ValueError as exc:
+        option = str(exc).split(":")[0].replace("_", "-")
+        raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None
+
+
+def _argv(args: argparse.Namespace) -> list[str]:
+    """The same command line, for the rank processes."""
+    out = ["serve"]
+    for action in add_parser(argparse.ArgumentParser().add_subparsers())._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest)
+        if action.nargs == 0:  # a flag
+            out += [action.option_strings[0]] if value else []
+        else:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    # transformers warns at import about optional vision backends no pipeline here uses.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    config = _config(args)
+    world_size = args.sp * args.cfg
+    started_as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if world_size > 1 and not started_as_rank:
+        from xstage_dit.server.launch import supervise
+
+        return supervise(world_size, _argv(args))
+    if started_as_rank and int(os.environ["WORLD_SIZE"]) != world_size:
+        from xstage_dit.cli import UsageError
+
+        raise UsageError(f"--sp/--cfg: expected sp*cfg == WORLD_SIZE ({os.environ['WORLD_SIZE']}), got {world_size}")
+    return serve_rank(args, config)
+
+
+def serve_rank(args: argparse.Namespace, config) -> int:
+    """One rank: rank 0 runs uvicorn and the worker thread; the others run the follower loop."""
+    import torch
+
+    from xstage_dit.server.startup import model_loader
+    from xstage_dit.server.worker import READY, STOPPED, RankContext, Worker
+
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and not torch.cuda.is_available():
+        # CPU ranks share the cores: without this each would start one thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    loader = model_loader(args.model, sp=args.sp, ep=args.ep, cfg=args.cfg, dtype=dtype, seed=args.seed)
+
+    def join() -> RankContext:
+        return RankContext.join(args.collective_timeout)
+
+    if rank != 0:
+        try:
+            code = Worker(loader, config, join=join).run_follower()
+        except Exception as exc:  # noqa: BLE001 - rank 0 gone or the ranks disagree: one line, non-zero exit
+            logging.getLogger("xstage_dit.serve").error("rank %d stopping: %s", rank, str(exc).splitlines()[0])
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)  # daemon threads may sit in a collective; nothing left to clean up
+
+    import uvicorn
+
+    from xstage_dit.server.app import create_app
+
+    holder: dict = {}
+
+    def on_fatal(reason: str) -> None:
+        server = holder.get("server")
+        if server is not None:
+            server.should_exit = True
+
+    worker = Worker(loader, config, join=join, on_fatal=on_fatal)
+    app = create_app(worker)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    holder["server"] = server
+
+    def announce() -> None:
+        if worker.wait_ready(timeout_s=args.collective_timeout * 2):
+            served, base = worker.served, f"http://{args.host}:{args.port}"
+            print(f"xstage-dit serve: {served.name} ready on {base} ({worker.ctx.world_size} rank(s)); "
+                  f"web page at {base}/ , API docs at {base}/docs", file=sys.stderr, flush=True)
+            if served.kind == "image":
+                example = (f"curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
+                           f"-d '{{\"prompt\": \"a red fox in the snow\", \"size\": \"{served.default_width}x"
+                           f"{served.default_height}\", \"seed\": 1}}'")
+            else:
+                example = (f"curl -s {base}/v1/videos -H 'Content-Type: application/json' "
+                           f"-d '{{\"prompt\": \"a cat walking on grass\", \"seed\": 1}}'")
+            print(f"xstage-dit serve: try  {example}", file=sys.stderr, flush=True)
+
+    import threading
+
+    # uvicorn re-raises the signal that stopped it once it has shut down; with a handler in place that
+    # signal is harmless and the worker can still tell the other ranks to stop.
+    import signal
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
+    worker.start()
+    threading.Thread(target=announce, daemon=True).start()
+    server.run()
+    worker.stop()
+    code = 0 if worker.state in (READY, STOPPED) else 1
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,1 +1,0 @@
-"""Subcommands of the `xstage-dit` command, one module each."""

@@ -1,0 +1,99 @@
+"""What every rank does at start-up: load the pipeline, parallelize it over the ranks, and (rank 0)
+collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable
+
+import torch
+
+from xstage_dit.server.config import ServedModel
+from xstage_dit.jsonable import to_jsonable
+from xstage_dit.server.worker import LoadedModel, RankContext
+
+log = logging.getLogger(__name__)
+
+
+def calibration_report(device: torch.device) -> dict:
+    """The X-Stage numbers of this machine: from the cache or measured; on a CPU, why there are none."""
+    try:
+        from xstage_dit.calibration.runner import CalibrationUnavailable, load_or_calibrate
+    except ImportError as exc:
+        return {"available": False, "reason": f"calibration module not available ({exc})"}
+    try:
+        result = load_or_calibrate(device if device.type == "cuda" else None)
+    except CalibrationUnavailable as exc:
+        return {"available": False, "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - serving goes on without the numbers; said in the log and the report
+        log.warning("calibration failed, serving without its numbers: %s", exc)
+        return {"available": False, "reason": f"calibration failed: {type(exc).__name__}: {exc}"}
+    report = {"available": True, "source": getattr(result, "source", None),
+              "machine_key": getattr(result, "machine_key", None),
+              "params": {target: to_jsonable(p) for target, p in getattr(result, "params", {}).items()}}
+    summary = getattr(result, "summary", None)
+    if callable(summary):
+        report["summary"] = to_jsonable(summary())
+    return report
+
+
+def schedule_report(handle: Any) -> Any:
+    """The schedules `parallelize` chose (per distinct layer shape, with reasons), when it reports them."""
+    if handle is None:
+        return {"note": "one rank: no sequence or expert parallelism, so no communication schedule to choose"}
+    for name in ("schedules", "schedule_choices", "choices"):
+        value = getattr(handle, name, None)
+        if value is not None:
+            return to_jsonable(value() if callable(value) else value)
+    return {"note": f"{type(handle).__name__} does not report its schedule choices"}
+
+
+def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: torch.dtype | None = None,
+                 seed: int = 0) -> Callable[[RankContext], LoadedModel]:
+    """The factory every rank calls once the ranks have joined (see `Worker`).
+
+    dtype: None picks bfloat16 on a GPU and float32 on a CPU.
+    """
+
+    def load(ctx: RankContext) -> LoadedModel:
+        from xstage_dit.models import load_pipeline, model_spec
+
+        spec = model_spec(model)
+        name = model if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))
+        served = ServedModel.from_spec(name, spec)
+        device = torch.device(ctx.device)
+        want = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.
+        expert_shard = None
+        if ep > 1:
+            from xstage_dit.patches.config import ParallelConfig as ShardConfig
+
+            expert_shard = ShardConfig(sp=sp, ep=ep, cfg=cfg).expert_shard(ctx.rank)
+        pipe = load_pipeline(model, dtype=want, device=device, seed=seed, expert_shard=expert_shard)
+        handle, parallel = None, {"sp": sp, "ep": ep, "cfg": cfg, "world_size": ctx.world_size}
+        if ctx.world_size > 1 or max(sp, ep, cfg) > 1:
+            try:
+                from xstage_dit.patches import ParallelConfig, parallelize
+            except ImportError as exc:
+                if expert_shard is not None:  # this rank holds only its experts: it cannot run alone
+                    raise RuntimeError(f"expected xstage_dit.patches for ep={ep} (experts loaded sharded), got {exc}") from exc
+                # Said loudly, once: every rank then runs the whole pipeline (same images, no speed-up).
+                log.warning("parallelize unavailable (%s): each of the %d ranks runs the whole pipeline",
+                            exc, ctx.world_size)
+                parallel["mode"] = f"replicated: xstage_dit.patches not available ({exc})"
+            else:
+                handle = parallelize(pipe, ParallelConfig(sp=sp, ep=ep, cfg=cfg))
+                parallel["mode"] = "parallelized"
+        parallel["experts_loaded"] = "all" if expert_shard is None else f"shard {expert_shard[0]} of {expert_shard[1]}"
+        report = {"model": served.name, "parallel": parallel, "device": str(device), "dtype": str(want)}
+        if ctx.rank == 0:
+            report["calibration"] = calibration_report(device)
+            log.info("calibration: %s", report["calibration"])
+
+        def describe() -> dict:
+            return {**report, "schedules": schedule_report(handle)}
+
+        return LoadedModel(pipe, served, report, describe)
+
+    return load

@@ -1,0 +1,442 @@
+"""The multi-rank worker: rank 0 takes batches from the queue and broadcasts them; every rank runs the
+(parallelized) pipeline on them; rank 0 answers.
+
+Control messages travel over a gloo group (a CPU channel, even when the pipeline's own collectives use
+NCCL), always as `broadcast_object_list` from rank 0, tagged so that a rank can never mistake one for
+another:
+
+- ``("run", batch_id, items)``: run this batch (a list of `GenerationParams`);
+- ``("step", batch_id, keep_going)``: sent after every denoising step; all ranks stop together when
+  rank 0 says so (every job of the batch cancelled or timed out);
+- ``("ping",)``: sent when idle, so a waiting rank never hits the collective timeout;
+- ``("stop",)``: shut down.
+
+Liveness: every rank > 0 bumps a counter in a TCPStore hosted by rank 0 twice a second; rank 0's
+monitor thread declares a rank dead when its counter stops moving for `heartbeat_timeout_s`, or when
+a control broadcast fails. Then `/health` answers 503, every waiting and running job ends with 503,
+new jobs are refused with 503, and after `exit_after_failure_s` the server exits non-zero. Nothing waits
+on the dead rank, so nothing hangs. Ranks > 0 exit when rank 0 (the store) disappears.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.jobs import Batch, GenerationParams, JobQueue
+from xstage_dit.server.media import mp4_bytes, png_bytes
+from xstage_dit.server.metrics import Metrics
+from xstage_dit.server.runner import BatchRunner, BatchStopped
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_INTERVAL_S = 0.5
+IDLE_PING_S = 1.0
+LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
+
+
+@dataclass
+class LoadedModel:
+    """What a rank's factory returns: the pipeline (parallelized when world > 1), what it serves, and
+    the start-up report (calibration numbers and schedule choices) shown at `/v1/calibration`."""
+
+    pipe: Any
+    served: ServedModel
+    report: dict = field(default_factory=dict)
+    describe: Callable[[], dict] | None = None  # the report as of now (schedules are chosen per shape, lazily)
+
+    def current_report(self) -> dict:
+        return self.describe() if self.describe is not None else self.report
+
+
+@dataclass
+class RankContext:
+    """This process's place among the serving ranks. world_size 1: no groups, no store."""
+
+    rank: int = 0
+    world_size: int = 1
+    control_group: Any = None
+    store_host: str = "127.0.0.1"
+    collective_timeout_s: float = 600.0
+    device: Any = "cpu"
+
+    @classmethod
+    def join(cls, collective_timeout_s: float = 600.0) -> "RankContext":
+        """Join the ranks started by torchrun or `xstage-dit serve` (env RANK, WORLD_SIZE, MASTER_ADDR...)."""
+        from xstage_dit.comm.distributed import init_distributed
+
+        info = init_distributed(timeout_s=collective_timeout_s)
+        if info.world_size == 1:
+            return cls(device=info.device)
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
+        return cls(info.rank, info.world_size, group, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   collective_timeout_s, info.device)
+
+
+class ControlChannel:
+    """Tagged rank-0 broadcasts over the gloo control group (no-ops at world size 1)."""
+
+    def __init__(self, ctx: RankContext):
+        self.ctx = ctx
+
+    def send(self, message: tuple) -> None:
+        if self.ctx.world_size > 1:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list([message], src=0, group=self.ctx.control_group)
+
+    def recv(self) -> tuple:
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.control_group)
+        return box[0]
+
+
+class RankDesync(RuntimeError):
+    """A rank received a control message it cannot be expecting: the ranks no longer agree."""
+
+
+class ControlError(RuntimeError):
+    """A control broadcast failed: a rank is gone (gloo reports the closed connection)."""
+
+
+def _store(ctx: RankContext, port: int, is_master: bool):
+    import torch.distributed as dist
+
+    return dist.TCPStore(ctx.store_host, port, ctx.world_size if is_master else None, is_master,
+                         timeout=datetime.timedelta(seconds=ctx.collective_timeout_s),
+                         wait_for_workers=False)
+
+
+def _encode(pixels: np.ndarray, batch: Batch) -> list[bytes]:
+    if batch.items[0].kind == "video":
+        return [mp4_bytes(frames, item.fps) for frames, item in zip(pixels, batch.items)]
+    return [png_bytes(image) for image in pixels]
+
+
+class Worker:
+    """Runs on every rank. Rank 0: `start()` a thread that loads, then serves the queue. Others:
+    `run_follower()` in the main thread until rank 0 says stop or disappears.
+
+    load: called on every rank once the ranks have joined; returns a `LoadedModel`.
+    join: returns this process's `RankContext` (default: world 1, nothing to join).
+    on_fatal: called on rank 0 `exit_after_failure_s` after a failure (the server then exits).
+    """
+
+    def __init__(self, load: Callable[[RankContext], LoadedModel], config: ServerConfig, queue: JobQueue | None = None,
+                 metrics: Metrics | None = None, join: Callable[[], RankContext] = RankContext,
+                 on_fatal: Callable[[str], None] | None = None):
+        self.load = load
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.queue = queue or JobQueue(config.max_queue, config.max_batch_size, config.batch_wait_s,
+                                       config.job_ttl_s, config.max_stored_jobs, self.metrics)
+        self.join = join
+        self.on_fatal = on_fatal
+        self.state = LOADING
+        self.reason: str | None = None
+        self.ctx: RankContext | None = None
+        self.model: LoadedModel | None = None
+        self.ranks: dict[int, dict] = {}
+        self._batch_id = 0
+        self._current_batch: int | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._ready_event = threading.Event()
+        self._lock = threading.Lock()
+
+    # ----- common -----
+    @property
+    def served(self) -> ServedModel | None:
+        return self.model.served if self.model else None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        self._ready_event.wait(timeout_s)
+        return self.state == READY
+
+    def _run_batch(self, runner: BatchRunner, channel: ControlChannel, batch_id: int, items: list,
+                   on_step_leader: Callable[[int, int, float | None], bool] | None) -> np.ndarray:
+        """Every rank: run the pipeline; after each step, rank 0 decides and all ranks follow."""
+        last = [time.perf_counter()]
+
+        def on_step(done: int, total: int) -> bool:
+            now = time.perf_counter()
+            # The first interval also holds prompt encoding and latent set-up: not a step time.
+            step_s, last[0] = (now - last[0] if done > 1 else None), now
+            if on_step_leader is not None:
+                keep = on_step_leader(done, total, step_s)
+                try:
+                    channel.send(("step", batch_id, keep))
+                except Exception as exc:  # noqa: BLE001
+                    reason = str(exc).splitlines()[0][:200]
+                    raise ControlError(f"lost a rank: step broadcast failed ({reason})") from exc
+                return keep
+            message = channel.recv()
+            if message[0] != "step" or message[1] != batch_id:
+                raise RankDesync(f"expected ('step', {batch_id}, ...) from rank 0, got {message[:2]}")
+            return bool(message[2])
+
+        return runner.run(items, on_step)
+
+    def _warmup(self, runner: BatchRunner) -> None:
+        """Every rank: one step at the default size, so the first request does not pay for first-call
+        costs (kernel builds, allocator growth) and the schedules for that shape are chosen (and logged)
+        at start-up. Same work on every rank, no control messages: the collectives inside match."""
+        if not self.config.warmup:
+            return
+        s = self.model.served
+        item = GenerationParams(kind=s.kind, prompt="warm-up", width=s.default_width, height=s.default_height,
+                                steps=1, guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
+        started = time.perf_counter()
+        runner.run([item], lambda done, total: True)
+        log.info("warm-up (%dx%d, 1 step) took %.2f s", s.default_width, s.default_height,
+                 time.perf_counter() - started)
+
+    # ----- rank 0 -----
+    def start(self) -> "Worker":
+        self._thread = threading.Thread(target=self._leader_main, name="xstage-worker", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving (rank 0): tells the other ranks to exit, then joins the worker thread."""
+        self._stop.set()
+        if self._thread is not None and self.state != FAILED:  # a failed worker may sit in a dead collective
+            self._thread.join(timeout=10)
+
+    def fail(self, reason: str) -> None:
+        """Rank 0: a rank died or the ranks disagree. Everything pending ends with 503."""
+        with self._lock:
+            if self.state in (FAILED, STOPPED):
+                return
+            self.state, self.reason = FAILED, reason
+        log.error("serving stopped: %s", reason)
+        self.metrics.ranks_ready.set(0)
+        self.metrics.errors.labels("rank_failure").inc()
+        self.queue.close(f"server unavailable: {reason}", 503)
+        self._ready_event.set()
+        if self.on_fatal is not None and self.config.exit_after_failure_s is not None:
+            timer = threading.Timer(self.config.exit_after_failure_s, self.on_fatal, args=(reason,))
+            timer.daemon = True
+            timer.start()
+
+    def _leader_main(self) -> None:
+        try:
+            self.ctx = self.join()
+            store = None
+            if self.ctx.world_size > 1:
+                store = _store(self.ctx, 0, is_master=True)
+                ControlChannel(self.ctx).send(("store", store.port))
+                threading.Thread(target=self._monitor, args=(store,), name="xstage-monitor", daemon=True).start()
+            self.metrics.world_size.set(self.ctx.world_size)
+            started = time.perf_counter()
+            self.model = self.load(self.ctx)
+            runner = BatchRunner(self.model.pipe, self.model.served)
+            self._warmup(runner)
+            self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
+                             "load_s": round(time.perf_counter() - started, 3)}
+            if store is not None:
+                client = _store(self.ctx, store.port, is_master=False)
+                for r in range(1, self.ctx.world_size):
+                    info = json.loads(client.get(f"ready/{r}").decode())
+                    self.ranks[r] = info
+                self._client = client
+            log.info("start-up report: %s", self.model.current_report())
+        except Exception as exc:  # noqa: BLE001 - start-up failure is reported, not raised in a thread
+            log.error("start-up failed:\n%s", traceback.format_exc())
+            self.fail(f"start-up failed: {exc}")
+            return
+        with self._lock:
+            if self.state == LOADING:
+                self.state = READY
+        if self.state != READY:
+            return
+        self.metrics.ranks_ready.set(1)
+        self._ready_event.set()
+        log.info("ready: model %s on %d rank(s)", self.model.served.name, self.ctx.world_size)
+        self._leader_loop(runner)
+
+    def _leader_loop(self, runner: BatchRunner) -> None:
+        channel = ControlChannel(self.ctx)
+        while not self._stop.is_set() and self.state == READY:
+            batch = self.queue.next_batch(timeout_s=IDLE_PING_S)
+            if self.state != READY:
+                return
+            try:
+                if batch is None:
+                    channel.send(("ping",))
+                    continue
+                self._batch_id += 1
+                channel.send(("run", self._batch_id, batch.items))
+            except Exception as exc:  # noqa: BLE001 - a broadcast to a dead rank
+                self.fail(f"lost a rank: control broadcast failed ({str(exc).splitlines()[0][:200]})")
+                return
+            self._leader_batch(runner, channel, batch)
+        if self._stop.is_set() and self.state == READY:
+            try:
+                channel.send(("stop",))
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+            self.state = STOPPED
+
+    def _leader_batch(self, runner: BatchRunner, channel: ControlChannel, batch: Batch) -> None:
+        m = self.metrics
+        m.batch_size.observe(batch.size)
+        for job in batch.jobs:
+            m.queue_wait.observe(job.timings()["queued_s"])
+
+        def on_step_leader(done: int, total: int, step_s: float | None) -> bool:
+            if step_s is not None:
+                m.step_time.observe(step_s)
+            return self.queue.step(batch, done, total, step_s) and self.state == READY
+
+        started = time.perf_counter()
+        self._current_batch = self._batch_id
+        status, error = "ok", None
+        try:
+            pixels = self._run_batch(runner, channel, self._batch_id, batch.items, on_step_leader)
+        except BatchStopped:
+            status = "stopped"
+        except ControlError as exc:
+            self.fail(str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - a failed batch fails its jobs, the server goes on
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+            log.error("batch %d failed:\n%s", self._batch_id, traceback.format_exc())
+        run_s = time.perf_counter() - started
+        if self.state != READY:
+            return
+        if self.ctx.world_size > 1:
+            try:
+                for r in range(1, self.ctx.world_size):
+                    peer = self._client.get(f"status/{self._batch_id}/{r}").decode()
+                    self._client.delete_key(f"status/{self._batch_id}/{r}")
+                    if peer != "ok" and peer != "stopped" and status != "error":
+                        status, error = "error", f"rank {r}: {peer}"
+            except Exception as exc:  # noqa: BLE001
+                self.fail(f"rank status exchange failed: {exc}")
+                return
+        self._current_batch = None
+        if status == "ok":
+            try:
+                outputs = _encode(pixels, batch)
+            except Exception as exc:  # noqa: BLE001
+                status, error = "error", f"encoding failed: {exc}"
+            else:
+                self.queue.complete(batch, outputs, run_s)
+                m.batch_latency.observe(run_s)
+                for job in batch.jobs:
+                    if job.status == "completed":
+                        m.request_latency.labels(job.kind).observe(job.timings()["total_s"])
+                        m.items.labels(job.kind).inc(len(job.items))
+        if status == "error":
+            m.errors.labels("pipeline").inc()
+            self.queue.fail_batch(batch, f"generation failed: {error}", 500)
+        self.queue.release(batch)
+
+    def _monitor(self, store) -> None:
+        """Rank 0: watch the other ranks' heartbeat counters; declare failure when one stops."""
+        last = {r: (-1, time.monotonic()) for r in range(1, self.ctx.world_size)}
+        peer_error: tuple[int, int, str, float] | None = None  # (batch, rank, message, first seen)
+        while self.state in (LOADING, READY) and not self._stop.is_set():
+            now = time.monotonic()
+            batch_id = self._current_batch
+            if batch_id is not None and (peer_error is None or peer_error[0] != batch_id):
+                peer_error = self._peer_error(store, batch_id, now) or peer_error
+            if peer_error is not None and peer_error[0] == self._current_batch and \
+                    now - peer_error[3] > self.config.heartbeat_timeout_s:
+                # A rank left the batch with an error while rank 0 is still in it (e.g. waiting in a
+                # data collective that rank will never join): fail rather than wait for the timeout.
+                self.fail(f"rank {peer_error[1]} failed in batch {peer_error[0]}: {peer_error[2]}")
+                return
+            for r, (count, since) in list(last.items()):
+                try:
+                    value = store.add(f"hb/{r}", 0)
+                except Exception as exc:  # noqa: BLE001
+                    self.fail(f"heartbeat store failed: {exc}")
+                    return
+                if value != count:
+                    last[r] = (value, now)
+                    if r in self.ranks:
+                        self.ranks[r]["last_seen"] = time.time()
+                elif now - since > self.config.heartbeat_timeout_s:
+                    self.fail(f"rank {r} stopped responding (no heartbeat for {now - since:.1f} s)")
+                    return
+            time.sleep(HEARTBEAT_INTERVAL_S / 2)
+
+    def _peer_error(self, store, batch_id: int, now: float) -> tuple[int, int, str, float] | None:
+        for r in range(1, self.ctx.world_size):
+            key = f"status/{batch_id}/{r}"
+            try:
+                if store.check([key]):
+                    status = store.get(key).decode()
+                    if status not in ("ok", "stopped"):
+                        return batch_id, r, status, now
+            except Exception:  # noqa: BLE001 - the heartbeat check reports a broken store
+                return None
+        return None
+
+    # ----- ranks > 0 -----
+    def run_follower(self) -> int:
+        """Ranks > 0: load, report ready, then run every batch rank 0 broadcasts. Returns an exit code."""
+        self.ctx = self.join()
+        channel = ControlChannel(self.ctx)
+        message = channel.recv()
+        if message[0] != "store":
+            raise RankDesync(f"expected ('store', port) from rank 0, got {message!r}")
+        port = message[1]
+        threading.Thread(target=self._heartbeat, args=(port,), name="xstage-heartbeat", daemon=True).start()
+        store = _store(self.ctx, port, is_master=False)
+        started = time.perf_counter()
+        self.model = self.load(self.ctx)
+        runner = BatchRunner(self.model.pipe, self.model.served)
+        self._warmup(runner)
+        store.set(f"ready/{self.ctx.rank}", json.dumps({
+            "rank": self.ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),
+            "load_s": round(time.perf_counter() - started, 3)}))
+        while True:
+            message = channel.recv()
+            tag = message[0]
+            if tag == "ping" or tag == "step":
+                # "step" of a batch this rank already left with an error: rank 0 still counts it down.
+                continue
+            if tag == "stop":
+                return 0
+            if tag != "run":
+                raise RankDesync(f"expected a 'run', 'ping' or 'stop' message from rank 0, got {tag!r}")
+            batch_id, items = message[1], message[2]
+            try:
+                self._run_batch(runner, channel, batch_id, items, None)
+                status = "ok"
+            except BatchStopped:
+                status = "stopped"
+            except RankDesync:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported to rank 0, which fails the batch
+                log.error("rank %d batch %d failed:\n%s", self.ctx.rank, batch_id, traceback.format_exc())
+                status = f"{type(exc).__name__}: {exc}"
+            store.set(f"status/{batch_id}/{self.ctx.rank}", status)
+
+    def _heartbeat(self, port: int) -> None:
+        try:
+            store = _store(self.ctx, port, is_master=False)
+            while True:
+                store.add(f"hb/{self.ctx.rank}", 1)
+                time.sleep(HEARTBEAT_INTERVAL_S)
+        except Exception as exc:  # noqa: BLE001 - rank 0 is gone: nothing left to serve
+            log.error("rank %d: lost rank 0 (%s); exiting", self.ctx.rank, exc)
+            os._exit(1)
