@@ -313,7 +313,7 @@ def peer_window(name: str, shape: Sequence[int], dtype: torch.dtype, device: tor
     Returns (window, [SymmetricBuffer per segment]). Raises ``PeerWindowUnavailable`` (after allocating the
     buffers, which the pointer-table path then uses) where the window cannot be built.
     """
-    from xstage_dit.distributed import symmetric_buffer
+    from xstage_dit.comm.distributed import symmetric_buffer
 
     key = (name, tuple(shape), dtype, str(device), id(group) if group is not None else None, segments)
     hit = _WINDOWS.get(key)

@@ -45,7 +45,7 @@ class OutTarget:
 
 
 class TritonTableKernel:
-    """Our Triton FlashAttention whose epilogue stores through the owner table (``_attention_kernel``)."""
+    """Our Triton FlashAttention whose epilogue stores through the owner table (``kernel.py``)."""
 
     name = "triton"
 
@@ -62,7 +62,7 @@ class TritonTableKernel:
         return None
 
     def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
-        from xstage_dit.ops import _attention_kernel as kern
+        from xstage_dit.ops.attention import kernel as kern
 
         config = self.config or kern.default_config(geom.head_dim, q.device)
         kern.launch_attention(q, k, v, target.table, seq_len=geom.seq_len, seq_local=geom.rows_per_owner,

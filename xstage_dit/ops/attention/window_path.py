@@ -24,7 +24,7 @@ import math
 import torch
 
 from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable, peer_window
-from xstage_dit.distributed import local_buffer_table, symmetric_buffer, world_of
+from xstage_dit.comm.distributed import local_buffer_table, symmetric_buffer, world_of
 from xstage_dit.ops.attention.kernels import OutTarget
 from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
 
@@ -49,7 +49,7 @@ def out_target(window: PeerWindow, geom: WindowGeometry, dtype: torch.dtype, hea
 
 
 def _push(q, k, v, in_table, in_like, *, rank, world_size, seq_len):
-    from xstage_dit.ops.ulysses_attention import push_to_owners
+    from xstage_dit.ops.attention.op import push_to_owners
 
     push_to_owners(q, k, v, in_table, in_like, rank=rank, world_size=world_size, seq_len=seq_len)
 
@@ -72,7 +72,7 @@ def window_attention_virtual_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     heads, head offset 0). ``fill`` poisons the window first (NaN: an unwritten row shows).
     Returns ``VirtualRun`` with ``outs[r]``: (B, rows_r, H, D).
     """
-    from xstage_dit.ops import _attention_kernel as kern
+    from xstage_dit.ops.attention import kernel as kern
 
     batch, seq_len, heads, head_dim = q.shape
     p = world_size
@@ -123,7 +123,7 @@ def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     needs no window: the kernel writes a plain tensor). Falls back, logged once, to ``fused_attention``
     (pointer table) where the window cannot be built.
     """
-    from xstage_dit.ops.ulysses_attention import _check_inputs, fused_attention
+    from xstage_dit.ops.attention.op import _check_inputs, fused_attention
 
     rank, p = world_of(group)
     seq_len = _check_inputs(q, k, v, rank, p, seq_len)

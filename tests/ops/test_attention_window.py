@@ -18,9 +18,9 @@ import torch
 
 from xstage_dit.ops.attention.window import (WindowGeometry, head_ranges, owner_batch_strides, shard_rows,
                                              window_destination)
-from xstage_dit.ops.ulysses_attention import attention_reference, head_split, shard_bounds
+from xstage_dit.ops.attention.op import attention_reference, head_split, shard_bounds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 GEOMETRIES = [  # world, batch, seq_len, heads, head_dim
     (1, 1, 7, 2, 4), (2, 2, 10, 5, 4), (4, 1, 9, 6, 2), (4, 2, 13, 30, 2), (8, 1, 3, 8, 2), (8, 2, 77, 30, 4),
