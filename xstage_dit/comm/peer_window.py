@@ -107,6 +107,8 @@ def _storage_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     if make is None:
         raise PeerWindowUnavailable(f"expected torch >= 2.1 with torch._C._construct_storage_from_data_pointer "
                                     f"for window views, got torch {torch.__version__} without it")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     storage = make(ptr, device, nbytes)
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
@@ -124,7 +126,10 @@ class PeerWindow:
         (handle, bytes, 0) triples of allocations this window made itself (``local``)."""
         if len(slot_ptrs) != num_ranks * num_segments or not slot_ptrs:
             raise ValueError(f"expected {num_ranks} * {num_segments} slots, got {len(slot_ptrs)}")
-        self.num_ranks, self.num_segments, self.device = num_ranks, num_segments, torch.device(device)
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.num_ranks, self.num_segments, self.device = num_ranks, num_segments, device
         self._keep = keep  # the buffers whose memory this window maps: they outlive it
         dev = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self._state = _Mapping(device=dev)

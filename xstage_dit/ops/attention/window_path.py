@@ -145,6 +145,8 @@ def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if id(buf_in) not in _ZEROED:
         # Padding rows are never pushed: zero once so a kernel reading whole pages reads zeros, not NaN.
         buf_in.tensor.zero_()
+        # No peer may push into my buffer before my zeros are in.
+        buf_in.barrier()
         _ZEROED.add(id(buf_in))
     target = _target_for(window, geom, q.dtype, h0, hr)
     _push(q, k, v, buf_in.ptr_table, buf_in.tensor, rank=rank, world_size=p, seq_len=seq_len)
