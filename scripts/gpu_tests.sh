@@ -2,10 +2,12 @@
 # Runs the GPU-marked tests (`pytest -m "gpu or multigpu"`) on a GPU machine and writes a report.
 #
 #   scripts/gpu_tests.sh                      # every gpu/multigpu test
-#   scripts/gpu_tests.sh tests/test_models.py # only some files (extra arguments go to pytest)
+#   scripts/gpu_tests.sh tests/models         # only some files (extra arguments go to pytest)
+#   scripts/gpu_tests.sh --multi              # only the multigpu tests (NCCL serial attention, the fused
+#                                             # path and EP between separate GPUs, the NVLink peer target)
 #
-# No virtualenv there: uses the machine's python3 (or $PYTHON). Wheels carried in ./.whl (diffusers...)
-# are installed into a temporary folder first when present. Writes to ${OUT:-.gpu_out}:
+# No virtualenv there: uses the machine's python3 (or $PYTHON). Carried wheels (.whl, .whl-e2e: diffusers...)
+# are installed first by benchmarks/device_env.sh. Writes to ${OUT:-.gpu_out}:
 #   gpu-tests.xml (JUnit), gpu-tests.txt (pytest output, then nvidia-smi and versions).
 # Exit status: pytest's (0 only when every selected test passed; a run that selects no test fails).
 set -uo pipefail
@@ -14,22 +16,22 @@ cd "$root"
 py="${PYTHON:-python3}"
 out="${OUT:-$root/.gpu_out}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false TRANSFORMERS_VERBOSITY=error
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if compgen -G ".whl/*.whl" >/dev/null; then
-  site="$(mktemp -d)"
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" .whl/*.whl \
-    || { echo "gpu_tests.sh: installing .whl/*.whl failed" >&2; exit 3; }
-  export PYTHONPATH="$site:$root${PYTHONPATH:+:$PYTHONPATH}"
-else
-  export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# The one device environment: carried wheels installed, the checkout on PYTHONPATH, NVLink multicast off.
+# shellcheck disable=SC1091
+. "$root/benchmarks/device_env.sh"
 if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
   echo "gpu_tests.sh: no CUDA GPU visible to $py; the gpu tests would all be skipped" >&2
   exit 4
 fi
+marker="gpu or multigpu"
+if [ "${1:-}" = "--multi" ]; then
+  shift
+  marker="multigpu"
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" \
+    || { echo "gpu_tests.sh --multi: needs >= 2 GPUs, found fewer" >&2; exit 4; }
+fi
 report="$out/gpu-tests.txt"
-"$py" -m pytest -m "gpu or multigpu" -p no:cacheprovider -o addopts="" -rA --timeout=600 \
+"$py" -m pytest -m "$marker" -p no:cacheprovider -o addopts="" -rA --timeout=600 \
   --junitxml="$out/gpu-tests.xml" "$@" 2>&1 | tee "$report"
 status=${PIPESTATUS[0]}
 {

@@ -8,6 +8,7 @@ Every rank draws the same global q, k, v from one seed and keeps its chunk (torc
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -22,7 +23,9 @@ def main() -> int:
     from xstage_dit.ops.attention.op import (fused_attention_virtual_ranks, shard_bounds, ulysses_attention,
                                                   ulysses_attention_reference)
 
-    info = init_distributed(backend="gloo", timeout_s=120)
+    # gloo by default (ranks sharing one GPU, or the CPU); XSTAGE_TEST_BACKEND=nccl for one GPU per rank.
+    backend = os.environ.get("XSTAGE_TEST_BACKEND", "gloo")
+    info = init_distributed(backend=backend, timeout_s=120)
     device = info.device if device_type == "cuda" else torch.device("cpu")
     import torch.distributed as dist
 
@@ -31,7 +34,8 @@ def main() -> int:
     full = [torch.randn(batch, seq_len, heads, head_dim, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
     start, length = shard_bounds(seq_len, info.world_size)[info.rank]
     q, k, v = (t[:, start:start + length] for t in full)
-    result = {"rank": info.rank, "world_size": info.world_size, "seq_local": length}
+    result = {"rank": info.rank, "world_size": info.world_size, "seq_local": length, "backend": backend,
+              "device_index": device.index}
     ok = True
     for attempt in range(2):  # the second call reuses the cached buffers (no rendezvous on the hot path)
         out = ulysses_attention(q, k, v, group=group, schedule=schedule, seq_len=seq_len)

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# The one device runner: named steps, each under its own time limit, in one call to the GPU machine.
+#
+#   bash benchmarks/device.sh tests attention moe e2e          # steps in the order given
+#   OUT=$OUT XSTAGE_GIT_COMMIT=$sha bash benchmarks/device.sh calibration tests
+#
+# Steps (each writes under $OUT/<step>/, then everything is packed into $OUT/device.tgz, since at most
+# 8 files come back from a device call):
+#   env          GPU, driver, torch/triton/cuDNN/diffusers versions
+#   tests        the gpu/multigpu-marked tests (scripts/gpu_tests.sh; TESTS="tests/ops ..." narrows them)
+#   calibration  burst-kernel build, calibration GPU tests, bench_calibration.py (local + host targets)
+#   attention    bench_attention_a2a.py (ATTN_ARGS adds options)
+#   moe          bench_moe_combine.py at the NucleusMoE and HiDream shapes (MOE_ARGS adds options)
+#   parallelize  bench_parallelize_flux.py (FLUX step, world 1 vs 2 ranks sharing the GPU)
+#   flux-step    bench_flux_step.py (plain diffusers FLUX step, tiny and full size)
+#   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
+#   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
+#                options, E2E_S the time budget of each
+# Time limits: <STEP>_S (e.g. TESTS_S=300, E2E_S=400); the defaults below fit one 10-minute call only for
+# a few steps: pick the steps a call needs. Carry .whl (diffusers, transformers, ... wheels) when a step
+# needs them; benchmarks/device_env.sh installs them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-.gpu_out}"
+mkdir -p "$OUT"
+# shellcheck disable=SC1091
+. benchmarks/device_env.sh
+export XSTAGE_DIT_CACHE="${XSTAGE_DIT_CACHE:-/tmp/xstage-cache}"
+export XSTAGE_GIT_COMMIT="${XSTAGE_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+py="${PYTHON:-python3}"
+
+pack() { tar -czf "$OUT/device.tgz" -C "$OUT" --exclude device.tgz . 2>/dev/null; }
+limit() { local var="${1^^}_S"; var="${var//-/_}"; echo "${!var:-$2}"; }
+
+step_env() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  "$py" - <<'EOF'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
+for name in ("triton", "diffusers", "transformers", "xfuser", "flash-attn-4", "nvidia-cudnn-frontend"):
+    try:
+        print(name, md.version(name))
+    except md.PackageNotFoundError:
+        print(name, "missing")
+EOF
+}
+
+step_tests() {
+  # shellcheck disable=SC2086
+  OUT="$1" timeout "$(limit tests 300)" bash scripts/gpu_tests.sh ${TESTS:-}
+}
+
+step_calibration() {
+  timeout "$(limit calibration 200)" bash -c "
+    '$py' -c 'import torch; from xstage_dit.calibration.csrc.burst import library_for; print(library_for(torch.device(\"cuda\", 0)).path)' &&
+    '$py' -m pytest -q -p no:cacheprovider -o addopts='' -m gpu tests/calibration &&
+    '$py' benchmarks/bench_calibration.py --out '$1' --targets local,host"
+}
+
+step_attention() {
+  # shellcheck disable=SC2086
+  timeout "$(limit attention 300)" "$py" benchmarks/bench_attention_a2a.py --out-dir "$1" --commit "$XSTAGE_GIT_COMMIT" \
+    ${ATTN_ARGS:-}
+}
+
+step_moe() {
+  # shellcheck disable=SC2086
+  timeout "$(limit moe 200)" "$py" benchmarks/bench_moe_combine.py --out "$1/moe" ${MOE_ARGS:-}
+}
+
+step_parallelize() {
+  timeout "$(limit parallelize 200)" "$py" benchmarks/bench_parallelize_flux.py --out "$1"
+}
+
+step_flux_step() {
+  timeout "$(limit flux-step 200)" "$py" benchmarks/bench_flux_step.py --out "$1/flux-step"
+}
+
+step_regime() {
+  timeout "$(limit regime 300)" "$py" benchmarks/bench_xstage_regime.py --out-dir "$1" ${REGIME_ARGS:-}
+}
+
+step_e2e() {
+  local m args var
+  for m in ${E2E_MODELS:-flux}; do
+    var="E2E_${m^^}_ARGS"
+    case "$m" in
+      flux) args="--model full-flux --num-prompts 2 --rounds 2 --compile" ;;
+      nucleusmoe) args="--model full-nucleusmoe --num-prompts 2 --steps 4 --rounds 4 --compile" ;;
+      wan) args="--model full-wan --num-prompts 1 --steps 2 --rounds 1 --compile" ;;
+      *) echo "unknown e2e model $m (flux, nucleusmoe, wan)"; return 2 ;;
+    esac
+    echo "[device.sh] e2e $m: ${!var:-$args}"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$(limit e2e 400)" "$py" benchmarks/bench_e2e.py ${!var:-$args} --device cuda \
+      --time-budget-s "$(( $(limit e2e 400) - 30 ))" --out-dir "$1" 2>&1 | grep -v "^ *$"
+  done
+}
+
+status=0
+for step in "$@"; do
+  fn="step_${step//-/_}"
+  if ! declare -F "$fn" >/dev/null; then
+    echo "[device.sh] unknown step '$step' (env tests calibration attention moe parallelize flux-step regime e2e)" >&2
+    exit 2
+  fi
+  dir="$OUT/$step"; mkdir -p "$dir"
+  echo "== [device.sh] $step (limit $(limit "$step" 300) s, commit $XSTAGE_GIT_COMMIT)"
+  start=$SECONDS
+  "$fn" "$dir" 2>&1 | tee "$dir/$step.log"
+  rc=${PIPESTATUS[0]}
+  echo "== [device.sh] $step: exit $rc after $(( SECONDS - start )) s (124/137 = its time limit)"
+  [ "$rc" -ne 0 ] && status=1
+  pack
+done
+exit "$status"
