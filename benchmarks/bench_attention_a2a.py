@@ -80,6 +80,39 @@ def cuda_time_ms(fn, target_ms: float = 250.0, min_reps: int = 5, max_reps: int 
     return statistics.median(times)
 
 
+def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
+    """Median GPU time of one call of ``fn``, from CUDA-graph replays of n back-to-back calls (n fills ~2 ms):
+    no host launch overhead in the number, unlike per-call events on an idle GPU."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = max(1, min(64, int(2.0 / max(start.elapsed_time(end), 1e-3))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # capture needs a side stream; warm it there too
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(3, min(reps, int(target_ms / max(start.elapsed_time(end) * n, 1e-3))))):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
+
+
 def attn_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
     return 4.0 * batch * heads * seq * seq * head_dim
 
@@ -336,6 +369,8 @@ def main(argv=None) -> int:
                         help="the peer-window table (issue 14): stock kernels writing the post-A2A, per-rank and "
                              "all-heads rows, into results/attention/<gpu>-<commit>.{json,md}")
     parser.add_argument("--worlds", default="1,2,4,8", help="with --window: P values")
+    parser.add_argument("--graph", action="store_true",
+                        help="with --window: time CUDA-graph replays (no host launch overhead in the numbers)")
     parser.add_argument("--cudnn-fe-seqs", default="4608,8192,32768",
                         help="with --window: sequence lengths that also time cudnn-frontend (graph builds are slow)")
     args = parser.parse_args(argv)
@@ -398,7 +433,11 @@ def run_window(args, env) -> int:
                 "torch_cudnn": torch.backends.cudnn.version()}
     print(json.dumps(versions), flush=True)
     env = dict(env, **versions)
-    timing = lambda fn: cuda_time_ms(fn, target_ms=60.0 / args.rounds, min_reps=3, max_reps=50)  # noqa: E731
+    if args.graph:
+        timing = lambda fn: graph_time_ms(fn, target_ms=60.0 / args.rounds)  # noqa: E731
+    else:
+        timing = lambda fn: cuda_time_ms(fn, target_ms=60.0 / args.rounds, min_reps=3, max_reps=50)  # noqa: E731
+    env = dict(env, timing="cuda-graph replay" if args.graph else "per-call CUDA events")
 
     def checkpoint(rows):
         stem.parent.mkdir(parents=True, exist_ok=True)

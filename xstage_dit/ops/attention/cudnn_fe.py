@@ -2,9 +2,11 @@
 
 The graph takes explicit strides for every tensor, O included, so O can be the owner-as-batch window view
 (B*P, Hr, L, D) with strides (slot_elems, D, H*D, 1) in cuDNN's BHSD order. K/V are shared by the P owner
-blocks of one batch element as a stride-0 batch (one execution per batch element when B > 1). Where S is
-not divisible by P the padding mask with per-block ``seq_len_q`` keeps padding rows out of the softmax;
-whether cuDNN then leaves them unwritten is checked by the GPU tests (it is recorded, not assumed).
+blocks of one batch element as a stride-0 batch (one execution per batch element when B > 1).
+
+Where S is not divisible by P it refuses: with the padding mask and per-block ``seq_len_q`` the result is
+right, but cuDNN writes zeros into the padding rows (measured on the H200, cuDNN 9.19), i.e. into a peer's
+buffer past the shard, which the window path never does. The padded graph is kept for that measurement.
 
 One graph per (shape, strides, dtype, scale), built on first use and cached; the cuDNN version the
 frontend runs on is ``backend_version()``.
@@ -77,6 +79,11 @@ class CudnnWindowKernel:
             return f"cuDNN SDPA takes float16/bfloat16, got {dtype}"
         if geom.head_dim not in HEAD_DIMS:
             return f"cuDNN through the window is checked at head_dim {HEAD_DIMS}, got {geom.head_dim}"
+        if geom.seq_len % geom.world_size:
+            # Measured on the H200 (cuDNN 9.19, frontend 1.32): with the padding mask and per-block seq_len_q
+            # cuDNN writes zeros into the padding rows, i.e. into a peer's buffer past its shard.
+            return (f"cuDNN writes the padding rows (S={geom.seq_len} not divisible by P={geom.world_size}) into "
+                    f"the owner's buffer")
         return available()
 
     def _handle(self, device: torch.device):
