@@ -155,3 +155,43 @@ def test_window_between_separate_gpus(kernel_name, world):
         for attempt in (0, 1):
             assert r[f"equal_to_single_process_{attempt}"] and not r[f"nan_{attempt}"], r
             assert r[f"rel_err_{attempt}"] < BF16_TOL, r
+
+
+@pytest.mark.gpu
+def test_kernel_sweep_chooses_a_kernel_that_takes_the_shape(tmp_path):
+    """The machine's sweep (calibration.kernel_sweep) over the ops' timing closures, then the choice
+    (schedule.attention_kernel): measured, cached, and a kernel that takes the shape."""
+    from xstage_dit.calibration import kernel_sweep as ks
+    from xstage_dit.ops.attention.kernels import refusals
+    from xstage_dit.ops.attention.window import WindowGeometry
+    from xstage_dit.ops.attention.window_path import sweep_cases
+    from xstage_dit.schedule.attention_kernel import choose_attention_kernel, shape_family
+
+    problems = [dict(batch=1, seq_len=4608, heads=24, head_dim=128, world_size=8, dtype=torch.bfloat16,
+                     device="cuda"),
+                dict(batch=2, seq_len=4607, heads=24, head_dim=128, world_size=4, dtype=torch.bfloat16,
+                     device="cuda")]
+    families = [shape_family(batch=p["batch"], seq_len=p["seq_len"], heads_local=p["heads"] // p["world_size"],
+                             head_dim=128, world_size=p["world_size"], dtype_name="bfloat16") for p in problems]
+
+    def time_fn(fn):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        fn()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    key = ks.sweep_key(torch.cuda.get_device_name(), {"torch": torch.__version__})
+    sweep = ks.load_or_sweep(key, lambda missing: sweep_cases(problems), families, time_fn, cache_dir=tmp_path)
+    assert sweep.source == "measured" and set(families) <= set(sweep.timings_ms)
+    assert ks.load_or_sweep(key, lambda missing: pytest.fail("re-measured"), families, time_fn,
+                            cache_dir=tmp_path).source == "cache"
+    for prob, family in zip(problems, families):
+        length = -(-prob["seq_len"] // prob["world_size"])
+        geom = WindowGeometry(prob["world_size"], prob["batch"], prob["seq_len"], 24, 128, length * 24 * 128)
+        answers = refusals(geom, torch.bfloat16, torch.device("cuda"), True)
+        choice = choose_attention_kernel(sweep.timings_ms[family], answers)
+        assert choice.name is not None and answers[choice.name] is None, choice
+        assert sweep.timings_ms[family]["triton"] > 0

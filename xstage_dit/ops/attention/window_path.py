@@ -168,3 +168,41 @@ def _target_for(window, geom, dtype, h0, hr) -> OutTarget:
     if target is None or window.closed:
         target = _TARGETS[key] = out_target(window, geom, dtype, h0, hr)
     return target
+
+
+def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
+    """Timing closures for the kernel sweep: {family: {kernel: fn}}, each kernel that takes the problem
+    running one rank's launch (the last rank: its head offset is not 0) through a local peer window.
+
+    problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype) and device.
+    The closures hold their windows; dropping the dict releases them.
+    """
+    from xstage_dit.ops.attention.kernels import make_kernel
+    from xstage_dit.schedule.attention_kernel import shape_family
+
+    cases = {}
+    for prob in problems:
+        b, s, h, d, p = (prob[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size"))
+        dtype, device = prob["dtype"], torch.device(prob["device"])
+        h0, hr = head_ranges(h, p)[-1]
+        family = shape_family(batch=b, seq_len=s, heads_local=hr, head_dim=d, world_size=p,
+                              dtype_name=str(dtype).removeprefix("torch."))
+        if family in cases:
+            continue
+        length = -(-s // p)
+        window = PeerWindow.local(p, b, length * h * d * _elem(dtype), device)
+        geom = WindowGeometry(p, b, s, h, d, window.slot_bytes // _elem(dtype))
+        buf = torch.zeros((3, b, p * length, hr, d), dtype=dtype, device=device)
+        buf[:, :, :s].normal_()
+        target = out_target(window, geom, dtype, h0, hr)
+        fns = {}
+        for name in kernel_names:
+            kernel = make_kernel(name)
+            if kernel.supports(geom, dtype, device, True) is None:
+                # The default argument keeps the window alive as long as the closure.
+                def timed(kernel=kernel, window=window, target=target, geom=geom, buf=buf, scale=d ** -0.5):
+                    kernel.run(buf[0], buf[1], buf[2], target, geom, scale)
+
+                fns[name] = timed
+        cases[family] = fns
+    return cases
