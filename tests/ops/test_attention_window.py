@@ -172,3 +172,14 @@ def test_triton_table_kernel_through_a_window(interp_window_results, case):
     assert not r["nan"], f"unwritten (NaN-poisoned) output: {r}"
     assert r["padding_untouched"], f"a padding row or a slot gap was written: {r}"
     assert r["rel_err"] < 1.5e-2, r
+
+
+def test_schedule_names_a_kernel_or_fails_clearly():
+    from xstage_dit.ops.attention.op import _split_schedule
+
+    assert _split_schedule("fused:fa4") == ("fused", "fa4")
+    assert _split_schedule("fused:triton") == ("fused", "triton")
+    assert _split_schedule("serial") == ("serial", None)
+    for bad in ("fused:flash", "serial:fa4", "fastest"):
+        with pytest.raises(ValueError, match="fused:<kernel>"):
+            _split_schedule(bad)

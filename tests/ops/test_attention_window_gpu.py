@@ -195,3 +195,17 @@ def test_kernel_sweep_chooses_a_kernel_that_takes_the_shape(tmp_path):
         choice = choose_attention_kernel(sweep.timings_ms[family], answers)
         assert choice.name is not None and answers[choice.name] is None, choice
         assert sweep.timings_ms[family]["triton"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel_name", KERNELS)
+def test_world1_public_op_runs_the_chosen_kernel(kernel_name):
+    """A one-GPU user gets the chosen kernel (schedule "fused:<kernel>") on a plain output."""
+    from xstage_dit.ops.attention.op import attention_reference, ulysses_attention
+    from xstage_dit.ops.attention.window import WindowGeometry
+
+    _kernel_or_skip(kernel_name, WindowGeometry(1, 2, 4608, 24, 128, 4608 * 24 * 128), torch.bfloat16)
+    q, k, v = (torch.randn(2, 4608, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    out = ulysses_attention(q, k, v, schedule=f"fused:{kernel_name}")
+    assert out.shape == q.shape and not torch.isnan(out).any()
+    assert _rel(out, attention_reference(q, k, v)) < BF16_TOL

@@ -452,15 +452,40 @@ def _choose(q: torch.Tensor, world_size: int, seq_len: int):
     return choice
 
 
+def _split_schedule(schedule: str) -> tuple[str, str | None]:
+    """"fused:<kernel>" (the kernel chosen per shape by ``schedule.attention_kernel``, handed down) ->
+    ("fused", kernel); the plain names -> (name, None)."""
+    from xstage_dit.ops.attention.kernels import KERNELS
+
+    name, _, kernel = schedule.partition(":") if isinstance(schedule, str) else (schedule, "", "")
+    if name not in SCHEDULES or (kernel and (name != "fused" or kernel not in KERNELS)):
+        raise ValueError(f"expected schedule in {SCHEDULES} or 'fused:<kernel>' with a kernel in {sorted(KERNELS)}, "
+                         f"got {schedule!r}")
+    return name, kernel or None
+
+
+def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len):
+    """A stock kernel (FA4, cuDNN) writing the post-A2A through the peer window; at world size 1 the same
+    kernel writes a plain output (a one-GPU user gets its speed too)."""
+    from xstage_dit.ops.attention.kernels import make_kernel
+    from xstage_dit.ops.attention.window_path import fused_window_attention, plain_kernel_attention
+
+    kernel = make_kernel(kernel_name)
+    if world_of(group)[1] == 1:
+        return plain_kernel_attention(q, k, v, kernel, scale=scale)
+    return fused_window_attention(q, k, v, group=group, kernel=kernel, scale=scale, seq_len=seq_len)
+
+
 def ulysses_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str = "auto",
                            scale: float | None = None, seq_len: int | None = None) -> torch.Tensor:
     """Eager implementation behind the custom op (see ``ulysses_attention``)."""
-    if schedule not in SCHEDULES:
-        raise ValueError(f"expected schedule in {SCHEDULES}, got {schedule!r}")
+    schedule, kernel_name = _split_schedule(schedule)
     rank, world_size = world_of(group)
     seq_len = _check_inputs(q, k, v, rank, world_size, seq_len)
     if schedule == "auto":
         schedule = _choose(q, world_size, seq_len).name
+    if schedule == "fused" and kernel_name not in (None, "triton"):
+        return _window_kernel_attention(q, k, v, kernel_name, group=group, scale=scale, seq_len=seq_len)
     if schedule == "fused":
         return fused_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
     return serial_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
@@ -473,7 +498,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     q, k, v: (batch, seq_local, heads, head_dim), this rank's chunk of the sequence (torch.chunk
         convention; pass ``seq_len`` when the chunks are unequal).
     Returns (batch, seq_local, heads, head_dim): ``softmax(q K^T * scale) V`` over all ranks' keys.
-    schedule: "fused" | "serial" | "auto" (calibrated design test; see ``last_schedule_choice()``).
+    schedule: "fused" | "serial" | "auto" (calibrated design test; see ``last_schedule_choice()``), or
+        "fused:fa4" / "fused:cudnn" / "fused:triton": the fused path with that kernel writing the post-A2A
+        through the peer window (the per-shape choice of ``schedule.attention_kernel``).
     scale: default ``1/sqrt(head_dim)``.
 
     Example::

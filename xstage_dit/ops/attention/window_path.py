@@ -159,6 +159,25 @@ def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     return torch.stack([o.tensor[:seq_local] for o in outs])
 
 
+def plain_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel, *,
+                           scale: float | None = None) -> torch.Tensor:
+    """World size 1: ``kernel`` on all heads through a one-slot window view of a plain output.
+
+    q, k, v: (B, S, H, D) -> (B, S, H, D). The window of one rank is the output itself (slot stride = one
+    batch element), so the kernel runs exactly as it does for P ranks; no peer memory, no rendezvous.
+    """
+    batch, seq_len, heads, head_dim = q.shape
+    geom = WindowGeometry(1, batch, seq_len, heads, head_dim, seq_len * heads * head_dim)
+    reason = kernel.supports(geom, q.dtype, q.device, True)
+    if reason:
+        raise ValueError(f"kernel {kernel.name} refuses this problem: {reason}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    table = local_buffer_table([out])
+    target = OutTarget(out, table, (seq_len * heads * head_dim, heads * head_dim, head_dim), 0)
+    kernel.run(q, k, v, target, geom, _scale(scale, head_dim))
+    return out
+
+
 _TARGETS: dict[tuple, OutTarget] = {}
 
 
