@@ -43,7 +43,7 @@ def _cudnn_sdpa(q, k, v):
     return run
 
 
-def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool):
+def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool = False):
     """{name: fn} for one row, plus the tensors they write (for the correctness check)."""
     d, dtype, dev = 128, torch.bfloat16, torch.device("cuda")
     length = -(-seq // world)
@@ -54,7 +54,7 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool):
     q, k, v = buf[0], buf[1], buf[2]
     qs, ks, vs = q[:, :seq], k[:, :seq], v[:, :seq]
     scale = d ** -0.5
-    window = PeerWindow.local(world, 1, length * heads * d * 2, dev)
+    window = PeerWindow.local(world, 1, length * heads * d * 2, dev, odd_stride=odd_stride)
     geom = WindowGeometry(world, 1, seq, heads, d, window.slot_bytes // 2)
     spec = geom.out_view(0)
     view = window.view(dtype, (world, length, hr, d), spec.strides, h0 * d)
@@ -105,12 +105,13 @@ def _check(fns, state) -> dict:
 
 
 def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS, rounds=3,
-                cudnn_fe_seqs=(4608, 8192, 32768), checkpoint=None) -> list[dict]:
+                cudnn_fe_seqs=(4608, 8192, 32768), checkpoint=None, odd_stride: bool = False) -> list[dict]:
     rows = []
     for seq, heads, origin in shapes:
         for world in worlds:
             for scope in (("all",) if world == 1 else ("rank", "all")):
-                fns, state = _variants(seq, heads, world, scope, with_cudnn_fe=seq in cudnn_fe_seqs)
+                fns, state = _variants(seq, heads, world, scope, with_cudnn_fe=seq in cudnn_fe_seqs,
+                                       odd_stride=odd_stride)
                 hr = state[-1]
                 row = {"seq_len": seq, "heads": heads, "world": world, "scope": scope, "heads_launched": hr,
                        "head_offset": state[-2], "origin": origin, "rounds": rounds}

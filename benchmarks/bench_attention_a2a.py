@@ -369,6 +369,8 @@ def main(argv=None) -> int:
                         help="the peer-window table (issue 14): stock kernels writing the post-A2A, per-rank and "
                              "all-heads rows, into results/attention/<gpu>-<commit>.{json,md}")
     parser.add_argument("--worlds", default="1,2,4,8", help="with --window: P values")
+    parser.add_argument("--odd-stride", action="store_true",
+                        help="with --window: window slots an odd number of 2 MiB granules apart")
     parser.add_argument("--graph", action="store_true",
                         help="with --window: time CUDA-graph replays (no host launch overhead in the numbers)")
     parser.add_argument("--cudnn-fe-seqs", default="4608,8192,32768",
@@ -427,7 +429,8 @@ def run_window(args, env) -> int:
     worlds = tuple(int(w) for w in args.worlds.split(","))
     fe_seqs = tuple(int(x) for x in args.cudnn_fe_seqs.split(",") if x)
     gpu = (env.get("gpu") or "gpu").lower().replace("nvidia", "").strip().replace(" ", "-")
-    stem = args.out_dir / "attention" / f"{gpu}-{env.get('git_commit', 'unknown')[:12]}"
+    suffix = ("-graph" if args.graph else "") + ("-odd-stride" if args.odd_stride else "")
+    stem = args.out_dir / "attention" / f"{gpu}-{env.get('git_commit', 'unknown')[:12]}{suffix}"
     versions = {"flash_attn_4": fa4.version(), "cudnn_frontend": cudnn_fe.PINNED if cudnn_fe.available() is None
                 else None, "cudnn_frontend_backend": cudnn_fe.backend_version(),
                 "torch_cudnn": torch.backends.cudnn.version()}
@@ -438,6 +441,7 @@ def run_window(args, env) -> int:
     else:
         timing = lambda fn: cuda_time_ms(fn, target_ms=60.0 / args.rounds, min_reps=3, max_reps=50)  # noqa: E731
     env = dict(env, timing="cuda-graph replay" if args.graph else "per-call CUDA events")
+    env = dict(env, odd_stride=args.odd_stride)
 
     def checkpoint(rows):
         stem.parent.mkdir(parents=True, exist_ok=True)
@@ -445,7 +449,7 @@ def run_window(args, env) -> int:
                                                                           indent=1, default=str))
 
     rows = window_rows(timing, interleaved_times, shapes=shapes, worlds=worlds, rounds=args.rounds,
-                       cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint)
+                       cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint, odd_stride=args.odd_stride)
     summary = window_summary(rows)
     notes = ("x_* = t_cudnn / t (torch cuDNN SDPA at the same heads, local output). scope rank: H/P heads at the "
              "last rank's head offset; all: H heads in one launch. serial = best local kernel + copy of its output "

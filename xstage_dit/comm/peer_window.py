@@ -121,7 +121,7 @@ class PeerWindow:
     """
 
     def __init__(self, slot_ptrs: Sequence, num_ranks: int, num_segments: int, device: torch.device, *,
-                 created: bool, keep: object = None):
+                 created: bool, keep: object = None, odd_stride: bool = False):
         """Map one allocation per slot, in slot order: buffer addresses to retain, or with ``created`` the
         (handle, bytes, 0) triples of allocations this window made itself (``local``)."""
         if len(slot_ptrs) != num_ranks * num_segments or not slot_ptrs:
@@ -135,12 +135,12 @@ class PeerWindow:
         self._state = _Mapping(device=dev)
         self._finalizer = weakref.finalize(self, _Mapping.teardown, self._state)
         try:
-            self._build(slot_ptrs, created, dev)
+            self._build(slot_ptrs, created, dev, odd_stride)
         except Exception:
             self.close()
             raise
 
-    def _build(self, slot_ptrs: Sequence[int], created: bool, dev: int) -> None:
+    def _build(self, slot_ptrs: Sequence[int], created: bool, dev: int, odd_stride: bool) -> None:
         gran = vmm.granularity(dev)
         pieces = []  # (handle, alloc_bytes, offset)
         if created:
@@ -160,6 +160,10 @@ class PeerWindow:
             raise PeerWindowUnavailable(f"expected allocations in multiples of the {gran}-byte granularity, got "
                                         f"{sorted({size for _, size, _ in pieces})}")
         self.slot_bytes = _round_up(max(size for _, size, _ in pieces), gran)
+        if odd_stride and (self.slot_bytes // gran) % 2 == 0:
+            # An odd number of granules between slots: the owners' tiles at equal offsets stop aliasing onto
+            # the same memory channels (a hypothesis for the all-heads P=8 slowdown; the gap is unbacked VA).
+            self.slot_bytes += gran
         self._state.total_bytes = self.slot_bytes * len(pieces)
         self._state.base = vmm.reserve(self._state.total_bytes, gran)
         self.base = self._state.base
@@ -174,7 +178,7 @@ class PeerWindow:
     # ------------------------------------------------------------------------------------------ forms
 
     @classmethod
-    def over_symmetric(cls, buffers: Sequence[object]) -> PeerWindow:
+    def over_symmetric(cls, buffers: Sequence[object], *, odd_stride: bool = False) -> PeerWindow:
         """Window over ``SymmetricBuffer``s (one per segment) of one group, slot ``j * P + o``."""
         if not buffers:
             raise ValueError("expected at least one symmetric buffer, got none")
@@ -188,10 +192,12 @@ class PeerWindow:
             raise PeerWindowUnavailable("expected symmetric-memory buffers of a group; world-size-1 buffers are plain "
                                         "allocations (use PeerWindow.local)")
         ptrs = [int(p) for b in buffers for p in b.handle.buffer_ptrs]
-        return _guarded(lambda: cls(ptrs, num_ranks, len(buffers), device, created=False, keep=list(buffers)))
+        return _guarded(lambda: cls(ptrs, num_ranks, len(buffers), device, created=False, keep=list(buffers),
+                                    odd_stride=odd_stride))
 
     @classmethod
-    def local(cls, num_ranks: int, num_segments: int, nbytes: int, device: torch.device) -> PeerWindow:
+    def local(cls, num_ranks: int, num_segments: int, nbytes: int, device: torch.device, *,
+              odd_stride: bool = False) -> PeerWindow:
         """Window over ``num_ranks * num_segments`` fresh allocations of at least ``nbytes`` on ``device``
         (uninitialized), no rendezvous: world size 1 and the virtual ranks of one process."""
         device = torch.device(device)
@@ -208,7 +214,8 @@ class PeerWindow:
                 for h in handles:
                     vmm.release(h)
                 raise
-            return cls([(h, size, 0) for h in handles], num_ranks, num_segments, device, created=True)
+            return cls([(h, size, 0) for h in handles], num_ranks, num_segments, device, created=True,
+                       odd_stride=odd_stride)
 
         return _guarded(build)
 
