@@ -86,7 +86,7 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool
 
 def _check(fns, state) -> dict:
     """Every window kernel vs the fp32 reference on the row's inputs, the window NaN-poisoned first."""
-    from xstage_dit.ops.attention.op import attention_reference
+    from xstage_dit.ops.attention.reference import attention_reference
 
     q, k, v, qs, ks, vs, window, geom, view, h0, hr = state
     rows = geom.owner_rows()

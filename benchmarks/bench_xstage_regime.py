@@ -58,7 +58,7 @@ def _median_ms(fn, reps: int) -> float:
 
 
 def calibrate_host(device: torch.device, quick: bool):
-    from xstage_dit.calibration.runner import CalibrationConfig, run_calibration
+    from xstage_dit.calibration import CalibrationConfig, run_calibration
 
     result = run_calibration(device, CalibrationConfig(target="host", quick=quick))
     return result.params["host"], result
@@ -71,8 +71,8 @@ def _pinned_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def attention_point(seq_len: int, heads: int, params, facts, rounds: int, reps: int) -> dict:
-    from xstage_dit.ops.attention.op import attention_to_buffers
-    from xstage_dit.schedule.choices import choose_attention_schedule
+    from xstage_dit.ops.attention.table import attention_to_buffers
+    from xstage_dit.schedule import choose_attention_schedule
 
     dev = torch.device("cuda")
     q, k, v = (torch.randn(1, seq_len, heads, HEAD_DIM, device=dev, dtype=torch.bfloat16) for _ in range(3))
@@ -96,9 +96,9 @@ def attention_point(seq_len: int, heads: int, params, facts, rounds: int, reps: 
                                 block=BLOCK, dtype_bytes=2, t_local_s=ms["local"] * 1e-3)
     # The schedule code on the same calibrated params, at a world size that asks it the real question
     # (world 1 needs no All-to-All): its verdict on this burst and gap.
-    choice = choose_attention_schedule(params, batch=1, seq_len=seq_len, heads=heads, head_dim=HEAD_DIM,
-                                       world_size=2, dtype_bytes=2, t_kv_tile_s=pred["t_kv_tile_s"],
-                                       num_sms=facts.num_sms)
+    choice = choose_attention_schedule(params, facts=facts, batch=1, seq_len=seq_len, heads=heads,
+                                       head_dim=HEAD_DIM, world_size=2, dtype_bytes=q.element_size(),
+                                       t_kv_tile_s=pred["t_kv_tile_s"])
     best = "fused" if ms["host"] <= ms["serial"] else "serial"
     return {
         "seq_len": seq_len, "heads": heads,
@@ -127,8 +127,8 @@ def _moe_inputs(hidden: int, inter: int, experts: int, rows_per_expert: int):
 
 def moe_point(name: str, hidden: int, inter: int, experts: int, rows_per_expert: int, params, facts,
               rounds: int, reps: int) -> dict:
-    from xstage_dit.ops.moe.combine import expert_mlp_combine
-    from xstage_dit.schedule.choices import choose_moe_lead
+    from xstage_dit.ops.moe import MoEKernelConfig, expert_mlp_combine
+    from xstage_dit.schedule.moe import choose_moe_lead
 
     x, gate_up, down, offsets, weight, dest_rank, dest_row = _moe_inputs(hidden, inter, experts, rows_per_expert)
     rows = x.shape[0]
@@ -149,8 +149,10 @@ def moe_point(name: str, hidden: int, inter: int, experts: int, rows_per_expert:
     assert torch.equal(host, local.cpu()), f"host-written combine rows differ from local ({name})"
     times = interleaved_times(fns, lambda fn: _median_ms(fn, reps), rounds=rounds)
     ms = {key: statistics.median(ts) for key, ts in times.items()}
-    choice = choose_moe_lead(params, hidden=hidden, intermediate=inter, rows_per_expert=rows_per_expert,
-                             num_experts_per_rank=experts, num_producers=facts.num_sms, dtype_bytes=2)
+    cfg = MoEKernelConfig()  # the tiles expert_mlp_combine runs without a config
+    choice = choose_moe_lead(params, facts, hidden=hidden, intermediate=inter, rows_per_expert=rows_per_expert,
+                             num_experts_per_rank=experts, dtype_bytes=x.element_size(), block_m=cfg.block_m,
+                             block_n1=cfg.block_n1, block_n2=cfg.block_n2)
     leads = []
     for d in LEADS:
         pred = moe_prediction(params, facts, hidden=hidden, intermediate=inter, experts=experts,

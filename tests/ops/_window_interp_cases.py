@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from xstage_dit.ops.attention.kernel import KernelConfig  # noqa: E402
 from xstage_dit.ops.attention.kernels import OutTarget, TritonTableKernel  # noqa: E402
 from xstage_dit.ops.attention.window import WindowGeometry  # noqa: E402
-from xstage_dit.ops.attention.op import attention_reference  # noqa: E402
+from xstage_dit.ops.attention.reference import attention_reference  # noqa: E402
 
 DESC = KernelConfig(32, 32, 4, 1, False, True)
 

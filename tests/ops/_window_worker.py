@@ -25,7 +25,8 @@ def main() -> int:
     from xstage_dit.comm.distributed import init_distributed
     from xstage_dit.comm.peer_window import peer_window
     from xstage_dit.ops.attention.kernels import make_kernel
-    from xstage_dit.ops.attention.op import attention_reference, shard_bounds
+    from xstage_dit.ops.attention.partition import shard_bounds
+    from xstage_dit.ops.attention.reference import attention_reference
     from xstage_dit.ops.attention.window_path import fused_window_attention, window_attention_virtual_ranks
 
     info = init_distributed(backend="gloo", timeout_s=120)

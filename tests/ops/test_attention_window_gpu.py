@@ -88,7 +88,7 @@ def test_window_finalizer_releases_the_mapping():
 @pytest.mark.parametrize("kernel_name", KERNELS)
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim, world, dtype", CASES)
 def test_kernel_through_window_matches_reference(kernel_name, batch, seq_len, heads, head_dim, world, dtype):
-    from xstage_dit.ops.attention.op import attention_reference
+    from xstage_dit.ops.attention.reference import attention_reference
     from xstage_dit.ops.attention.window import WindowGeometry
     from xstage_dit.ops.attention.window_path import window_attention_virtual_ranks
 
@@ -201,7 +201,7 @@ def test_kernel_sweep_chooses_a_kernel_that_takes_the_shape(tmp_path):
 @pytest.mark.parametrize("kernel_name", KERNELS)
 def test_world1_public_op_runs_the_chosen_kernel(kernel_name):
     """A one-GPU user gets the chosen kernel (schedule "fused:<kernel>") on a plain output."""
-    from xstage_dit.ops.attention.op import attention_reference, ulysses_attention
+    from xstage_dit.ops.attention import attention_reference, ulysses_attention
     from xstage_dit.ops.attention.window import WindowGeometry
 
     _kernel_or_skip(kernel_name, WindowGeometry(1, 2, 4608, 24, 128, 4608 * 24 * 128), torch.bfloat16)

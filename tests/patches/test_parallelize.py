@@ -60,7 +60,7 @@ def test_config_rejects_bad_values(kwargs, match):
 
 
 def test_split_rule_is_the_ops_rule():
-    from xstage_dit.ops.attention.op import shard_bounds
+    from xstage_dit.ops.attention import shard_bounds
     from xstage_dit.patches.sharding import split_offsets, split_sizes
 
     for total in range(0, 40):
@@ -141,17 +141,16 @@ def test_nucleusmoe_needs_ep_equal_sp():
 
 def test_world1_same_output_restore_and_twice_is_an_error():
     from xstage_dit import parallelize
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
 
     pipe = _tiny_flux(heads=2)
     pipe.set_progress_bar_config(disable=True)
     ref = _image(pipe)
     processors = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
     handle = parallelize(pipe)
-    before = PATH_COUNTS["local"]
     out = _image(pipe)
     # World 1 on the CPU: the serial schedule, which is diffusers' own SDPA call (no op hop, no copy).
-    assert PATH_COUNTS["local"] > before, "the world-1 serial path must run diffusers' SDPA"
+    assert list(handle.attention_paths) == ["local"], "the world-1 serial path must run diffusers' SDPA"
+    assert set(handle.schedule_choices.values()) == {"serial"}
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     with pytest.raises(RuntimeError, match="already patched"):
         parallelize(pipe)
@@ -234,12 +233,17 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         if name in paths:
             sp = world // 2 if name.endswith("-cfg") else world
             path = "ulysses" if sp > 1 else "local"
-            assert paths[name][path] > 0 and paths[name]["gather_kv"] == 0, (name, paths[name])
+            assert path in paths[name] and "gather_kv" not in paths[name], (name, paths[name])
     if world == 2:
         assert results["flux-compile"]["graph_breaks"] == 0, results["flux-compile"]  # torch.compile: one graph
-        assert paths["flux-uneven"]["gather_kv"] > 0, paths["flux-uneven"]
-        assert paths["hunyuan"]["gather_kv"] > 0, paths["hunyuan"]  # padded text: masked keys
-    assert paths["wan"]["local"] > 0  # cross-attention to the replicated text: no exchange
+        assert "gather_kv" in paths["flux-uneven"], paths["flux-uneven"]
+        assert "gather_kv" in paths["hunyuan"], paths["hunyuan"]  # padded text: masked keys
+        # torch.compile: the same schedule per shape as eager, decided once, and the op ran it
+        eager, compiled = results["flux"], results["flux-compile"]
+        assert compiled["schedule_choices"] == eager["schedule_choices"] != {}, (eager, compiled)
+        assert compiled["op_schedules"] == eager["op_schedules"] == sorted(set(eager["schedule_choices"].values()))
+    # (Wan's cross-attention to the replicated text: diffusers hands the backend no parallel config there,
+    # so it is plain local attention outside any handle; its correctness is max_abs_parallel above.)
     assert results["nucleusmoe"]["moe_layers"] >= 1 and results["hidream"]["moe_layers"] >= 1
     if world == 4:
         assert results["hidream-cfg"]["moe_layers"] >= 1  # sp=2, ep=2, cfg=2
@@ -295,7 +299,6 @@ def test_wan22_second_expert_is_patched_too():
     from xstage_dit import parallelize
     from xstage_dit.models import load_pipeline
     from xstage_dit.models.build import build_module
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
 
     pipe = load_pipeline("tiny-wan", seed=0)
     cfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
@@ -316,9 +319,9 @@ def test_wan22_second_expert_is_patched_too():
         for t in handle.transformers:
             assert all(getattr(m.processor, "_parallel_config", None) is not None
                        for m in t.modules() if hasattr(m, "processor") and m.processor is not None)
-        before = PATH_COUNTS["ulysses"] + PATH_COUNTS["local"]
         np.testing.assert_allclose(video(), ref, atol=TOL, rtol=0)
-        assert PATH_COUNTS["ulysses"] + PATH_COUNTS["local"] > before
+        # both experts ran through the xstage attention (the paths are recorded on the shared handle)
+        assert "local" in handle.attention_paths
     for t in (pipe.transformer, pipe.transformer_2):
         assert all(getattr(m.processor, "_parallel_config", None) is None
                    for m in t.modules() if hasattr(m, "processor") and m.processor is not None)

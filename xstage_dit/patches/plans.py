@@ -203,8 +203,8 @@ def _hunyuan_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     )
 
 
-_NUCLEUS_EP = ("NucleusMoELayer", "xstage_dit.ops.moe.combine:NucleusMoEEPLayer")
-_HIDREAM_EP = ("MOEFeedForwardSwiGLU", "xstage_dit.ops.moe.combine:HiDreamMoEEPLayer")
+_NUCLEUS_EP = ("NucleusMoELayer", "xstage_dit.patches.ep_layers:NucleusMoEEPLayer")
+_HIDREAM_EP = ("MOEFeedForwardSwiGLU", "xstage_dit.patches.ep_layers:HiDreamMoEEPLayer")
 
 _PLANS: dict[str, ModelPlan] = {
     p.class_name: p

@@ -1,6 +1,6 @@
 """The one sequence split rule, and the shard / gather collectives built on it.
 
-Split rule (`split_sizes`): the ``torch.chunk`` convention of `xstage_dit.ops.attention.op`
+Split rule (`split_sizes`): the ``torch.chunk`` convention of `xstage_dit.ops.attention.partition`
 (``shard_bounds``): chunks of ``ceil(total / parts)`` tokens in rank order, so only the last ranks are
 short (possibly empty). Every place that decides which tokens a rank owns (the entry hooks, the
 attention backend for replicated tails, the exit gather) calls this function, so the shards agree

@@ -24,24 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from xstage_dit.ops.attention.partition import head_split, shard_bounds
+
 
 def shard_rows(seq_len: int, world_size: int) -> list[int]:
-    """Valid rows of every owner (``torch.chunk`` convention): ``L = ceil(S/P)``, the last owners short."""
-    chunk = -(-seq_len // world_size)
-    return [max(0, min(chunk, seq_len - o * chunk)) for o in range(world_size)]
+    """Valid rows of every owner (``partition.shard_bounds``: ``L = ceil(S/P)``, the last owners short)."""
+    return [n for _, n in shard_bounds(seq_len, world_size)]
 
 
-def head_ranges(heads: int, world_size: int) -> list[tuple[int, int]]:
-    """(first head, head count) per rank: the first ``heads % P`` ranks take one extra head."""
-    if heads < world_size:
-        raise ValueError(f"expected heads >= world size, got heads={heads} and world size {world_size}")
-    base, rem = divmod(heads, world_size)
-    out, start = [], 0
-    for r in range(world_size):
-        n = base + (1 if r < rem else 0)
-        out.append((start, n))
-        start += n
-    return out
+# (first head, head count) per rank: the partition's own rule, one owner of the fact.
+head_ranges = head_split
 
 
 @dataclass(frozen=True)

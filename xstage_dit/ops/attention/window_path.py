@@ -49,7 +49,7 @@ def out_target(window: PeerWindow, geom: WindowGeometry, dtype: torch.dtype, hea
 
 
 def _push(q, k, v, in_table, in_like, *, rank, world_size, seq_len):
-    from xstage_dit.ops.attention.op import push_to_owners
+    from xstage_dit.ops.attention.table import push_to_owners
 
     push_to_owners(q, k, v, in_table, in_like, rank=rank, world_size=world_size, seq_len=seq_len)
 
@@ -123,10 +123,11 @@ def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     needs no window: the kernel writes a plain tensor). Falls back, logged once, to ``fused_attention``
     (pointer table) where the window cannot be built.
     """
-    from xstage_dit.ops.attention.op import _check_inputs, fused_attention
+    from xstage_dit.ops.attention.checks import check_inputs
+    from xstage_dit.ops.attention.table import fused_attention
 
     rank, p = world_of(group)
-    seq_len = _check_inputs(q, k, v, rank, p, seq_len)
+    seq_len = check_inputs(q, k, v, rank, p, seq_len)
     batch, seq_local, heads, head_dim = q.shape
     length = -(-seq_len // p)
     h0, hr = head_ranges(heads, p)[rank]
