@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from xstage_dit.calibration.runner import _driver_strings, _key_hash, default_cache_dir
+from xstage_dit.calibration.cache import _driver_strings, _key_hash, default_cache_dir
 
 log = logging.getLogger(__name__)
 
