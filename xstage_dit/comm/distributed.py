@@ -175,5 +175,8 @@ def symmetric_buffer(
 
 
 def free_symmetric_buffers() -> None:
-    """Drop every cached buffer (tests; a server changing models)."""
+    """Drop every cached buffer (tests; a server changing models), closing the peer windows over them first."""
+    from xstage_dit.comm.peer_window import free_peer_windows
+
+    free_peer_windows()
     _BUFFERS.clear()
