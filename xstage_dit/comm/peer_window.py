@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 
 from xstage_dit.comm import _cuda_vmm as vmm
+from xstage_dit.comm.distributed import on_free_symmetric_buffers, symmetric_buffer
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +326,6 @@ def peer_window(name: str, shape: Sequence[int], dtype: torch.dtype, device: tor
     Returns (window, [SymmetricBuffer per segment]). Raises ``PeerWindowUnavailable`` (after allocating the
     buffers, which the pointer-table path then uses) where the window cannot be built.
     """
-    from xstage_dit.comm.distributed import symmetric_buffer
 
     key = (name, tuple(shape), dtype, str(device), id(group) if group is not None else None, segments)
     hit = _WINDOWS.get(key)
@@ -348,3 +348,6 @@ def free_peer_windows() -> None:
     for window, _ in _WINDOWS.values():
         window.close()
     _WINDOWS.clear()
+
+
+on_free_symmetric_buffers(free_peer_windows)
