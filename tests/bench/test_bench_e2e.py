@@ -196,7 +196,7 @@ def test_run_order_baseline_first_irreversible_last():
 
 class _Args:
     compile_estimate_s = 100.0
-    compile_mode = "regional"
+    compile = "regional"
     time_budget_s = 0.0
 
 
