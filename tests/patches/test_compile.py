@@ -70,3 +70,30 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
     assert not any("_compiled_call_impl" in vars(m) for m in pipe.transformer.modules())
     assert torch._dynamo.config.recompile_limit == limit
     handle.restore()  # idempotent
+
+
+def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
+    """NucleusMoE at world 1 on a GPU swaps in the EP layer (the fused kernel's path); its routing plan is
+    data-dependent (bincount, nonzero, .tolist) and graph-breaks under dynamo, which must cost speed only,
+    never correctness. On the CPU the chooser keeps diffusers' layer, so the GPU's choice is forced here."""
+    import xstage_dit.patches.expert_parallel as expert_parallel
+    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.models.generation import call_kwargs
+
+    monkeypatch.setattr(expert_parallel, "_world1_keeps", lambda child, where, seen: False)
+    with one_torch_thread():
+        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
+        spec = model_spec("tiny-nucleusmoe")
+        handle = parallelize(pipe, ParallelConfig())
+        assert handle.num_moe_layers > 0
+        kwargs = lambda: call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)  # noqa: E731
+        with torch.inference_mode():
+            want = pipe(**kwargs()).images
+        compiled = apply_compile(pipe, "regional", backend="eager")
+        try:
+            with torch.inference_mode():
+                got = pipe(**kwargs()).images
+        finally:
+            compiled.restore()
+            handle.restore()
+    np.testing.assert_array_equal(got, want)
