@@ -143,7 +143,8 @@ class XStageServed(XStage):
         super().apply(b)  # parallelize, then compile (the order the server's loader uses)
         self._server = self.serve(b.pipe, b.args.model, b.spec, batching="never", max_batch_size=1,
                                   warmup_sizes=((b.width, b.height),), max_steps=max(100, b.steps),
-                                  max_size=max(2048, b.width, b.height), max_pixels=max(2048 * 2048, b.width * b.height),
+                                  max_size=max(2048, b.width, b.height),
+                                  max_pixels=max(2048 * 2048, b.width * b.height),
                                   request_timeout_s=3600.0, max_queue=4)
         url, _ = self._server.__enter__()
         self.client = httpx.Client(base_url=url, timeout=3600.0)

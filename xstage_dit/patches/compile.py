@@ -100,7 +100,8 @@ def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callab
     return forward
 
 
-def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES, backend: str = "inductor") -> CompileHandle:
+def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
+                  backend: str = "inductor") -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode` (see the module docstring).
 
     max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
