@@ -224,18 +224,28 @@ class Worker:
             started = time.perf_counter()
             single = runner.run([item], never)
             log.info("warm-up %dx%d (2 steps) took %.2f s", width, height, time.perf_counter() - started)
-            if not self.batcher.wants_probe:
-                continue
-            n = self.config.max_batch_size
-            started = time.perf_counter()
+            if not self.batcher.wants_probe or s.kind != "image":
+                continue  # a batch of videos never pays and may not fit: videos run FIFO
+            self._probe(runner, item, single)
+
+    def _probe(self, runner: BatchRunner, item: GenerationRequest, single) -> None:
+        """Measure a batch of max_batch_size at `item`'s size against `single` (its one-image run) and
+        record the decision. A batch that fails (out of memory, ...) leaves that size FIFO, logged."""
+        never = lambda *_: True  # noqa: E731
+        n, (width, height) = self.config.max_batch_size, (item.width, item.height)
+        started = time.perf_counter()
+        try:
             batch = runner.run([replace(item, n=n)], never)
             alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
-            identical = all(np.array_equal(b, a) for b, a in zip(batch.pixels, alone))
-            probe = Probe((width, height, item.num_frames), n, min(single.step_times), min(batch.step_times),
-                          identical)
-            decision = self.batcher.record(probe)
-            log.info("batching %dx%d: %s -> %s (probe %.2f s)", width, height, decision.reason,
-                     "batch" if decision.batch else "FIFO", time.perf_counter() - started)
+        except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
+            log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
+                        str(exc).splitlines()[0][:200])
+            return
+        identical = all(np.array_equal(b, a) for b, a in zip(batch.pixels, alone))
+        probe = Probe((width, height, item.num_frames), n, min(single.step_times), min(batch.step_times), identical)
+        decision = self.batcher.record(probe)
+        log.info("batching %dx%d: %s -> %s (probe %.2f s)", width, height, decision.reason,
+                 "batch" if decision.batch else "FIFO", time.perf_counter() - started)
 
     # ----- rank 0 -----
     def start(self) -> "Worker":
