@@ -22,6 +22,11 @@
 #                e.g. --graph for CUDA-graph timing)
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
+#   serving      (a) bench e2e FLUX.1-dev 1024^2 28 steps: diffusers, xstage bare and served (eager and
+#                compiled, interleaved rounds for the eager ones), xfuser (compiled); (b) bench_serving.py:
+#                4 and 16 concurrent FLUX requests at 1024^2 and 512^2, FIFO vs batched, and the batcher's
+#                pick. SERVING_E2E_S / SERVING_LOAD_S split its ~420 s; SERVING_E2E_ARGS / SERVING_LOAD_ARGS
+#                override the options
 # Time limits: <STEP>_S (e.g. TESTS_S=300, E2E_S=400); the defaults below fit one 10-minute call only for
 # a few steps: pick the steps a call needs. Carry .whl (diffusers, transformers, ... wheels) when a step
 # needs them; benchmarks/device_env.sh installs them.
@@ -130,11 +135,32 @@ step_e2e() {
   done
 }
 
+step_serving() {
+  local e2e_s load_s
+  e2e_s="${SERVING_E2E_S:-245}"
+  load_s="${SERVING_LOAD_S:-165}"
+  local e2e_args="--model full-flux --steps 28 --num-prompts 1 --rounds 2 --compile regional --compile-estimate-s 40
+    --contenders diffusers,xstage-serial,xstage-served,xfuser-usp"
+  echo "[device.sh] serving e2e: ${SERVING_E2E_ARGS:-$e2e_args}"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$e2e_s" "$py" benchmarks/bench_e2e.py ${SERVING_E2E_ARGS:-$e2e_args} --device cuda \
+    --time-budget-s "$(( e2e_s - 25 ))" --out-dir "$1" 2>&1 | grep -v "^ *$"
+  local rc_e2e=${PIPESTATUS[0]}
+  # Eager: compile moves FIFO and batched alike, and its minutes are better spent on requests.
+  local load_args="--model full-flux --sizes 1024x1024,512x512 --concurrency 4,16 --steps 8 --compile off"
+  echo "[device.sh] serving load: ${SERVING_LOAD_ARGS:-$load_args}"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$load_s" "$py" benchmarks/bench_serving.py ${SERVING_LOAD_ARGS:-$load_args} --device cuda \
+    --time-budget-s "$(( load_s - 40 ))" --out "$1" 2>&1 | grep -v "^ *$"
+  local rc_load=${PIPESTATUS[0]}
+  [ "$rc_e2e" -eq 0 ] && [ "$rc_load" -eq 0 ]
+}
+
 status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e serving)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

@@ -180,11 +180,12 @@ def test_run_order_baseline_first_irreversible_last():
     order = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
     assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
-    assert order[:7] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers-repeat", "diffusers+compile",
-                         "xstage-serial+compile", "xstage-calibrated+compile"]
+    assert order[:9] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "diffusers-repeat",
+                         "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
+                         "xstage-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 11
+    assert len(order1) == len(set(order1)) == 13
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
@@ -196,7 +197,7 @@ def test_run_order_baseline_first_irreversible_last():
 
 class _Args:
     compile_estimate_s = 100.0
-    compile_mode = "regional"
+    compile = "regional"
     time_budget_s = 0.0
 
 
@@ -309,10 +310,11 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     assert rows["diffusers-cp"]["status"] == "cannot run"
     assert "needs an accelerator" in rows["diffusers-cp"]["reason"]
     assert rows["xfuser-usp"]["status"] == "cannot run"
-    for name in ("xstage-serial", "xstage-calibrated"):
+    for name in ("xstage-serial", "xstage-calibrated", "xstage-served"):
         assert rows[name]["status"] == "ok", rows[name]
         # Same seed, same prompt, world 1, fp32: the same image as plain diffusers.
-        assert rows[name]["output_max_abs_diff_vs_diffusers"] < 1e-3
+        # The served image comes back as a PNG: rounded to 1/255 once.
+        assert rows[name]["output_max_abs_diff_vs_diffusers"] < (1e-3 if name != "xstage-served" else 1 / 255 + 1e-3)
         # One prompt, paired with the geometric mean of diffusers and diffusers-repeat around it: one pair,
         # no spread, so no verdict and no "not slower" claim (the GPU runs use rounds or several prompts).
         assert rows[name]["ratio_pairs"] == 1

@@ -29,7 +29,9 @@ def _one_torch_thread():
 
 
 def test_fifty_concurrent_requests_each_get_their_own_image():
-    worker = start_worker(ServerConfig(max_queue=NUM_REQUESTS, max_batch_size=8, batch_wait_s=0.02, api_key=None))
+    # batching "always": this test is about batches (the batcher may keep such requests apart otherwise).
+    worker = start_worker(ServerConfig(max_queue=NUM_REQUESTS, max_batch_size=8, batch_wait_s=0.02, api_key=None,
+                                       batching="always"))
     requests = [{"prompt": PROMPTS[i % len(PROMPTS)], "seed": 1000 + 17 * i, "size": "32x32",
                  "num_inference_steps": 2} for i in range(NUM_REQUESTS)]
 

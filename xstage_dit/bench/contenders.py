@@ -3,8 +3,12 @@ any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_c
 
 from __future__ import annotations
 
+import base64
 import importlib.metadata
+import io
+from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
@@ -107,6 +111,64 @@ class XStage(Contender):
         # The attention schedule per distinct layer shape, filled as the shapes were first seen.
         self.info["schedules"] = to_jsonable(getattr(handle, "schedule_choices", None))
         handle.restore()
+
+
+class XStageServed(XStage):
+    """The bare xstage contender's pipeline (``parallelize``, serial schedule, compiled when asked) behind
+    the HTTP server in this process: one ``POST /v1/images/generations`` per prompt, its PNG decoded. The
+    difference to ``xstage-serial`` is what the server costs (queue, step callback, PNG, HTTP).
+
+    serve: ``xstage_dit.server.inprocess.serve_pipeline`` (handed in by ``xstage-dit bench``: bench sits
+    beside the server in the layer order and may not import it)."""
+
+    def __init__(self, compile: bool, serve=None):
+        super().__init__(compile, "serial")
+        self.family = "xstage-served"
+        self.serve = serve
+        self._server = None
+        self.client = None
+
+    def check(self, b: Bench) -> str | None:
+        if self.serve is None:
+            return "needs the in-process server, which `xstage-dit bench` hands in (not python -m xstage_dit.bench.e2e)"
+        if b.world_size > 1:
+            return "the in-process server runs one rank; several ranks are served by `xstage-dit serve --sp N`"
+        if b.spec.kind != "image":
+            return "times /v1/images/generations requests; a video is an asynchronous job (/v1/videos)"
+        return super().check(b)
+
+    def apply(self, b: Bench) -> None:
+        import httpx
+
+        super().apply(b)  # parallelize, then compile (the order the server's loader uses)
+        self._server = self.serve(b.pipe, b.args.model, b.spec, batching="never", max_batch_size=1,
+                                  warmup_sizes=((b.width, b.height),), max_steps=max(100, b.steps),
+                                  max_size=max(2048, b.width, b.height),
+                                  max_pixels=max(2048 * 2048, b.width * b.height),
+                                  request_timeout_s=3600.0, max_queue=4)
+        url, _ = self._server.__enter__()
+        self.client = httpx.Client(base_url=url, timeout=3600.0)
+
+    def call(self, b: Bench, kwargs: dict):
+        from PIL import Image
+
+        body = {"prompt": kwargs["prompt"], "size": f"{kwargs['width']}x{kwargs['height']}", "seed": b.args.seed,
+                "num_inference_steps": kwargs["num_inference_steps"], "guidance_scale": kwargs["guidance_scale"]}
+        r = self.client.post("/v1/images/generations", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
+        png = base64.b64decode(r.json()["data"][0]["b64_json"])
+        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float32) / 255.0
+        return SimpleNamespace(images=pixels[None])
+
+    def restore(self, b: Bench) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        server, self._server = self._server, None
+        if server is not None:
+            server.__exit__(None, None, None)
+        super().restore(b)
 
 
 class XFuserUSP(Contender):
@@ -214,7 +276,8 @@ class DiffusersCP(Contender):
         super().apply(b)
 
 
-def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1) -> list[Contender]:
+def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
+                    serve=None) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
     the other reversible stacks, then each irreversible contender with its compiled variant (they leave
     the pipeline modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no
@@ -223,6 +286,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
         "xstage-calibrated": lambda c: XStage(c, "auto"),
+        "xstage-served": lambda c: XStageServed(c, serve),
         "xfuser-usp": lambda c: XFuserUSP(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),
     }

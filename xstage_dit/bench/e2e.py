@@ -72,8 +72,11 @@ def _resolve_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-def run_benchmark(args: argparse.Namespace) -> int:
-    """Run every contender on every prompt and write the results; returns the exit code."""
+def run_benchmark(args: argparse.Namespace, serve=None) -> int:
+    """Run every contender on every prompt and write the results; returns the exit code.
+
+    serve: the in-process server factory (``xstage_dit.server.inprocess.serve_pipeline``) the
+    ``xstage-served`` contender needs; `xstage-dit bench` hands it in (None: that contender cannot run)."""
     t_start = time.perf_counter()
     validate(args)
     if args.rerender:
@@ -120,13 +123,13 @@ def run_benchmark(args: argparse.Namespace) -> int:
         "guidance": spec.guidance, "seed": args.seed, "weights_seed": args.weights_seed,
         "dtype": str(dtype).replace("torch.", ""),
         "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
-        "warmup_steps": min(args.warmup_steps, steps), "compile_requested": bool(args.compile),
+        "warmup_steps": min(args.warmup_steps, steps), "compile_requested": args.compile,
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
         # measure_in_rounds counts the rounds every eager contender of our group completed.
         "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
     report = Report(b, settings, env, stem)
-    contenders = make_contenders(names, args.compile, info.world_size, rounds=args.rounds)
+    contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve)
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
     interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]

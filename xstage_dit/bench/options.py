@@ -19,13 +19,13 @@ from xstage_dit.errors import UsageError
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
-CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xfuser-usp", "diffusers-cp")
+CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "xfuser-usp", "diffusers-cp")
 BASELINE = "diffusers"
 # Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
 BASELINE_REPEAT = "diffusers-repeat"
 # Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
 # the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
-OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated")
+OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served")
 
 # The sample prompts ship inside the package, so an installed wheel benchmarks too.
 PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
@@ -71,13 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to run; auto = cuda when available (default: auto)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also run each contender with torch.compile on the transformer (reported as skipped "
-                             "otherwise)")
-    parser.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
-                        help="regional = diffusers' compile_repeated_blocks (each repeated block compiled once; "
-                             "the whole module where a model has none), full = torch.compile of the whole "
-                             "transformer (default: %(default)s)")
+    parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full}",
+                        help="also run each contender with torch.compile of the transformer (xstage_dit.patches.compile): "
+                             "regional = diffusers' compile_repeated_blocks (each repeated block compiled once; the "
+                             "whole module where a model has none), full = torch.compile of the whole transformer; "
+                             "a bare --compile is regional; off reports the compiled variants as skipped "
+                             "(default: %(default)s)")
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
@@ -115,6 +114,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:
         raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
+    if args.compile not in ("off", "regional", "full"):
+        raise UsageError(f"expected --compile off, regional or full, got {args.compile!r}")
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
     if not Path(args.prompts).is_file():

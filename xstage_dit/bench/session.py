@@ -70,8 +70,7 @@ class Bench:
     frames: int
     t_start: float
     build_s: float = 0.0
-    eager_transformer: torch.nn.Module | None = None
-    compiled_blocks: list = dataclasses.field(default_factory=list)
+    compiled: object = None  # the CompileHandle of the compiled contender running now
     # Which contender left the pipeline modified beyond undoing (None: pristine). A contender that does not
     # accept that state gets a freshly built pipeline first.
     dirty: str | None = None
@@ -83,8 +82,7 @@ class Bench:
         from xstage_dit.models import load_pipeline
 
         self.pipe = None
-        self.eager_transformer = None
-        self.compiled_blocks = []
+        self.compiled = None
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -107,32 +105,17 @@ class Bench:
         return self.args.time_budget_s - (time.perf_counter() - self.t_start)
 
     def compile_transformer(self) -> str:
-        """``torch.compile`` the current transformer; returns how.
+        """``apply_compile`` of the current transformer in the --compile mode (regional: diffusers'
+        ``compile_repeated_blocks``; full: the whole forward); returns how."""
+        from xstage_dit.patches.compile import apply_compile
 
-        regional: diffusers' ``compile_repeated_blocks`` (each repeated transformer block compiled once
-        and reused: what diffusers recommends, and a fraction of the compile time); full: the whole
-        module (``--compile-mode full``, or a model without ``_repeated_blocks``).
-        """
-        transformer = self.pipe.transformer
-        if self.args.compile_mode == "regional" and getattr(transformer, "_repeated_blocks", None):
-            transformer.compile_repeated_blocks()
-            self.compiled_blocks = [m for m in transformer.modules() if "_compiled_call_impl" in vars(m)]
-            return "regional (compile_repeated_blocks)"
-        self.eager_transformer = transformer
-        self.pipe.transformer = torch.compile(transformer)
-        return "full module"
+        self.compiled = apply_compile(self.pipe, self.args.compile)
+        return self.compiled.how
 
     def uncompile(self) -> None:
-        if self.eager_transformer is None and not self.compiled_blocks:
-            return
-        if self.eager_transformer is not None:
-            self.pipe.transformer = self.eager_transformer
-            self.eager_transformer = None
-        for module in self.compiled_blocks:
-            # nn.Module.compile() sets this instance attribute; without it the class default (None) runs eager.
-            vars(module).pop("_compiled_call_impl", None)
-        self.compiled_blocks = []
-        torch._dynamo.reset()  # compiled graphs hold on to the patched modules and their buffers
+        if self.compiled is not None:
+            self.compiled.restore()  # also drops the graphs: they hold on to the patched modules
+            self.compiled = None
 
     def ensure_process_group(self) -> None:
         """A process group for contenders that need one: torchrun's, or a group of one on this machine."""

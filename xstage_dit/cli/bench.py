@@ -7,7 +7,9 @@ when ``--compile`` is given):
 - ``diffusers-cp``: diffusers' native context parallelism (Ulysses, ``enable_parallelism``),
 - ``xfuser-usp``: xDiT/xfuser's USP (the version pinned in the ``bench`` extra),
 - ``xstage-serial``: ``xstage_dit.parallelize`` with the serial schedule,
-- ``xstage-calibrated``: ``xstage_dit.parallelize`` with the calibrated schedules.
+- ``xstage-calibrated``: ``xstage_dit.parallelize`` with the calibrated schedules,
+- ``xstage-served``: ``xstage-serial``'s pipeline behind the HTTP server in this process (the same
+  request as a ``POST /v1/images/generations``; images only).
 
 A contender that cannot run a configuration is reported with the reason it detected; one that does
 not fit the time budget is reported as skipped. The harness is ``xstage_dit.bench`` (its options in
@@ -30,8 +32,9 @@ def run(args: argparse.Namespace) -> int:
 
     validate(args)  # before the harness imports torch and diffusers: a typo fails in milliseconds
     from xstage_dit.bench import e2e
+    from xstage_dit.server.inprocess import serve_pipeline
 
-    return int(e2e.run_benchmark(args))
+    return int(e2e.run_benchmark(args, serve=serve_pipeline))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

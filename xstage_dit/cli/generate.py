@@ -56,6 +56,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE models: 1 or --sp")
     p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree: 1 or 2 (cond/uncond on separate ranks)")
+    from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
+
+    add_compile_option(p)
+    add_warmup_sizes_option(p)
     p.set_defaults(func=run)
     return p
 
@@ -125,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--frames: expected no --frames for the image model {spec.name}, got {args.frames}")
     if not args.prompt.strip():
         raise UsageError(f"--prompt: expected a non-empty prompt, got {args.prompt!r}")
+    from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
+
+    check_compile_args(args)
+    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec)
     from xstage_dit.models.generation import request_for
 
     try:
@@ -172,18 +180,33 @@ def run(args: argparse.Namespace) -> int:
     t_build = time.perf_counter() - t0
     pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
                                  leave=False)
-    if rank_info is not None:
-        from xstage_dit.patches import parallelize
+    from xstage_dit.cli.compile_options import compile_mode
+    from xstage_dit.patches import parallelize
+    from xstage_dit.patches.compile import apply_compile
 
-        try:
-            parallelize(pipe, parallel)
-        except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
-            raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    # World 1 too: the serial schedule, plus the fused MoE layer where the MoE chooser says it is faster.
+    try:
+        parallelize(pipe, parallel)
+    except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
+        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    mode = compile_mode(args, device)
+    compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes)
     try:
         kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
         flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
         raise UsageError(f"{flag}: {exc}") from None
+    t_warm = 0.0
+    if mode != "off" or warmup_sizes:
+        # Compile (one step per size) before the timed call, so "generating" is the compiled speed.
+        t0 = time.perf_counter()
+        from dataclasses import replace
+
+        for width, height in ((request.width, request.height),) + warmup_sizes:
+            # Its own generators: the timed call's must start from the seed.
+            warm = replace(request, width=width, height=height, steps=1)
+            pipe(**pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec)))
+        t_warm = time.perf_counter() - t0
     t1 = time.perf_counter()
     result = pipe(**kwargs)
     if device.type == "cuda":
@@ -203,8 +226,9 @@ def run(args: argparse.Namespace) -> int:
         held = [m for m in pipe.transformer.modules() if getattr(m, "shard", None) == expert_shard]
         print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
               f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
-    print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
-          f"{t_gen + t_build:.2f} s total")
+    warm = f", {t_warm:.2f} s warm-up ({compiled.how})" if t_warm else ""
+    print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline{warm}, "
+          f"{t_gen + t_build + t_warm:.2f} s total")
     if spec.weights_notice:
         print(f"note: {spec.weights_notice}")
     return 0

@@ -62,6 +62,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="timeout of torch.distributed collectives, seconds; default: %(default)s")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the one-step warm-up at the model's default size before reporting ready")
+    from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
+
+    add_compile_option(p)
+    add_warmup_sizes_option(p)
+    p.add_argument("--batching", default=_D.batching, choices=("auto", "always", "never"),
+                   help="auto = batch a size only where warm-up measured a batch at >= 1 + --batch-margin times "
+                        "the images/s of single images, with bit-identical images (else first come, first served); "
+                        "always = batch every compatible request; never = FIFO; default: %(default)s")
+    p.add_argument("--batch-margin", type=float, default=_D.batch_margin,
+                   help="images/s gain a batch must show for --batching auto (0.1 = 10 %%); default: %(default)s")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
     return p
@@ -84,13 +94,18 @@ def _config(args: argparse.Namespace):
     from xstage_dit.cli.validate import check_parallel
 
     check_parallel(spec, parallel)  # before any rank starts
+    from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
+
+    check_compile_args(args)
+    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec)
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
-            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel)
+            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,
+            warmup_sizes=warmup_sizes, batching=args.batching, batch_margin=args.batch_margin)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None
@@ -103,6 +118,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
         if not action.option_strings or action.dest == "help":
             continue
         value = getattr(args, action.dest)
+        if value is None:  # an option left to its default (e.g. --compile: chosen by the device)
+            continue
         if action.nargs == 0:  # a flag
             out += [action.option_strings[0]] if value else []
         else:
@@ -144,7 +161,8 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         # CPU ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed)
+    loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
+                          compile=args.compile, max_compiled_shapes=args.max_compiled_shapes)
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

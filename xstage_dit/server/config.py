@@ -89,7 +89,16 @@ class ServerConfig:
     heartbeat_timeout_s: a rank that has not signalled for this long is considered dead.
     exit_after_failure_s: after a rank failure, keep answering 503 this long, then exit non-zero
         (so a process manager restarts the server); None keeps running.
-    warmup: run one step at the model's default size on every rank before reporting ready.
+    warmup: run two steps at the model's default size and at each of `warmup_sizes` on every rank before
+        reporting ready (compiling those shapes when the loader compiled the transformer); /health is 200
+        only afterwards.
+    warmup_sizes: extra (width, height) sizes to warm up (and, with batching "auto", to measure).
+    batching: "auto" batches a size only where warm-up measured a batch of max_batch_size at >= 1 +
+        batch_margin times the images per second of single images, with bit-identical images (else FIFO,
+        one pipeline call per image); "always" batches every compatible request; "never" is FIFO.
+    batch_margin: the images/s gain a batch must show (0.10 = 10 %).
+    stop_check_steps: the ranks agree on cancellation every this many steps (a non-blocking vote read one
+        vote late): a cancelled batch stops within 2x this many steps, and no step waits for it.
     parallel: the degrees of parallelism (sp, ep, cfg) and the collective timeout, built once by the
         command and handed whole to every rank's loader (`xstage_dit.server.startup.model_loader`).
     """
@@ -112,6 +121,10 @@ class ServerConfig:
     heartbeat_timeout_s: float = 5.0
     exit_after_failure_s: float | None = 30.0
     warmup: bool = True
+    warmup_sizes: tuple = ()
+    batching: str = "auto"
+    batch_margin: float = 0.10
+    stop_check_steps: int = 1
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
@@ -123,6 +136,14 @@ class ServerConfig:
         for what in ("batch_wait_s", "request_timeout_s", "job_ttl_s", "heartbeat_timeout_s"):
             value = getattr(self, what)
             _check(math.isfinite(value) and value >= 0, what, "a finite number >= 0", value)
+        _check(self.batching in ("auto", "always", "never"), "batching", "auto, always or never", self.batching)
+        _check(math.isfinite(self.batch_margin) and self.batch_margin >= 0, "batch_margin", "a number >= 0",
+               self.batch_margin)
+        _check(isinstance(self.stop_check_steps, int) and self.stop_check_steps >= 1, "stop_check_steps",
+               "an integer >= 1", self.stop_check_steps)
+        for size in self.warmup_sizes:
+            _check(isinstance(size, tuple) and len(size) == 2 and all(isinstance(v, int) and v >= 1 for v in size),
+                   "warmup_sizes", "(width, height) pairs of positive integers", size)
         _check(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
         _check(isinstance(self.parallel, ParallelConfig), "parallel", "a ParallelConfig", self.parallel)
         if self.exit_after_failure_s is not None:

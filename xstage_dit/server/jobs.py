@@ -1,9 +1,11 @@
 """Jobs, the bounded queue that batches compatible jobs, cancellation and timeouts.
 
 A *job* is one HTTP request: `n` images or one video, each image one `GenerationRequest` item. The
-worker thread takes a *batch*: the oldest waiting job plus the following jobs whose items have the
-same `batch_key` (kind, size, steps, guidance, frames, CFG settings), up to `max_batch_size` items, so
-they run as one pipeline call with a list of prompts and one generator per item.
+worker thread takes a *batch*: the oldest waiting job plus, where the batcher says a batch pays at that
+size (`xstage_dit.server.batching`), the following jobs whose items have the same `batch_key` (kind, size,
+steps, guidance, frames, CFG settings), up to `max_batch_size` items, so they run as one pipeline call
+with a list of prompts and one generator per item. Where it does not pay, the oldest job runs alone, at
+once (no batch wait), its images one pipeline call each (`Batch.one_at_a_time`).
 
 Everything here is thread-safe: HTTP handlers (asyncio thread) submit, cancel and subscribe; the worker
 thread takes batches and reports steps; subscribers are asyncio queues fed with
@@ -138,10 +140,12 @@ class Job:
 
 
 class Batch:
-    """Jobs running in one pipeline call; `items[i]` belongs to `owners[i]`."""
+    """Jobs running in one pipeline call; `items[i]` belongs to `owners[i]`. one_at_a_time: run the items
+    as one pipeline call per image (the batcher found batched images differ, or no gain, at this size)."""
 
-    def __init__(self, jobs: list[Job]):
+    def __init__(self, jobs: list[Job], one_at_a_time: bool = False):
         self.jobs = jobs
+        self.one_at_a_time = one_at_a_time
         self.items = [item for job in jobs for item in job.items]
         self.owners = [job for job in jobs for _ in job.items]
 
@@ -159,11 +163,14 @@ class JobQueue:
 
     max_queue: waiting jobs allowed (running ones do not count); more gives `QueueFull`.
     max_batch_size: items per batch (a single job larger than this still runs, alone).
-    batch_wait_s: after the first job of a batch is found, wait this long for compatible ones.
+    batch_wait_s: after the first job of a batch is found, wait this long for compatible ones (only
+        where the batcher batches).
+    batcher: a `Batcher` deciding per size whether to batch (None: batch every compatible job).
     """
 
     def __init__(self, max_queue: int, max_batch_size: int, batch_wait_s: float = 0.0,
-                 job_ttl_s: float = 3600.0, max_stored_jobs: int = 256, metrics: Any = None):
+                 job_ttl_s: float = 3600.0, max_stored_jobs: int = 256, metrics: Any = None,
+                 batcher: Any = None):
         if max_queue < 1 or max_batch_size < 1:
             raise ValueError(f"expected max_queue >= 1 and max_batch_size >= 1, got {max_queue}, {max_batch_size}")
         self.max_queue = max_queue
@@ -172,6 +179,7 @@ class JobQueue:
         self.job_ttl_s = job_ttl_s
         self.max_stored_jobs = max_stored_jobs
         self.metrics = metrics
+        self.batcher = batcher
         self._cond = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
@@ -252,17 +260,19 @@ class JobQueue:
                     return None
                 self._cond.wait(min(remaining, 0.5))
             first = self._pending[0]
-            if self.batch_wait_s > 0 and self._fill(first) < self.max_batch_size:
+            limit = self._limit(first)
+            if self.batch_wait_s > 0 and limit > 1 and self._fill(first) < limit:
                 # Give concurrent compatible requests a moment to arrive; returns early when full.
                 wait_end = time.monotonic() + self.batch_wait_s
-                while self._fill(first) < self.max_batch_size:
+                while self._fill(first) < limit:
                     remaining = wait_end - time.monotonic()
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
                 if first not in self._pending:  # cancelled or expired while we waited
                     return self.next_batch(max(0.0, end - time.monotonic()))
-            jobs = self._take_compatible(first)
+            waiting = self._fill(first) - len(first.items)
+            jobs = self._take_compatible(first, limit)
             now = time.time()
             for job in jobs:
                 job.status, job.started, job.batch_size = RUNNING, now, sum(len(j.items) for j in jobs)
@@ -271,32 +281,41 @@ class JobQueue:
         for job in jobs:
             job._publish()
         self._gauge()
-        return Batch(jobs)
+        if self.metrics is not None:
+            outcome = "batched" if len(jobs) > 1 else ("fifo" if waiting > 0 else "single")
+            self.metrics.batch_decisions.labels(outcome).inc()
+        return Batch(jobs, one_at_a_time=limit == 1 and len(first.items) > 1)
+
+    def _limit(self, first: Job) -> int:
+        if self.batcher is None:
+            return self.max_batch_size
+        return min(self.max_batch_size, self.batcher.limit(first.items[0].batch_key))
 
     def _fill(self, first: Job) -> int:
         return sum(len(j.items) for j in self._pending if j.items[0].batch_key == first.items[0].batch_key)
 
-    def _take_compatible(self, first: Job) -> list[Job]:
+    def _take_compatible(self, first: Job, limit: int) -> list[Job]:
         key, jobs, count = first.items[0].batch_key, [first], len(first.items)
-        for job in list(self._pending)[1:]:
-            if job.items[0].batch_key == key and count + len(job.items) <= self.max_batch_size:
+        for job in list(self._pending)[1:] if limit > 1 else []:
+            if job.items[0].batch_key == key and count + len(job.items) <= limit:
                 jobs.append(job)
                 count += len(job.items)
         for job in jobs:
             self._pending.remove(job)
         return jobs
 
-    def step(self, batch: Batch, steps_done: int, steps_total: int, step_s: float | None) -> bool:
-        """Record a finished step; apply cancellations and timeouts. False: no job wants the rest."""
+    def step(self, batch: Batch, steps_done: int, steps_total: int, step_s: float | list | None) -> bool:
+        """Record progress (steps_done: steps the device finished) and the durations of newly finished steps
+        (a float, a list of them, or None); apply cancellations and timeouts. False: no job wants the rest."""
         now = time.time()
+        step_times = [] if step_s is None else [step_s] if isinstance(step_s, (int, float)) else list(step_s)
         alive = False
         with self._cond:
             for job in batch.jobs:
                 if job.done:
                     continue
                 job.steps_done, job.steps_total = steps_done, steps_total
-                if step_s is not None:
-                    job.step_times.append(step_s)
+                job.step_times.extend(step_times)
                 if job.cancel_requested:
                     self._end_running_locked(job, CANCELLED, "cancelled by the client", 499)
                 elif now > job.deadline:

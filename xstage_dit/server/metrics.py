@@ -36,6 +36,16 @@ class Metrics:
                                    buckets=_STEP_BUCKETS, registry=r)
         self.batch_size = Histogram("xstage_batch_size", "Items per pipeline call.",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
+        self.batch_decisions = Counter("xstage_batch_decisions",
+                                       "Batches taken from the queue by outcome: batched (several requests), fifo "
+                                       "(compatible requests were waiting but the batcher ran one), single "
+                                       "(nothing compatible waited).", ["outcome"], registry=r)
+        self.batch_speedup = Gauge("xstage_batch_speedup",
+                                   "Measured images/s of a batch over one image at a time, per size.", ["size"],
+                                   registry=r)
+        self.batch_identical = Gauge("xstage_batch_identical",
+                                     "1 when a measured batch gave the same bytes as single runs, per size.",
+                                     ["size"], registry=r)
         self.items = Counter("xstage_generated_items", "Images or videos generated.", ["kind"], registry=r)
 
     def render(self) -> bytes:

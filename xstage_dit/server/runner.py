@@ -1,18 +1,25 @@
-"""Runs one batch of compatible items through a diffusers pipeline.
+"""Runs one batch of compatible items through a diffusers pipeline, with no synchronization per step.
 
 The batch is one pipeline call built by `xstage_dit.models.generation.pipeline_kwargs` (the rule
 `xstage-dit generate` uses too): a list of prompts and one CPU `torch.Generator` per item, seeded with the
-item's seed, so every image is the one its seed alone produces, on any device (diffusers draws each
-item's initial noise from its own generator). Progress and cancellation go through the pipeline's
-`callback_on_step_end`: `on_step(steps_done, steps_total)` runs after every step on every rank and
-returns False to stop the batch there (every rank must return the same answer: the worker makes
-rank 0 decide and broadcasts the decision).
+item's seed (diffusers draws each item's initial noise from its own generator). With ``one_at_a_time`` the
+items run as consecutive calls of one image each: what the batcher asks for where a batched image would
+differ from the one its seed alone gives (see `xstage_dit.server.batching`).
+
+Per step the pipeline's `callback_on_step_end` records a CUDA event (`StepClock`) and calls
+``on_step(steps_done, steps_total, gpu_steps_done, step_times)``; nothing waits for the GPU: step times
+come from events already complete (``query()``, never ``synchronize``), so progress trails the host by the
+steps still queued on the GPU. ``on_step`` returns False to stop the batch there; every rank must return
+the same answer at the same step (the worker's `StopVote` makes sure, without a blocking round trip).
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
+import time
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -32,12 +39,54 @@ class BatchStopped(Exception):
         self.steps_done = steps_done
 
 
-class BatchRunner:
-    """Calls `pipe` for a batch of `GenerationRequest` items with equal `batch_key`.
+class StepClock:
+    """Per-step durations without a synchronization.
 
-    run() returns float pixels in [0, 1]: (batch, height, width, 3) for images,
-    (batch, num_frames, height, width, 3) for videos.
+    mark() after each step: a CUDA event on the current stream (host time on a CPU, where work is
+    synchronous). poll() returns the durations of the steps completed since the last poll, reading only
+    events whose ``query()`` says they are done. The interval before the first mark (prompt encoding,
+    latent set-up) is not a step and is never reported.
     """
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self._pending: collections.deque = collections.deque()
+        self._last: Any = None
+        self.completed = 0
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._pending.append(event)
+        else:
+            self._pending.append(time.perf_counter())
+
+    def poll(self) -> list[float]:
+        durations = []
+        while self._pending:
+            head = self._pending[0]
+            if self.cuda and not head.query():
+                break  # still queued on the GPU: read it at a later step, never wait for it
+            self._pending.popleft()
+            if self._last is not None:
+                durations.append(self._last.elapsed_time(head) / 1000.0 if self.cuda else head - self._last)
+            self._last = head
+            self.completed += 1
+        return durations
+
+
+@dataclass
+class RunResult:
+    """pixels: floats in [0, 1], (batch, H, W, 3) images or (batch, frames, H, W, 3) videos.
+    step_times: seconds of every step after the first of each pipeline call (GPU time on a GPU)."""
+
+    pixels: np.ndarray
+    step_times: list[float] = field(default_factory=list)
+
+
+class BatchRunner:
+    """Calls `pipe` for a batch of `GenerationRequest` items with equal `batch_key`."""
 
     def __init__(self, pipe: Any, served: ServedModel):
         self.pipe = pipe
@@ -47,15 +96,29 @@ class BatchRunner:
                             f"{type(pipe).__name__}")
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
+        self.device = getattr(pipe, "device", torch.device("cpu"))
 
-    def run(self, items: list[GenerationRequest], on_step: Callable[[int, int], bool]) -> np.ndarray:
-        """Run the batch; raises `BatchStopped` when `on_step` returned False."""
+    def run(self, items: list[GenerationRequest], on_step: Callable[[int, int, int, list], bool],
+            one_at_a_time: bool = False) -> RunResult:
+        """Run the batch (one call, or one call per image); raises `BatchStopped` when `on_step` said False."""
+        if not one_at_a_time:
+            return self._call(items, on_step)
+        singles = [one for item in items for one in item.per_image()]
+        parts = [self._call([one], on_step) for one in singles]
+        return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
+
+    def _call(self, items: list[GenerationRequest], on_step) -> RunResult:
         kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs)
         total = items[0].steps
+        clock = StepClock(self.device)
+        step_times: list[float] = []
 
         def callback(pipe, step_index, timestep, callback_kwargs):
+            clock.mark()
+            finished = clock.poll()
+            step_times.extend(finished)
             steps_total = int(getattr(pipe, "num_timesteps", None) or total)
-            if not on_step(step_index + 1, steps_total):
+            if not on_step(step_index + 1, steps_total, clock.completed, finished):
                 raise BatchStopped(step_index + 1)
             return {}
 
@@ -65,6 +128,7 @@ class BatchRunner:
         pixels = out.frames if items[0].kind == "video" else out.images
         if isinstance(pixels, torch.Tensor):
             pixels = pixels.float().cpu().numpy()
+        step_times.extend(clock.poll())  # the output is on the host: every step event has completed
         pixels = np.asarray(pixels)
         if pixels.ndim == 5 and pixels.shape[2] in (1, 3) and pixels.shape[-1] not in (1, 3):
             pixels = pixels.transpose(0, 1, 3, 4, 2)  # (B, F, C, H, W) -> (B, F, H, W, C)
@@ -73,4 +137,4 @@ class BatchRunner:
         if pixels.ndim != want or pixels.shape[0] != count:
             raise RuntimeError(f"expected pipeline output of {want} dims with batch {count}, got "
                                f"{tuple(pixels.shape)}")
-        return pixels
+        return RunResult(pixels, step_times)

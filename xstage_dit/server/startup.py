@@ -1,4 +1,5 @@
-"""What every rank does at start-up: load the pipeline, parallelize it over the ranks, and (rank 0)
+"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: the
+serial schedule, and the fused MoE layer where the MoE chooser says it is faster), compile it, and (rank 0)
 collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from xstage_dit.calibration.provider import params_for
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.patches import ParallelConfig, parallelize
+from xstage_dit.patches.compile import DEFAULT_MAX_SHAPES, apply_compile, check_compile_mode, default_compile_mode
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.worker import LoadedModel, RankContext
 
@@ -53,13 +55,19 @@ def schedule_report(handle: Any) -> Any:
 
 
 def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
-                 weights_seed: int = 0) -> Callable[[RankContext], LoadedModel]:
+                 weights_seed: int = 0, compile: str | None = None,
+                 max_compiled_shapes: int = DEFAULT_MAX_SHAPES) -> Callable[[RankContext], LoadedModel]:
     """The factory every rank calls once the ranks have joined (see `Worker`).
 
     parallel: the command's one ParallelConfig (its world size must be the ranks'), handed to `parallelize`.
     dtype: None picks bfloat16 on a GPU and float32 on a CPU.
     weights_seed: seed of a built-in model's random weights (not of the images: requests carry their seeds).
+    compile: "off", "regional" or "full" (`xstage_dit.patches.compile`); None: regional on a GPU, off on a
+        CPU. Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
+    max_compiled_shapes: transformer input shapes compiled before further ones run eager.
     """
+    if compile is not None:
+        check_compile_mode(compile)
 
     def load(ctx: RankContext) -> LoadedModel:
         from xstage_dit.models import load_pipeline, model_spec
@@ -73,20 +81,23 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.
         expert_shard = parallel.expert_shard(ctx.rank)
         pipe = load_pipeline(model, dtype=want, device=device, seed=weights_seed, expert_shard=expert_shard)
-        handle = None
         report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size}
-        if parallel.world_size > 1:
-            handle = parallelize(pipe, parallel)
-            report_parallel["mode"] = "parallelized"
+        # World 1 as well: the serial schedule plus, where the MoE chooser says so, the fused MoE layer.
+        handle = parallelize(pipe, parallel)
+        report_parallel["mode"] = "parallelized"
+        report_parallel["moe_layers_swapped"] = handle.num_moe_layers
+        mode = compile or default_compile_mode(device)
+        compiled = apply_compile(pipe, mode, max_shapes=max_compiled_shapes)
         report_parallel["experts_loaded"] = ("all" if expert_shard is None
                                              else f"shard {expert_shard[0]} of {expert_shard[1]}")
-        report = {"model": served.name, "parallel": report_parallel, "device": str(device), "dtype": str(want)}
+        report = {"model": served.name, "parallel": report_parallel, "device": str(device), "dtype": str(want),
+                  "compile": compiled.describe()}
         if ctx.rank == 0:
             report["calibration"] = calibration_report(device, handle)
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:
-            return {**report, "schedules": schedule_report(handle)}
+            return {**report, "compile": compiled.describe(), "schedules": schedule_report(handle)}
 
         return LoadedModel(pipe, served, report, describe)
 

@@ -5,11 +5,14 @@ Control messages travel over a gloo group (a CPU channel, even when the pipeline
 NCCL), always as `broadcast_object_list` from rank 0, tagged so that a rank can never mistake one for
 another:
 
-- ``("run", batch_id, items)``: run this batch (a list of `GenerationRequest`);
-- ``("step", batch_id, keep_going)``: sent after every denoising step; all ranks stop together when
-  rank 0 says so (every job of the batch cancelled or timed out);
+- ``("run", batch_id, items, one_at_a_time)``: run this batch (a list of `GenerationRequest`), as one
+  call or one call per image;
 - ``("ping",)``: sent when idle, so a waiting rank never hits the collective timeout;
 - ``("stop",)``: shut down.
+
+No message travels per step: cancellation is a `StopVote` (a non-blocking all-reduce every
+``stop_check_steps`` steps, read one vote late), so no step waits on the control channel and all ranks
+stop at the same step. Rank 0 encodes PNG/MP4 on a thread pool, so the next batch starts at once.
 
 Liveness: every rank > 0 bumps a counter in a TCPStore hosted by rank 0 twice a second; rank 0's
 monitor thread declares a rank dead when its counter stops moving for `heartbeat_timeout_s`, or when
@@ -20,6 +23,7 @@ on the dead rank, so nothing hangs. Ranks > 0 exit when rank 0 (the store) disap
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import logging
@@ -28,13 +32,15 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
 
-from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.server.batching import Batcher, Probe
+from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.control import StopVote, reducer
 from xstage_dit.server.jobs import Batch, JobQueue
 from xstage_dit.server.media import mp4_bytes, png_bytes
 from xstage_dit.server.metrics import Metrics
@@ -144,8 +150,11 @@ class Worker:
         self.load = load
         self.config = config
         self.metrics = metrics or Metrics()
+        self.batcher = Batcher(config.batching, config.max_batch_size, config.batch_margin, self.metrics)
         self.queue = queue or JobQueue(config.max_queue, config.max_batch_size, config.batch_wait_s,
-                                       config.job_ttl_s, config.max_stored_jobs, self.metrics)
+                                       config.job_ttl_s, config.max_stored_jobs, self.metrics, self.batcher)
+        # PNG/MP4 encoding off the worker thread: the next batch's GPU work starts while this one encodes.
+        self._encoder = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="xstage-encode")
         self.join = join
         self.on_fatal = on_fatal
         self.state = LOADING
@@ -169,43 +178,74 @@ class Worker:
         self._ready_event.wait(timeout_s)
         return self.state == READY
 
-    def _run_batch(self, runner: BatchRunner, channel: ControlChannel, batch_id: int, items: list,
-                   on_step_leader: Callable[[int, int, float | None], bool] | None) -> np.ndarray:
-        """Every rank: run the pipeline; after each step, rank 0 decides and all ranks follow."""
-        last = [time.perf_counter()]
+    def _run_batch(self, runner: BatchRunner, items: list, one_at_a_time: bool,
+                   decide: Callable[[int, int, int, list], bool] | None):
+        """Every rank: run the pipeline. decide (rank 0 only) says after each step whether any job still
+        wants the batch; with several ranks the `StopVote` turns that into one step at which all stop."""
+        vote = None
+        if self.ctx.world_size > 1:
+            vote = StopVote(reducer(self.ctx.control_group), self.config.stop_check_steps)
 
-        def on_step(done: int, total: int) -> bool:
-            now = time.perf_counter()
-            # The first interval also holds prompt encoding and latent set-up: not a step time.
-            step_s, last[0] = (now - last[0] if done > 1 else None), now
-            if on_step_leader is not None:
-                keep = on_step_leader(done, total, step_s)
-                try:
-                    channel.send(("step", batch_id, keep))
-                except Exception as exc:  # noqa: BLE001
-                    reason = str(exc).splitlines()[0][:200]
-                    raise ControlError(f"lost a rank: step broadcast failed ({reason})") from exc
+        def on_step(done: int, total: int, gpu_done: int, step_times: list) -> bool:
+            keep = decide(done, total, gpu_done, step_times) if decide is not None else True
+            if vote is None:
                 return keep
-            message = channel.recv()
-            if message[0] != "step" or message[1] != batch_id:
-                raise RankDesync(f"expected ('step', {batch_id}, ...) from rank 0, got {message[:2]}")
-            return bool(message[2])
+            try:
+                return not vote.step(done, want_stop=not keep)
+            except Exception as exc:  # noqa: BLE001
+                raise ControlError(f"lost a rank: stop vote failed ({str(exc).splitlines()[0][:200]})") from exc
 
-        return runner.run(items, on_step)
+        result = runner.run(items, on_step, one_at_a_time)
+        if vote is not None:
+            vote.finish()
+        return result
+
+    def warmup_items(self) -> list[tuple[int, int]]:
+        """(width, height) of every warm-up: the model's default size, then `ServerConfig.warmup_sizes`."""
+        s = self.model.served
+        sizes = [(s.default_width, s.default_height)]
+        sizes += [size for size in self.config.warmup_sizes if size not in sizes]
+        return sizes
 
     def _warmup(self, runner: BatchRunner) -> None:
-        """Every rank: one step at the default size, so the first request does not pay for first-call
-        costs (kernel builds, allocator growth) and the schedules for that shape are chosen (and logged)
-        at start-up. Same work on every rank, no control messages: the collectives inside match."""
+        """Every rank: two steps at the default size and at each warm-up size, so the first request pays no
+        first-call cost (torch.compile of that shape, kernel builds, allocator growth) and the schedules are
+        chosen (and logged) at start-up. Where the batcher measures (policy auto), a batch of
+        max_batch_size follows each size: its per-step time against one image's, and its images against
+        the single ones, decide whether that size batches. Same work on every rank, no control messages:
+        the collectives inside match."""
         if not self.config.warmup:
             return
         s = self.model.served
-        item = GenerationRequest(kind=s.kind, prompt="warm-up", width=s.default_width, height=s.default_height,
-                                steps=1, guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
+        never = lambda *_: True  # noqa: E731
+        for width, height in self.warmup_items():
+            item = GenerationRequest(kind=s.kind, prompt="warm-up", width=width, height=height, steps=2,
+                                     guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
+            started = time.perf_counter()
+            single = runner.run([item], never)
+            log.info("warm-up %dx%d (2 steps) took %.2f s", width, height, time.perf_counter() - started)
+            if not self.batcher.wants_probe or s.kind != "image":
+                continue  # a batch of videos never pays and may not fit: videos run FIFO
+            self._probe(runner, item, single)
+
+    def _probe(self, runner: BatchRunner, item: GenerationRequest, single) -> None:
+        """Measure a batch of max_batch_size at `item`'s size against `single` (its one-image run) and
+        record the decision. A batch that fails (out of memory, ...) leaves that size FIFO, logged."""
+        never = lambda *_: True  # noqa: E731
+        n, (width, height) = self.config.max_batch_size, (item.width, item.height)
         started = time.perf_counter()
-        runner.run([item], lambda done, total: True)
-        log.info("warm-up (%dx%d, 1 step) took %.2f s", s.default_width, s.default_height,
-                 time.perf_counter() - started)
+        try:
+            batch = runner.run([replace(item, n=n)], never)
+            alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
+        except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
+            log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
+                        str(exc).splitlines()[0][:200])
+            return
+        identical = all(np.array_equal(b, a) for b, a in zip(batch.pixels, alone))
+        probe = Probe((width, height, item.num_frames), n, min(single.step_times), min(batch.step_times), identical)
+        decision = self.batcher.record(probe)
+        log.info("batching %dx%d: %s -> %s (probe %.2f s)", width, height, decision.reason,
+                 "batch" if decision.batch else "FIFO", time.perf_counter() - started)
 
     # ----- rank 0 -----
     def start(self) -> "Worker":
@@ -282,7 +322,7 @@ class Worker:
                     channel.send(("ping",))
                     continue
                 self._batch_id += 1
-                channel.send(("run", self._batch_id, batch.items))
+                channel.send(("run", self._batch_id, batch.items, batch.one_at_a_time))
             except Exception as exc:  # noqa: BLE001 - a broadcast to a dead rank
                 self.fail(f"lost a rank: control broadcast failed ({str(exc).splitlines()[0][:200]})")
                 return
@@ -293,6 +333,7 @@ class Worker:
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
             self.state = STOPPED
+        self._encoder.shutdown(wait=True)
 
     def _leader_batch(self, runner: BatchRunner, channel: ControlChannel, batch: Batch) -> None:
         m = self.metrics
@@ -300,16 +341,17 @@ class Worker:
         for job in batch.jobs:
             m.queue_wait.observe(job.timings()["queued_s"])
 
-        def on_step_leader(done: int, total: int, step_s: float | None) -> bool:
-            if step_s is not None:
+        def decide(done: int, total: int, gpu_done: int, step_times: list) -> bool:
+            # Host work only (a lock, a few appends): the GPU runs the queued steps meanwhile.
+            for step_s in step_times:
                 m.step_time.observe(step_s)
-            return self.queue.step(batch, done, total, step_s) and self.state == READY
+            return self.queue.step(batch, gpu_done, total, step_times) and self.state == READY
 
         started = time.perf_counter()
         self._current_batch = self._batch_id
-        status, error = "ok", None
+        status, error, result = "ok", None, None
         try:
-            pixels = self._run_batch(runner, channel, self._batch_id, batch.items, on_step_leader)
+            result = self._run_batch(runner, batch.items, batch.one_at_a_time, decide)
         except BatchStopped:
             status = "stopped"
         except ControlError as exc:
@@ -333,20 +375,28 @@ class Worker:
                 return
         self._current_batch = None
         if status == "ok":
-            try:
-                outputs = _encode(pixels, batch)
-            except Exception as exc:  # noqa: BLE001
-                status, error = "error", f"encoding failed: {exc}"
-            else:
-                self.queue.complete(batch, outputs, run_s)
-                m.batch_latency.observe(run_s)
-                for job in batch.jobs:
-                    if job.status == "completed":
-                        m.request_latency.labels(job.kind).observe(job.timings()["total_s"])
-                        m.items.labels(job.kind).inc(len(job.items))
+            self._encoder.submit(self._deliver, batch, result.pixels, run_s)
+            return
         if status == "error":
             m.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: {error}", 500)
+        self.queue.release(batch)
+
+    def _deliver(self, batch: Batch, pixels: np.ndarray, run_s: float) -> None:
+        """Encoder thread: PNG/MP4 bytes to their jobs, while the worker runs the next batch."""
+        m = self.metrics
+        try:
+            outputs = _encode(pixels, batch)
+        except Exception as exc:  # noqa: BLE001
+            m.errors.labels("pipeline").inc()
+            self.queue.fail_batch(batch, f"generation failed: encoding failed: {exc}", 500)
+        else:
+            self.queue.complete(batch, outputs, run_s)
+            m.batch_latency.observe(run_s)
+            for job in batch.jobs:
+                if job.status == "completed":
+                    m.request_latency.labels(job.kind).observe(job.timings()["total_s"])
+                    m.items.labels(job.kind).inc(len(job.items))
         self.queue.release(batch)
 
     def _monitor(self, store) -> None:
@@ -412,16 +462,15 @@ class Worker:
         while True:
             message = channel.recv()
             tag = message[0]
-            if tag == "ping" or tag == "step":
-                # "step" of a batch this rank already left with an error: rank 0 still counts it down.
+            if tag == "ping":
                 continue
             if tag == "stop":
                 return 0
             if tag != "run":
                 raise RankDesync(f"expected a 'run', 'ping' or 'stop' message from rank 0, got {tag!r}")
-            batch_id, items = message[1], message[2]
+            batch_id, items, one_at_a_time = message[1], message[2], message[3]
             try:
-                self._run_batch(runner, channel, batch_id, items, None)
+                self._run_batch(runner, items, one_at_a_time, None)
                 status = "ok"
             except BatchStopped:
                 status = "stopped"

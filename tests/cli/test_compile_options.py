@@ -1,0 +1,63 @@
+"""--compile, --warmup-sizes and --max-compiled-shapes of serve, generate and bench: bad values fail in
+milliseconds with a UsageError naming the option and the value (exit code 2), before any model is built."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from xstage_dit.cli import build_parser, main
+from xstage_dit.cli.compile_options import compile_mode, parse_warmup_sizes
+from xstage_dit.errors import UsageError
+from xstage_dit.models import model_spec
+
+
+def _fails(argv, capsys, *needles):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err
+    for needle in needles:
+        assert needle in err, err
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_bad_compile_values_name_the_option(command, capsys):
+    _fails([command, "--model", "tiny-flux", "--compile", "fast"], capsys, "--compile", "'fast'",
+           "off, regional or full")
+    _fails([command, "--model", "tiny-flux", "--max-compiled-shapes", "0"], capsys, "--max-compiled-shapes", "got 0")
+    _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512"], capsys, "--warmup-sizes", "'512'")
+    _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512x512,500x512"], capsys, "--warmup-sizes",
+           "500x512", "multiple of 16")
+
+
+def test_bench_compile_takes_a_mode_and_a_bare_flag_means_regional(capsys):
+    _fails(["bench", "--model", "tiny-flux", "--compile", "fast"], capsys, "--compile", "'fast'")
+    parser = build_parser()
+    assert parser.parse_args(["bench", "--compile"]).compile == "regional"
+    assert parser.parse_args(["bench", "--compile", "full"]).compile == "full"
+    assert parser.parse_args(["bench"]).compile == "off"
+
+
+def test_serve_batching_options_reach_the_config(capsys):
+    from xstage_dit.cli.serve import _argv, _config
+
+    args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--warmup-sizes", "64x32, 128x128",
+                                      "--batching", "never", "--batch-margin", "0.2"])
+    config = _config(args)
+    assert config.warmup_sizes == ((64, 32), (128, 128)) and config.batching == "never" and config.batch_margin == 0.2
+    assert "--compile" not in _argv(args)  # left to the device's default on every rank
+    _fails(["serve", "--model", "tiny-flux", "--batching", "sometimes"], capsys, "--batching", "'sometimes'")
+    _fails(["serve", "--model", "tiny-flux", "--batch-margin", "-1"], capsys, "--batch-margin", "-1")
+
+
+def test_defaults_and_parsing():
+    assert compile_mode(argparse.Namespace(compile=None), "cpu") == "off"
+    assert compile_mode(argparse.Namespace(compile=None), "cuda") == "regional"
+    assert compile_mode(argparse.Namespace(compile="full"), "cpu") == "full"
+    assert parse_warmup_sizes("") == () and parse_warmup_sizes("512x256") == ((512, 256),)
+    with pytest.raises(UsageError, match=r"--warmup-sizes: expected WxH\[,WxH...\] with positive integers, got '0x5'"):
+        parse_warmup_sizes("0x5")
+    with pytest.raises(UsageError, match="multiple of 16"):
+        parse_warmup_sizes("24x32", model_spec("tiny-flux"))

@@ -1,0 +1,99 @@
+"""`apply_compile`: modes validated, compile after parallelize (world 1), the same image as eager, a bound
+on compiled shapes past which a shape runs eager (logged once), and restore() giving the eager model back.
+The "eager" torch.compile backend checks the wiring (dynamo traces every region) in seconds on a CPU."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from xstage_dit.patches import ParallelConfig, parallelize
+from xstage_dit.patches.compile import apply_compile, check_compile_mode, default_compile_mode
+from tests.helpers.server import one_torch_thread, tiny
+
+
+@pytest.fixture(scope="module")
+def flux():
+    with one_torch_thread():
+        pipe, served = tiny("tiny-flux")
+        handle = parallelize(pipe, ParallelConfig())  # world 1: compile goes after it
+        yield pipe, served
+        handle.restore()
+
+
+def _image(pipe, served, size, seed=0):
+    return pipe("a fox", height=size, width=size, num_inference_steps=2, output_type="np",
+                generator=torch.Generator("cpu").manual_seed(seed), **served.pipeline_kwargs).images
+
+
+def test_modes_and_bounds_are_checked(flux):
+    pipe, _ = flux
+    assert default_compile_mode("cpu") == "off" and default_compile_mode(torch.device("cuda", 0)) == "regional"
+    with pytest.raises(ValueError, match="expected a compile mode in off, regional, full, got 'max'"):
+        check_compile_mode("max")
+    with pytest.raises(ValueError, match="expected max_shapes to be an integer >= 1, got 0"):
+        apply_compile(pipe, "regional", max_shapes=0)
+    off = apply_compile(pipe, "off")
+    assert off.how.startswith("eager") and "forward" not in vars(pipe.transformer)
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
+    pipe, served = flux
+    want32, want64 = _image(pipe, served, 32), _image(pipe, served, 64)
+    limit = torch._dynamo.config.recompile_limit
+    handle = apply_compile(pipe, mode, max_shapes=1, backend="eager")
+    try:
+        assert torch._dynamo.config.recompile_limit >= 1
+        if mode == "regional":
+            assert handle.how.startswith("regional: 2 ") and "FluxTransformerBlock" in handle.how
+        else:
+            assert handle.how.startswith("full: whole FluxTransformer2DModel")
+        with caplog.at_level(logging.WARNING, logger="xstage_dit.patches.compile"):
+            got32 = _image(pipe, served, 32)
+            got64 = _image(pipe, served, 64)   # a second shape: past the bound of 1, eager
+            again64 = _image(pipe, served, 64)
+        assert len(handle.compiled_shapes) == 1 and len(handle.eager_shapes) == 1
+        past = [r for r in caplog.records if "past the bound" in r.getMessage()]
+        assert len(past) == 1, [r.getMessage() for r in caplog.records]
+        np.testing.assert_array_equal(got32, want32)
+        np.testing.assert_array_equal(got64, want64)
+        np.testing.assert_array_equal(again64, want64)
+        with pytest.raises(RuntimeError, match="restore\\(\\) first"):
+            apply_compile(pipe, mode)
+    finally:
+        handle.restore()
+    assert "forward" not in vars(pipe.transformer)
+    assert not any("_compiled_call_impl" in vars(m) for m in pipe.transformer.modules())
+    assert torch._dynamo.config.recompile_limit == limit
+    handle.restore()  # idempotent
+
+
+def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
+    """NucleusMoE at world 1 on a GPU swaps in the EP layer (the fused kernel's path); its routing plan is
+    data-dependent (bincount, nonzero, .tolist) and graph-breaks under dynamo, which must cost speed only,
+    never correctness. On the CPU the chooser keeps diffusers' layer, so the GPU's choice is forced here."""
+    import xstage_dit.patches.expert_parallel as expert_parallel
+    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.models.generation import call_kwargs
+
+    monkeypatch.setattr(expert_parallel, "_world1_keeps", lambda child, where, seen: False)
+    with one_torch_thread():
+        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
+        spec = model_spec("tiny-nucleusmoe")
+        handle = parallelize(pipe, ParallelConfig())
+        assert handle.num_moe_layers > 0
+        kwargs = lambda: call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)  # noqa: E731
+        with torch.inference_mode():
+            want = pipe(**kwargs()).images
+        compiled = apply_compile(pipe, "regional", backend="eager")
+        try:
+            with torch.inference_mode():
+                got = pipe(**kwargs()).images
+        finally:
+            compiled.restore()
+            handle.restore()
+    np.testing.assert_array_equal(got, want)

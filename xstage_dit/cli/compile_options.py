@@ -1,0 +1,66 @@
+"""The options `serve`, `generate` and `bench` share for torch.compile and warm-up, and their checks.
+
+--compile {off,regional,full}: `xstage_dit.patches.compile` (default: regional on a GPU, off on a CPU).
+--warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
+--max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from xstage_dit.errors import UsageError
+
+COMPILE_CHOICES = ("off", "regional", "full")
+
+
+def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool = False) -> None:
+    """--compile MODE (and, with optional_value, a bare --compile meaning regional: bench's older spelling)."""
+    extra = {"nargs": "?", "const": "regional"} if optional_value else {}
+    parser.add_argument("--compile", default=None, metavar="{off,regional,full}", **extra,
+                        help="torch.compile of the transformer after parallelize: regional = diffusers' "
+                             "compile_repeated_blocks (the whole transformer where it has no repeated blocks), "
+                             "full = the whole transformer forward; default: regional on a GPU, off on a CPU")
+    parser.add_argument("--max-compiled-shapes", type=int, default=8,
+                        help="input shapes compiled before further ones run eager (logged once each); "
+                             "default: %(default)s")
+
+
+def add_warmup_sizes_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--warmup-sizes", default="", metavar="WxH[,WxH...]",
+                        help="sizes warmed up (compiled, and measured by the batcher) besides the model's "
+                             "default, e.g. 512x512,768x1024; default: none")
+
+
+def parse_warmup_sizes(text: str, spec=None) -> tuple:
+    """((width, height), ...) of a --warmup-sizes value; UsageError naming a bad entry (and, with the
+    model's `spec`, a size the model cannot make)."""
+    sizes = []
+    for part in [p.strip() for p in str(text or "").split(",") if p.strip()]:
+        width, sep, height = part.lower().partition("x")
+        if not sep or not width.isdigit() or not height.isdigit() or int(width) < 1 or int(height) < 1:
+            raise UsageError(f"--warmup-sizes: expected WxH[,WxH...] with positive integers, got {part!r}")
+        size = (int(width), int(height))
+        if spec is not None:
+            try:
+                spec.check_size(size[1], size[0], spec.frames)
+            except ValueError as exc:
+                raise UsageError(f"--warmup-sizes: {part}: {exc}") from None
+        sizes.append(size)
+    return tuple(sizes)
+
+
+def check_compile_args(args: argparse.Namespace) -> None:
+    """UsageError naming a bad --compile or --max-compiled-shapes value."""
+    if args.compile is not None and args.compile not in COMPILE_CHOICES:
+        raise UsageError(f"--compile: expected off, regional or full, got {args.compile!r}")
+    shapes = getattr(args, "max_compiled_shapes", 8)
+    if not isinstance(shapes, int) or shapes < 1:
+        raise UsageError(f"--max-compiled-shapes: expected an integer >= 1, got {shapes!r}")
+
+
+def compile_mode(args: argparse.Namespace, device) -> str:
+    """The --compile value, or its default for `device` (regional on a GPU, off on a CPU)."""
+    from xstage_dit.patches.compile import default_compile_mode
+
+    return args.compile or default_compile_mode(device)

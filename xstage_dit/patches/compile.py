@@ -1,0 +1,155 @@
+"""`apply_compile(pipe, mode)`: torch.compile of a pipeline's transformer with a bound on recompiles.
+
+Modes:
+
+- ``off``: nothing (the default on a CPU, where Inductor's compile time is never paid back).
+- ``regional``: diffusers' ``compile_repeated_blocks`` where the transformer names repeated blocks (each
+  block class compiled once and reused by every layer: a fraction of the full compile time, the same
+  speed); the whole transformer where it has none. The default on a GPU.
+- ``full``: ``torch.compile`` of the whole transformer forward.
+
+Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
+tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
+shape, no slower symbolic-shape graph). The first ``max_shapes`` signatures compile; a later one runs the
+eager transformer (``torch.compiler.set_stance("force_eager")``), logged once per signature, so a
+client asking for an odd size costs itself an eager call instead of every user a recompile. Dynamo's own
+``recompile_limit`` is raised to the bound while compiled (restored by `CompileHandle.restore`), so it
+never falls back silently first.
+
+Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
+
+    handle = parallelize(pipe, ParallelConfig())           # world 1 too: serial schedule, fused MoE
+    compiled = apply_compile(pipe, "regional", max_shapes=4)
+    pipe(prompt, height=1024, width=1024)                  # compiles this shape (warm-up)
+    compiled.restore()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+COMPILE_MODES = ("off", "regional", "full")
+DEFAULT_MAX_SHAPES = 8
+
+
+def default_compile_mode(device: torch.device | str) -> str:
+    """``regional`` on a GPU, ``off`` on a CPU."""
+    return "regional" if torch.device(device).type == "cuda" else "off"
+
+
+def check_compile_mode(mode: str) -> str:
+    """`mode` when it is one of `COMPILE_MODES`; ValueError naming it otherwise."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"expected a compile mode in {', '.join(COMPILE_MODES)}, got {mode!r}")
+    return mode
+
+
+def signature_of(args: tuple, kwargs: dict) -> tuple:
+    """What a compiled graph is specialised on: (name, shape, dtype) of every top-level tensor argument."""
+    items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
+    return tuple((name, tuple(v.shape), str(v.dtype)) for name, v in items if isinstance(v, torch.Tensor))
+
+
+@dataclass
+class CompileHandle:
+    """What `apply_compile` did. mode / how: requested mode and what was compiled. compiled_shapes: the
+    signatures that compiled (at most max_shapes); eager_shapes: those past the bound, run eager."""
+
+    mode: str
+    how: str
+    max_shapes: int
+    compiled_shapes: list = field(default_factory=list)
+    eager_shapes: list = field(default_factory=list)
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "how": self.how, "max_shapes": self.max_shapes,
+                "compiled_shapes": len(self.compiled_shapes), "eager_shapes": len(self.eager_shapes)}
+
+    def restore(self) -> None:
+        """Back to the eager transformer (idempotent); compiled graphs are dropped (``torch._dynamo.reset``)."""
+        while self._undo:
+            self._undo.pop()()
+
+
+def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
+    @functools.wraps(eager)
+    def forward(*args: Any, **kwargs: Any):
+        sig = signature_of(args, kwargs)
+        if sig in handle.compiled_shapes:
+            return compiled(*args, **kwargs)
+        if sig not in handle.eager_shapes and len(handle.compiled_shapes) < handle.max_shapes:
+            handle.compiled_shapes.append(sig)
+            log.info("compile (%s): new shape %d of at most %d: %s", handle.mode, len(handle.compiled_shapes),
+                     handle.max_shapes, sig)
+            return compiled(*args, **kwargs)
+        if sig not in handle.eager_shapes:
+            handle.eager_shapes.append(sig)
+            log.warning("compile (%s): shape %s would be compile number %d, past the bound of %d: it runs eager",
+                        handle.mode, sig, handle.max_shapes + 1, handle.max_shapes)
+        with torch.compiler.set_stance("force_eager"):
+            return eager(*args, **kwargs)
+
+    return forward
+
+
+def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
+                  backend: str = "inductor") -> CompileHandle:
+    """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode` (see the module docstring).
+
+    max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
+    backend: the torch.compile backend ("inductor"; tests use "eager" to check the wiring fast).
+    Returns a `CompileHandle`; mode "off" returns one that did nothing.
+    """
+    check_compile_mode(mode)
+    if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
+        raise ValueError(f"expected max_shapes to be an integer >= 1, got {max_shapes!r}")
+    if mode == "off":
+        return CompileHandle(mode, "eager (compile off)", max_shapes)
+    transformer = getattr(pipe, "transformer", None)
+    if not isinstance(transformer, torch.nn.Module):
+        raise ValueError(f"expected a pipeline with a .transformer module to compile, got {type(pipe).__name__}")
+    if "forward" in vars(transformer):
+        raise RuntimeError("expected a transformer not compiled yet, got one with a patched forward: restore() first")
+    targets = [transformer] + [m for m in [getattr(pipe, "transformer_2", None)] if isinstance(m, torch.nn.Module)]
+    handle = CompileHandle(mode, "", max_shapes)
+    dynamo = torch._dynamo.config
+    saved_limit = dynamo.recompile_limit
+    # Regional blocks are shared by every layer: one code object per block class sees every served shape.
+    dynamo.recompile_limit = max(saved_limit, max_shapes)
+    handle._undo.append(torch._dynamo.reset)
+    handle._undo.append(lambda: setattr(dynamo, "recompile_limit", saved_limit))
+    hows = []
+    for module in targets:
+        eager = module.forward
+        blocks = set(getattr(module, "_repeated_blocks", None) or ())
+        regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
+        if regions:
+            for region in regions:
+                region.compile(dynamic=False, backend=backend)
+            handle._undo.append(functools.partial(_uncompile_regions, regions))
+            compiled = eager  # the blocks inside compile; the glue around them stays eager
+            hows.append(f"regional: {len(regions)} {'/'.join(sorted(blocks))} blocks of {type(module).__name__}")
+        else:
+            compiled = torch.compile(eager, dynamic=False, backend=backend)
+            what = "no repeated blocks, whole" if mode == "regional" else "whole"
+            hows.append(f"{mode}: {what} {type(module).__name__} forward")
+        module.forward = _guard(handle, eager, compiled)
+        handle._undo.append(functools.partial(vars(module).pop, "forward", None))
+    handle.how = "; ".join(hows)
+    log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
+             handle.how)
+    return handle
+
+
+def _uncompile_regions(regions: list) -> None:
+    for region in regions:
+        # nn.Module.compile() sets this instance attribute; without it the class default (None) runs eager.
+        vars(region).pop("_compiled_call_impl", None)

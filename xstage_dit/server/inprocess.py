@@ -1,0 +1,65 @@
+"""A server over an already-built pipeline, in this process: the worker thread plus uvicorn on a free
+127.0.0.1 port, for the benchmarks (the served contender of `xstage-dit bench`, the load test of
+benchmarks/bench_serving.py) that time the same request through HTTP that they time on the bare pipeline.
+
+Example::
+
+    with serve_pipeline(pipe, "full-flux", spec, batching="never") as (url, worker):
+        httpx.post(f"{url}/v1/images/generations", json={"prompt": "a fox", "size": "1024x1024"})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+
+from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.worker import LoadedModel, RankContext, Worker
+
+
+@contextlib.contextmanager
+def serve_pipeline(pipe: Any, name: str, spec: Any, *, ready_timeout_s: float = 900.0, report: dict | None = None,
+                   **config: Any) -> Iterator[tuple[str, Worker]]:
+    """Serve `pipe` (already parallelized/compiled as wanted) as model `name` of `spec` (a ModelSpec).
+
+    config: `ServerConfig` fields (api_key defaults to None here). Yields (base URL, the running Worker);
+    stops both on exit. RuntimeError when the worker does not get ready (its reason).
+    """
+    import uvicorn
+
+    from xstage_dit.server.app import create_app
+
+    config.setdefault("api_key", None)
+    server_config = ServerConfig(**config)
+    served = ServedModel.from_spec(name, spec)
+    device = getattr(pipe, "device", torch.device("cpu"))
+    loaded = LoadedModel(pipe, served, report or {"model": name, "calibration": None})
+    worker = Worker(lambda ctx: loaded, server_config, join=lambda: RankContext(device=device)).start()
+    try:
+        if not worker.wait_ready(ready_timeout_s):
+            raise RuntimeError(f"expected the in-process server to get ready, got {worker.state}: {worker.reason}")
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="xstage-inprocess-http",
+                                  daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("expected uvicorn to start within 30 s, it did not")
+            time.sleep(0.02)
+        try:
+            yield f"http://127.0.0.1:{port}", worker
+        finally:
+            server.should_exit = True
+            thread.join(timeout=10)
+            sock.close()
+    finally:
+        worker.stop()
