@@ -126,7 +126,11 @@ def test_world1_fused_layer_matches_diffusers_on_the_gpu():
     rel = float((out.float() - ref.float()).norm() / ref.float().norm())
     assert rel < 2e-2, rel  # bf16: routing and the expert MLP in another order of summation
     assert not _moe_layers(model, "NucleusMoEEPLayer")
-    torch.testing.assert_close(restored, ref, atol=0, rtol=0)
+    # restore() puts diffusers' own layers back, on the GPU. Their output is not bit-repeatable there
+    # (diffusers' MoE scatters with atomics: two eager runs differed in 12 % of bf16 elements by <= 0.0098
+    # on the H200), so the restored model is held to a second eager run's spread, not to equality.
+    assert all(p.is_cuda for p in model.parameters())
+    torch.testing.assert_close(restored, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_bind_hands_a_loaded_shard_the_models_scheduler_and_unbind_takes_it_back():

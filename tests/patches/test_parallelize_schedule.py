@@ -66,7 +66,9 @@ def test_eager_and_compiled_choose_the_same_once_per_shape(caplog):
     # one log line per distinct shape, with the same reason, whether decided in eager code or while tracing
     assert len(eager_logs) == len(eager.schedule_choices) and compiled_logs == eager_logs
     assert "world size 1" in eager_logs[0] or "fused kernel unavailable" in eager_logs[0]
-    assert list(eager.attention_paths) == list(compiled.attention_paths) == ["local"]
+    # Paths are recorded by eager calls only: reading a module's name while tracing would guard every
+    # compiled block on it (one graph per block; tests/patches/test_compile.py).
+    assert list(eager.attention_paths) == ["local"] and list(compiled.attention_paths) == []
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
 
 
