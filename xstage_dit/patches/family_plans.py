@@ -1,0 +1,145 @@
+"""Sequence-parallel plans for the diffusers 0.42 families that ship no usable ``_cp_plan``, and the plan
+Helios ships with a hard-coded block count, derived here from the module tree.
+
+Every plan is built from the model instance (``build(model) -> SequenceParallelSpec``): block counts
+come from the model's own ``ModuleList`` (``len(model.blocks)``), never from a literal. The vocabulary
+is diffusers' (``ContextParallelInput`` / ``ContextParallelOutput``):
+
+- a split entry on the first block splits the sequence the model built outside any module (joint
+  text + image sequences, Z-Image's unified sequence); per-block inputs that the forward hands to
+  every block (rotary tables, masks, per-token modulation) get a wildcard entry ("blocks.*");
+- the gather sits on the first module after the blocks whose input is per token, or on the last
+  block when the model adds full-length per-token terms after it (SkyReels-V2 diffusion forcing).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.patches import _diffusers_private as private
+from xstage_dit.patches.sequence_parallel import SequenceParallelSpec
+
+
+def _blocks(model: torch.nn.Module, name: str) -> int:
+    blocks = getattr(model, name, None)
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+        raise ValueError(f"expected {type(model).__name__}.{name} to be a non-empty ModuleList, got {type(blocks).__name__}")
+    return len(blocks)
+
+
+# ---- Helios: diffusers' plan names blocks.0 .. blocks.39; ours follows len(model.blocks) -------------------
+
+def helios_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    shipped = private.shipped_cp_plan(type(model)) or {}
+    plan = {k: v for k, v in shipped.items() if "*" in k}  # the split entries (wildcards)
+    if set(plan) != {"blocks.*.attn1", "blocks.*.attn2", "blocks.*.ffn"}:
+        raise ValueError(f"expected Helios' _cp_plan to split blocks.*.attn1/attn2/ffn, got {sorted(plan)}")
+    for i in range(_blocks(model, "blocks")):
+        for part in ("attn1", "attn2", "ffn"):
+            plan[f"blocks.{i}.{part}"] = cpo(gather_dim=1, expected_dims=3)
+    # Each attention sees the whole sequence again after its own gather, so its keys are local.
+    return SequenceParallelSpec(cp_plan=plan, kv_layouts={"blocks.*.attn2": "replicated"})
+
+
+# ---- SD3 / SD3.5: patch embedding + context embedder split, joint attention ---------------------------------
+
+def sd3_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    from xstage_dit.patches.sdpa_processors import XStageJointAttnProcessor
+
+    cpi, cpo = private.cp_types()
+    return SequenceParallelSpec(
+        cp_plan={
+            # pos_embed adds the learned positions of the whole grid before this split
+            "pos_embed": {0: cpi(split_dim=1, expected_dims=3, split_output=True)},
+            "context_embedder": {0: cpi(split_dim=1, expected_dims=3, split_output=True)},
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        processor_swaps={"JointAttnProcessor2_0": XStageJointAttnProcessor.from_processor},
+    )
+
+
+# ---- CogVideoX: one [text, video] embedding, cut in two outside any module ---------------------------------
+
+def cogvideox_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    from xstage_dit.patches.sdpa_processors import XStageCogVideoXAttnProcessor
+
+    cpi, cpo = private.cp_types()
+    _blocks(model, "transformer_blocks")
+    rope = [cpi(split_dim=0, expected_dims=2), cpi(split_dim=0, expected_dims=2)]  # (cos, sin), (S_video, d)
+    return SequenceParallelSpec(
+        cp_plan={
+            "transformer_blocks.0": {
+                "hidden_states": cpi(split_dim=1, expected_dims=3),
+                "encoder_hidden_states": cpi(split_dim=1, expected_dims=3),
+            },
+            # the forward hands the whole rotary table to every block
+            "transformer_blocks.*": {"image_rotary_emb": rope},
+            "norm_final": cpo(gather_dim=1, expected_dims=3),
+        },
+        processor_swaps={"CogVideoXAttnProcessor2_0": XStageCogVideoXAttnProcessor.from_processor},
+    )
+
+
+# ---- Z-Image: refiners on whole pieces, then one unified [image, caption] sequence -------------------------
+
+def z_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    _blocks(model, "layers")
+    return SequenceParallelSpec(
+        cp_plan={
+            "layers.0": {"x": cpi(split_dim=1, expected_dims=3)},
+            # the unified mask (batch, seq), rotary table (batch, seq, d/2) and omni noise mask go to every layer
+            "layers.*": {
+                "attn_mask": cpi(split_dim=1, expected_dims=2),
+                "freqs_cis": cpi(split_dim=1, expected_dims=3),
+                "noise_mask": cpi(split_dim=1, expected_dims=2),
+            },
+            "all_final_layer.*": cpo(gather_dim=1, expected_dims=3),
+        },
+        # the noise / caption / SigLIP refiners attend their own whole piece, before the split
+        local_attention=("noise_refiner.*", "context_refiner.*", "siglip_refiner.*"),
+    )
+
+
+# ---- Wan-VACE: Wan, plus the control branch whose hints are added block by block --------------------------
+
+def wan_vace_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    _blocks(model, "vace_blocks")
+    rope = {0: cpi(split_dim=1, expected_dims=4, split_output=True), 1: cpi(split_dim=1, expected_dims=4, split_output=True)}
+    return SequenceParallelSpec(
+        cp_plan={
+            "": {"timestep": cpi(split_dim=1, expected_dims=2)},  # per-token timesteps (Wan 2.2 TI2V style)
+            "rope": rope,
+            "vace_blocks.0": {"control_hidden_states": cpi(split_dim=1, expected_dims=3)},
+            # every VACE block is handed the whole video tokens (the first adds them to the control tokens)
+            "vace_blocks.*": {"hidden_states": cpi(split_dim=1, expected_dims=3)},
+            "blocks.0": {"hidden_states": cpi(split_dim=1, expected_dims=3)},
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        kv_layouts={"blocks.*.attn2": "replicated", "vace_blocks.*.attn2": "replicated"},
+    )
+
+
+# ---- SkyReels-V2: Wan-like; diffusion forcing adds per-token modulation and a block-causal mask ------------
+
+def skyreels_v2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    last = _blocks(model, "blocks") - 1
+    rope = {0: cpi(split_dim=1, expected_dims=4, split_output=True), 1: cpi(split_dim=1, expected_dims=4, split_output=True)}
+    return SequenceParallelSpec(
+        cp_plan={
+            "rope": rope,
+            "blocks.0": {"hidden_states": cpi(split_dim=1, expected_dims=3)},
+            # diffusion forcing: temb (batch, 6, seq, dim) per token and a (1, 1, seq_q, seq_k) block-causal mask,
+            # whose query rows follow the tokens (its key columns stay whole: the backend gathers the keys)
+            "blocks.*": {
+                "temb": cpi(split_dim=2, expected_dims=4),
+                "attention_mask": cpi(split_dim=2, expected_dims=4),
+            },
+            # norm_out then adds a full-length per-token shift in diffusion forcing: gather before it
+            f"blocks.{last}": cpo(gather_dim=1, expected_dims=3),
+        },
+        kv_layouts={"blocks.*.attn2": "replicated"},
+    )
