@@ -114,16 +114,18 @@ def _store():
 
 
 def publish_failure(exc: BaseException, group=None, *, what: str = "forward") -> RankFailed:
-    """Record this rank's error for the peers (out of band) and return the `RankFailed` every rank raises."""
+    """Record this rank's error for the peers (out of band) and return the `RankFailed` every rank raises:
+    the first published one (when several ranks fail at once, all of them raise the first one's error)."""
     rank, world = _world(group)
     global_rank = dist.get_rank() if dist.is_initialized() else 0
     failure = RankFailed(f"{what} failed on rank {global_rank}: {type(exc).__name__}: {exc}")
-    if world > 1:
-        store = _store()
-        # add() is atomic: only the first failing rank's message is kept, so every rank raises the same one.
-        if store.add(_KEY + "/count", 1) == 1:
-            store.set(_KEY, str(failure))
-    return failure
+    if world == 1:
+        return failure
+    store = _store()
+    # add() is atomic: only the first failing rank writes; get() waits until that message is there.
+    if store.add(_KEY + "/count", 1) == 1:
+        store.set(_KEY, str(failure))
+    return RankFailed(store.get(_KEY).decode())
 
 
 def published_failure() -> RankFailed | None:
@@ -153,17 +155,21 @@ def wait(work, group=None, *, poll_s: float = 0.002) -> None:
     work.wait()
 
 
-def fingerprint(*tensors: torch.Tensor | None) -> tuple:
-    """A cheap, exact-enough summary of tensors to compare across ranks: shape, dtype, and a hash of
-    the float64 sum and sum of squares (equal inputs give equal sums on every rank: same kernels)."""
-    out = []
-    for t in tensors:
-        if not isinstance(t, torch.Tensor):
-            out.append(None)
-            continue
-        x = t.detach()
-        stats = (x.double().sum().item(), x.double().square().sum().item()) if x.numel() and x.is_floating_point() \
-            else (float(x.sum().item()) if x.numel() else 0.0,)
-        digest = hashlib.sha1(repr(stats).encode()).hexdigest()[:16]
-        out.append((tuple(x.shape), str(x.dtype).replace("torch.", ""), digest))
-    return tuple(out)
+def fingerprint(named: dict[str, Any]) -> dict[str, Any]:
+    """A cheap summary of named tensors to compare across ranks: shape, dtype and a short hash of the
+    float64 sum and sum of squares of each (equal inputs give equal sums on every rank: same kernels,
+    same order). Non-tensor values are kept as they are when small and simple. One host sync."""
+    tensors = {k: v.detach() for k, v in named.items() if isinstance(v, torch.Tensor)}
+    stats = []
+    for x in tensors.values():
+        x = torch.view_as_real(x).double() if x.is_complex() else x.double()
+        stats.append(torch.stack([x.sum(), x.square().sum()]) if x.numel() else x.new_zeros(2))
+    values = torch.stack(stats).cpu().tolist() if stats else []
+    out: dict[str, Any] = {}
+    for (name, x), pair in zip(tensors.items(), values):
+        digest = hashlib.sha1(repr(pair).encode()).hexdigest()[:12]
+        out[name] = (tuple(x.shape), str(x.dtype).replace("torch.", ""), digest)
+    for name, v in named.items():
+        if name not in tensors and isinstance(v, (int, float, str, bool, type(None))):
+            out[name] = v
+    return out

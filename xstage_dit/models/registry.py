@@ -106,13 +106,13 @@ def _specs() -> dict[str, ModelSpec]:
             name="tiny-wan-vace", family="wan-vace", size="tiny", kind="video", pipeline_class="WanVACEPipeline",
             patch_multiple=16, height=64, width=64, frames=5, frame_multiple=4, steps=2, guidance=1.0,
             max_sequence_length=16, fps=16,
-            description="Wan-VACE architecture, 2 blocks with VACE hints, 2 heads x 16, random weights",
+            description="Wan-VACE architecture, 2 blocks with VACE hints, 4 heads x 16, random weights",
         ),
         ModelSpec(
             name="tiny-skyreels-v2", family="skyreels-v2", size="tiny", kind="video",
             pipeline_class="SkyReelsV2DiffusionForcingPipeline", patch_multiple=16, height=64, width=64, frames=5,
             frame_multiple=4, steps=2, guidance=1.0, max_sequence_length=16, fps=24,
-            description="SkyReels-V2 diffusion forcing, 2 blocks, 2 heads x 16, random weights",
+            description="SkyReels-V2 diffusion forcing, 2 blocks, 4 heads x 16, random weights",
         ),
     ]
     return {s.name: s for s in specs}

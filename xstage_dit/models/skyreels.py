@@ -1,5 +1,5 @@
 """SkyReels-V2 (`SkyReelsV2DiffusionForcingPipeline`: diffusion forcing, per-frame noise levels and a
-block-causal mask), tiny: 2 blocks, the tiny Wan VAE and UMT5; random weights, CPU seconds."""
+block-causal mask), tiny: 2 blocks, 4 heads, the tiny Wan VAE and UMT5; random weights, CPU seconds."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from xstage_dit.models.build import build_module, check_vocab
 from xstage_dit.models.tokenizers import t5_tokenizer
 from xstage_dit.models.wan import TRANSFORMER as WAN, UMT5, VAE
 
-TRANSFORMER = {"tiny": {**{k: v for k, v in WAN["tiny"].items()}, "num_frame_per_block": 1}}
+# 4 heads (the tiny Wan has 2) so that sp=4 can split them
+TRANSFORMER = {"tiny": dict(WAN["tiny"], num_attention_heads=4, num_frame_per_block=1)}
 
 
 def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):

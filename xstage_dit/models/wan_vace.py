@@ -1,5 +1,5 @@
 """Wan-VACE (`WanVACEPipeline`: text-to-video with a control video / reference images), tiny: 2 Wan blocks,
-VACE hints at both, the tiny Wan VAE and UMT5; random weights, CPU seconds."""
+VACE hints at both, 4 heads, the tiny Wan VAE and UMT5; random weights, CPU seconds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from xstage_dit.models.tokenizers import t5_tokenizer
 from xstage_dit.models.wan import TRANSFORMER as WAN, UMT5, VAE
 
 # VACE's control input: the VAE latents of the control video and of its mask, plus the packed mask (z_dim * 2 + 8 * 8)
-TRANSFORMER = {"tiny": dict(WAN["tiny"], vace_layers=[0, 1], vace_in_channels=VAE["tiny"]["z_dim"] * 2 + 64)}
+# 4 heads (the tiny Wan has 2) so that sp=4 can split them
+TRANSFORMER = {"tiny": dict(WAN["tiny"], num_attention_heads=4, vace_layers=[0, 1],
+                           vace_in_channels=VAE["tiny"]["z_dim"] * 2 + 64)}
 
 
 def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):

@@ -96,6 +96,7 @@ class _HiDreamImageSplit(ModelHook):
         self.state = state
 
     def post_forward(self, module, output):
+        sharding.check_splittable(output.shape[1], self.state.world, "HiDream's image tokens")
         self.state.named["image"] = output.shape[1]
         self.state.record(output.shape[1])
         return sharding.shard(output, 1, self.state.rank, self.state.world)
