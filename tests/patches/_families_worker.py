@@ -81,6 +81,75 @@ PIPELINES = {
 }
 
 
+def _qwenimage():
+    """QwenImage transformer on the inputs its pipeline makes: 48x48 -> 9 image tokens (3, 2, 2, 2 at
+    world 4: the shard that used to be empty), a 7-token prompt with its padding mask, batch 2."""
+    from diffusers import QwenImageTransformer2DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=32, axes_dims_rope=(4, 6, 6)), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # the second prompt is shorter: padded
+    return model, dict(hidden_states=torch.randn(2, 9, 16, generator=g), encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                       encoder_hidden_states_mask=mask, timestep=torch.tensor([0.5, 0.5]), img_shapes=[[(1, 3, 3)]] * 2,
+                       return_dict=False)
+
+
+def _hunyuan_video():
+    """HunyuanVideo transformer: 1 frame x 3x3 patches = 9 video tokens, 12 text tokens padded after 9."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6),
+    ), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(1, 12)
+    mask[:, 9:] = 0
+    return model, dict(hidden_states=torch.randn(1, 4, 1, 6, 6, generator=g), timestep=torch.tensor([500]),
+                       encoder_hidden_states=torch.randn(1, 12, 32, generator=g), encoder_attention_mask=mask,
+                       pooled_projections=torch.randn(1, 32, generator=g), guidance=torch.tensor([3500.0]),
+                       return_dict=False)
+
+
+def _helios(num_layers=3):
+    """Helios with 3 blocks (diffusers' own plan names exactly 40): 2 frames x 3x3 = 18 video tokens."""
+    from diffusers import HeliosTransformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: HeliosTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
+        ffn_dim=32, num_layers=num_layers, rope_dim=(4, 6, 6)), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    return model, dict(hidden_states=torch.randn(1, 4, 2, 6, 6, generator=g), timestep=torch.tensor([500]),
+                       encoder_hidden_states=torch.randn(1, 7, 16, generator=g), return_dict=False)
+
+
+# Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
+TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios}
+
+
+def transformer_equivalence(name: str, world: int) -> dict:
+    from xstage_dit.patches import ParallelConfig, parallelize
+
+    model, inputs = TRANSFORMERS[name]()
+    with torch.no_grad():
+        with _longest_attention_sequence(model) as ref_tokens:
+            ref = model(**inputs)[0]
+        with parallelize(model, ParallelConfig(sp=world)), _longest_attention_sequence(model) as par_tokens:
+            par = model(**inputs)[0]
+    return {"max_abs_parallel": float((par - ref).abs().max()), "finite": bool(torch.isfinite(par).all()),
+            "ref_std": float(ref.std()), "shape": list(ref.shape), "tokens_single": max(ref_tokens),
+            "tokens_parallel": max(par_tokens)}
+
+
 def _output(pipe, kwargs, generator=None) -> np.ndarray:
     out = pipe(**kwargs, generator=generator or _gen(), output_type="np")
     arr = out.frames if hasattr(out, "frames") else out.images
@@ -94,9 +163,11 @@ def equivalence(name: str, world: int) -> dict:
     t0 = time.perf_counter()
     pipe = build()
     pipe.set_progress_bar_config(disable=True)
-    ref = _output(pipe, kwargs)
+    with _longest_attention_sequence(pipe.transformer) as ref_tokens:
+        ref = _output(pipe, kwargs)
     handle = parallelize(pipe, ParallelConfig(sp=world))
-    par = _output(pipe, kwargs)
+    with _longest_attention_sequence(pipe.transformer) as par_tokens:
+        par = _output(pipe, kwargs)
     handle.restore()
     back = _output(pipe, kwargs)
     return {
@@ -105,8 +176,32 @@ def equivalence(name: str, world: int) -> dict:
         "finite": bool(np.isfinite(par).all()),
         "shape": list(ref.shape),
         "ref_std": float(ref.std()),
+        # the longest query sequence any attention module saw: shorter in parallel = the split really ran
+        "tokens_single": max(ref_tokens),
+        "tokens_parallel": max(par_tokens),
         "seconds": time.perf_counter() - t0,
     }
+
+
+class _longest_attention_sequence:
+    """Records hidden_states.shape[1] of every attention module call (a test-side forward pre-hook)."""
+
+    def __init__(self, model):
+        self.modules = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+        self.seen: list[int] = []
+        self.handles = []
+
+    def __enter__(self):
+        def pre(module, args, kwargs):
+            hidden = kwargs.get("hidden_states", args[0] if args else None)
+            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
+                self.seen.append(hidden.shape[1])
+        self.handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in self.modules]
+        return self.seen
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
 
 
 def _flux(heads=4):
@@ -225,6 +320,8 @@ def main() -> int:
         t0 = time.perf_counter()
         if name in PIPELINES:
             results[name] = equivalence(name, info.world_size)
+        elif name in TRANSFORMERS:
+            results[name] = transformer_equivalence(name, info.world_size)
         elif name == "subclass":
             results[name] = subclass(info.world_size)
         else:
