@@ -146,8 +146,8 @@ def transformer_equivalence(name: str, world: int) -> dict:
         with parallelize(model, ParallelConfig(sp=world)), _longest_attention_sequence(model) as par_tokens:
             par = model(**inputs)[0]
     return {"max_abs_parallel": float((par - ref).abs().max()), "finite": bool(torch.isfinite(par).all()),
-            "ref_std": float(ref.std()), "shape": list(ref.shape), "tokens_single": max(ref_tokens),
-            "tokens_parallel": max(par_tokens)}
+            "ref_std": float(ref.std()), "shape": list(ref.shape), "tokens_single": sum(ref_tokens),
+            "tokens_parallel": sum(par_tokens)}
 
 
 def _output(pipe, kwargs, generator=None) -> np.ndarray:
@@ -176,27 +176,28 @@ def equivalence(name: str, world: int) -> dict:
         "finite": bool(np.isfinite(par).all()),
         "shape": list(ref.shape),
         "ref_std": float(ref.std()),
-        # the longest query sequence any attention module saw: shorter in parallel = the split really ran
-        "tokens_single": max(ref_tokens),
-        "tokens_parallel": max(par_tokens),
+        # query tokens summed over every attention call: fewer in parallel = the split really ran
+        "tokens_single": sum(ref_tokens),
+        "tokens_parallel": sum(par_tokens),
         "seconds": time.perf_counter() - t0,
     }
 
 
 class _longest_attention_sequence:
-    """Records hidden_states.shape[1] of every attention module call (a test-side forward pre-hook)."""
+    """Records the tokens every attention's query projection (``to_q``) is applied to: a test-side forward
+    pre-hook on the projection, which runs after the split hooks of the attention module itself (Helios)."""
 
     def __init__(self, model):
-        self.modules = [m for m in model.modules() if getattr(m, "processor", None) is not None]
+        self.modules = [m.to_q for m in model.modules()
+                        if getattr(m, "processor", None) is not None and isinstance(getattr(m, "to_q", None), torch.nn.Module)]
         self.seen: list[int] = []
         self.handles = []
 
     def __enter__(self):
-        def pre(module, args, kwargs):
-            hidden = kwargs.get("hidden_states", args[0] if args else None)
-            if isinstance(hidden, torch.Tensor) and hidden.dim() == 3:
-                self.seen.append(hidden.shape[1])
-        self.handles = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in self.modules]
+        def pre(module, args):
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() == 3:
+                self.seen.append(args[0].shape[1])
+        self.handles = [m.register_forward_pre_hook(pre) for m in self.modules]
         return self.seen
 
     def __exit__(self, *exc):
