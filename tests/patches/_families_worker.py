@@ -3,7 +3,8 @@
 Equivalence cases: every rank builds the same tiny pipeline (same seed), computes the single-process
 output itself, parallelizes (sp = world), generates again, restores and generates a third time.
 Failure cases: every rank records which error it ended with and how long it took.
-Every rank writes its own JSON (``OUT.<rank>``).
+Every rank writes its own JSON (``OUT.<rank>``). XSTAGE_TEST_DEVICE / XSTAGE_TEST_DTYPE (default cpu,
+float32) select where the pipelines are built (the GPU test: cuda, bfloat16).
 
     python tests/patches/_families_worker.py OUT CASE [CASE ...]
 """
@@ -43,10 +44,15 @@ def _mask(frames: int, h: int, w: int):
     return [Image.fromarray(m) for _ in range(frames)]
 
 
+# The GPU test runs the same cases in bf16 on ranks sharing one GPU (tests/patches/test_families_gpu.py).
+DEVICE = os.environ.get("XSTAGE_TEST_DEVICE", "cpu")
+DTYPE = getattr(torch, os.environ.get("XSTAGE_TEST_DTYPE", "float32"))
+
+
 def _pipe(name):
     from xstage_dit.models import load_pipeline
 
-    return load_pipeline(name, seed=0)
+    return load_pipeline(name, seed=0, dtype=DTYPE, device=DEVICE)
 
 
 # name -> (build, call kwargs). Sizes give token counts that do not divide by 4 where the family allows
@@ -172,6 +178,7 @@ def equivalence(name: str, world: int) -> dict:
     back = _output(pipe, kwargs)
     return {
         "max_abs_parallel": float(np.abs(par - ref).max()),
+        "mean_abs_parallel": float(np.abs(par - ref).mean()),
         "max_abs_restored": float(np.abs(back - ref).max()),
         "finite": bool(np.isfinite(par).all()),
         "shape": list(ref.shape),
