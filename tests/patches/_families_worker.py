@@ -138,8 +138,29 @@ def _helios(num_layers=3):
                        encoder_hidden_states=torch.randn(1, 7, 16, generator=g), return_dict=False)
 
 
+def _ltx2():
+    """LTX-2 (audio + video), 2 frames x 2x3 = 12 video and 5 audio tokens, 7 text tokens with a padded
+    prompt in a CFG-style batch of 2 (the text masks its pipeline passes)."""
+    from diffusers import LTX2VideoTransformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: LTX2VideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=4, attention_head_dim=8, cross_attention_dim=32,
+        audio_in_channels=8, audio_out_channels=8, audio_num_attention_heads=4, audio_attention_head_dim=8,
+        audio_cross_attention_dim=32, num_layers=1, caption_channels=32), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, 7)
+    mask[1, 4:] = 0
+    return model, dict(hidden_states=torch.randn(2, 12, 8, generator=g), audio_hidden_states=torch.randn(2, 5, 8, generator=g),
+                       encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                       audio_encoder_hidden_states=torch.randn(2, 7, 32, generator=g), timestep=torch.tensor([500.0, 500.0]),
+                       encoder_attention_mask=mask, audio_encoder_attention_mask=mask, num_frames=2, height=2, width=3,
+                       audio_num_frames=5, return_dict=False)
+
+
 # Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
-TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios}
+TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2}
 
 
 def transformer_equivalence(name: str, world: int) -> dict:
@@ -147,10 +168,11 @@ def transformer_equivalence(name: str, world: int) -> dict:
 
     model, inputs = TRANSFORMERS[name]()
     with torch.no_grad():
+        # every output (LTX-2 returns the video and the audio), flattened into one vector
         with _longest_attention_sequence(model) as ref_tokens:
-            ref = model(**inputs)[0]
+            ref = torch.cat([o.flatten() for o in model(**inputs)])
         with parallelize(model, ParallelConfig(sp=world)), _longest_attention_sequence(model) as par_tokens:
-            par = model(**inputs)[0]
+            par = torch.cat([o.flatten() for o in model(**inputs)])
     return {"max_abs_parallel": float((par - ref).abs().max()), "finite": bool(torch.isfinite(par).all()),
             "ref_std": float(ref.std()), "shape": list(ref.shape), "tokens_single": sum(ref_tokens),
             "tokens_parallel": sum(par_tokens)}

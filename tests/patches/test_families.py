@@ -46,7 +46,8 @@ def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400
 # transformer level, on the inputs their pipelines make (their text encoders are too large to build here):
 # 9 image tokens (3, 2, 2, 2 at world 4: the shard that used to be empty, and crashed rotary embedding
 # on that rank alone) and Helios with 3 blocks (diffusers' own plan names exactly 40)
-TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks"]
+# and LTX-2 (video + audio streams, text masks)
+TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2"]
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -143,3 +143,29 @@ def skyreels_v2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         },
         kv_layouts={"blocks.*.attn2": "replicated"},
     )
+
+
+# ---- LTX-2: diffusers' plan splits the video; the audio stream stays whole on every rank --------------------
+
+def ltx2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    """diffusers' LTX-2 plan, completed: the rotary tables of the cross-modal attentions follow the video
+    shards too, and the tables' sequence dim is the one of the model's rope type ("split" tables are
+    (batch, heads, seq, d/2), "interleaved" ones (batch, seq, d)). Audio queries and keys are whole on
+    every rank, so the attentions whose keys are audio (or audio text) are local ("replicated")."""
+    cpi, cpo = private.cp_types()
+    shipped = private.shipped_cp_plan(type(model)) or {}
+    if "" not in shipped or "proj_out" not in shipped:
+        raise ValueError(f"expected LTX-2's _cp_plan to split at the root and gather at proj_out, got {sorted(shipped)}")
+    split_rope = getattr(model.config, "rope_type", "interleaved") == "split"
+    dim, dims = (2, 4) if split_rope else (1, 3)
+    rope = {0: cpi(split_dim=dim, expected_dims=dims, split_output=True),
+            1: cpi(split_dim=dim, expected_dims=dims, split_output=True)}
+    plan = {"": shipped[""], "rope": rope, "cross_attn_rope": dict(rope), "proj_out": shipped["proj_out"]}
+    return SequenceParallelSpec(
+        cp_plan=plan,
+        kv_layouts={
+            "transformer_blocks.*.audio_attn1": "replicated",
+            "transformer_blocks.*.audio_attn2": "replicated",
+            "transformer_blocks.*.audio_to_video_attn": "replicated",
+        },
+    )
