@@ -80,6 +80,9 @@ def test_readme_pipeline_column_is_what_this_file_tests():
     for p in supported_models():
         if p.class_name in tested_here:
             assert p.pipeline_worlds == (2, 4), p
+    transformer_level = {"QwenImageTransformer2DModel", "HunyuanVideoTransformer3DModel", "HeliosTransformer3DModel",
+                         "LTX2VideoTransformer3DModel"}  # TRANSFORMERS below
+    assert {p.class_name for p in supported_models() if p.tested} == claimed | transformer_level
 
 
 def test_subclasses_resolve_to_their_family_and_unknown_classes_are_named():

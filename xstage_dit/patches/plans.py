@@ -37,7 +37,7 @@ class ModelPlan:
     cfg_batch_dims: dict[str, int] = field(default_factory=dict)  # batched CFG: input name -> batch dim
     cfg_unbatched: tuple[str, ...] = ()  # batched CFG: tensor inputs that carry no batch dim
     check: Callable[[torch.nn.Module, Any], None] | None = None
-    tested: bool = False  # covered by the CPU equivalence tests
+    tested: bool = False  # covered by a CPU equivalence test (transformer or pipeline level, world 2 and 4)
     pipeline_worlds: tuple[int, ...] = ()  # worlds of the CPU pipeline-level test (tests/patches/test_families*.py)
 
 
@@ -221,15 +221,15 @@ _PLANS: dict[str, ModelPlan] = {
         ModelPlan("FluxTransformer2DModel", "FLUX.1", "diffusers", _shipped(), check=_check_flux, tested=True,
                   pipeline_worlds=(2, 4)),
         ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped()),
-        ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped()),
+        ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped(), tested=True),
         ModelPlan("WanTransformer3DModel", "Wan 2.1 / 2.2", "diffusers", _shipped(_WAN_KV), tested=True,
                   pipeline_worlds=(2, 4)),
         ModelPlan("ChronoEditTransformer3DModel", "ChronoEdit", "diffusers", _shipped(_WAN_KV)),
-        ModelPlan("HeliosTransformer3DModel", "Helios", "diffusers (blocks from the model)", fam.helios_sp),
+        ModelPlan("HeliosTransformer3DModel", "Helios", "diffusers (blocks from the model)", fam.helios_sp, tested=True),
         ModelPlan("LTXVideoTransformer3DModel", "LTX-Video", "diffusers", _shipped(), tested=True,
                   pipeline_worlds=_PW),
         ModelPlan("LTX2VideoTransformer3DModel", "LTX-2", "diffusers (completed: cross-modal rotary, audio local)",
-                  fam.ltx2_sp),
+                  fam.ltx2_sp, tested=True),
         ModelPlan("MiniMaxH3Transformer3DModel", "MiniMax-H3", "diffusers", _shipped()),
         ModelPlan("HunyuanVideoTransformer3DModel", "HunyuanVideo", "xstage", _hunyuan_sp, tested=True),
         ModelPlan("SD3Transformer2DModel", "SD3 / SD3.5", "xstage", fam.sd3_sp, cfg=None, tested=True,
@@ -299,9 +299,12 @@ def supported_models_markdown() -> str:
             f"| `{p.class_name}` | {p.family} | {p.plan_source} | {ep} | {p.cfg or '-'} | {'yes' if p.tested else 'no'} "
             f"| {worlds} |"
         )
-    rows.append("")
-    rows.append("Not supported: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_SUPPORTED.items()) + ".")
     return "\n".join(rows)
+
+
+def not_supported_markdown() -> str:
+    """The line under the README table: transformers with a pipeline that `parallelize` refuses, and why."""
+    return "Not supported: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_SUPPORTED.items()) + "."
 
 
 README_BEGIN = "<!-- supported-models:begin (generated: python -m xstage_dit.patches.plans --readme README.md) -->"
@@ -314,7 +317,7 @@ def update_readme(path: str) -> bool:
 
     readme = Path(path)
     text = readme.read_text() if readme.exists() else ""
-    block = f"{README_BEGIN}\n{supported_models_markdown()}\n{README_END}"
+    block = f"{README_BEGIN}\n{supported_models_markdown()}\n\n{not_supported_markdown()}\n{README_END}"
     if README_BEGIN in text and README_END in text:
         head, rest = text.split(README_BEGIN, 1)
         new = head + block + rest.split(README_END, 1)[1]
