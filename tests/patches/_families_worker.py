@@ -159,8 +159,43 @@ def _ltx2():
                        audio_num_frames=5, return_dict=False)
 
 
+def _flux2():
+    """FLUX.2: 3x3 = 9 image tokens (an empty shard at world 4 under the old rule), 5 text tokens."""
+    from diffusers import Flux2Transformer2DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: Flux2Transformer2DModel(
+        in_channels=8, num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=4,
+        joint_attention_dim=32, timestep_guidance_channels=16, axes_dims_rope=(4, 4, 4, 4)), seed=1, device="cpu",
+        dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    img_ids = torch.zeros(1, 9, 4)
+    img_ids[0, :, 1], img_ids[0, :, 2] = torch.arange(9) // 3, torch.arange(9) % 3
+    txt_ids = torch.zeros(1, 5, 4)
+    txt_ids[0, :, 3] = torch.arange(5)
+    return model, dict(hidden_states=torch.randn(1, 9, 8, generator=g), encoder_hidden_states=torch.randn(1, 5, 32, generator=g),
+                       timestep=torch.tensor([0.5]), img_ids=img_ids, txt_ids=txt_ids, guidance=torch.tensor([3.5]),
+                       return_dict=False)
+
+
+def _chronoedit():
+    """ChronoEdit (Wan-style video editing): 2 frames x 3x3 = 18 video tokens, 7 text tokens."""
+    from diffusers import ChronoEditTransformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: ChronoEditTransformer3DModel(
+        num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=4, text_dim=16, freq_dim=16,
+        ffn_dim=32, num_layers=2, rope_max_seq_len=64), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    return model, dict(hidden_states=torch.randn(1, 4, 2, 6, 6, generator=g), timestep=torch.tensor([500]),
+                       encoder_hidden_states=torch.randn(1, 7, 16, generator=g), return_dict=False)
+
+
 # Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
-TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2}
+TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2,
+                "flux2-9": _flux2, "chronoedit": _chronoedit}
 
 
 def transformer_equivalence(name: str, world: int) -> dict:

@@ -98,6 +98,14 @@ def _transformers_of(pipe: Any) -> list[torch.nn.Module]:
     return [transformer] + ([second] if isinstance(second, torch.nn.Module) else [])
 
 
+def _modules_of(pipe: Any) -> list[torch.nn.Module]:
+    """The transformers of `pipe` without raising (what the ranks compare before validating)."""
+    try:
+        return _transformers_of(pipe)
+    except ValueError:
+        return []
+
+
 def _ensure_process_group(config: ParallelConfig) -> None:
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from xstage_dit.comm.distributed import init_distributed
@@ -166,34 +174,41 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     if not isinstance(config, ParallelConfig):
         raise ValueError(f"expected a ParallelConfig, got {type(config).__name__}")
 
+    from xstage_dit.comm.agreement import check_agreement, fail_together
     from xstage_dit.patches import _diffusers_private as private
+    from xstage_dit.patches.collective_safety import setup_facts
     from xstage_dit.patches.plans import plan_for
     from xstage_dit.patches.sequence_parallel import check_heads
 
-    private.check_diffusers_version()
-    transformers = _transformers_of(pipe)
-    plans = []
-    for transformer in transformers:
-        if getattr(transformer, _MARK, None) is not None:
-            raise RuntimeError(
-                "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
-            )
-        plan = plan_for(transformer)
-        if plan.moe_layers:
-            from xstage_dit.patches.expert_parallel import check_loaded_shards
-
-            check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
-        if plan.check is not None:
-            plan.check(transformer, config)
-        if config.ep > 1 and not plan.moe_layers:
-            raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
-        if config.cfg > 1 and plan.cfg is None:
-            raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
-        check_heads(transformer, config.sp)
-        plans.append(plan)
     _ensure_process_group(config)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    config.check_world(world)
+    # Before any collective that depends on them, every rank checks the others passed the same
+    # configuration, model classes and weight shapes (one all-gather), then validates locally; an error
+    # on one rank becomes the same error on all (one more all-gather), so none is left in new_group().
+    check_agreement(setup_facts(config, _modules_of(pipe)), what="parallelize")
+    with fail_together(what="parallelize"):
+        private.check_diffusers_version()
+        transformers = _transformers_of(pipe)
+        plans = []
+        for transformer in transformers:
+            if getattr(transformer, _MARK, None) is not None:
+                raise RuntimeError(
+                    "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
+                )
+            plan = plan_for(transformer)
+            if plan.moe_layers:
+                from xstage_dit.patches.expert_parallel import check_loaded_shards
+
+                check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
+            if plan.check is not None:
+                plan.check(transformer, config)
+            if config.ep > 1 and not plan.moe_layers:
+                raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
+            if config.cfg > 1 and plan.cfg is None:
+                raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
+            check_heads(transformer, config.sp)
+            plans.append(plan)
+        config.check_world(world)
 
     from xstage_dit.patches.groups import build_groups
 
@@ -264,6 +279,15 @@ def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
             schedule=config.schedule, xparams=xparams, choices=handle.schedule_choices,
         )
     )
+
+    if groups.sp_group is not None and config.sp > 1:
+        # outside the sequence hooks (sees the whole inputs), inside the CFG hook (one branch's inputs)
+        from xstage_dit.patches.collective_safety import CollectiveSafetyHook
+
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(CollectiveSafetyHook(groups.sp_group, type(transformer), config.check_inputs),
+                               "xstage-safety")
+        handle._undo.append(lambda: registry.remove_hook("xstage-safety", recurse=False))
 
     if config.cfg > 1:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)

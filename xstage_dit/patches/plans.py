@@ -220,11 +220,11 @@ _PLANS: dict[str, ModelPlan] = {
     for p in (
         ModelPlan("FluxTransformer2DModel", "FLUX.1", "diffusers", _shipped(), check=_check_flux, tested=True,
                   pipeline_worlds=(2, 4)),
-        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped()),
+        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped(), tested=True),
         ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped(), tested=True),
         ModelPlan("WanTransformer3DModel", "Wan 2.1 / 2.2", "diffusers", _shipped(_WAN_KV), tested=True,
                   pipeline_worlds=(2, 4)),
-        ModelPlan("ChronoEditTransformer3DModel", "ChronoEdit", "diffusers", _shipped(_WAN_KV)),
+        ModelPlan("ChronoEditTransformer3DModel", "ChronoEdit", "diffusers", _shipped(_WAN_KV), tested=True),
         ModelPlan("HeliosTransformer3DModel", "Helios", "diffusers (blocks from the model)", fam.helios_sp, tested=True),
         ModelPlan("LTXVideoTransformer3DModel", "LTX-Video", "diffusers", _shipped(), tested=True,
                   pipeline_worlds=_PW),
