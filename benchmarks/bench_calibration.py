@@ -45,7 +45,7 @@ print("QUICK_JSON " + json.dumps({"quick_calibration_s": quick_s, "cache_load_ms
 
 def env_info() -> dict:
     from benchmarks._common import environment
-    from xstage_dit.calibration.runner import machine_key
+    from xstage_dit.calibration import machine_key
 
     info = environment()
     info["machine_key"] = machine_key()

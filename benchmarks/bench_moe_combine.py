@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from xstage_dit.comm.distributed import local_buffer_table  # noqa: E402
-from xstage_dit.ops.moe.combine import MoEKernelConfig, expert_mlp_combine, expert_mlp_combine_grouped  # noqa: E402
+from xstage_dit.ops.moe import MoEKernelConfig, expert_mlp_combine, expert_mlp_combine_grouped  # noqa: E402
 
 SHAPES = {
     # diffusers NucleusMoE-Image MoE layer: hidden 2048, 128 experts x 1344, capacity factor 8, 4096 tokens.

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_moe_combine import env_info  # noqa: E402
 
 from xstage_dit.comm.distributed import init_distributed  # noqa: E402
-from xstage_dit.ops.moe.combine import HiDreamMoEEPLayer, MoEKernelConfig, NucleusMoEEPLayer  # noqa: E402
+from xstage_dit.ops.moe import MoEKernelConfig  # noqa: E402
+from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer  # noqa: E402
 
 
 def build(model: str, tiny: bool, device, dtype):

@@ -13,6 +13,7 @@
 #   moe          bench_moe_combine.py at the NucleusMoE and HiDream shapes (MOE_ARGS adds options)
 #   parallelize  bench_parallelize_flux.py (FLUX step, world 1 vs 2 ranks sharing the GPU)
 #   flux-step    bench_flux_step.py (plain diffusers FLUX step, tiny and full size)
+#   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 # Time limits: <STEP>_S (e.g. TESTS_S=300, E2E_S=400); the defaults below fit one 10-minute call only for
@@ -75,6 +76,10 @@ step_flux_step() {
   timeout "$(limit flux-step 200)" "$py" benchmarks/bench_flux_step.py --out "$1/flux-step"
 }
 
+step_regime() {
+  timeout "$(limit regime 300)" "$py" benchmarks/bench_xstage_regime.py --out-dir "$1" ${REGIME_ARGS:-}
+}
+
 step_e2e() {
   local m args var
   for m in ${E2E_MODELS:-flux}; do
@@ -96,7 +101,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention moe parallelize flux-step e2e)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention moe parallelize flux-step regime e2e)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

@@ -16,7 +16,7 @@ SCRIPT = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import bench_moe_combine as B
-from xstage_dit.ops.moe.combine import MoEKernelConfig
+from xstage_dit.ops.moe import MoEKernelConfig
 B.DEVICE, B.DTYPE = "cpu", torch.float16
 n = {"calls": 0}
 def stub(fn):

@@ -15,19 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from xstage_dit.calibration import runner as cal
+from xstage_dit.calibration.cache import cache_path, code_version, load_cache, machine_key, save_cache
+from xstage_dit.calibration.fit import fit_sweep
+from xstage_dit.calibration.result import CalibrationResult, reference_result
+from xstage_dit.calibration.runner import CalibrationConfig, calibrate, load_or_calibrate
+from xstage_dit.calibration.sweep import SWEEP_VERSION, SweepPlan, plan_for, sweep_target
+from xstage_dit.calibration.targets import CalibrationUnavailable, TARGETS
 from xstage_dit.xstage import KIB, MIB, XStageParams, isolated_issue_time, issue_time, period
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic_sweep(p: XStageParams, *, noise: float, seed: int, overhead_s: float = 0.3e-6,
-                    plan: cal.SweepPlan | None = None, aligned: bool = True) -> dict:
+                    plan: SweepPlan | None = None, aligned: bool = True) -> dict:
     """What ``sweep_target`` would record on a stage that follows the laws exactly, plus noise. The
     loop's own overhead makes the measured gap slightly larger than the requested one. ``aligned=False``:
     an old free-running sweep, whose staggered long-gap bursts never back up (the max law, Q = inf)."""
     rng = random.Random(seed)
-    plan = plan or cal.plan_for("host", quick=False)
+    plan = plan or plan_for("host", quick=False)
     k = p.num_producers
     periodic_law = p if aligned else XStageParams(k, p.t_iss0_fixed_s, p.issue_rate_Bps, p.drain_rate_Bps, math.inf)
 
@@ -64,8 +69,8 @@ PCIE_LIKE = XStageParams(132, 0.6e-6, 4.8e12, 55e9, 4.0e6)  # DESIGN §4's H200 
 @pytest.mark.parametrize("quick", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_fit_sweep_recovers_a_drain_limited_target(quick, seed):
-    plan = cal.plan_for("host", quick=quick)
-    rep = cal.fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.02, seed=seed, plan=plan))
+    plan = plan_for("host", quick=quick)
+    rep = fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.02, seed=seed, plan=plan))
     p = rep["params"]
     assert rep["drain_limited"] is True
     assert p.drain_rate_Bps == pytest.approx(55e9, rel=0.05)
@@ -82,7 +87,7 @@ def test_fit_sweep_recovers_a_drain_limited_target(quick, seed):
 def test_fit_sweep_of_an_old_free_running_sweep():
     # run <= 3: only the first burst aligned; long-gap bursts staggered and never backed up, while isolated
     # bursts above the knee did. The gap sweep is predicted with Q = inf, the isolated one with Q, and a note says so.
-    rep = cal.fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False))
+    rep = fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False))
     p = rep["params"]
     assert rep["fit"]["aligned_every_burst"] is False
     assert p.drain_rate_Bps == pytest.approx(55e9, rel=0.05) and p.capacity_bytes == pytest.approx(4.0e6, rel=0.05)
@@ -91,14 +96,14 @@ def test_fit_sweep_of_an_old_free_running_sweep():
     # the same data read as aligned bursts would contradict the isolated sweep at long gaps
     sweep = synthetic_sweep(PCIE_LIKE, noise=0.02, seed=0, aligned=False)
     sweep["aligned_every_burst"] = True
-    assert cal.fit_sweep(sweep)["validation"]["mape_issue_pct"] > 20  # far outside the 10 % acceptance bound
+    assert fit_sweep(sweep)["validation"]["mape_issue_pct"] > 20  # far outside the 10 % acceptance bound
 
 
 def test_fit_sweep_says_so_when_the_target_never_backs_up():
     # local HBM: drains faster than K producers can issue; nothing to fit for R and Q
     hbm = XStageParams(132, 0.8e-6, 5e12, 20e12, math.inf)
-    plan = cal.plan_for("local", quick=False)
-    rep = cal.fit_sweep(synthetic_sweep(hbm, noise=0.02, seed=3, plan=plan))
+    plan = plan_for("local", quick=False)
+    rep = fit_sweep(synthetic_sweep(hbm, noise=0.02, seed=3, plan=plan))
     assert rep["drain_limited"] is False
     assert math.isinf(rep["params"].drain_rate_Bps) and math.isinf(rep["params"].capacity_bytes)
     assert rep["summary"]["R_GBps"] is None and rep["summary"]["Q_MiB"] is None
@@ -110,7 +115,7 @@ def test_fit_sweep_says_so_when_the_target_never_backs_up():
 
 def test_fit_sweep_reports_unobserved_capacity_as_a_note():
     p = XStageParams(132, 0.6e-6, 4.8e12, 55e9, 64 * MIB)  # knee far beyond the isolated sweep
-    rep = cal.fit_sweep(synthetic_sweep(p, noise=0.01, seed=4))
+    rep = fit_sweep(synthetic_sweep(p, noise=0.01, seed=4))
     assert rep["drain_limited"] and math.isinf(rep["params"].capacity_bytes)
     assert "Q_lower_bound_bytes" in rep["fit"] and any("no isolated burst backed up" in n for n in rep["notes"])
 
@@ -118,17 +123,17 @@ def test_fit_sweep_reports_unobserved_capacity_as_a_note():
 def test_fit_sweep_rejects_incomplete_sweeps():
     sweep = synthetic_sweep(PCIE_LIKE, noise=0.0, seed=0)
     with pytest.raises(ValueError, match="expected sweep key 'isolated'"):
-        cal.fit_sweep({k: v for k, v in sweep.items() if k != "isolated"})
+        fit_sweep({k: v for k, v in sweep.items() if k != "isolated"})
     no_plateau = dict(sweep, periodic=[r for r in sweep["periodic"] if r["role"] != "plateau"])
     with pytest.raises(ValueError, match="plateau"):
-        cal.fit_sweep(no_plateau)
+        fit_sweep(no_plateau)
 
 
-def _result(key: dict) -> cal.CalibrationResult:
-    rep = cal.fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.01, seed=5))
+def _result(key: dict) -> CalibrationResult:
+    rep = fit_sweep(synthetic_sweep(PCIE_LIKE, noise=0.01, seed=5))
     params = rep.pop("params")
     rep["params"] = params.to_dict()
-    return cal.CalibrationResult({"host": params}, key, "measured", {"host": rep}, 1.0)
+    return CalibrationResult({"host": params}, key, "measured", {"host": rep}, 1.0)
 
 
 KEY = {"gpu_name": "NVIDIA H200", "sm_count": 132, "driver": "580.159.03", "device_count": 1,
@@ -137,31 +142,31 @@ KEY = {"gpu_name": "NVIDIA H200", "sm_count": 132, "driver": "580.159.03", "devi
 
 def test_cache_roundtrip_and_invalidation(tmp_path):
     res = _result(KEY)
-    path = cal.save_cache(res, tmp_path)
-    assert path == cal.cache_path(KEY, tmp_path) and path.exists()
+    path = save_cache(res, tmp_path)
+    assert path == cache_path(KEY, tmp_path) and path.exists()
     t0 = time.perf_counter()
-    got = cal.load_cache(KEY, tmp_path, ["host"])
+    got = load_cache(KEY, tmp_path, ["host"])
     load_s = time.perf_counter() - t0
     assert got is not None and got.source == "cache" and got.params == res.params
     assert load_s < 0.05, f"cache load took {load_s * 1e3:.1f} ms"
     # a changed machine (other driver, other GPU count, other code) maps to another file: recalibrate
     for change in ({"driver": "590.1"}, {"device_count": 2}, {"code_version": "def"}, {"sm_count": 78}):
-        assert cal.load_cache({**KEY, **change}, tmp_path, ["host"]) is None
+        assert load_cache({**KEY, **change}, tmp_path, ["host"]) is None
     # a target not in the cache: recalibrate
-    assert cal.load_cache(KEY, tmp_path, ["host", "local"]) is None
+    assert load_cache(KEY, tmp_path, ["host", "local"]) is None
     # an older sweep version or a key mismatch inside the file: recalibrate
     data = json.loads(path.read_text())
-    path.write_text(json.dumps(dict(data, sweep_version=cal.SWEEP_VERSION - 1)))
-    assert cal.load_cache(KEY, tmp_path, ["host"]) is None
+    path.write_text(json.dumps(dict(data, sweep_version=SWEEP_VERSION - 1)))
+    assert load_cache(KEY, tmp_path, ["host"]) is None
     path.write_text(json.dumps(dict(data, machine_key={**KEY, "gpu_name": "other"})))
-    assert cal.load_cache(KEY, tmp_path, ["host"]) is None
+    assert load_cache(KEY, tmp_path, ["host"]) is None
     path.write_text("{not json")
-    assert cal.load_cache(KEY, tmp_path, ["host"]) is None
+    assert load_cache(KEY, tmp_path, ["host"]) is None
 
 
 def test_code_version_tracks_the_kernel_source():
-    v = cal.code_version()
-    assert len(v) == 16 and v == cal.code_version()
+    v = code_version()
+    assert len(v) == 16 and v == code_version()
 
 
 def test_no_gpu_gives_a_clear_error(tmp_path):
@@ -169,33 +174,33 @@ def test_no_gpu_gives_a_clear_error(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    for call in (lambda: cal.load_or_calibrate(cache_dir=tmp_path), lambda: cal.calibrate(cache_dir=tmp_path),
-                 lambda: cal.machine_key()):
-        with pytest.raises(cal.CalibrationUnavailable, match="needs a CUDA GPU, found none"):
+    for call in (lambda: load_or_calibrate(cache_dir=tmp_path), lambda: calibrate(cache_dir=tmp_path),
+                 lambda: machine_key()):
+        with pytest.raises(CalibrationUnavailable, match="needs a CUDA GPU, found none"):
             call()
-    assert issubclass(cal.CalibrationUnavailable, RuntimeError)
+    assert issubclass(CalibrationUnavailable, RuntimeError)
     assert not list(tmp_path.iterdir())
 
 
 def test_config_and_plan_validation():
     with pytest.raises(ValueError, match="expected a target in"):
-        cal.CalibrationConfig(target="pcie")
+        CalibrationConfig(target="pcie")
     with pytest.raises(ValueError, match="num_producers >= 1"):
-        cal.CalibrationConfig(num_producers=0)
+        CalibrationConfig(num_producers=0)
     with pytest.raises(ValueError, match="threads"):
-        cal.CalibrationConfig(threads=100)
-    cal.CalibrationConfig(target="local,host")
+        CalibrationConfig(threads=100)
+    CalibrationConfig(target="local,host")
     with pytest.raises(ValueError, match="gap_kib"):
-        cal.SweepPlan((), (0.0,), (2.0,), (8,))
+        SweepPlan((), (0.0,), (2.0,), (8,))
     with pytest.raises(ValueError, match="plateau_fractions"):
-        cal.SweepPlan((8,), (0.0,), (1.0,), (8,))
+        SweepPlan((8,), (0.0,), (1.0,), (8,))
     with pytest.raises(ValueError, match="expected a target"):
-        cal.plan_for("nvme", quick=True)
+        plan_for("nvme", quick=True)
 
 
 def test_reference_result():
-    res = cal.reference_result()
-    assert res.source == "reference" and set(res.params) == set(cal.TARGETS)
+    res = reference_result()
+    assert res.source == "reference" and set(res.params) == set(TARGETS)
     assert res.params["nvlink"].drain_rate_Bps == pytest.approx(717e9)
 
 
@@ -304,9 +309,9 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
                                  iss[:, :-1] + gaps, np.arange(num_producers), clock_hz, 0.0)
 
     monkeypatch.setattr(burst, "run_bursts", fake_run_bursts)
-    plan = cal.plan_for("host", quick=True)
+    plan = plan_for("host", quick=True)
     target = burst.BurstTarget("host", 0, plan.max_kib * KIB * 132, None)
-    sweep = cal.sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
+    sweep = sweep_target(target, plan=plan, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
     assert sweep["aligned_every_burst"] is True and all(r["aligned_every_burst"] for r in sweep["periodic"])
     roles = [r["role"] for r in sweep["periodic"]]
     vols = set(plan.gap_kib) | set(plan.isolated_kib)
@@ -314,7 +319,7 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
     assert roles.count("sweep") == len(plan.gap_kib) * (len(plan.gap_fractions) - 1)
     assert len(sweep["isolated"]) == len(plan.isolated_kib)
     assert sweep["free_running"] == []  # the quick plan skips the free-running comparison
-    rep = cal.fit_sweep(sweep)
+    rep = fit_sweep(sweep)
     assert rep["drain_limited"]
     assert rep["params"].drain_rate_Bps == pytest.approx(truth.drain_rate_Bps, rel=0.03)
     assert rep["params"].capacity_bytes == pytest.approx(truth.capacity_bytes, rel=0.05)
@@ -325,7 +330,7 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
         assert r["gap_s"] == pytest.approx(r["gap_work_s"])  # the simulated stage stalls only in the issue window
         assert r["period_s"] == pytest.approx(r["issue_s"] + r["gap_s"], rel=0.02)
     # the full plan adds one free-running volume, reported beside the fit and launched without per-burst alignment
-    full = cal.plan_for("host", quick=False)
+    full = plan_for("host", quick=False)
     calls.clear()
     aligned_flags = []
     real_fake = fake_run_bursts
@@ -337,17 +342,17 @@ def test_sweep_target_end_to_end_on_a_simulated_stage(monkeypatch):
 
     monkeypatch.setattr(burst, "run_bursts", spy)
     target = burst.BurstTarget("host", 0, full.max_kib * KIB * 132, None)
-    sweep = cal.sweep_target(target, plan=full, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
+    sweep = sweep_target(target, plan=full, num_producers=132, clock_hz=1.98e9, gap_model=gap_model)
     assert {r["role"] for r in sweep["free_running"]} == {"free"}
     assert all(r["bytes_per_producer"] == full.free_running_kib * KIB for r in sweep["free_running"])
     free_launches = [f for f in aligned_flags if f[0] > 1 and not f[1]]
     assert free_launches and all(f[2] == full.free_running_kib * KIB for f in free_launches)
-    rep = cal.fit_sweep(sweep)
+    rep = fit_sweep(sweep)
     fr = rep["validation"]["free_running"]
     assert fr["num_points"] == len(sweep["free_running"]) and fr["mape_issue_aligned_law_pct"] < 10
     assert rep["summary"]["mape_issue_pct"] < 10 and rep["summary"]["mape_isolated_pct"] < 10
     assert burst.GapModel(1e-8, 1e-7).iters_for(1.1e-6) == 100
     assert burst.GapModel(1e-8, 1e-7).iters_for(0.0) == 0
     with pytest.raises(ValueError, match="expected the host buffer to hold"):
-        cal.sweep_target(burst.BurstTarget("host", 0, 1024, None), plan=plan, num_producers=132, clock_hz=1e9,
+        sweep_target(burst.BurstTarget("host", 0, 1024, None), plan=plan, num_producers=132, clock_hz=1e9,
                          gap_model=gap_model)

@@ -19,9 +19,9 @@ def device():
 
 @pytest.fixture(scope="module")
 def clock_hz(device):
-    from xstage_dit.calibration.runner import _warm_up
+    from xstage_dit.calibration.sweep import warm_up
 
-    hz = _warm_up(device)
+    hz = warm_up(device)
     assert 0.5e9 < hz < 3.5e9, f"SM clock {hz / 1e9:.3f} GHz is implausible"
     return hz
 
@@ -33,11 +33,11 @@ def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib, al
     import numpy as np
     import torch
 
-    from xstage_dit.calibration.runner import _make_target
+    from xstage_dit.calibration.sweep import make_target
     from xstage_dit.calibration.csrc.burst import check_written, run_bursts
 
     k = torch.cuda.get_device_properties(device).multi_processor_count
-    target = _make_target(name, k * kib * 1024 + 4096, device)
+    target = make_target(name, k * kib * 1024 + 4096, device)
     t = run_bursts(target, bytes_per_producer=kib * 1024, num_producers=k, num_bursts=6, gap_iters=100,
                    clock_hz=clock_hz, tag=0xC0FFEE, align_every_burst=align)
     assert t.aligned_every_burst is align
@@ -56,11 +56,11 @@ def test_bursts_write_every_word_and_time_sanely(device, clock_hz, name, kib, al
 def test_burst_errors(device, clock_hz):
     import torch
 
-    from xstage_dit.calibration.runner import _make_target
+    from xstage_dit.calibration.sweep import make_target
     from xstage_dit.calibration.csrc.burst import run_bursts
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    target = _make_target("local", 1 << 20, device)
+    target = make_target("local", 1 << 20, device)
     kw = dict(num_bursts=1, gap_iters=0, clock_hz=clock_hz)
     with pytest.raises(ValueError, match="num_producers"):
         run_bursts(target, bytes_per_producer=1024, num_producers=0, **kw)
@@ -97,7 +97,7 @@ def test_peer_target_two_processes_share_one_gpu(device):
 def test_unavailable_target_is_a_clear_error(device):
     import torch
 
-    from xstage_dit.calibration.runner import CalibrationUnavailable, resolve_targets
+    from xstage_dit.calibration.targets import CalibrationUnavailable, resolve_targets
 
     if torch.cuda.device_count() > 1:
         pytest.skip("this machine has a peer GPU")

@@ -26,7 +26,7 @@ def test_quick_peer_sweep_between_separate_gpus_fits():
     import torch
 
     from xstage_dit.calibration.peer import measure_peer
-    from xstage_dit.calibration.runner import fit_sweep
+    from xstage_dit.calibration.fit import fit_sweep
 
     sweep = measure_peer(torch.device("cuda", 0), k=torch.cuda.get_device_properties(0).multi_processor_count,
                          quick=True)

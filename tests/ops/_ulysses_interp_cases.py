@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 import torch  # noqa: E402
 
 from xstage_dit.ops.attention.kernel import KernelConfig  # noqa: E402
-from xstage_dit.ops.attention.op import (attention_reference, fused_attention,  # noqa: E402
+from xstage_dit.ops.attention import (attention_reference, fused_attention,  # noqa: E402
                                               fused_attention_virtual_ranks)
 
 DESC = KernelConfig(32, 32, 4, 1, False, True)   # tensor-descriptor loads and TMA epilogue (the sm_90 path)

@@ -20,7 +20,7 @@ def main() -> int:
     dtype = getattr(torch, dtype_name)
 
     from xstage_dit.comm.distributed import init_distributed
-    from xstage_dit.ops.attention.op import (fused_attention_virtual_ranks, shard_bounds, ulysses_attention,
+    from xstage_dit.ops.attention import (fused_attention_virtual_ranks, shard_bounds, ulysses_attention,
                                                   ulysses_attention_reference)
 
     # gloo by default (ranks sharing one GPU, or the CPU); XSTAGE_TEST_BACKEND=nccl for one GPU per rank.

@@ -1,4 +1,4 @@
-"""Run under TRITON_INTERPRET=1 (spawned by tests/test_moe_kernel.py): the Triton MoE kernels with
+"""Run under TRITON_INTERPRET=1 (spawned by tests/ops/test_moe_kernel.py): the Triton MoE kernels with
 virtual ranks in one process against the pure-torch references. Prints one JSON line of results."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 
 from xstage_dit.comm.distributed import local_buffer_table  # noqa: E402
-from xstage_dit.ops.moe.combine import (  # noqa: E402
+from xstage_dit.ops.moe import (  # noqa: E402
     MoEKernelConfig,
     build_ep_plan,
     combine_reduce,

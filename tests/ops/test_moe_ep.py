@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.comm.launcher import run_rank_processes
-from xstage_dit.ops.moe.combine import HiDreamMoEEPLayer, NucleusMoEEPLayer
+from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
 
 BF16_REL_TOL = 2e-2
 
@@ -106,9 +106,12 @@ def _check_rank(rank: int, world: int, group) -> dict:
     ep = HiDreamMoEEPLayer.from_layer(layer, group)
     assert ep.gate_up.shape[0] == 4 // world
     idx = torch.tensor_split(torch.arange(11), world)[rank]
+    routed: list = []  # the EP layer's routing, seen at its gate's output
+    hook = ep.gate.register_forward_hook(lambda module, args, output: routed.append(output[0].clone()))
     y = ep(x[:, idx])
+    hook.remove()
     out["hidream_rel"] = _rel(y, ref[:, idx])
-    got = ep.last_routing["topk_idx"].reshape(3, len(idx), -1)
+    got = routed[0].reshape(3, len(idx), -1)
     # A shard with no tokens at all (3 tokens over 4 ranks) must still take part in every collective.
     x3, _, _ = _inputs(1, 3, 32, seed=10)
     with torch.no_grad():
@@ -169,7 +172,7 @@ def test_ep_layer_rejects_indivisible_experts():
     class FakeGroup:
         pass
 
-    with mock.patch("xstage_dit.ops.moe.combine.world_of", return_value=(0, 3)):
+    with mock.patch("xstage_dit.patches.ep_layers.world_of", return_value=(0, 3)):
         with pytest.raises(ValueError, match="num_experts=8, world_size=3"):
             NucleusMoEEPLayer.from_layer(layer, FakeGroup())
 
@@ -186,15 +189,43 @@ def test_from_layer_rejects_other_modules():
         HiDreamMoEEPLayer.from_layer(torch.nn.Linear(2, 2))
 
 
-def test_auto_path_takes_fused_only_where_measured_faster():
-    from xstage_dit.ops.moe.combine import FUSED_AUTO_MIN_LOCAL_EXPERTS, _resolve_path
+def test_schedule_is_chosen_once_per_shape_logged_and_on_the_layer(caplog):
+    """World 1 on the CPU: the scheduler picks the reference path, says why once per shape, and the layer
+    shows the decision; a new token count is a new shape (and a new line)."""
+    from xstage_dit.schedule.moe import MoEScheduler
 
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only the device type is read: no GPU needed
-    assert _resolve_path("auto", cpu, 1, 128) == "reference"
-    assert _resolve_path("auto", cuda, 1, 128) == "fused"                                  # NucleusMoE, one rank
-    assert _resolve_path("auto", cuda, 1, FUSED_AUTO_MIN_LOCAL_EXPERTS - 1) == "serial"   # HiDream-like
-    assert _resolve_path("auto", cuda, 2, 64) == "fused"                                   # NucleusMoE, 2 ranks
-    assert _resolve_path("auto", cuda, 4, 1) == "serial"                                   # HiDream, 4 ranks
-    assert _resolve_path("fused", cuda, 2, 4) == "fused"                                   # explicit choice is honoured
-    with pytest.raises(ValueError, match="expected path in"):
-        _resolve_path("fast", cuda, 1, 4)
+    layer = _nucleus()
+    scheduler = MoEScheduler()
+    ep = NucleusMoEEPLayer.from_layer(layer, None, scheduler=scheduler)
+    assert ep.schedule_choice is None
+    x, xu, t = _inputs(2, 23, 32, seed=7)
+    with caplog.at_level("INFO", logger="xstage_dit.schedule.moe"):
+        ep(x, xu, t)
+        ep(x, xu, t)
+        lines = [r.getMessage() for r in caplog.records if "EP MoE schedule" in r.getMessage()]
+        assert len(lines) == 1 and "reference" in lines[0] and "no GPU (cpu)" in lines[0], lines
+        assert ep.schedule_choice.path == "reference" and "no GPU" in ep.schedule_choice.reason
+        ep(x[:, :11], xu[:, :11], t)
+        lines = [r.getMessage() for r in caplog.records if "EP MoE schedule" in r.getMessage()]
+    assert len(lines) == 2 and len(scheduler.choices) == 2
+    # A second layer of the same shape on the same scheduler reuses the decision: no new line.
+    other = NucleusMoEEPLayer.from_layer(layer, None, scheduler=scheduler)
+    with caplog.at_level("INFO", logger="xstage_dit.schedule.moe"):
+        other(x, xu, t)
+    assert len([r for r in caplog.records if "EP MoE schedule" in r.getMessage()]) == 2
+    assert other.schedule_choice is scheduler.choices[next(iter(scheduler.choices))]
+
+
+def test_explicit_fused_path_on_the_cpu_is_refused():
+    ep = HiDreamMoEEPLayer.from_layer(_hidream(), None, path="fused")
+    with pytest.raises(RuntimeError, match="path='fused' needs CUDA tensors, got cpu"):
+        ep(torch.randn(1, 3, 32).to(torch.bfloat16))
+
+
+def test_ep_moe_forward_takes_only_a_chosen_path():
+    from xstage_dit.ops.moe import ep_moe_forward
+
+    x = torch.zeros(2, 8)
+    with pytest.raises(ValueError, match=r"expected path in \('fused', 'serial', 'reference'\).*got 'auto'"):
+        ep_moe_forward(x, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0),
+                       torch.zeros(1, 8, 4), torch.zeros(1, 2, 8), None, num_experts=1, path="auto", lead=0)

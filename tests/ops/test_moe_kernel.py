@@ -1,4 +1,4 @@
-"""Tile schedules, the lead chooser, and the Triton MoE kernels under TRITON_INTERPRET=1 with virtual
+"""Tile schedules, the EP plan, and the Triton MoE kernels under TRITON_INTERPRET=1 with virtual
 ranks (in a subprocess, so the interpreter flag is set before triton is imported)."""
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from xstage_dit.ops.moe.combine import MoEKernelConfig, build_ep_plan
+from xstage_dit.ops.moe import MoEKernelConfig, build_ep_plan, expert_mlp_combine
 from xstage_dit.schedule.moe_tiles import L1_TILE, L2_TILE, TileSchedule, build_schedule, check_schedule, row_blocks
-from xstage_dit.schedule.choices import choose_moe_lead
-from xstage_dit.xstage import XStageParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -78,7 +76,7 @@ def test_kernels_match_reference_under_interpreter(interp_results, case):
 
 
 def test_desc_operands_validated():
-    from xstage_dit.ops.moe.combine import _check_desc_operands
+    from xstage_dit.ops.moe.fused import _check_desc_operands
 
     x = torch.zeros(8, 40, dtype=torch.float16)
     gu = torch.zeros(2, 40, 48, dtype=torch.float16)
@@ -94,7 +92,7 @@ def test_desc_operands_validated():
 
 
 def test_use_desc_auto_falls_back_to_pointer_loads_and_true_insists(monkeypatch):
-    from xstage_dit.ops.moe.combine import _resolve_use_desc
+    from xstage_dit.ops.moe.fused import _resolve_use_desc
 
     x = torch.zeros(8, 40, dtype=torch.float16)
     gu, down = torch.zeros(2, 40, 48, dtype=torch.float16), torch.zeros(2, 24, 40, dtype=torch.float16)
@@ -137,7 +135,8 @@ def test_schedules_are_complete_and_deadlock_free(lead):
 
 
 def test_check_schedule_rejects_bad_orders():
-    s = build_schedule([0, 64], hidden=64, intermediate=64, block_m=64, block_n1=32, block_n2=64, lead=0)
+    s = build_schedule([0, 64], hidden=64, intermediate=64, block_m=64, block_n1=32, block_n2=64, lead=0,
+                       num_programs=4)
     bad = TileSchedule(s.tiles.flip(0).contiguous(), s.blocks, s.n1, s.n2, 0, s.wave_blocks)
     with pytest.raises(ValueError, match="Linear-1 tiles of block 0 before"):
         check_schedule(bad)
@@ -146,32 +145,15 @@ def test_check_schedule_rejects_bad_orders():
         check_schedule(missing)
 
 
-NUCLEUS = dict(hidden=2048, intermediate=1344, rows_per_expert=256, num_experts_per_rank=128)
-
-
-def test_choose_moe_lead_without_calibration_says_so():
-    c = choose_moe_lead(None, **NUCLEUS)
-    assert c.name == "interleaved" and "no X-Stage calibration" in c.reason
-    assert c.params["lead"] >= 1
-
-
-def test_choose_moe_lead_wave_when_drain_keeps_up():
-    fast = XStageParams(132, 1e-6, 5e12, 5e12, float("inf"))  # local HBM: drains as fast as it issues
-    c = choose_moe_lead(fast, **NUCLEUS)
-    assert c.name == "wave" and c.params["lead"] == 0 and "passes" in c.reason
-
-
-def test_choose_moe_lead_interleaves_when_rate_bound_fails():
-    slow = XStageParams(132, 0.0, 4.0e12, 150e9, 4 * 2**20)  # burst drains much slower than it issues
-    c = choose_moe_lead(slow, **NUCLEUS)
-    assert c.name == "interleaved" and "wave-by-wave fails" in c.reason
-    assert c.params["gap_interleaved_s"] > c.params["gap_wave_s"]
-    assert 1 <= c.params["lead"] <= c.params["lead_ceiling"]
-
-
-def test_choose_moe_lead_validates():
-    with pytest.raises(ValueError, match="expected hidden to be an int >= 1, got 0"):
-        choose_moe_lead(None, **{**NUCLEUS, "hidden": 0})
+def test_expert_mlp_combine_needs_a_lead_handed_down():
+    """The op does not choose its tile order: without a lead (argument or config) it refuses, naming it."""
+    x = torch.zeros(4, 16)
+    args = (x, torch.zeros(1, 16, 32), torch.zeros(1, 16, 16), [0, 4], torch.ones(4), torch.zeros(4, dtype=torch.int32),
+            torch.arange(4, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="expected a lead int >= 0 .*got None"):
+        expert_mlp_combine(*args)
+    with pytest.raises(ValueError, match="expected a lead int >= 0 .*got -1"):
+        expert_mlp_combine(*args, lead=-1)
 
 
 def test_plan_offsets_consistent_across_ranks():
@@ -202,7 +184,7 @@ def test_kernel_config_validates():
 
 
 def test_combine_reduce_custom_op_opcheck():
-    from xstage_dit.ops.moe.combine import moe_combine_reduce_op
+    from xstage_dit.ops.moe.custom_ops import moe_combine_reduce_op
 
     g = torch.Generator().manual_seed(4)
     offs = torch.tensor([0, 2, 2, 5], dtype=torch.int32)

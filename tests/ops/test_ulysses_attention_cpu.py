@@ -1,5 +1,6 @@
 """CPU checks of the public Ulysses attention API: reference, serial path at world 1, validation
-messages, the custom op (opcheck, fake tensors), and the attention schedule chooser."""
+messages, the custom op (opcheck, fake tensors), and what "auto" resolves to (the chooser itself is
+tested in tests/schedule)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 import pytest
 import torch
 
-from xstage_dit.ops.attention.op import (attention_reference, head_split, shard_bounds, ulysses_attention,
-                                              ulysses_attention_reference)
+from xstage_dit.ops.attention import (attention_reference, head_split, resolve_attention_schedule, shard_bounds,
+                                     ulysses_attention, ulysses_attention_reference)
+from xstage_dit.schedule.facts import DeviceFacts
+from xstage_dit.xstage import XStageParams
 
 
 def _naive(q, k, v, scale):
@@ -31,17 +34,6 @@ def test_world1_serial_matches_reference(schedule):
     q, k, v = (torch.randn(1, 17, 2, 16) for _ in range(3))
     out = ulysses_attention(q, k, v, schedule=schedule)
     torch.testing.assert_close(out, attention_reference(q, k, v), rtol=1e-5, atol=1e-5)
-
-
-def test_auto_on_cpu_records_why_serial():
-    from xstage_dit.ops.attention.op import last_schedule_choice
-
-    q = torch.randn(1, 8, 2, 16)
-    ulysses_attention(q, q, q, schedule="auto")
-    assert last_schedule_choice().name == "serial" and "float16 or bfloat16" in last_schedule_choice().reason
-    q = q.bfloat16()
-    ulysses_attention(q, q, q, schedule="auto")
-    assert last_schedule_choice().name == "serial" and "CUDA" in last_schedule_choice().reason
 
 
 def test_partitions():
@@ -89,58 +81,37 @@ def test_custom_op_opcheck_and_fake():
         assert out.shape == fq.shape and out.dtype == fq.dtype
 
 
-def test_compile_traces_the_op():
+@pytest.mark.parametrize("schedule, xparams", [("serial", None), ("auto", None), ("auto", XStageParams.reference())])
+def test_compile_traces_the_op(schedule, xparams):
+    # "auto" resolves at trace time (the same function eager calls), so the graph holds the op and nothing else
+    torch._dynamo.reset()
     q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
-    fn = torch.compile(lambda a, b, c: ulysses_attention(a * 2.0, b, c, schedule="serial"), backend="eager",
-                       fullgraph=True)
+    fn = torch.compile(lambda a, b, c: ulysses_attention(a * 2.0, b, c, schedule=schedule, xparams=xparams),
+                       backend="eager", fullgraph=True)
     torch.testing.assert_close(fn(q, k, v), attention_reference(q * 2.0, k, v), rtol=1e-5, atol=1e-5)
 
 
-# ------------------------------------------------------------------------------------------- schedule
+# ------------------------------------------------------------------------------------- "auto" resolution
 
 
-def test_schedule_without_calibration_says_so():
-    from xstage_dit.schedule.choices import choose_attention_schedule
+def test_auto_on_cpu_resolves_to_serial_and_says_why():
+    kw = dict(batch=1, seq_len=8, heads=2, head_dim=16, world_size=2, device="cpu")
+    c = resolve_attention_schedule(XStageParams.reference(), dtype=torch.float32, **kw)
+    assert c.name == "serial" and "float16 or bfloat16" in c.reason
+    c = resolve_attention_schedule(XStageParams.reference(), dtype=torch.bfloat16, **kw)
+    assert c.name == "serial" and "CUDA" in c.reason
 
-    c = choose_attention_schedule(None, batch=1, seq_len=4608, heads=24, head_dim=128, world_size=8, dtype_bytes=2)
-    assert c.name == "serial" and "no X-Stage calibration" in c.reason
 
-
-def test_schedule_design_test_outcomes():
-    xstage = pytest.importorskip("xstage_dit.xstage")
-    from xstage_dit.schedule.choices import choose_attention_schedule
-
-    ref = xstage.XStageParams.reference()
-    kw = dict(batch=1, heads=24, head_dim=128, world_size=8, dtype_bytes=2)
-    # Long sequence, fused kernel as fast as cuDNN: the design test holds and fused wins.
-    c = choose_attention_schedule(ref, seq_len=32768, fused_over_cudnn=1.0, **kw)
-    assert c.name == "fused" and c.params["rate_ok"] and c.params["capacity_ok"], c.reason
-    # A gap shorter than G*: the rate bound fails and the reason says so.
-    c = choose_attention_schedule(ref, seq_len=256, t_kv_tile_s=1e-7, **kw)
-    assert c.name == "serial" and "rate bound fails" in c.reason
-    # A slow drain (PCIe-like) with many producers overflows the stage: capacity bound fails.
-    slow = xstage.XStageParams(num_producers=132, t_iss0_fixed_s=1e-6, issue_rate_Bps=5e12, drain_rate_Bps=55e9,
-                               capacity_bytes=1e6)
-    c = choose_attention_schedule(slow, seq_len=65536, **kw)
-    assert c.name == "serial" and "capacity bound fails" in c.reason
-    # Design test holds but a slow fused kernel costs more than the All-to-All it hides.
-    c = choose_attention_schedule(ref, seq_len=65536, fused_over_cudnn=0.5, **kw)
-    assert c.name == "serial" and "costs more" in c.reason
-    # World size 1: nothing to hide.
-    c = choose_attention_schedule(ref, seq_len=4608, batch=1, heads=24, head_dim=128, world_size=1, dtype_bytes=2)
+def test_auto_on_a_gpu_shape_goes_through_the_design_test():
+    # A CUDA device type with the device's facts handed in: no GPU is touched, the chooser decides.
+    facts = DeviceFacts("H200", 132, 60 * 2**20, (9, 0), True)
+    kw = dict(batch=1, heads=24, head_dim=128, dtype=torch.bfloat16, device="cuda:0", facts=facts)
+    assert resolve_attention_schedule(None, seq_len=32768, world_size=8, **kw).reason.startswith("no X-Stage")
+    c = resolve_attention_schedule(XStageParams.reference(), seq_len=32768, world_size=1, **kw)
     assert c.name == "serial" and "world size 1" in c.reason
-    with pytest.raises(ValueError, match="seq_len"):
-        choose_attention_schedule(ref, seq_len=0, **kw)
 
 
-def test_schedule_auto_keeps_gpu_unvalidated_head_dims_on_serial():
-    xstage = pytest.importorskip("xstage_dit.xstage")
-    from xstage_dit.schedule.choices import FUSED_GPU_VALIDATED_HEAD_DIMS, choose_attention_schedule
-
-    ref = xstage.XStageParams.reference()
-    kw = dict(batch=1, heads=24, world_size=8, dtype_bytes=2, seq_len=32768, fused_over_cudnn=1.0)
-    assert choose_attention_schedule(ref, head_dim=128, **kw).name == "fused"
-    assert choose_attention_schedule(ref, head_dim=64, **kw).name == "fused"
-    c = choose_attention_schedule(ref, head_dim=256, **kw)
-    assert 256 not in FUSED_GPU_VALIDATED_HEAD_DIMS
-    assert c.name == "serial" and "head_dim 256" in c.reason
+def test_op_refuses_auto_inside_the_custom_op():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="resolve 'auto' before the op"):
+        torch.ops.xstage_dit.ulysses_attention(q, q, q, "", "auto", None, None)

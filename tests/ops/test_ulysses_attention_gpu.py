@@ -39,7 +39,7 @@ def _rel(out, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim, world, dtype", CASES)
 def test_fused_matches_reference(batch, seq_len, heads, head_dim, world, dtype):
-    from xstage_dit.ops.attention.op import attention_reference, fused_attention_virtual_ranks
+    from xstage_dit.ops.attention import attention_reference, fused_attention_virtual_ranks
 
     q, k, v = (torch.randn(batch, seq_len, heads, head_dim, device="cuda", dtype=dtype) for _ in range(3))
     outs = fused_attention_virtual_ranks(q, k, v, world_size=world)
@@ -51,7 +51,7 @@ def test_fused_matches_reference(batch, seq_len, heads, head_dim, world, dtype):
 
 @pytest.mark.gpu
 def test_world1_public_op_fused_and_serial():
-    from xstage_dit.ops.attention.op import attention_reference, ulysses_attention
+    from xstage_dit.ops.attention import attention_reference, ulysses_attention
 
     q, k, v = (torch.randn(2, 1500, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = attention_reference(q, k, v)
@@ -66,7 +66,7 @@ def test_world1_public_op_fused_and_serial():
 
 @pytest.mark.gpu
 def test_compiled_model_calls_the_op():
-    from xstage_dit.ops.attention.op import attention_reference, ulysses_attention
+    from xstage_dit.ops.attention import attention_reference, ulysses_attention
 
     q, k, v = (torch.randn(1, 640, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fn = torch.compile(lambda a, b, c: ulysses_attention(a * 1.0, b, c, schedule="fused") + 0.0, fullgraph=True)
@@ -94,7 +94,7 @@ def test_fused_kernel_launches_from_a_fresh_thread():
     # A server worker thread launches after the main thread did: Triton's allocator is per context.
     import threading
 
-    from xstage_dit.ops.attention.op import attention_reference, fused_attention_virtual_ranks
+    from xstage_dit.ops.attention import attention_reference, fused_attention_virtual_ranks
 
     q, k, v = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     ref = attention_reference(q, k, v)

@@ -87,8 +87,9 @@ def main() -> int:
     out_path, folder, families = sys.argv[1], sys.argv[2], sys.argv[3:]
     from xstage_dit.comm.distributed import init_distributed
     from xstage_dit.models import load_pipeline
-    from xstage_dit.models.experts import LOAD_COUNTERS, load_transformer_sharded
+    from xstage_dit.models.experts import load_transformer_sharded
     from xstage_dit.patches import ParallelConfig, parallelize
+    from tests.helpers.expert_loads import count_expert_loads
 
     info = init_distributed(backend="gloo", timeout_s=float(os.environ.get("XSTAGE_TEST_TIMEOUT", "60")))
     torch.set_num_threads(1)
@@ -108,9 +109,9 @@ def main() -> int:
         res = {"ref_std": float(ref.std()), "max_abs_full": float(np.abs(par_full - ref).max())}
 
         # 2. built-in random weights, only this rank's experts created
-        LOAD_COUNTERS["expert_bytes"] = 0
-        sharded = build_transformer(family, (r, w))
-        res["built_expert_bytes"] = LOAD_COUNTERS["expert_bytes"]
+        with count_expert_loads() as seen:
+            sharded = build_transformer(family, (r, w))
+        res["built_expert_bytes"] = seen["expert_bytes"]
         res["built_values_match"] = _expert_values_match(sharded, full_ep_transformer, r)
         handle.restore()
         full_expert_bytes = sum(p.numel() * p.element_size() for n, p in full_t.named_parameters() if ".experts." in n)
@@ -135,12 +136,11 @@ def main() -> int:
             res["wrong_ep"] = str(exc)
 
         # 3. local safetensors folder, only this rank's experts read
-        LOAD_COUNTERS["expert_bytes"] = 0
-        LOAD_COUNTERS["expert_tensors_read"] = 0
-        local = load_transformer_sharded(os.path.join(folder, family), family, (r, w), dtype=torch.float32,
-                                         device="cpu")
-        res["local_expert_bytes"] = LOAD_COUNTERS["expert_bytes"]
-        res["local_tensors_read"] = LOAD_COUNTERS["expert_tensors_read"]
+        with count_expert_loads() as seen:
+            local = load_transformer_sharded(os.path.join(folder, family), family, (r, w), dtype=torch.float32,
+                                             device="cpu")
+        res["local_expert_bytes"] = seen["expert_bytes"]
+        res["local_tensors_read"] = seen["expert_tensors_read"]
         res["local_values_match"] = _expert_values_match(local, sharded, r)
         res["local_held"] = _held(local)
         pipe.transformer = local

@@ -151,8 +151,18 @@ def main() -> int:
     torch.set_num_threads(1)
     if names == ["die"]:
         return _die_case(info)
+    import xstage_dit.ops.attention as attention_ops
     from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
+
+    # What the custom op is handed (its eager implementation runs in eager and in compiled graphs alike).
+    op_schedules: list[str] = []
+    impl = attention_ops.ulysses_attention_impl
+
+    def spy(*args, schedule, **kwargs):
+        op_schedules.append(schedule)
+        return impl(*args, schedule=schedule, **kwargs)
+
+    attention_ops.ulysses_attention_impl = spy
     results = {}
     for name in names:
         build, kwargs, degrees = CASES[name]
@@ -165,10 +175,12 @@ def main() -> int:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             pipe.transformer.compile(backend="eager")
-        before = dict(PATH_COUNTS)
+        op_schedules.clear()
         par = _output(pipe, kwargs)
         graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) if name.endswith("-compile") else None
-        paths = {k: PATH_COUNTS[k] - before[k] for k in PATH_COUNTS}
+        paths = dict(handle.attention_paths)
+        choices = {str(k): v for k, v in handle.schedule_choices.items()}
+        ran = sorted(set(op_schedules))
         cfg_stats = dict(handle.cfg_hook.stats) if handle.cfg_hook is not None else {}
         moe_layers = handle.num_moe_layers
         try:
@@ -186,6 +198,8 @@ def main() -> int:
             "ref_std": float(ref.std()),
             "twice": twice,
             "paths": paths,
+            "schedule_choices": choices,
+            "op_schedules": ran,
             "cfg": cfg_stats,
             "moe_layers": moe_layers,
             "graph_breaks": graph_breaks,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.expert_loads import count_expert_loads
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "patches" / "_ep_loading_worker.py")
 TOL = 1e-4  # as tests/test_parallelize.py: fp32 pipelines, images in [0, 1], float reassociation only
@@ -47,7 +49,6 @@ FAMILIES = {"nucleusmoe": ("tiny-nucleusmoe", "NucleusMoELayer", "NucleusMoEEPLa
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_builtin_shards_are_slices_of_the_full_model(family):
     from xstage_dit.models import load_transformer
-    from xstage_dit.models.experts import LOAD_COUNTERS
 
     model, moe_class, ep_class = FAMILIES[family]
     full = load_transformer(model, seed=3)
@@ -57,10 +58,10 @@ def test_builtin_shards_are_slices_of_the_full_model(family):
     full_state = full.state_dict()
     for world in (2, 4):
         for rank in range(world):
-            LOAD_COUNTERS["expert_bytes"] = 0
-            part = load_transformer(model, seed=3, expert_shard=(rank, world))
-            # Only this rank's experts were ever created: counted bytes and held shapes.
-            assert LOAD_COUNTERS["expert_bytes"] == _expert_bytes(full) // world
+            with count_expert_loads() as seen:
+                part = load_transformer(model, seed=3, expert_shard=(rank, world))
+            # Only this rank's experts were ever created: the bytes the random init returned, and held shapes.
+            assert seen["expert_bytes"] == _expert_bytes(full) // world
             assert not _moe(part, moe_class)
             eps = _moe(part, ep_class)
             assert len(eps) == len(full_layers)
@@ -107,18 +108,17 @@ def test_unbound_shard_refuses_to_run_and_a_wrong_group_is_named():
 
 def test_local_folder_reads_only_this_ranks_experts(tmp_path):
     from xstage_dit.models import load_pipeline
-    from xstage_dit.models.experts import LOAD_COUNTERS
 
     full = load_pipeline("tiny-hidream", seed=5)
     full.save_pretrained(tmp_path / "hd")
     full_layers = _moe(full.transformer, "MOEFeedForwardSwiGLU")
     full_state = full.transformer.state_dict()
     for rank in range(2):
-        LOAD_COUNTERS.update(expert_bytes=0, expert_tensors_read=0)
-        pipe = load_pipeline(str(tmp_path / "hd"), expert_shard=(rank, 2))
+        with count_expert_loads() as seen:
+            pipe = load_pipeline(str(tmp_path / "hd"), expert_shard=(rank, 2))
         # 2 layers x 2 local experts x (w1, w2, w3): the other rank's experts were never read.
-        assert LOAD_COUNTERS["expert_tensors_read"] == len(full_layers) * 2 * 3
-        assert LOAD_COUNTERS["expert_bytes"] == _expert_bytes(full.transformer) // 2
+        assert seen["expert_tensors_read"] == len(full_layers) * 2 * 3
+        assert seen["expert_bytes"] == _expert_bytes(full.transformer) // 2
         eps = _moe(pipe.transformer, "HiDreamMoEEPLayer")
         assert len(eps) == len(full_layers) and not _moe(pipe.transformer, "MOEFeedForwardSwiGLU")
         for ep, layer in zip(eps, full_layers):
@@ -133,17 +133,18 @@ def test_local_folder_reads_only_this_ranks_experts(tmp_path):
 def test_local_packed_experts_are_read_by_slice(tmp_path):
     """NucleusMoE packs experts in one tensor: the sharded load reads rows [lo, hi) only (get_slice)."""
     from xstage_dit.models import load_transformer
-    from xstage_dit.models.experts import LOAD_COUNTERS, load_transformer_sharded
+    from xstage_dit.models.experts import load_transformer_sharded
 
     full = load_transformer("tiny-nucleusmoe", seed=4)
     full.save_pretrained(tmp_path / "nm" / "transformer")
     layer = _moe(full, "NucleusMoELayer")[0]
     for world in (2, 4):
         rank = world - 1
-        LOAD_COUNTERS.update(expert_bytes=0, expert_tensors_read=0)
-        part = load_transformer_sharded(tmp_path / "nm", "nucleusmoe", (rank, world), dtype=torch.float32, device="cpu")
-        assert LOAD_COUNTERS["expert_tensors_read"] == 2  # gate_up_proj and down_proj, one slice each
-        assert LOAD_COUNTERS["expert_bytes"] == _expert_bytes(full) // world
+        with count_expert_loads() as seen:
+            part = load_transformer_sharded(tmp_path / "nm", "nucleusmoe", (rank, world), dtype=torch.float32,
+                                            device="cpu")
+        assert seen["expert_tensors_read"] == 2  # gate_up_proj and down_proj, one slice each
+        assert seen["expert_bytes"] == _expert_bytes(full) // world
         ep = _moe(part, "NucleusMoEEPLayer")[0]
         lo, hi = rank * 4 // world, (rank + 1) * 4 // world
         assert torch.equal(ep.gate_up_proj, layer.experts.gate_up_proj[lo:hi])

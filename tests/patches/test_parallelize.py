@@ -59,17 +59,24 @@ def test_config_rejects_bad_values(kwargs, match):
         ParallelConfig(**kwargs)
 
 
-def test_split_rule_is_the_ops_rule():
-    from xstage_dit.ops.attention.op import shard_bounds
-    from xstage_dit.patches.sharding import split_offsets, split_sizes
+def test_split_rule_is_the_ops_rule_where_the_op_gets_shards():
+    """Balanced shards (no empty one while total >= parts); equal to the op's chunks when total divides,
+    the only case in which the backend hands shards to the Ulysses op."""
+    from xstage_dit.ops.attention import shard_bounds
+    from xstage_dit.patches.sharding import check_splittable, split_offsets, split_sizes
 
+    assert split_sizes(9, 4) == [3, 2, 2, 2]  # issue 18: was 3, 3, 3, 0 (an empty shard)
     for total in range(0, 40):
         for parts in range(1, 9):
             sizes = split_sizes(total, parts)
-            assert sum(sizes) == total
+            assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+            assert total < parts or min(sizes) >= 1
             starts = split_offsets(total, parts)[:-1]
-            if total >= 1:
+            if total >= 1 and total % parts == 0:
                 assert list(zip(starts, sizes)) == shard_bounds(total, parts), (total, parts)
+    check_splittable(4, 4, "x")
+    with pytest.raises(ValueError, match="expected at least sp=4 tokens in x to split over 4 ranks, got 3"):
+        check_splittable(3, 4, "x")
 
 
 def test_exit_gather_decision_is_the_same_on_every_rank():
@@ -87,15 +94,20 @@ def test_exit_gather_decision_is_the_same_on_every_rank():
             assert len(decisions) == 1, (totals, world)  # all ranks exchange sizes, or none does
 
 
-def test_key_padding_masks_are_normalised():
-    from xstage_dit.patches.attention_backend import _key_padding_mask
+def test_attention_masks_of_every_diffusers_shape_are_normalised():
+    from xstage_dit.patches.attention_backend import _attention_mask
 
     keep = torch.tensor([[True, True, False]])
-    assert torch.equal(_key_padding_mask(keep[:, None, None, :], 2, 3), keep.expand(2, 3))
-    additive = torch.tensor([[0.0, 0.0, float("-inf")]])
-    assert torch.equal(_key_padding_mask(additive, 1, 3), keep)
-    with pytest.raises(NotImplementedError, match=r"key-padding masks of shape \(batch, seq_k\)=\(1, 3\)"):
-        _key_padding_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3)
+    for given in (keep, keep[:, None, :], keep[:, None, None, :], keep[:, None, None, :].expand(1, 4, 1, 3)):
+        got = _attention_mask(given, 1, 3)
+        assert got.ndim == 4 and got.dtype == torch.bool and torch.equal(got[:, 0, 0], keep)
+    assert _attention_mask(torch.ones(2, 4, 1, 3), 2, 3).shape == (2, 4, 1, 3)  # LTX: per head, additive
+    additive = torch.tensor([[0.0, 0.0, -10000.0]])  # LTX's bias stays additive (SDPA's reading of it)
+    assert torch.equal(_attention_mask(additive, 1, 3), additive[:, None, None, :])
+    assert _attention_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3).shape == (1, 1, 3, 3)  # per query
+    assert _attention_mask(torch.tensor([[1, 1, 0]]), 1, 3).dtype == torch.bool
+    with pytest.raises(NotImplementedError, match=r"with batch=1, seq_k=3, got \(1, 4\)"):
+        _attention_mask(torch.ones(1, 4, dtype=torch.bool), 1, 3)
 
 
 def test_parallelize_errors_before_any_work():
@@ -141,17 +153,16 @@ def test_nucleusmoe_needs_ep_equal_sp():
 
 def test_world1_same_output_restore_and_twice_is_an_error():
     from xstage_dit import parallelize
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
 
     pipe = _tiny_flux(heads=2)
     pipe.set_progress_bar_config(disable=True)
     ref = _image(pipe)
     processors = [m.processor for m in pipe.transformer.modules() if hasattr(m, "processor")]
     handle = parallelize(pipe)
-    before = PATH_COUNTS["local"]
     out = _image(pipe)
     # World 1 on the CPU: the serial schedule, which is diffusers' own SDPA call (no op hop, no copy).
-    assert PATH_COUNTS["local"] > before, "the world-1 serial path must run diffusers' SDPA"
+    assert list(handle.attention_paths) == ["local"], "the world-1 serial path must run diffusers' SDPA"
+    assert set(handle.schedule_choices.values()) == {"serial"}
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     with pytest.raises(RuntimeError, match="already patched"):
         parallelize(pipe)
@@ -234,12 +245,17 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         if name in paths:
             sp = world // 2 if name.endswith("-cfg") else world
             path = "ulysses" if sp > 1 else "local"
-            assert paths[name][path] > 0 and paths[name]["gather_kv"] == 0, (name, paths[name])
+            assert path in paths[name] and "gather_kv" not in paths[name], (name, paths[name])
     if world == 2:
         assert results["flux-compile"]["graph_breaks"] == 0, results["flux-compile"]  # torch.compile: one graph
-        assert paths["flux-uneven"]["gather_kv"] > 0, paths["flux-uneven"]
-        assert paths["hunyuan"]["gather_kv"] > 0, paths["hunyuan"]  # padded text: masked keys
-    assert paths["wan"]["local"] > 0  # cross-attention to the replicated text: no exchange
+        assert "gather_kv" in paths["flux-uneven"], paths["flux-uneven"]
+        assert "gather_kv" in paths["hunyuan"], paths["hunyuan"]  # padded text: masked keys
+        # torch.compile: the same schedule per shape as eager, decided once, and the op ran it
+        eager, compiled = results["flux"], results["flux-compile"]
+        assert compiled["schedule_choices"] == eager["schedule_choices"] != {}, (eager, compiled)
+        assert compiled["op_schedules"] == eager["op_schedules"] == sorted(set(eager["schedule_choices"].values()))
+    # (Wan's cross-attention to the replicated text: diffusers hands the backend no parallel config there,
+    # so it is plain local attention outside any handle; its correctness is max_abs_parallel above.)
     assert results["nucleusmoe"]["moe_layers"] >= 1 and results["hidream"]["moe_layers"] >= 1
     if world == 4:
         assert results["hidream-cfg"]["moe_layers"] >= 1  # sp=2, ep=2, cfg=2
@@ -295,7 +311,6 @@ def test_wan22_second_expert_is_patched_too():
     from xstage_dit import parallelize
     from xstage_dit.models import load_pipeline
     from xstage_dit.models.build import build_module
-    from xstage_dit.patches.attention_backend import PATH_COUNTS
 
     pipe = load_pipeline("tiny-wan", seed=0)
     cfg = {k: v for k, v in pipe.transformer.config.items() if not k.startswith("_")}
@@ -316,9 +331,9 @@ def test_wan22_second_expert_is_patched_too():
         for t in handle.transformers:
             assert all(getattr(m.processor, "_parallel_config", None) is not None
                        for m in t.modules() if hasattr(m, "processor") and m.processor is not None)
-        before = PATH_COUNTS["ulysses"] + PATH_COUNTS["local"]
         np.testing.assert_allclose(video(), ref, atol=TOL, rtol=0)
-        assert PATH_COUNTS["ulysses"] + PATH_COUNTS["local"] > before
+        # both experts ran through the xstage attention (the paths are recorded on the shared handle)
+        assert "local" in handle.attention_paths
     for t in (pipe.transformer, pipe.transformer_2):
         assert all(getattr(m.processor, "_parallel_config", None) is None
                    for m in t.modules() if hasattr(m, "processor") and m.processor is not None)

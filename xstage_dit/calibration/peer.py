@@ -20,14 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from xstage_dit.calibration.sweep import plan_for, sweep_target, warm_up
+from xstage_dit.calibration.targets import CalibrationUnavailable
 from xstage_dit.comm.launcher import free_port
 from xstage_dit.xstage import KIB
 
 
 def _peer_devices(device_index: int, allow_shared_gpu: bool) -> tuple[int, int, bool]:
     import torch
-
-    from xstage_dit.calibration.runner import CalibrationUnavailable
 
     n = torch.cuda.device_count()
     for j in range(n):
@@ -83,7 +83,7 @@ def _launch(mode: str, device, *, k: int, quick: bool, threads: int, allow_share
 
 def measure_peer(device, *, k: int, quick: bool, threads: int = 512, allow_shared_gpu: bool = False,
                  timeout_s: float = 300.0) -> dict:
-    """Rank 0's sweep (the dict of ``calibration.fit_sweep``) of stores into rank 1's buffer."""
+    """Rank 0's sweep (the dict of ``calibration.fit.fit_sweep``) of stores into rank 1's buffer."""
     res = _launch("sweep", device, k=k, quick=quick, threads=threads, allow_shared_gpu=allow_shared_gpu,
                   timeout_s=timeout_s)
     sweep = res["sweep"]
@@ -106,7 +106,6 @@ def _worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from xstage_dit.calibration.runner import _warm_up, plan_for, sweep_target
     from xstage_dit.calibration.csrc.burst import check_written, peer_target, run_bursts
     from xstage_dit.comm.distributed import symmetric_buffer
 
@@ -129,12 +128,12 @@ def _worker(args: argparse.Namespace) -> int:
         if args.rank == 0:
             target = peer_target(buf.handle.buffer_ptrs[1], nbytes, device, keepalive=buf)
             if args.mode == "sweep":
-                clock_hz = _warm_up(device)
+                clock_hz = warm_up(device)
                 result["sweep"] = sweep_target(target, plan=plan, num_producers=args.producers, clock_hz=clock_hz,
                                                threads=args.threads)
                 result["sweep"]["target"] = "nvlink"
             else:
-                clock_hz = _warm_up(device)
+                clock_hz = warm_up(device)
                 t = run_bursts(target, bytes_per_producer=bpp, num_producers=args.producers, num_bursts=3,
                                gap_iters=64, clock_hz=clock_hz)
                 result["issue_s"] = t.issue_s.tolist()

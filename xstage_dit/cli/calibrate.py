@@ -147,7 +147,7 @@ def draw_plots(result, out_dir: Path, prefix: str = "calibration") -> list[Path]
 
 
 def run(args: argparse.Namespace) -> int:
-    from xstage_dit.calibration.runner import CalibrationConfig, CalibrationUnavailable
+    from xstage_dit.calibration import CalibrationConfig, CalibrationUnavailable
 
     try:
         CalibrationConfig(target=args.target, num_producers=args.producers)
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args):
-    from xstage_dit.calibration.runner import CalibrationConfig, load_or_calibrate, run_calibration
+    from xstage_dit.calibration import CalibrationConfig, load_or_calibrate, run_calibration
 
     if args.producers is not None:
         cfg = CalibrationConfig(target=args.target, quick=args.quick, num_producers=args.producers)

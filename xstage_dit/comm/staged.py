@@ -5,7 +5,8 @@ ranks on one GPU), so a CUDA tensor going through a gloo group is staged through
 it as it is. Every caller that moves rows between ranks goes through these functions.
 
 Shapes: ``all_to_all_rows(send (n, ...), send_splits, recv_splits) -> (sum(recv_splits), ...)``;
-``all_gather_list(t) -> [t of rank 0, t of rank 1, ...]``; ``all_gather_dim0(x (n, ...)) -> (world*n, ...)``.
+``all_gather_list(t) -> [t of rank 0, t of rank 1, ...]``; ``all_gather_dim0(x (n, ...)) -> (world*n, ...)``;
+``all_gather_chunks(x (batch, seq_local_r, ...), seq_len) -> (batch, seq_len, ...)`` (unequal chunks).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch.distributed as dist
 
 from xstage_dit.comm.distributed import world_of
 
-__all__ = ["is_gloo", "needs_host_staging", "all_to_all_rows", "all_gather_list", "all_gather_dim0"]
+__all__ = ["is_gloo", "needs_host_staging", "all_to_all_rows", "all_gather_list", "all_gather_dim0",
+           "all_gather_chunks"]
 
 # torch >= 2.4 names it all_gather_into_tensor; all_gather_single is the older private spelling.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -65,3 +67,22 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     out = src.new_empty((world * src.shape[0], *src.shape[1:]))
     _all_gather_single(out, src, group=group)
     return out.to(x.device, non_blocking=True) if staged else out
+
+
+def all_gather_chunks(x: torch.Tensor, seq_len: int, group, dim: int = 1) -> torch.Tensor:
+    """Every rank's ``torch.chunk`` piece of a ``seq_len`` dimension ``dim`` -> the whole, in rank order.
+
+    x: (..., seq_local_r, ...) with ``seq_local_r`` rank r's chunk (``ceil(seq_len / world)`` tokens, the
+    last ranks shorter or empty) -> (..., seq_len, ...). Chunks are padded to one size for the collective.
+    """
+    _, world = world_of(group)
+    if world == 1:
+        return x
+    chunk = -(-seq_len // world)
+    if x.shape[dim] > chunk:
+        raise ValueError(f"expected at most ceil({seq_len} / {world}) = {chunk} rows along dim {dim}, got {x.shape[dim]}")
+    pad_shape = list(x.shape)
+    pad_shape[dim] = chunk
+    pad = x.new_zeros(pad_shape)
+    pad.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return torch.cat(all_gather_list(pad, group), dim=dim).narrow(dim, 0, seq_len)

@@ -1,7 +1,7 @@
 """Expert-sharded MoE transformers: each rank creates or reads only its own experts.
 
 ``load_pipeline(model, expert_shard=(rank, world))`` builds the MoE transformer with its routed experts
-never materialised (meta device), then puts on every MoE layer the EP layer of `xstage_dit.ops.moe.combine`
+never materialised (meta device), then puts on every MoE layer the EP layer of `xstage_dit.patches.ep_layers`
 holding experts ``[rank*E/world, (rank+1)*E/world)`` only (``from_shard``). `parallelize` later binds those
 layers to the EP group (see `xstage_dit.patches.expert_parallel`).
 
@@ -14,8 +14,6 @@ Where the experts come from:
   every non-expert tensor is read from its safetensors files, and only this rank's experts are read
   (NucleusMoE's packed ``experts.gate_up_proj (E, H, 2I)`` / ``experts.down_proj (E, I, H)`` through
   ``safe_open(...).get_slice(name)[lo:hi]``; HiDream's ``experts.{e}.w1/w2/w3`` only for e in the range).
-
-`LOAD_COUNTERS` counts the expert bytes created or read in this process (tests assert on it).
 """
 
 from __future__ import annotations
@@ -30,11 +28,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-
-# Bytes of the expert tensors this process created (random init) or read (safetensors), counted in the
-# target dtype, and the number of expert tensors (or slices) read from safetensors files.
-LOAD_COUNTERS = {"expert_bytes": 0, "expert_tensors_read": 0}
-
 
 @dataclass(frozen=True)
 class ExpertShard:
@@ -169,13 +162,13 @@ def _hidream_materialize(layer, gate_up, down):
 
 FAMILIES: dict[str, _Family] = {
     "nucleusmoe": _Family(
-        moe_class="NucleusMoELayer", ep_class="xstage_dit.ops.moe.combine:NucleusMoEEPLayer",
+        moe_class="NucleusMoELayer", ep_class="xstage_dit.patches.ep_layers:NucleusMoEEPLayer",
         meta_experts=lambda: _private().nucleus_meta_experts(), num_experts=lambda layer: layer.num_experts,
         dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim),
         random_experts=_nucleus_random, read_experts=_nucleus_read, materialize=_nucleus_materialize,
     ),
     "hidream": _Family(
-        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.ops.moe.combine:HiDreamMoEEPLayer",
+        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.patches.ep_layers:HiDreamMoEEPLayer",
         meta_experts=lambda: _private().hidream_meta_experts(), num_experts=lambda layer: len(layer.experts),
         dims=lambda layer: (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features),
         random_experts=_hidream_random, read_experts=_hidream_read, materialize=_hidream_materialize,
@@ -219,8 +212,6 @@ def _install_experts(model: nn.Module, fam: _Family, shard: ExpertShard | None, 
         gate_up, down = get_experts(name, lo, hi, hidden, inter)
         gate_up = gate_up.to(device=device, dtype=dtype)
         down = down.to(device=device, dtype=dtype)
-        if gate_up.device.type != "meta":
-            LOAD_COUNTERS["expert_bytes"] += (gate_up.numel() + down.numel()) * gate_up.element_size()
         if shard is None or shard.world == 1:
             fam.materialize(layer, gate_up, down)
         else:
@@ -312,16 +303,12 @@ class _SafetensorsReader:
         return self._where[key]
 
     def read(self, key: str) -> torch.Tensor:
-        LOAD_COUNTERS["expert_tensors_read"] += 1
+        """The whole tensor ``key``."""
         return self._handle(key).get_tensor(key)
 
     def read_slice(self, key: str, lo: int, hi: int) -> torch.Tensor:
         """Rows [lo, hi) of the first dim, without reading the rest of the tensor."""
-        LOAD_COUNTERS["expert_tensors_read"] += 1
         return self._handle(key).get_slice(key)[lo:hi]
-
-    def read_plain(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
 
 
 def load_transformer_sharded(folder: str | Path, family: str, shard, *, dtype: torch.dtype, device) -> nn.Module:
@@ -345,7 +332,7 @@ def load_transformer_sharded(folder: str | Path, family: str, shard, *, dtype: t
     state = {}
     for key in reader.keys():
         if not key.startswith(expert_prefixes):
-            state[key] = reader.read_plain(key).to(dtype=dtype)
+            state[key] = reader.read(key).to(dtype=dtype)
     result = model.load_state_dict(state, strict=False, assign=True)
     missing = [k for k in result.missing_keys if not k.startswith(expert_prefixes)]
     if missing or result.unexpected_keys:

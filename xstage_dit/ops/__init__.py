@@ -1,7 +1,8 @@
 """Public ops, one module each, with a pure-torch reference next to every fast path:
 
-- ``xstage_dit.ops.attention.op``: ``ulysses_attention`` (fused Ulysses attention) and
-  ``ulysses_attention_reference``.
+- ``xstage_dit.ops.attention``: ``ulysses_attention`` (fused Ulysses attention) and
+  ``ulysses_attention_reference``;
+- ``xstage_dit.ops.moe``: the expert-parallel MoE dispatch / expert MLP / combine.
 
-Fast ops are registered as torch custom ops in ``xstage_dit.ops.registry``.
+Each package registers its torch custom ops next to its public function (`registry` holds what they share).
 """

@@ -7,7 +7,8 @@
     handle.restore()                                                         # the original pipeline again
 
 One module per concern: `config` (ParallelConfig), `groups` (process groups), `sharding` (the split
-rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `expert_parallel` (EP MoE
+rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `attention_schedules` (the
+schedule per shape, from the params `calibration.params_for` gives once), `expert_parallel` (EP MoE
 layers), `cfg_parallel` (guidance branches), `plans` (model registry), `_diffusers_private` (the only
 user of private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
@@ -23,8 +24,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from xstage_dit.calibration.provider import ChosenParams, params_for
+from xstage_dit.patches.attention_schedules import AttentionSchedules
 from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.patches.groups import ParallelGroups
+from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +42,21 @@ class ParallelHandle:
     """What `parallelize` did, and how to undo it.
 
     config / groups: the configuration and this rank's groups. is_output_rank: True on global rank 0
-    (the only rank that should write files). schedule_choices: attention schedule per distinct shape
-    (filled as shapes are first seen). restore(): puts the pipeline back exactly (idempotent).
+    (the only rank that should write files). calibration: the ``ChosenParams`` the schedules use (None
+    when the user fixed the schedule). schedule_choices: attention schedule name per distinct shape
+    ``(batch, seq_len, heads, head_dim, dtype, sp)``, filled once per shape at its first call (eager or
+    under torch.compile; the reason is logged then). attention_paths: the attention paths taken ("ulysses",
+    "local", "gather_kv") and the first module that took each. restore(): puts the pipeline back exactly
+    (idempotent).
     """
 
     config: ParallelConfig
     groups: ParallelGroups
     transformer: torch.nn.Module  # pipe.transformer
     transformers: list = field(default_factory=list)  # every patched one (Wan 2.2 A14B: + transformer_2)
-    calibration: Any = None
+    calibration: ChosenParams | None = None
     schedule_choices: dict = field(default_factory=dict)
+    attention_paths: dict = field(default_factory=dict)
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -113,48 +122,15 @@ def _ensure_process_group(config: ParallelConfig) -> None:
         init_distributed(timeout_s=config.timeout_s)
 
 
-def _startup_calibration(config: ParallelConfig, groups: ParallelGroups):
-    """X-Stage params for the schedule choice: loaded or measured once per machine (rank 0 first)."""
+def _calibrated_params(config: ParallelConfig, groups: ParallelGroups) -> ChosenParams | None:
+    """The X-Stage params the attention schedules use, from the one provider (collective: every rank)."""
     if config.schedule != "auto":
         log.info("attention schedule fixed by the user: %s (no calibration needed)", config.schedule)
-        return None, None
-    if not config.calibrate or groups.device.type != "cuda":
-        why = "calibrate=False" if not config.calibrate else f"no GPU ({groups.device.type})"
-        log.info("no X-Stage calibration (%s): schedules use the uncalibrated rule", why)
-        return None, None
-    try:
-        from xstage_dit.calibration.runner import CalibrationUnavailable, load_or_calibrate
-    except ImportError as exc:
-        log.warning("no X-Stage calibration module (%s): schedules use the uncalibrated rule", exc)
-        return None, None
-
-    def load():
-        try:
-            return load_or_calibrate(groups.device, quick=True)
-        except CalibrationUnavailable as exc:
-            log.info("no X-Stage calibration (%s): schedules use the uncalibrated rule", exc)
-            return None
-
-    # One measurement per machine: rank 0 measures (or loads the cache), the others then load it.
-    result = load() if groups.rank == 0 else None
-    if groups.world_size > 1:
-        dist.barrier()
-    if groups.rank != 0:
-        result = load()
-    if result is None:
-        return None, None
-    params = result.params
-    own_gpus = torch.cuda.device_count() >= groups.world_size and groups.world_size > 1
-    for target in (("nvlink",) if own_gpus else ()) + ("local", "host", "nvlink"):
-        if target in params:
-            xp = params[target]
-            log.info(
-                "X-Stage calibration (%s, %s, target %s): R=%.3g B/s, T_iss0=%.3g s at K=%d, Q=%.3g B",
-                result.source, getattr(result, "machine_key", "?"), target, xp.drain_rate_Bps, xp.t_iss0_fixed_s,
-                xp.num_producers, xp.capacity_bytes,
-            )
-            return result, xp
-    return result, None
+        return None
+    chosen = params_for(groups.device, groups.sp_group, allow_measure=config.calibrate)
+    log.info("X-Stage params for the attention schedules (%s): %s",
+             "measured on a cache miss" if config.calibrate else "cache only, calibrate=False", chosen.describe())
+    return chosen
 
 
 def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any) -> ParallelHandle:
@@ -213,19 +189,22 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     from xstage_dit.patches.groups import build_groups
 
     groups = build_groups(config)
-    calibration, xparams = _startup_calibration(config, groups)
+    chosen = _calibrated_params(config, groups)
     handle = ParallelHandle(config=config, groups=groups, transformer=transformers[0], transformers=transformers,
-                            calibration=calibration)
+                            calibration=chosen)
+    schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
+                                   xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
+                                   choices=handle.schedule_choices, paths=handle.attention_paths)
     try:
         for transformer, plan in zip(transformers, plans):
-            _apply(transformer, plan, handle, xparams)
+            _apply(transformer, plan, handle, schedules)
         _check_cfg_pairs_before_decode(pipe, handle)
     except BaseException:
         handle.restore()
         raise
     for transformer in transformers:
         setattr(transformer, _MARK, handle)
-        _log_layer_shapes(transformer, handle, xparams)
+        _log_layer_shapes(transformer, handle)
     log.info(
         "parallelize %s: world=%d sp=%d ep=%d cfg=%d (rank %d: cfg branch %d, shard %d), %d MoE layers on EP",
         " + ".join(type(t).__name__ for t in transformers), world, config.sp, config.ep, config.cfg, groups.rank,
@@ -234,7 +213,7 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     return handle
 
 
-def _log_layer_shapes(transformer, handle: ParallelHandle, xparams) -> None:
+def _log_layer_shapes(transformer, handle: ParallelHandle) -> None:
     """One startup line per distinct attention / MoE layer shape. The schedule itself depends on the
     token count, known at the first call: each (shape, tokens) decision is logged once, with its reason."""
     attn, moe = {}, {}
@@ -247,7 +226,8 @@ def _log_layer_shapes(transformer, handle: ParallelHandle, xparams) -> None:
         if hasattr(module, "num_experts_per_rank") or type(module).__name__ in ("NucleusMoELayer", "MOEFeedForwardSwiGLU"):
             key = (type(module).__name__, getattr(module, "hidden_size", None), getattr(module, "num_experts", None))
             moe.setdefault(key, []).append(name)
-    calibrated = "calibrated" if xparams is not None else "uncalibrated (no X-Stage params)"
+    calibrated = ("calibrated" if handle.calibration is not None and handle.calibration.params is not None
+                  else "uncalibrated (no X-Stage params)")
     for (heads, head_dim), names in attn.items():
         log.info("attention shape heads=%s head_dim=%s (%d layers, sp=%d): schedule %s, %s design test at the first "
                  "call per token count", heads, head_dim, len(names), handle.config.sp, handle.config.schedule, calibrated)
@@ -256,7 +236,7 @@ def _log_layer_shapes(transformer, handle: ParallelHandle, xparams) -> None:
                  "count (%s)", cls, hidden, experts, len(names), handle.config.ep, calibrated)
 
 
-def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
+def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedules) -> None:
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
@@ -265,8 +245,10 @@ def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
     from xstage_dit.patches.sequence_parallel import apply_sequence_parallel
 
     config, groups = handle.config, handle.groups
-    if config.ep > 1:
-        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group)
+    # ep > 1: every MoE layer becomes an EP layer. World 1: only where the MoE chooser runs the fused
+    # kernel (NucleusMoE on a GPU); the others stay diffusers' own, with the reason logged.
+    if config.ep > 1 or (groups.world_size == 1 and plan.moe_layers):
+        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=xparams)
         handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
     # MoE layers that stay diffusers' own (ep = 1) get the torch.compile work-around of compile_fixes.
@@ -275,8 +257,7 @@ def _apply(transformer, plan, handle: ParallelHandle, xparams) -> None:
     spec = plan.build_sp(transformer)
     handle._undo.append(
         apply_sequence_parallel(
-            transformer, spec, group=groups.sp_group, rank=groups.sp_rank, world=config.sp,
-            schedule=config.schedule, xparams=xparams, choices=handle.schedule_choices,
+            transformer, spec, group=groups.sp_group, rank=groups.sp_rank, world=config.sp, schedules=schedules,
         )
     )
 

@@ -1,5 +1,5 @@
 """The ``xstage_ulysses`` diffusers attention backend: every attention call of a sequence-parallel
-transformer goes through `xstage_dit.ops.attention.op` on the rank's sequence shard.
+transformer goes through `xstage_dit.ops.attention` on the rank's sequence shard.
 
 Each patched processor carries an `AttentionContext` in its ``_parallel_config`` slot (diffusers passes
 that object to the backend untouched). The context says how the key/value tokens are laid out:
@@ -24,13 +24,15 @@ every shape diffusers passes are taken (`_attention_mask`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from xstage_dit.ops.attention import ulysses_attention
 from xstage_dit.patches import sharding
+from xstage_dit.patches.attention_schedules import AttentionSchedules
 
 log = logging.getLogger(__name__)
 
@@ -42,19 +44,17 @@ class AttentionContext:
     """What the backend needs to know about one attention module (stored on its processor).
 
     group: the sp process group (None at world 1); rank/world: this rank's place in it.
-    kv_layout: one of KV_LAYOUTS (see module docstring). schedule: "auto" | "fused" | "serial".
-    name: the module's qualified name (logs). choices: per-shape schedule decisions, shared by all
-    contexts of one `parallelize` call so each distinct layer shape is logged once.
+    schedules: the schedule per layer shape, shared by all contexts of one `parallelize` call (decided
+    and logged once per shape). kv_layout: one of KV_LAYOUTS (see module docstring). name: the module's
+    qualified name (logs).
     """
 
     group: dist.ProcessGroup | None
     rank: int
     world: int
+    schedules: AttentionSchedules
     kv_layout: str = "sharded"
-    schedule: str = "auto"
     name: str = ""
-    xparams: object | None = None
-    choices: dict = field(default_factory=dict)
     state: object | None = None  # the SequenceState of the model's split hooks (split totals)
 
     def __post_init__(self) -> None:
@@ -62,74 +62,24 @@ class AttentionContext:
             raise ValueError(f"expected kv_layout in {KV_LAYOUTS}, got {self.kv_layout!r}")
 
 
-_LOGGED: set[str] = set()
-
-# Calls per path since import ("ulysses" = the op, "local" = no exchange, "gather_kv" = fallback):
-# lets tests prove which path ran. Not updated while torch.compile traces.
-PATH_COUNTS: dict[str, int] = {"ulysses": 0, "local": 0, "gather_kv": 0}
-
-
-def _count(path: str) -> None:
-    if not torch.compiler.is_compiling():
-        PATH_COUNTS[path] += 1
-
-
-def _log_once(key: str, msg: str, *args) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.info(msg, *args)
-
-
-def _ulysses_op():
-    from xstage_dit.ops.attention.op import ulysses_attention
-
-    return ulysses_attention
-
-
 def _schedule_for(ctx: AttentionContext, q: torch.Tensor, seq_total: int) -> str:
-    """The schedule name for this shape: the user's choice, or the calibrated design test's (logged once)."""
-    if ctx.schedule != "auto":
-        return ctx.schedule
+    """The schedule name for q's shape over ``seq_total`` tokens (the user's, or decided once per shape)."""
     batch, _, heads, head_dim = q.shape
-    key = (batch, seq_total, heads, head_dim, q.dtype, ctx.world)
-    choice = ctx.choices.get(key)
-    if choice is not None:
-        return choice
-    if torch.compiler.is_compiling():
-        return "auto"  # the op decides; decisions are made (and logged) in eager warm-up
-    try:
-        from xstage_dit.schedule.choices import choose_attention_schedule
-    except ImportError:  # schedule helper not merged yet: let the op decide and say so
-        _log_once("no-schedule", "attention schedule: xstage_dit.schedule.choose_attention_schedule missing; op decides")
-        ctx.choices[key] = "auto"
-        return "auto"
-    decision = choose_attention_schedule(
-        ctx.xparams,
-        batch=batch,
-        seq_len=seq_total,
-        heads=heads,
-        head_dim=head_dim,
-        world_size=ctx.world,
-        dtype_bytes=q.element_size(),
-    )
-    log.info(
-        "attention schedule for batch=%d seq=%d heads=%d head_dim=%d %s world=%d: %s (%s)",
-        batch, seq_total, heads, head_dim, str(q.dtype).replace("torch.", ""), ctx.world, decision.name, decision.reason,
-    )
-    ctx.choices[key] = decision.name
-    return decision.name
+    return ctx.schedules.for_shape(batch, seq_total, heads, head_dim, q.dtype, q.device)
 
 
 def _attention_mask(mask: torch.Tensor, batch: int, seq_k: int, *, sharded_keys: bool = False) -> torch.Tensor:
-    """Normalise a diffusers attention mask to bool ``(batch | 1, heads | 1, seq_q | 1, seq_k)``.
+    """Normalise a diffusers attention mask to 4-D ``(batch | 1, heads | 1, seq_q | 1, seq_k)``.
 
     Takes every shape diffusers passes: key padding ``(batch, seq_k)``, ``(batch, 1, seq_k)``,
     ``(batch, 1, 1, seq_k)``, expanded per head ``(batch, heads, 1, seq_k)`` (LTX), and query-dependent
     ``(batch | 1, heads | 1, seq_q, seq_k)`` (SkyReels-V2's block-causal mask). Boolean (True keeps)
     masks stay boolean, integer ones become boolean; floating masks stay additive, as SDPA reads them
-    (LTX adds -10000 to padded keys: a bias, not -inf, so it is not turned into a boolean). ``seq_k`` is the key count of this call; with
-    ``sharded_keys`` the mask may instead span the whole key sequence (checked after the gather).
+    (LTX adds -10000 to padded keys: a bias, not -inf, so it is not turned into a boolean). ``seq_k``
+    is the key count of this call; with ``sharded_keys`` the mask may instead span the whole key
+    sequence (checked after the gather).
     """
+    given = tuple(mask.shape)
     if mask.ndim == 2:
         mask = mask[:, None, None, :]
     elif mask.ndim == 3:
@@ -137,7 +87,7 @@ def _attention_mask(mask: torch.Tensor, batch: int, seq_k: int, *, sharded_keys:
     if mask.ndim != 4 or (mask.shape[-1] != seq_k and not sharded_keys) or mask.shape[0] not in (1, batch):
         raise NotImplementedError(
             f"xstage sequence parallel takes attention masks (batch, seq_k), (batch, 1, seq_k) or "
-            f"(batch | 1, heads | 1, seq_q | 1, seq_k) with batch={batch}, seq_k={seq_k}, got {tuple(mask.shape)}"
+            f"(batch | 1, heads | 1, seq_q | 1, seq_k) with batch={batch}, seq_k={seq_k}, got {given}"
         )
     if mask.dtype != torch.bool and not mask.is_floating_point():
         mask = mask.bool()
@@ -162,12 +112,7 @@ def _even_pieces(ctx: AttentionContext, *extra_totals: int) -> bool:
 
 def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext, why: str):
     """Fallback: all-gather k, v (and mask) over the sp group; local queries attend to all keys."""
-    _log_once(
-        f"gather-kv:{ctx.name}:{why}",
-        "attention %s: %s: gather-KV path (keys/values all-gathered) instead of the Ulysses op",
-        ctx.name or "?", why,
-    )
-    _count("gather_kv")
+    ctx.schedules.note_path("gather_kv", f"{ctx.name} ({why}: keys/values all-gathered instead of the Ulysses op)")
     k_all = sharding.gather(k, 1, ctx.group)
     v_all = sharding.gather(v, 1, ctx.group)
     if mask is not None and mask.shape[-1] not in (k.shape[1], k_all.shape[1]):
@@ -223,11 +168,12 @@ def xstage_attention(
         if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
             schedule = _schedule_for(ctx, query, seq_q)
             if schedule != "serial":
-                _count("ulysses")
-                return _ulysses_op()(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+                ctx.schedules.note_path("ulysses", ctx.name)
+                return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
             # World 1, serial: exactly diffusers' own SDPA call (no custom-op hop, no .contiguous() copy
             # of the output), so parallelize at world 1 costs nothing over plain diffusers.
-        _count("local")
+        if ctx is not None:
+            ctx.schedules.note_path("local", ctx.name)
         return _sdpa(query, key, value, mask, scale)
 
     tail = 0
@@ -256,6 +202,6 @@ def xstage_attention(
         # drop their outputs (costs (seq_k - seq_q) / seq_k extra query rows, no extra exchange).
         q = torch.cat([query, query.new_zeros((batch, seq_k - seq_q, *query.shape[2:]))], dim=1)
     schedule = _schedule_for(ctx, q, seq_k * ctx.world)
-    _count("ulysses")
-    out = _ulysses_op()(q, key, value, group=ctx.group, schedule=schedule, scale=scale, seq_len=seq_k * ctx.world)
+    ctx.schedules.note_path("ulysses", ctx.name)
+    out = ulysses_attention(q, key, value, group=ctx.group, schedule=schedule, scale=scale, seq_len=seq_k * ctx.world)
     return out[:, :seq_q] if seq_q != seq_k else out

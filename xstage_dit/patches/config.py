@@ -3,7 +3,7 @@
 Degrees (DESIGN §1):
 
 - ``sp``: Ulysses sequence-parallel degree. Every rank of an sp group holds a slice of the token
-  sequence; attention exchanges heads for tokens (fused op in `xstage_dit.ops.attention.op`).
+  sequence; attention exchanges heads for tokens (fused op in `xstage_dit.ops.attention`).
 - ``ep``: expert-parallel degree for MoE transformers. EP shares the ranks of the sp group (the MoE
   layer's tokens are the rank's sequence shard), so ``ep`` is 1 (experts replicated) or ``sp``.
 - ``cfg``: classifier-free-guidance parallel degree, 1 or 2: the conditional and unconditional

@@ -1,8 +1,15 @@
-"""Expert parallelism: swap a transformer's MoE layers for the EP layers of `xstage_dit.ops.moe.combine`.
+"""Expert parallelism: swap a transformer's MoE layers for the EP layers of `xstage_dit.patches.ep_layers`.
 
 EP shares the ranks of the sequence-parallel group: each EP layer receives this rank's sequence shard
 and holds ``num_experts / ep`` experts (``from_layer`` copies only this rank's experts). The original
 layers are kept for `undo`, moved to the CPU while patched so only the rank's experts occupy the GPU.
+Every EP layer of a model shares one ``MoEScheduler`` fed the X-Stage params ``parallelize`` hands down
+(``xparams``): the path and lead are chosen once per layer shape, logged once, and readable on each
+layer as ``layer.schedule_choice``.
+
+World 1 (a group of one rank): a layer is swapped only where the path chooser says "fused" (the fused
+kernel on a GPU with enough local experts, e.g. NucleusMoE); elsewhere (the CPU, HiDream's few large
+experts) diffusers' own layer stays, and the reason is logged either way.
 
 A pipeline loaded with ``load_pipeline(..., expert_shard=(rank, ep))`` already holds EP layers with only
 this rank's experts: they are not swapped but bound to the group (their shard must be the group's
@@ -18,6 +25,10 @@ from typing import Callable
 
 import torch
 
+from xstage_dit.comm.distributed import world_of
+from xstage_dit.schedule.facts import DeviceFacts
+from xstage_dit.schedule.moe import MoEScheduler, choose_moe_path
+
 log = logging.getLogger(__name__)
 
 
@@ -26,7 +37,7 @@ def _ep_class(path: str):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:
-        raise RuntimeError(f"expected the EP layer {path} (xstage_dit.ops.moe.combine), got {exc!r}") from exc
+        raise RuntimeError(f"expected the EP layer {path} (xstage_dit.patches.ep_layers), got {exc!r}") from exc
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -35,15 +46,41 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def apply_expert_parallel(model: torch.nn.Module, moe_layers, group) -> tuple[Callable[[], None], int]:
+def _num_experts(layer: torch.nn.Module) -> int:
+    # NucleusMoELayer has num_experts; HiDream's MOEFeedForwardSwiGLU a ModuleList of experts.
+    num = getattr(layer, "num_experts", None)
+    return int(num) if num is not None else len(layer.experts)
+
+
+def _world1_keeps(child: torch.nn.Module, where: str, seen: set) -> bool:
+    """World 1: True (keep diffusers' layer) unless the path chooser says the fused kernel runs faster."""
+    facts = DeviceFacts.from_device(_device_of(child))
+    experts = _num_experts(child)
+    choice = choose_moe_path(facts, num_experts_per_rank=experts)
+    key = (type(child).__name__, experts, facts)
+    if key not in seen:  # one line per layer shape, not per layer
+        seen.add(key)
+        action = "EP layer (world 1)" if choice.name == "fused" else "diffusers' layer kept"
+        log.info("expert parallel at world 1: %s with %d experts (first at %s): %s -> %s (%s)",
+                 type(child).__name__, experts, where, choice.name, action, choice.reason)
+    return choice.name != "fused"
+
+
+def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None) -> tuple[Callable[[], None], int]:
     """Replace every module whose class name is in `moe_layers` by its EP layer over `group`.
 
-    moe_layers: ((diffusers class name, "module:EPClass"), ...). Returns (undo, number replaced).
+    moe_layers: ((diffusers class name, "module:EPClass"), ...). xparams: the calibrated X-Stage params of
+    the group's target (``params_for(...).params``) or None; they feed the layers' shared ``MoEScheduler``.
+    At world 1 only the layers the path chooser runs fused are swapped (see the module docstring).
+    Returns (undo, number replaced or bound).
     """
     classes = {name: path for name, path in moe_layers}
     ep_classes = {path.partition(":")[2] for path in classes.values()}
+    _, world = world_of(group)
+    scheduler = MoEScheduler(xparams)
     swapped: list[tuple[torch.nn.Module, str, torch.nn.Module, torch.device]] = []
     bound: list[torch.nn.Module] = []
+    kept: set = set()
     try:
         for parent_name, parent in list(model.named_modules()):
             for child_name, child in list(parent.named_children()):
@@ -53,13 +90,15 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group) -> tuple[Ca
                             f"expected the {type(child).__name__} at {parent_name}.{child_name} to be a loaded shard "
                             "(from_shard), got a layer already bound to a group (parallelized by someone else?)"
                         )
-                    child.bind(group)  # ValueError unless the group's (rank, size) is the loaded shard
+                    child.bind(group, scheduler)  # ValueError unless the group's (rank, size) is the loaded shard
                     bound.append(child)
                     continue
                 path = classes.get(type(child).__name__)
                 if path is None:
                     continue
-                ep_layer = _ep_class(path).from_layer(child, group)
+                if world == 1 and _world1_keeps(child, f"{parent_name}.{child_name}", kept):
+                    continue
+                ep_layer = _ep_class(path).from_layer(child, group, scheduler=scheduler)
                 device = _device_of(child)
                 setattr(parent, child_name, ep_layer)
                 if device.type != "cpu":
@@ -68,7 +107,7 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group) -> tuple[Ca
     except BaseException:
         _undo(swapped, bound)
         raise
-    if classes and not swapped and not bound:
+    if classes and not swapped and not bound and not kept:
         log.warning("expert parallel: no %s layer found in %s", "/".join(classes), type(model).__name__)
     if bound:
         log.info("expert parallel: %d MoE layers were loaded sharded (shard %s): bound to the group, not swapped",

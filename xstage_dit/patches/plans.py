@@ -209,8 +209,8 @@ def _hunyuan_sp(model: torch.nn.Module) -> SequenceParallelSpec:
 
 from xstage_dit.patches import family_plans as fam  # noqa: E402
 
-_NUCLEUS_EP = ("NucleusMoELayer", "xstage_dit.ops.moe.combine:NucleusMoEEPLayer")
-_HIDREAM_EP = ("MOEFeedForwardSwiGLU", "xstage_dit.ops.moe.combine:HiDreamMoEEPLayer")
+_NUCLEUS_EP = ("NucleusMoELayer", "xstage_dit.patches.ep_layers:NucleusMoEEPLayer")
+_HIDREAM_EP = ("MOEFeedForwardSwiGLU", "xstage_dit.patches.ep_layers:HiDreamMoEEPLayer")
 
 _WAN_KV = {"blocks.*.attn2": "replicated"}
 _PW = (2, 4)  # pipeline-level CPU test at world 2 and 4

@@ -20,9 +20,11 @@ from typing import Any, Callable
 import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
+from xstage_dit.comm.group_names import group_name
 from xstage_dit.patches import _diffusers_private as private
 from xstage_dit.patches import sharding
 from xstage_dit.patches.attention_backend import AttentionContext, xstage_attention
+from xstage_dit.patches.attention_schedules import AttentionSchedules
 from xstage_dit.patches.collective_safety import check_dispatching
 
 log = logging.getLogger(__name__)
@@ -243,12 +245,11 @@ def apply_sequence_parallel(
     group,
     rank: int,
     world: int,
-    schedule: str,
-    xparams,
-    choices: dict,
+    schedules: AttentionSchedules,
 ) -> Callable[[], None]:
     """Install split/gather hooks and the xstage attention on `model`; return `undo`.
 
+    schedules: the attention schedule per shape, shared by every attention module (decided once per shape).
     At world 1 only the attention is routed (through the op's world-1 path); no hooks.
     """
     _, cp_output_cls = private.cp_types()
@@ -256,8 +257,6 @@ def apply_sequence_parallel(
     if group is not None:
         # The op names groups by string across the custom-op boundary; register ours now, eagerly, so a
         # torch.compile'd model (which traces, not runs, the registration) can resolve the name.
-        from xstage_dit.ops.registry import group_name
-
         group_name(group)
     state = SequenceState(rank=rank, world=world, group=group)
     hooked: list[tuple[torch.nn.Module, str]] = []
@@ -288,8 +287,8 @@ def apply_sequence_parallel(
                 continue
             original = module.processor
             ctx = AttentionContext(
-                group=group, rank=rank, world=world, kv_layout=_layout_for(name, spec.kv_layouts),
-                schedule=schedule, name=name, xparams=xparams, choices=choices, state=state,
+                group=group, rank=rank, world=world, schedules=schedules, kv_layout=_layout_for(name, spec.kv_layouts),
+                name=name, state=state,
             )
             swap = spec.processor_swaps.get(type(original).__name__)
             if swap is not None and type(original).__module__.startswith("diffusers."):

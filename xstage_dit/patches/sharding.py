@@ -5,7 +5,7 @@ token, the longer ones first (``split_sizes(9, 4) == [3, 2, 2, 2]``), so no rank
 while there are at least as many tokens as ranks (`check_splittable` refuses fewer, on every rank
 alike). Every place that decides which tokens a rank owns (the entry hooks, the attention backend for
 replicated tails, the exit gather) calls this function. When ``total`` divides by ``parts`` the shards
-are the equal chunks of the Ulysses op (`xstage_dit.ops.attention` ``shard_bounds``), the only case in
+are the equal chunks of the Ulysses op (`xstage_dit.ops.attention.partition.shard_bounds`), the only case in
 which the backend hands shards to the op (a test checks the two rules agree there); otherwise the
 backend gathers keys and values, which works for any split.
 

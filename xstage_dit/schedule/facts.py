@@ -45,6 +45,13 @@ class DeviceFacts:
         return _cuda_facts(dev.index if dev.index is not None else torch.cuda.current_device())
 
     @staticmethod
+    def from_props(props) -> "DeviceFacts":
+        """The facts of a ``torch.cuda.get_device_properties`` result (or anything with its fields)."""
+        return DeviceFacts(name=str(props.name), num_sms=int(props.multi_processor_count),
+                           l2_bytes=int(getattr(props, "L2_cache_size", 0)),
+                           compute_capability=(int(props.major), int(props.minor)), is_cuda=True)
+
+    @staticmethod
     def cpu() -> "DeviceFacts":
         """The CPU (and the Triton interpreter, which runs programs one after another): one producer."""
         return DeviceFacts(name="cpu", num_sms=1, l2_bytes=0, compute_capability=(0, 0), is_cuda=False)
@@ -52,7 +59,4 @@ class DeviceFacts:
 
 @functools.cache
 def _cuda_facts(index: int) -> DeviceFacts:
-    props = torch.cuda.get_device_properties(index)
-    return DeviceFacts(name=props.name, num_sms=int(props.multi_processor_count),
-                       l2_bytes=int(getattr(props, "L2_cache_size", 0)),
-                       compute_capability=(int(props.major), int(props.minor)), is_cuda=True)
+    return DeviceFacts.from_props(torch.cuda.get_device_properties(index))

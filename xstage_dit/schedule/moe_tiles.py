@@ -8,6 +8,8 @@ at most ``block_m`` consecutive rows of one expert in the expert-major input. Ev
 - ``n2 = ceil(hidden / block_n2)`` Linear-2 tiles (router weight and remote combine store in the
   epilogue), each of which needs all ``n1`` Linear-1 tiles of its block.
 
+The order (the lead) is chosen by ``xstage_dit.schedule.moe.choose_moe_lead``; this module only builds it.
+
 A schedule is an int32 device array ``(num_tiles, 3)`` of ``(kind, block, n)`` rows in execution order
 (kind 0 = Linear-1, 1 = Linear-2). Programs take tiles in array order (atomic ticket), so as long as
 every Linear-2 tile comes after all Linear-1 tiles of its block, no tile ever waits on a tile that
@@ -111,14 +113,15 @@ def build_schedule(
     block_n2: int,
     lead: int = 0,
     wave_blocks: int | None = None,
-    num_programs: int = 132,
+    num_programs: int,
 ) -> TileSchedule:
     """The tile schedule for an expert-major layout with ``expert_offsets`` (see module docstring).
 
     lead: 0 = wave-by-wave, D >= 1 = interleaved with Linear-1 running D waves ahead.
     wave_blocks: blocks per wave; default ``ceil(num_programs / n1)`` (one machine-full of Linear-1 tiles).
+    num_programs: the persistent grid (one program per SM: ``DeviceFacts.num_sms``).
     Example: ``build_schedule([0, 256, 512], hidden=2048, intermediate=1344, block_m=128, block_n1=64,
-    block_n2=128, lead=2)``.
+    block_n2=128, lead=2, num_programs=facts.num_sms)``.
     """
     for name, v in (("hidden", hidden), ("intermediate", intermediate), ("block_n1", block_n1), ("block_n2", block_n2)):
         if v <= 0:
@@ -176,96 +179,3 @@ def check_schedule(schedule: TileSchedule) -> None:
     if len(seen) != expected:
         raise ValueError(f"expected {expected} tiles, got {len(seen)}")
 
-
-# --------------------------------------------------------------------------------------------------
-# Lead choice from the X-Stage design test (re-exported as ``xstage_dit.schedule.choose_moe_lead``)
-# --------------------------------------------------------------------------------------------------
-
-# Per-SM bf16 tensor-core rate our expert kernel is assumed to sustain when timing a tile from its
-# FLOPs (DESIGN §4: cuBLAS bmm 732-784 TFLOP/s on 132 SMs; we assume ~600 for a Triton tile).
-MOE_TILE_FLOPS_PER_SM = 600e12 / 132
-# Share of the L2 cache (H200: 60 MiB) the SwiGLU output of in-flight waves may take before the lead
-# costs locality (the ceiling on the lead).
-L2_CACHE_BYTES = 60 * 1024 * 1024
-L2_SHARE_FOR_LEAD = 0.5
-
-
-def choose_moe_lead(
-    xparams,
-    *,
-    hidden: int,
-    intermediate: int,
-    rows_per_expert: int,
-    num_experts_per_rank: int,
-    block_m: int = 128,
-    block_n1: int = 128,
-    block_n2: int = 128,
-    num_producers: int = 132,
-    dtype_bytes: int = 2,
-    tile_flops_per_sm: float = MOE_TILE_FLOPS_PER_SM,
-    l2_cache_bytes: float = L2_CACHE_BYTES,
-    max_lead: int = 4,
-):
-    """Wave-by-wave or interleaved combine, and the lead ``D`` (DESIGN §2, "reshape").
-
-    Burst: ``K_act = min(num_producers, Linear-2 tiles of a wave)`` producers each emit one Linear-2
-    tile of combine rows, ``V_t = block_m * block_n2 * dtype_bytes``; ``V = K_act * V_t``.
-    Gap: wave-by-wave leaves only the Linear-2 mainloop, ``G_wave = T_L2``; interleaving puts
-    ``n1/n2`` Linear-1 tiles between Linear-2 tiles, ``G_int = T_L2 + (n1/n2) * T_L1`` (tile times from
-    their FLOPs at ``tile_flops_per_sm``). If the design test passes at ``G_wave`` the wave order is
-    kept. Otherwise interleave with the smallest lead at or above the dependency floor
-    ``1 + ceil(K / tiles_per_wave)`` (a wave's Linear-1 tiles finish before its Linear-2 tiles are taken),
-    capped by the cache ceiling (in-flight SwiGLU output of ``D`` waves within half of L2).
-
-    xparams: ``XStageParams`` of the combine target, or None (no calibration: lead from the floor alone).
-    Returns ``ScheduleChoice(name="wave"|"interleaved", reason, {"lead": D, ...})``.
-    """
-    from xstage_dit.schedule.choices import ScheduleChoice
-
-    for name, v in (("hidden", hidden), ("intermediate", intermediate), ("rows_per_expert", rows_per_expert),
-                    ("num_experts_per_rank", num_experts_per_rank), ("block_m", block_m), ("block_n1", block_n1),
-                    ("block_n2", block_n2), ("num_producers", num_producers), ("dtype_bytes", dtype_bytes),
-                    ("max_lead", max_lead)):  # fmt: skip
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"expected {name} to be an int >= 1, got {v!r}")
-    n1 = -(-intermediate // block_n1)
-    n2 = -(-hidden // block_n2)
-    num_blocks = num_experts_per_rank * -(-rows_per_expert // block_m)
-    wave_blocks = max(1, -(-num_producers // n1))
-    num_waves = -(-num_blocks // wave_blocks)
-    tiles_per_wave = wave_blocks * (n1 + n2)
-    t_l1 = 2.0 * block_m * (2 * block_n1) * hidden / tile_flops_per_sm
-    t_l2 = 2.0 * block_m * block_n2 * intermediate / tile_flops_per_sm
-    k_act = min(num_producers, wave_blocks * n2)
-    volume = float(k_act * block_m * block_n2 * dtype_bytes)
-    g_wave = t_l2
-    g_int = t_l2 + (n1 / n2) * t_l1
-    floor = 1 + -(-num_producers // tiles_per_wave)
-    h_bytes_per_wave = wave_blocks * block_m * intermediate * dtype_bytes
-    ceiling = max(1, int(L2_SHARE_FOR_LEAD * l2_cache_bytes // max(1, h_bytes_per_wave)))
-    lead = max(1, min(floor, ceiling, max_lead, max(1, num_waves - 1)))
-    shape = (f"V = {k_act} x {block_m}x{block_n2} tiles = {volume / 2**20:.2f} MiB, T_L1 {t_l1 * 1e6:.2f} us, "
-             f"T_L2 {t_l2 * 1e6:.2f} us, {num_waves} waves of {wave_blocks} blocks")  # fmt: skip
-    params = {"lead": lead, "volume_bytes": volume, "gap_wave_s": g_wave, "gap_interleaved_s": g_int,
-              "lead_floor": floor, "lead_ceiling": ceiling}  # fmt: skip
-    if num_waves < 2:
-        return ScheduleChoice("wave", f"one wave only ({shape}): nothing to interleave", {**params, "lead": 0})
-    if xparams is None:
-        return ScheduleChoice(
-            "interleaved",
-            f"no X-Stage calibration (CPU, or none cached): lead {lead} from the dependency floor alone; {shape}",
-            params,
-        )
-    from xstage_dit.xstage import design_test
-
-    wave = design_test(xparams, volume, g_wave)
-    if wave.ok:
-        return ScheduleChoice("wave", f"wave-by-wave passes the design test ({wave.reason}); {shape}", {**params, "lead": 0})
-    inter = design_test(xparams, volume, g_int)
-    verdict = "passes" if inter.ok else "still fails, but backs up less"
-    return ScheduleChoice(
-        "interleaved",
-        f"wave-by-wave fails ({wave.reason}); interleaved {verdict} ({inter.reason}); lead {lead} "
-        f"(dependency floor {floor}, cache ceiling {ceiling}); {shape}",
-        {**params, "design_ok": inter.ok},
-    )

@@ -8,7 +8,9 @@ import os
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 
+from xstage_dit.calibration.provider import params_for
 from xstage_dit.server.config import ServedModel
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.server.worker import LoadedModel, RankContext
@@ -16,25 +18,25 @@ from xstage_dit.server.worker import LoadedModel, RankContext
 log = logging.getLogger(__name__)
 
 
-def calibration_report(device: torch.device) -> dict:
-    """The X-Stage numbers of this machine: from the cache or measured; on a CPU, why there are none."""
-    try:
-        from xstage_dit.calibration.runner import CalibrationUnavailable, load_or_calibrate
-    except ImportError as exc:
-        return {"available": False, "reason": f"calibration module not available ({exc})"}
-    try:
-        result = load_or_calibrate(device if device.type == "cuda" else None)
-    except CalibrationUnavailable as exc:
-        return {"available": False, "reason": str(exc)}
-    except Exception as exc:  # noqa: BLE001 - serving goes on without the numbers; said in the log and the report
-        log.warning("calibration failed, serving without its numbers: %s", exc)
-        return {"available": False, "reason": f"calibration failed: {type(exc).__name__}: {exc}"}
-    report = {"available": True, "source": getattr(result, "source", None),
-              "machine_key": getattr(result, "machine_key", None),
-              "params": {target: to_jsonable(p) for target, p in getattr(result, "params", {}).items()}}
-    summary = getattr(result, "summary", None)
-    if callable(summary):
-        report["summary"] = to_jsonable(summary())
+def calibration_report(device: torch.device, handle: Any = None) -> dict:
+    """The X-Stage numbers the schedules use: the ``ChosenParams`` ``parallelize`` resolved (one rank of
+    several), or, with no handle, ``params_for`` on this one rank (the cache, measured on a miss)."""
+    chosen = getattr(handle, "calibration", None)
+    if handle is not None and chosen is None:
+        return {"available": False, "reason": "attention schedule fixed by the user: no calibration needed"}
+    if chosen is None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # params_for is collective and this runs on rank 0 only: never load behind the other ranks' backs.
+            return {"available": False, "reason": "ranks without a parallelize handle: calibration not resolved"}
+        chosen = params_for(device, None, allow_measure=True)
+    report = {"available": chosen.params is not None, **chosen.describe()}
+    if chosen.params is None:
+        report["reason"] = chosen.source
+    result = chosen.result
+    if result is not None:
+        report["machine_key"] = result.machine_key
+        report["targets"] = {target: to_jsonable(p) for target, p in result.params.items()}
+        report["summary"] = to_jsonable(result.summary())
     return report
 
 
@@ -88,7 +90,7 @@ def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: t
         parallel["experts_loaded"] = "all" if expert_shard is None else f"shard {expert_shard[0]} of {expert_shard[1]}"
         report = {"model": served.name, "parallel": parallel, "device": str(device), "dtype": str(want)}
         if ctx.rank == 0:
-            report["calibration"] = calibration_report(device)
+            report["calibration"] = calibration_report(device, handle)
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:

@@ -1,9 +1,114 @@
-"""Ulysses attention with the post-attention All-to-All fused into the kernel's epilogue.
+"""Ulysses sequence-parallel attention with the post-attention All-to-All fused into the kernel.
 
-`op` holds the public op (`ulysses_attention`), its reference and the serial path; `kernel` the Triton kernel.
+Semantics (defined by ``ulysses_attention_reference``): on each of ``P`` ranks, ``q, k, v`` are the
+rank's contiguous chunk of a sequence of ``seq_len`` tokens, ``(batch, seq_local, heads, head_dim)``;
+the output, same shape, is full non-causal attention over the whole sequence restricted to the
+rank's tokens:
+
+    out_r = softmax(Q_r K^T * scale) V,   K, V = all ranks' keys/values concatenated in rank order
+
+Sharding (`partition`): the ``torch.chunk`` convention, only the last ranks short (possibly empty); with
+equal shards ``seq_len`` may be omitted, otherwise pass it. Heads need not divide by ``P`` (``heads >= P``).
+
+Schedules: ``"serial"`` (`serial`: library All-to-All around cuDNN SDPA, the baseline and the fallback),
+``"fused"`` (`table`: remote-store push, our Triton kernel storing output tiles into their owners'
+buffers), ``"auto"`` (`auto.resolve_attention_schedule` on the ``xparams`` handed in; logged once per shape).
+The op is handed its schedule and its params: it never loads a calibration.
+
+Modules: `partition`, `checks`, `reference`, `serial`, `table` + `kernel` (Triton), `auto`, and here the
+public op and its torch custom op ``xstage_dit::ulysses_attention`` (so ``torch.compile`` can trace it).
 """
 
-from xstage_dit.ops.attention.op import (attention_reference, serial_attention, ulysses_attention,
-                                         ulysses_attention_reference)
+from __future__ import annotations
 
-__all__ = ["attention_reference", "serial_attention", "ulysses_attention", "ulysses_attention_reference"]
+import functools
+import logging
+
+import torch
+
+from xstage_dit.comm.distributed import world_of
+from xstage_dit.ops.attention.auto import resolve_attention_schedule
+from xstage_dit.ops.attention.checks import check_inputs
+from xstage_dit.ops.attention.partition import head_split, shard_bounds
+from xstage_dit.ops.attention.reference import attention_reference, ulysses_attention_reference
+from xstage_dit.ops.attention.serial import serial_attention
+from xstage_dit.ops.attention.table import fused_attention, fused_attention_virtual_ranks
+from xstage_dit.comm.group_names import group_name, resolve_group
+from xstage_dit.ops.registry import NAMESPACE
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SCHEDULES", "attention_reference", "fused_attention", "fused_attention_virtual_ranks", "head_split",
+           "resolve_attention_schedule", "serial_attention", "shard_bounds", "ulysses_attention",
+           "ulysses_attention_impl", "ulysses_attention_reference"]
+
+SCHEDULES = ("auto", "fused", "serial")
+# What the custom op runs: "auto" is resolved before the op boundary, where the params are.
+OP_SCHEDULES = ("fused", "serial")
+
+
+def ulysses_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str,
+                           scale: float | None = None, seq_len: int | None = None) -> torch.Tensor:
+    """Eager implementation behind the custom op: runs ``schedule`` ("fused" | "serial") as handed in."""
+    if schedule not in OP_SCHEDULES:
+        raise ValueError(f"expected schedule in {OP_SCHEDULES} (resolve 'auto' before the op), got {schedule!r}")
+    if schedule == "fused":
+        return fused_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
+    return serial_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::ulysses_attention", mutates_args=())
+def _ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: str, schedule: str,
+                       scale: float | None, seq_len: int | None) -> torch.Tensor:
+    # Process groups cannot cross the op boundary: the group travels by name (`registry.group_name`).
+    return ulysses_attention_impl(q, k, v, group=resolve_group(group), schedule=schedule, scale=scale, seq_len=seq_len)
+
+
+@_ulysses_attention.register_fake
+def _(q, k, v, group, schedule, scale, seq_len):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@functools.cache
+def _log_auto(key: tuple, name: str, reason: str) -> None:
+    log.info("ulysses_attention %s: schedule %s (%s)", key, name, reason)
+
+
+@torch.compiler.assume_constant_result
+def _auto_schedule(xparams, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
+                   dtype: torch.dtype, device: torch.device) -> str:
+    # Under torch.compile, Dynamo runs this at trace time and bakes the name into the graph: eager and
+    # compiled calls resolve "auto" in this one place, logged once per shape.
+    choice = resolve_attention_schedule(xparams, batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim,
+                                        world_size=world_size, dtype=dtype, device=device)
+    _log_auto((batch, seq_len, heads, head_dim, world_size, str(dtype)), choice.name, choice.reason)
+    return choice.name
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str = "auto",
+                      scale: float | None = None, seq_len: int | None = None, xparams=None) -> torch.Tensor:
+    """Sequence-parallel (Ulysses) attention over the ranks of ``group``.
+
+    q, k, v: (batch, seq_local, heads, head_dim), this rank's chunk of the sequence (torch.chunk
+        convention; pass ``seq_len`` when the chunks are unequal).
+    Returns (batch, seq_local, heads, head_dim): ``softmax(q K^T * scale) V`` over all ranks' keys.
+    schedule: "fused" | "serial" | "auto" (``resolve_attention_schedule`` on ``xparams``, the calibrated
+        ``XStageParams`` of the ranks' target from ``calibration.params_for``; None = uncalibrated: serial
+        across ranks). scale: default ``1/sqrt(head_dim)``.
+
+    Example::
+
+        out = ulysses_attention(q, k, v, group=dist.group.WORLD, schedule="fused")  # q: (2, 2304, 24, 128) bf16
+
+    Goes through the ``xstage_dit::ulysses_attention`` custom op, so ``torch.compile`` can trace it.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"expected schedule in {SCHEDULES}, got {schedule!r}")
+    if schedule == "auto":
+        rank, world_size = world_of(group)
+        seq_len = check_inputs(q, k, v, rank, world_size, seq_len)
+        batch, _, heads, head_dim = q.shape
+        schedule = _auto_schedule(xparams, int(batch), int(seq_len), int(heads), int(head_dim), world_size, q.dtype,
+                                  q.device)
+    return torch.ops.xstage_dit.ulysses_attention(q, k, v, group_name(group), schedule,
+                                                  None if scale is None else float(scale), seq_len)

@@ -1,6 +1,6 @@
 """Triton FlashAttention forward whose epilogue stores each output tile through a destination table.
 
-Device code only knows pointers, strides and sizes; `ulysses_attention.py` owns the torch-facing API.
+Device code only knows pointers, strides and sizes; `table.py` and the package `__init__` own the torch-facing API.
 
 The kernel computes full (non-causal) attention for the heads held by this rank over the whole
 (padded) sequence and writes output row `m` of local head `h` straight into the buffer of the rank
@@ -30,14 +30,13 @@ for the mask.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from xstage_dit.ops.triton_alloc import install_descriptor_allocator
+from xstage_dit.ops.triton_alloc import install_descriptor_allocator, interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -262,10 +261,6 @@ class KernelConfig:
     def label(self) -> str:
         return (f"bm{self.block_m}_bn{self.block_n}_w{self.num_warps}_s{self.num_stages}"
                 f"{'_ws' if self.warp_specialize else ''}{'_desc' if self.use_desc else '_ptr'}")
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def default_config(head_dim: int, device: torch.device) -> KernelConfig:

@@ -1,6 +1,6 @@
 """Triton device code of the expert-parallel MoE: persistent expert MLP with remote combine, row push
 (dispatch) and the combine-reduce. Device code only; shapes are checked by the launchers in
-``moe_combine.py``.
+``fused.py``.
 
 Pointer tables: ``table_ptr`` is an int64[world] array whose entry ``r`` is the address of rank ``r``'s
 buffer (a symmetric-memory peer table, or a local table for world 1 / virtual ranks); entries are cast
