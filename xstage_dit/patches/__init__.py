@@ -248,7 +248,7 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedu
     # ep > 1: every MoE layer becomes an EP layer. World 1: only where the MoE chooser runs the fused
     # kernel (NucleusMoE on a GPU); the others stay diffusers' own, with the reason logged.
     if config.ep > 1 or (groups.world_size == 1 and plan.moe_layers):
-        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=xparams)
+        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=schedules.xparams)
         handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
     # MoE layers that stay diffusers' own (ep = 1) get the torch.compile work-around of compile_fixes.

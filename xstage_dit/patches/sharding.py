@@ -103,17 +103,18 @@ def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     staged = x.is_cuda and str(dist.get_backend(group)) == "gloo"
     src = x.cpu() if staged else x
     out = src.new_empty((world * src.shape[0], *src.shape[1:]))
-    _wait(_all_gather_single(out, src, group=group, async_op=True), group)
+    _all_gather(out, src, group)
     return out.to(x.device, non_blocking=True) if staged else out
 
 
-def _wait(work, group) -> None:
+def _all_gather(out: torch.Tensor, src: torch.Tensor, group) -> None:
     # gloo blocks the host: wait while watching for a peer's published failure. NCCL's wait only orders
-    # the stream (the host goes on), so polling there would add a host sync.
-    if is_gloo(group):
-        agreement.wait(work, group)
+    # the stream (the host goes on), so polling there would add a host sync; torch.compile traces the
+    # plain collective (a wait loop would break the graph).
+    if torch.compiler.is_compiling() or not is_gloo(group):
+        _all_gather_single(out, src, group=group)
     else:
-        work.wait()
+        agreement.wait(_all_gather_single(out, src, group=group, async_op=True), group)
 
 
 def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
@@ -122,5 +123,5 @@ def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) 
     sizes_device = torch.device("cpu") if backend == "gloo" else device
     mine = torch.tensor([local], dtype=torch.int64, device=sizes_device)
     out = torch.empty(world, dtype=torch.int64, device=sizes_device)
-    _wait(_all_gather_single(out, mine, group=group, async_op=True), group)
+    _all_gather(out, mine, group)
     return [int(s) for s in out.tolist()]
