@@ -361,7 +361,7 @@ def _failure(case: str, rank: int, world: int) -> None:
         pipe = _flux()
         parallelize(pipe, ParallelConfig(sp=world))
         _output(pipe, dict(FLUX_CALL, height=16, width=16))  # 16x16 -> 1 image token: a rank would hold none
-    elif case == "fail-one":  # one rank fails inside the forward, after the others entered a collective
+    elif case in ("fail-one", "fail-one-even"):  # one rank fails inside the forward, the others are in a collective
         pipe = _flux()
         parallelize(pipe, ParallelConfig(sp=world))
         block = pipe.transformer.single_transformer_blocks[0]
@@ -369,7 +369,8 @@ def _failure(case: str, rank: int, world: int) -> None:
             def boom(module, args, kwargs):
                 raise RuntimeError("injected failure in the single block")
             block.register_forward_pre_hook(boom, with_kwargs=True)
-        _output(pipe, FLUX_CALL)
+        # 48x48: 9 + 8 tokens, the others wait in the gather-KV all-gather; 64x64: 16 + 8, in the Ulysses all-to-all
+        _output(pipe, FLUX_CALL if case == "fail-one" else dict(FLUX_CALL, height=64, width=64))
     else:
         raise ValueError(f"unknown failure case {case!r}")
 

@@ -128,6 +128,7 @@ FAILURES = {
     "bypass": (2, "SDPAFluxProcessor"),
     "short": (4, "expected at least sp=4 tokens"),
     "fail-one": (2, "injected failure in the single block"),
+    "fail-one-even": (2, "injected failure in the single block"),
 }
 
 

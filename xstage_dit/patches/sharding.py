@@ -9,9 +9,9 @@ are the equal chunks of the Ulysses op (`xstage_dit.ops.attention.partition.shar
 which the backend hands shards to the op (a test checks the two rules agree there); otherwise the
 backend gathers keys and values, which works for any split.
 
-The collectives wait through `xstage_dit.comm.agreement.wait` on gloo: a peer that failed in the
-middle of a forward (and published its error) stops this rank at once with the peer's error, instead
-of leaving it in the all-gather until the collective timeout.
+The collectives are `xstage_dit.comm.staged`'s (the one copy of host staging for gloo), which wait
+failure-aware on gloo: a peer that failed in the middle of a forward (and published its error) stops
+this rank at once with the peer's error, instead of leaving it in the all-gather until the timeout.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from xstage_dit.comm import agreement
-from xstage_dit.comm.staged import is_gloo
+from xstage_dit.comm.staged import all_gather_dim0
 
-
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); the GPU machine has 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["split_sizes", "split_offsets", "check_splittable", "shard", "gather", "all_gather_dim0"]
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -96,32 +93,6 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, total: int | Non
     return torch.cat(pieces, dim=0).movedim(0, dim)
 
 
-def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``(n, ...)`` on each rank -> ``(world * n, ...)`` in rank order. gloo (ranks sharing one GPU) stages
-    CUDA tensors through the host: it has no CUDA all-gather."""
-    world = dist.get_world_size(group)
-    staged = x.is_cuda and str(dist.get_backend(group)) == "gloo"
-    src = x.cpu() if staged else x
-    out = src.new_empty((world * src.shape[0], *src.shape[1:]))
-    _all_gather(out, src, group)
-    return out.to(x.device, non_blocking=True) if staged else out
-
-
-def _all_gather(out: torch.Tensor, src: torch.Tensor, group) -> None:
-    # gloo blocks the host: wait while watching for a peer's published failure. NCCL's wait only orders
-    # the stream (the host goes on), so polling there would add a host sync; torch.compile traces the
-    # plain collective (a wait loop would break the graph).
-    if torch.compiler.is_compiling() or not is_gloo(group):
-        _all_gather_single(out, src, group=group)
-    else:
-        agreement.wait(_all_gather_single(out, src, group=group, async_op=True), group)
-
-
 def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    world = dist.get_world_size(group)
-    backend = str(dist.get_backend(group))
-    sizes_device = torch.device("cpu") if backend == "gloo" else device
-    mine = torch.tensor([local], dtype=torch.int64, device=sizes_device)
-    out = torch.empty(world, dtype=torch.int64, device=sizes_device)
-    _all_gather(out, mine, group)
-    return [int(s) for s in out.tolist()]
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    return [int(n) for n in all_gather_dim0(mine, group).tolist()]
