@@ -24,7 +24,9 @@ torch API, used here only).
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import functools
 import hashlib
 import time
 from typing import Any, Iterator
@@ -43,7 +45,25 @@ class RanksDisagree(ValueError):
 
 
 class RankFailed(RuntimeError):
-    """A rank failed; raised with the same message on every rank of the group."""
+    """A rank failed; raised with the same message on every rank of the group.
+
+    When the first failure was a builtin exception (ValueError, NotImplementedError...), every rank raises
+    a subclass of both RankFailed and that type, so ``except ValueError`` behaves as at world 1.
+    """
+
+
+@functools.cache
+def _failure_type(name: str) -> type:
+    builtin = getattr(builtins, name, None)
+    if not (isinstance(builtin, type) and issubclass(builtin, Exception)) or issubclass(builtin, RankFailed):
+        return RankFailed
+    if issubclass(RankFailed, builtin):
+        return RankFailed  # RuntimeError, Exception
+    return type(f"RankFailed{name}", (RankFailed, builtin), {"__module__": __name__})
+
+
+def _failure(kind: str, message: str) -> RankFailed:
+    return _failure_type(kind)(message)
 
 
 def _world(group) -> tuple[int, int]:
@@ -98,12 +118,12 @@ def fail_together(group=None, *, what: str = "parallelize") -> Iterator[None]:
     except Exception as exc:  # noqa: BLE001 - reported to the peers, then raised again below
         error = exc
     statuses: list[Any] = [None] * world
-    mine = None if error is None else f"{type(error).__name__}: {error}"
+    mine = None if error is None else (type(error).__name__, str(error))
     dist.all_gather_object(statuses, mine, group=group)
     failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
     if failed:
-        first, message = failed[0]
-        raise RankFailed(f"{what} failed on rank {first} of {world}: {message}") from error
+        first, (kind, message) = failed[0]
+        raise _failure(kind, f"{what} failed on rank {first} of {world}: {kind}: {message}") from error
 
 
 def _store():
@@ -118,14 +138,15 @@ def publish_failure(exc: BaseException, group=None, *, what: str = "forward") ->
     the first published one (when several ranks fail at once, all of them raise the first one's error)."""
     rank, world = _world(group)
     global_rank = dist.get_rank() if dist.is_initialized() else 0
-    failure = RankFailed(f"{what} failed on rank {global_rank}: {type(exc).__name__}: {exc}")
+    kind = type(exc).__name__
+    message = f"{what} failed on rank {global_rank}: {kind}: {exc}"
     if world == 1:
-        return failure
+        return _failure(kind, message)
     store = _store()
     # add() is atomic: only the first failing rank writes; get() waits until that message is there.
     if store.add(_KEY + "/count", 1) == 1:
-        store.set(_KEY, str(failure))
-    return RankFailed(store.get(_KEY).decode())
+        store.set(_KEY, f"{kind}\n{message}")
+    return published_failure()
 
 
 def published_failure() -> RankFailed | None:
@@ -135,7 +156,8 @@ def published_failure() -> RankFailed | None:
     store = _store()
     if not store.check([_KEY]):
         return None
-    return RankFailed(store.get(_KEY).decode())
+    kind, _, message = store.get(_KEY).decode().partition("\n")
+    return _failure(kind, message)
 
 
 def wait(work, group=None, *, poll_s: float = 0.002) -> None:
