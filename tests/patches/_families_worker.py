@@ -193,9 +193,27 @@ def _chronoedit():
                        encoder_hidden_states=torch.randn(1, 7, 16, generator=g), return_dict=False)
 
 
+def _hunyuan_image():
+    """HunyuanImage 2.1 (dual + single blocks, token refiner): 3x3 = 9 image tokens, 8 text tokens of
+    which the second prompt pads 3, batch 2."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: HunyuanImageTransformer2DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1, num_single_layers=1,
+        num_refiner_layers=1, text_embed_dim=32, rope_axes_dim=(8, 8)), seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0
+    return model, dict(hidden_states=torch.randn(2, 4, 3, 3, generator=g), timestep=torch.tensor([500.0, 500.0]),
+                       encoder_hidden_states=torch.randn(2, 8, 32, generator=g), encoder_attention_mask=mask,
+                       return_dict=False)
+
+
 # Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
 TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2,
-                "flux2-9": _flux2, "chronoedit": _chronoedit}
+                "flux2-9": _flux2, "chronoedit": _chronoedit, "hunyuanimage": _hunyuan_image}
 
 
 def transformer_equivalence(name: str, world: int) -> dict:

@@ -46,8 +46,8 @@ def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400
 # transformer level, on the inputs their pipelines make (their text encoders are too large to build here):
 # 9 image tokens (3, 2, 2, 2 at world 4: the shard that used to be empty, and crashed rotary embedding
 # on that rank alone) and Helios with 3 blocks (diffusers' own plan names exactly 40)
-# and LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens) and ChronoEdit
-TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flux2-9", "chronoedit"]
+# and LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens), ChronoEdit, HunyuanImage 2.1 (padded prompt)
+TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flux2-9", "chronoedit", "hunyuanimage"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -82,7 +82,7 @@ def test_readme_pipeline_column_is_what_this_file_tests():
             assert p.pipeline_worlds == (2, 4), p
     transformer_level = {"QwenImageTransformer2DModel", "HunyuanVideoTransformer3DModel", "HeliosTransformer3DModel",
                          "LTX2VideoTransformer3DModel", "Flux2Transformer2DModel",
-                         "ChronoEditTransformer3DModel"}  # TRANSFORMERS below
+                         "ChronoEditTransformer3DModel", "HunyuanImageTransformer2DModel"}  # TRANSFORMERS below
     assert {p.class_name for p in supported_models() if p.tested} == claimed | transformer_level
 
 

@@ -15,9 +15,11 @@ is diffusers' (``ContextParallelInput`` / ``ContextParallelOutput``):
 from __future__ import annotations
 
 import torch
+from diffusers.hooks import ModelHook
 
 from xstage_dit.patches import _diffusers_private as private
-from xstage_dit.patches.sequence_parallel import SequenceParallelSpec
+from xstage_dit.patches import sharding
+from xstage_dit.patches.sequence_parallel import SequenceParallelSpec, SequenceState
 
 
 def _blocks(model: torch.nn.Module, name: str) -> int:
@@ -168,4 +170,59 @@ def ltx2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
             "transformer_blocks.*.audio_attn2": "replicated",
             "transformer_blocks.*.audio_to_video_attn": "replicated",
         },
+    )
+
+
+# ---- HunyuanImage 2.1: dual + single blocks on [image, text]; the key mask is built from full lengths -------
+
+class _ImageTokens(ModelHook):
+    """Remembers the full image token count (x_embedder's output) for the block mask hook."""
+
+    def __init__(self, state: SequenceState) -> None:
+        super().__init__()
+        self.state = state
+
+    def post_forward(self, module, output):
+        self.state.named["image"] = output.shape[1]
+        return output
+
+
+class _ShardedJointMask(ModelHook):
+    """Blocks get ``attention_mask`` (batch, 1, 1, image + text) over the whole sequence; each rank's keys are
+    [its image shard, its text shard], so the mask becomes [image part shard, text part shard]."""
+
+    def __init__(self, state: SequenceState) -> None:
+        super().__init__()
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            image = self.state.named["image"]
+            rank, world = self.state.rank, self.state.world
+            kwargs["attention_mask"] = torch.cat(
+                [sharding.shard(mask[..., :image], mask.dim() - 1, rank, world),
+                 sharding.shard(mask[..., image:], mask.dim() - 1, rank, world)], dim=-1)
+        return args, kwargs
+
+
+def hunyuan_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    _blocks(model, "transformer_blocks")
+    rope = {0: cpi(split_dim=0, expected_dims=2, split_output=True), 1: cpi(split_dim=0, expected_dims=2, split_output=True)}
+    extra = [("x_embedder", _ImageTokens), ("transformer_blocks.*", _ShardedJointMask)]
+    if len(getattr(model, "single_transformer_blocks", ())):
+        extra.append(("single_transformer_blocks.*", _ShardedJointMask))
+    return SequenceParallelSpec(
+        cp_plan={
+            "rope": rope,  # (cos, sin), (S_image, d)
+            "transformer_blocks.0": {
+                "hidden_states": cpi(split_dim=1, expected_dims=3),
+                "encoder_hidden_states": cpi(split_dim=1, expected_dims=3),
+            },
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        # the token refiner attends the whole prompt inside context_embedder, before the split
+        local_attention=("context_embedder.*",),
+        extra_hooks=extra,
     )

@@ -240,6 +240,8 @@ _PLANS: dict[str, ModelPlan] = {
                   pipeline_worlds=_PW),
         ModelPlan("WanVACETransformer3DModel", "Wan-VACE", "xstage", fam.wan_vace_sp, cfg=None, tested=True,
                   pipeline_worlds=_PW),
+        ModelPlan("HunyuanImageTransformer2DModel", "HunyuanImage 2.1", "xstage", fam.hunyuan_image_sp, cfg=None,
+                  tested=True),
         ModelPlan("SkyReelsV2Transformer3DModel", "SkyReels-V2", "xstage", fam.skyreels_v2_sp, cfg=None, tested=True,
                   pipeline_worlds=_PW),
         ModelPlan(
