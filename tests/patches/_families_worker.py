@@ -211,9 +211,31 @@ def _hunyuan_image():
                        return_dict=False)
 
 
+def _hunyuan_video15():
+    """HunyuanVideo 1.5 (T2V inputs as its pipeline makes them: LLM and ByT5 prompts with padding masks,
+    zero image embeddings with a zero mask): 2 frames x 3x3 = 18 video tokens, batch 2."""
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    from xstage_dit.models.build import build_module
+
+    model = build_module(lambda: HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2, num_refiner_layers=1,
+        text_embed_dim=32, text_embed_2_dim=16, image_embed_dim=16, rope_axes_dim=(4, 6, 6), task_type="t2v"),
+        seed=1, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    mask, mask_2 = torch.ones(2, 8), torch.ones(2, 4)
+    mask[1, 5:] = 0
+    mask_2[0, 3:] = 0
+    return model, dict(hidden_states=torch.randn(2, 9, 2, 3, 3, generator=g), timestep=torch.tensor([500.0, 500.0]),
+                       encoder_hidden_states=torch.randn(2, 8, 32, generator=g), encoder_attention_mask=mask,
+                       encoder_hidden_states_2=torch.randn(2, 4, 16, generator=g), encoder_attention_mask_2=mask_2,
+                       image_embeds=torch.zeros(2, 3, 16), return_dict=False)
+
+
 # Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
 TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2,
-                "flux2-9": _flux2, "chronoedit": _chronoedit, "hunyuanimage": _hunyuan_image}
+                "flux2-9": _flux2, "chronoedit": _chronoedit, "hunyuanimage": _hunyuan_image,
+                "hunyuanvideo15": _hunyuan_video15}
 
 
 def transformer_equivalence(name: str, world: int) -> dict:

@@ -46,8 +46,10 @@ def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400
 # transformer level, on the inputs their pipelines make (their text encoders are too large to build here):
 # 9 image tokens (3, 2, 2, 2 at world 4: the shard that used to be empty, and crashed rotary embedding
 # on that rank alone) and Helios with 3 blocks (diffusers' own plan names exactly 40)
-# and LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens), ChronoEdit, HunyuanImage 2.1 (padded prompt)
-TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flux2-9", "chronoedit", "hunyuanimage"]
+# and LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens), ChronoEdit, HunyuanImage 2.1 (padded
+# prompt), HunyuanVideo 1.5 (its valid_q & valid_k self-attention mask)
+TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flux2-9", "chronoedit", "hunyuanimage",
+                "hunyuanvideo15"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -82,7 +84,8 @@ def test_readme_pipeline_column_is_what_this_file_tests():
             assert p.pipeline_worlds == (2, 4), p
     transformer_level = {"QwenImageTransformer2DModel", "HunyuanVideoTransformer3DModel", "HeliosTransformer3DModel",
                          "LTX2VideoTransformer3DModel", "Flux2Transformer2DModel",
-                         "ChronoEditTransformer3DModel", "HunyuanImageTransformer2DModel"}  # TRANSFORMERS below
+                         "ChronoEditTransformer3DModel", "HunyuanImageTransformer2DModel",
+                         "HunyuanVideo15Transformer3DModel"}  # TRANSFORMERS below
     assert {p.class_name for p in supported_models() if p.tested} == claimed | transformer_level
 
 
@@ -105,6 +108,19 @@ def test_subclasses_resolve_to_their_family_and_unknown_classes_are_named():
     SD3Transformer2DModelLookalike.__name__ = "SD3Transformer2DModel"  # same name, not diffusers' class
     with pytest.raises(ValueError, match="or a subclass of one, got SD3Transformer2DModel"):
         plan_for(SD3Transformer2DModelLookalike())
+
+
+def test_symmetric_padding_masks_are_recognised():
+    import torch
+
+    from xstage_dit.patches.attention_backend import _symmetric_padding
+
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    mask = (valid[:, :, None] & valid[:, None, :])[:, None]
+    assert torch.equal(_symmetric_padding(mask, 3), valid)
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None]
+    assert _symmetric_padding(causal, 3) is None  # not valid_q & valid_k: refused by the backend, not guessed
+    assert _symmetric_padding(mask.float(), 3) is None
 
 
 def test_helios_plan_follows_the_block_count():

@@ -126,12 +126,28 @@ def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext, why: str):
         m_all = mask
     elif mask.shape[2] == 1:
         m_all = sharding.gather(mask.contiguous(), 3, ctx.group)
+    elif (valid := _symmetric_padding(mask, q.shape[1])) is not None:
+        # HunyuanVideo 1.5 masks self-attention with valid_q & valid_k over the rank's own tokens: gather
+        # the validity of the keys and rebuild the rows of this rank's queries against all keys
+        valid_all = sharding.gather(valid.contiguous(), 1, ctx.group)
+        m_all = valid[:, None, :, None] & valid_all[:, None, None, :]
     else:
         raise NotImplementedError(
             f"attention {ctx.name}: a query-dependent mask over this rank's keys only cannot be gathered, got "
             f"{tuple(mask.shape)} for {k.shape[1]} local of {k_all.shape[1]} keys"
         )
     return _sdpa(q, k_all, v_all, m_all, scale)
+
+
+def _symmetric_padding(mask: torch.Tensor, seq_q: int) -> torch.Tensor | None:
+    """``valid (batch, seq)`` when a bool (batch, 1, seq, seq) mask over the rank's own tokens is
+    ``valid_q & valid_k`` (read off its diagonal and checked), else None."""
+    if mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != seq_q or mask.shape[3] != seq_q:
+        return None
+    valid = torch.diagonal(mask[:, 0], dim1=1, dim2=2)
+    if not torch.equal(mask[:, 0], valid[:, :, None] & valid[:, None, :]):
+        return None
+    return valid
 
 
 def xstage_attention(

@@ -226,3 +226,25 @@ def hunyuan_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         local_attention=("context_embedder.*",),
         extra_hooks=extra,
     )
+
+
+# ---- HunyuanVideo 1.5: [video, reordered text] blocks; the processor masks valid_q & valid_k ---------------
+
+def hunyuan_video15_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    _blocks(model, "transformer_blocks")
+    rope = {0: cpi(split_dim=0, expected_dims=2, split_output=True), 1: cpi(split_dim=0, expected_dims=2, split_output=True)}
+    return SequenceParallelSpec(
+        cp_plan={
+            "rope": rope,  # (cos, sin), (S_video, d)
+            "transformer_blocks.0": {
+                "hidden_states": cpi(split_dim=1, expected_dims=3),
+                "encoder_hidden_states": cpi(split_dim=1, expected_dims=3),
+            },
+            # the forward hands every block the (batch, text) mask of its reordered [image, ByT5, LLM] text;
+            # the processor pads it with the (local) video tokens and masks valid_q & valid_k
+            "transformer_blocks.*": {"attention_mask": cpi(split_dim=1, expected_dims=2)},
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        local_attention=("context_embedder.*",),  # the token refiner, on the whole prompt before the split
+    )

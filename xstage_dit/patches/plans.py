@@ -240,6 +240,8 @@ _PLANS: dict[str, ModelPlan] = {
                   pipeline_worlds=_PW),
         ModelPlan("WanVACETransformer3DModel", "Wan-VACE", "xstage", fam.wan_vace_sp, cfg=None, tested=True,
                   pipeline_worlds=_PW),
+        ModelPlan("HunyuanVideo15Transformer3DModel", "HunyuanVideo 1.5", "xstage", fam.hunyuan_video15_sp, cfg=None,
+                  tested=True),
         ModelPlan("HunyuanImageTransformer2DModel", "HunyuanImage 2.1", "xstage", fam.hunyuan_image_sp, cfg=None,
                   tested=True),
         ModelPlan("SkyReelsV2Transformer3DModel", "SkyReels-V2", "xstage", fam.skyreels_v2_sp, cfg=None, tested=True,
