@@ -7,11 +7,21 @@
     handle.restore()                                                         # the original pipeline again
 
 One module per concern: `config` (ParallelConfig), `groups` (process groups), `sharding` (the split
-rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `attention_schedules` (the
-schedule per shape, from the params `calibration.params_for` gives once), `expert_parallel` (EP MoE
-layers), `cfg_parallel` (guidance branches), `plans` (model registry), `_diffusers_private` (the only
-user of private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
+rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processors` (Ulysses),
+`attention_schedules` (the schedule per shape, from the params `calibration.params_for` gives once),
+`expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
+subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
+`collective_safety` (agreement and failures across ranks), `_diffusers_private` (the only user of
+private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
+
+Never a hang (issue 18): before any other collective the ranks compare their configuration, model
+classes and weight shapes (`RanksDisagree` on every rank if they differ); a validation error on one
+rank is raised on all (`RankFailed`, also of the original builtin kind: ``except ValueError`` works);
+each eager forward compares a fingerprint of the inputs first (differently seeded generators fail on
+every rank instead of giving an image no single process makes; ``ParallelConfig(check_inputs=False)``
+skips it); an exception inside a forward is published to the peers, whose gloo collectives stop with
+the same error at once. After such a forward failure the process group is not reusable: exit.
 """
 
 from __future__ import annotations
@@ -140,7 +150,10 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     Call on every rank after loading the same weights (torchrun, or ``xstage-dit generate --sp N``).
     Errors, raised before any GPU work: ValueError for degrees that do not multiply to the world
     size, a head count sp cannot split, ep > 1 on a model without MoE layers, cfg=2 where CFG does
-    not apply, or an unsupported transformer; RuntimeError if `pipe` is already parallelized.
+    not apply, an unsupported transformer, or a processor that bypasses dispatch_attention_fn
+    (named); RuntimeError if `pipe` is already parallelized. At world > 1 every rank raises the same
+    error: `RanksDisagree` (a ValueError) when the ranks passed different configurations, model
+    classes or weight shapes, `RankFailed` (of the first failing rank's kind) when one rank failed.
     Returns a `ParallelHandle`; ``handle.restore()`` gives back the original pipeline.
     """
     if config is None:
