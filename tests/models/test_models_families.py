@@ -25,6 +25,7 @@ TINY_ONLY_CLASSES = {
     "z-image": "ZImagePipeline",
     "wan-vace": "WanVACEPipeline",
     "skyreels-v2": "SkyReelsV2DiffusionForcingPipeline",
+    "qwenimage": "QwenImagePipeline",
 }
 
 

@@ -79,6 +79,10 @@ PIPELINES = {
     "skyreels-v2": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=5,
                                                             num_inference_steps=2, guidance_scale=1.0,
                                                             max_sequence_length=16, ar_step=0, causal_block_size=1)),
+    # true CFG (cond and uncond prompts of different lengths, each with its mask); 48x48 -> 9 image tokens
+    "qwenimage": (lambda: _pipe("tiny-qwenimage"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
+                                                        height=48, width=48, num_inference_steps=2,
+                                                        max_sequence_length=64)),
     # causal blocks of 2 latent frames: a (1, 1, seq, seq) block-causal mask whose query rows follow the shards
     "skyreels-v2-causal": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=13,
                                                                    num_inference_steps=2, guidance_scale=1.0,

@@ -20,6 +20,7 @@ FAMILY_MODULES = {
     "z-image": "xstage_dit.models.z_image",
     "wan-vace": "xstage_dit.models.wan_vace",
     "skyreels-v2": "xstage_dit.models.skyreels",
+    "qwenimage": "xstage_dit.models.qwenimage",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -113,6 +114,11 @@ def _specs() -> dict[str, ModelSpec]:
             pipeline_class="SkyReelsV2DiffusionForcingPipeline", patch_multiple=16, height=64, width=64, frames=5,
             frame_multiple=4, steps=2, guidance=1.0, max_sequence_length=16, fps=24,
             description="SkyReels-V2 diffusion forcing, 2 blocks, 4 heads x 16, random weights",
+        ),
+        ModelSpec(
+            name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
+            description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
         ),
     ]
     return {s.name: s for s in specs}
