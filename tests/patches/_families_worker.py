@@ -83,6 +83,11 @@ PIPELINES = {
     "qwenimage": (lambda: _pipe("tiny-qwenimage"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
                                                         height=48, width=48, num_inference_steps=2,
                                                         max_sequence_length=64)),
+    # Helios with 3 blocks (its plan follows the model, not diffusers' 40): a window of latent frames with
+    # its history latents, guidance 5 (two calls per step)
+    "helios": (lambda: _pipe("tiny-helios"), dict(prompt=PROMPT, negative_prompt="blurry", height=48, width=48,
+                                                  num_frames=9, num_inference_steps=2, guidance_scale=5.0,
+                                                  max_sequence_length=16)),
     # causal blocks of 2 latent frames: a (1, 1, seq, seq) block-causal mask whose query rows follow the shards
     "skyreels-v2-causal": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=13,
                                                                    num_inference_steps=2, guidance_scale=1.0,

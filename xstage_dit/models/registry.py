@@ -21,6 +21,7 @@ FAMILY_MODULES = {
     "wan-vace": "xstage_dit.models.wan_vace",
     "skyreels-v2": "xstage_dit.models.skyreels",
     "qwenimage": "xstage_dit.models.qwenimage",
+    "helios": "xstage_dit.models.helios",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -119,6 +120,12 @@ def _specs() -> dict[str, ModelSpec]:
             name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
             patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
             description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-helios", family="helios", size="tiny", kind="video", pipeline_class="HeliosPipeline",
+            patch_multiple=16, height=64, width=64, frames=9, frame_multiple=4, steps=2, guidance=5.0,
+            max_sequence_length=16, fps=24,
+            description="Helios architecture, 3 blocks, 4 heads x 16, random weights",
         ),
     ]
     return {s.name: s for s in specs}
