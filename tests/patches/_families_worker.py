@@ -49,6 +49,14 @@ DEVICE = os.environ.get("XSTAGE_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("XSTAGE_TEST_DTYPE", "float32"))
 
 
+def _chronoedit_pipe():
+    from xstage_dit.models import chronoedit
+
+    pipe = chronoedit.build("tiny", dtype=DTYPE, device=DEVICE, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def _pipe(name):
     from xstage_dit.models import load_pipeline
 
@@ -88,6 +96,10 @@ PIPELINES = {
     "helios": (lambda: _pipe("tiny-helios"), dict(prompt=PROMPT, negative_prompt="blurry", height=48, width=48,
                                                   num_frames=9, num_inference_steps=2, guidance_scale=5.0,
                                                   max_sequence_length=16)),
+    # image-conditioned: CLIP vision embeddings in the cross-attention, the image latents as channels
+    "chronoedit": (_chronoedit_pipe, dict(image=_video(1, 48, 48)[0], prompt=PROMPT, negative_prompt="blurry", height=48,
+                                          width=48, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
+                                          max_sequence_length=16)),
     # causal blocks of 2 latent frames: a (1, 1, seq, seq) block-causal mask whose query rows follow the shards
     "skyreels-v2-causal": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=13,
                                                                    num_inference_steps=2, guidance_scale=1.0,
