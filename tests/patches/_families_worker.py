@@ -400,15 +400,24 @@ def _bypassing_processor():
     return SDPAFluxProcessor
 
 
+ENTERED: list[float] = []  # when this rank reached the call that fails (wall clock; the test compares ranks)
+
+
+def _enter() -> None:
+    ENTERED.append(time.time())
+
+
 def _failure(case: str, rank: int, world: int) -> None:
     from xstage_dit.patches import ParallelConfig, parallelize
 
     if case == "disagree":  # rank 0 asks sp=world, the others sp=1
         pipe = _flux()
+        _enter()
         parallelize(pipe, ParallelConfig(sp=world if rank == 0 else 1))
     elif case == "seeds":  # each rank seeds its generator differently
         pipe = _flux()
         parallelize(pipe, ParallelConfig(sp=world))
+        _enter()
         _output(pipe, FLUX_CALL, generator=_gen(rank))
     elif case == "bypass":
         pipe = _flux()
@@ -416,11 +425,13 @@ def _failure(case: str, rank: int, world: int) -> None:
         for m in pipe.transformer.modules():
             if hasattr(m, "processor") and type(m.processor).__name__ == "FluxAttnProcessor":
                 m.set_processor(cls())
+        _enter()
         parallelize(pipe, ParallelConfig(sp=world))
         _output(pipe, FLUX_CALL)
     elif case == "short":  # 4 text tokens at sp=world > 4 ... or the image: 1 image token < sp
         pipe = _flux()
         parallelize(pipe, ParallelConfig(sp=world))
+        _enter()
         _output(pipe, dict(FLUX_CALL, height=16, width=16))  # 16x16 -> 1 image token: a rank would hold none
     elif case in ("fail-one", "fail-one-even"):  # one rank fails inside the forward, the others are in a collective
         pipe = _flux()
@@ -430,6 +441,7 @@ def _failure(case: str, rank: int, world: int) -> None:
             def boom(module, args, kwargs):
                 raise RuntimeError("injected failure in the single block")
             block.register_forward_pre_hook(boom, with_kwargs=True)
+        _enter()
         # 48x48: 9 + 8 tokens, the others wait in the gather-KV all-gather; 64x64: 16 + 8, in the Ulysses all-to-all
         _output(pipe, FLUX_CALL if case == "fail-one" else dict(FLUX_CALL, height=64, width=64))
     else:
@@ -459,6 +471,7 @@ def main() -> int:
                 results[name] = {"error": f"{type(exc).__name__}: {exc}"}
             results[name]["seconds"] = time.perf_counter() - t0
             results[name]["at"] = time.time()  # wall clock of this machine: the test compares the ranks
+            results[name]["entered"] = ENTERED[-1] if ENTERED else None
             break  # after a failure the process group is not reusable: one failure case per launch
     with open(f"{out_path}.{info.rank}", "w") as f:
         json.dump(results, f, indent=1)

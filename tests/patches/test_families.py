@@ -159,6 +159,8 @@ def test_a_failure_is_the_same_clear_error_on_every_rank(case, tmp_path):
     errors = [r[case]["error"] for r in ranks]
     assert all(e is not None and message in e for e in errors), errors
     assert len(set(errors)) == 1, errors  # the same error on every rank
-    # every rank ended within 10 s of the first one (no rank waited out the 120 s collective timeout)
-    at = [r[case]["at"] for r in ranks]
-    assert max(at) - min(at) < 10, (ranks, time.monotonic() - t0)
+    # every rank ended within 10 s of the moment the last one reached the failing call (no rank waited out
+    # the 120 s collective timeout; a rank still building its pipeline on the loaded machine is not waiting)
+    entered = [r[case]["entered"] for r in ranks]
+    assert all(e is not None for e in entered), ranks
+    assert max(r[case]["at"] for r in ranks) - max(entered) < 10, (ranks, time.monotonic() - t0)
