@@ -1,4 +1,4 @@
-"""CPU tests of the end-to-end benchmark (`xstage_dit/bench/e2e.py`, `xstage-dit bench`).
+"""CPU tests of the end-to-end benchmark (`xstage_dit.bench`, `xstage-dit bench`).
 
 The end-to-end test runs the real script on the tiny FLUX pipeline (1 prompt, 2 steps) through the
 `xstage-dit bench` entry point and checks what it writes; the others check the pieces whose numbers
@@ -16,8 +16,7 @@ import pytest
 import torch
 
 from xstage_dit import cli
-from xstage_dit.bench import e2e as bench
-from xstage_dit.cli import bench as bench_cli
+from xstage_dit.bench import contenders, measure, options, report, session, stats
 
 
 
@@ -27,42 +26,42 @@ from xstage_dit.cli import bench as bench_cli
 
 
 def test_prompts_file_is_a_varied_dozen():
-    prompts = bench.load_prompts(bench_cli.PROMPTS)
+    prompts = session.load_prompts(options.PROMPTS)
     assert len(prompts) == 12
     assert len(set(prompts)) == 12
     assert any(len(p.split()) <= 3 for p in prompts), "expected a short prompt"
     assert any(len(p.split()) > 70 for p in prompts), "expected a long prompt (past CLIP's 77-token window)"
     assert sum(any(ord(ch) > 127 for ch in p) for p in prompts) >= 3, "expected several non-ASCII prompts"
-    assert bench.load_prompts(bench_cli.PROMPTS, 2) == prompts[:2]
+    assert session.load_prompts(options.PROMPTS, 2) == prompts[:2]
 
 
 def test_load_prompts_skips_comments_and_rejects_too_many(tmp_path):
     path = tmp_path / "p.txt"
     path.write_text("# comment\n\n  first  \nsecond\n", encoding="utf-8")
-    assert bench.load_prompts(path) == ["first", "second"]
+    assert session.load_prompts(path) == ["first", "second"]
     with pytest.raises(ValueError, match="num-prompts <= 2.*got 3"):
-        bench.load_prompts(path, 3)
+        session.load_prompts(path, 3)
     path.write_text("# only a comment\n", encoding="utf-8")
     with pytest.raises(ValueError, match="at least one prompt"):
-        bench.load_prompts(path)
+        session.load_prompts(path)
 
 
 def test_percentile_interpolates_between_order_statistics():
-    assert bench.percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
-    assert bench.percentile([5.0], 90) == 5.0
+    assert stats.percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)
+    assert stats.percentile([5.0], 90) == 5.0
     values = list(np.random.default_rng(0).random(11))
-    assert bench.percentile(values, 50) == pytest.approx(statistics.median(values))
+    assert stats.percentile(values, 50) == pytest.approx(statistics.median(values))
 
 
 def test_model_slug_and_gpu_label():
-    assert bench.model_slug("full-flux") == "full-flux"
-    assert bench.model_slug("/data/models/FLUX.1-dev") == "FLUX.1-dev"
-    assert bench.gpu_label(torch.device("cpu")) == "cpu"
+    assert session.model_slug("full-flux") == "full-flux"
+    assert session.model_slug("/data/models/FLUX.1-dev") == "FLUX.1-dev"
+    assert session.gpu_label(torch.device("cpu")) == "cpu"
 
 
 def test_transformer_timer_counts_each_forward_and_detaches():
     module = torch.nn.Linear(8, 8)
-    timer = bench.TransformerTimer(module, torch.device("cpu"))
+    timer = measure.TransformerTimer(module, torch.device("cpu"))
     for _ in range(3):
         module(torch.randn(2, 8))
     total_s, calls = timer.collect()
@@ -109,11 +108,29 @@ def test_gpus_must_match_the_launched_ranks(monkeypatch, capsys):
     assert "expected --gpus to equal the launched ranks (WORLD_SIZE=3), got --gpus 2" in capsys.readouterr().err
 
 
+def test_the_harness_imports_no_cli_and_writes_below_the_current_directory():
+    """bench sits below cli (its options are bench.options), and the default results folder is relative to
+    the current directory, not the package's parent (which is site-packages in an installed wheel)."""
+    import argparse
+    import subprocess
+    import sys
+
+    probe = ("import sys, xstage_dit.bench.e2e, xstage_dit.bench.report; "
+             "print(sorted(m for m in sys.modules if m.startswith('xstage_dit.cli')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    args = parser.parse_args(["--seed", "5", "--weights-seed", "9"])
+    assert args.out_dir == "benchmarks/results" and (args.seed, args.weights_seed) == (5, 9)
+    assert "--weights-seed 9" in options.command_line(args) and "--seed 5" in options.command_line(args)
+
+
 def test_help_lists_every_contender(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
     out = capsys.readouterr().out
-    for name in bench_cli.CONTENDERS:
+    for name in options.CONTENDERS:
         assert name in out
     assert "--compile" in out and "--time-budget-s" in out
 
@@ -140,8 +157,8 @@ def test_summary_and_comparisons_are_the_measured_ratios():
         _ok("xstage-serial+compile", 0.8, compile=True),
         {"name": "xfuser-usp", "family": "xfuser-usp", "compile": False, "status": "cannot run", "reason": "why"},
     ]
-    bench.add_comparisons(records, default_steps=28, steps=4)
-    summary = bench.build_summary(records, {"steps": 4})
+    stats.add_comparisons(records, default_steps=28, steps=4)
+    summary = stats.build_summary(records, {"steps": 4})
     by = summary["contenders"]
     assert summary["baseline"] == "diffusers" and summary["measured_at_steps"] == 4
     assert by["diffusers"]["speedup_vs_diffusers_1gpu"] == pytest.approx(1.0)
@@ -160,20 +177,20 @@ def test_summary_and_comparisons_are_the_measured_ratios():
 
 
 def test_run_order_baseline_first_irreversible_last():
-    order = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=4)]
+    order = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
     assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
     assert order[:7] == ["diffusers", "xstage-serial", "xstage-calibrated", "diffusers-repeat", "diffusers+compile",
                          "xstage-serial+compile", "xstage-calibrated+compile"]
-    order1 = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1)]
+    order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
     assert len(order1) == len(set(order1)) == 11
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
-    order_rounds = [c.name for c in bench.make_contenders(list(bench_cli.CONTENDERS), True, world_size=1, rounds=2)]
+    order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
     # No xstage contender, no repeat.
-    assert [c.name for c in bench.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
-    skipped = bench.make_contenders(["diffusers"], False)
+    assert [c.name for c in contenders.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
+    skipped = contenders.make_contenders(["diffusers"], False)
     assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
 
 
@@ -196,7 +213,7 @@ class _FakePipe:
 
 
 def _fake_bench(**over):
-    class FakeBench(bench.Bench):
+    class FakeBench(session.Bench):
         def call_kwargs(self, prompt, steps):
             return {"num_inference_steps": steps}
 
@@ -212,19 +229,19 @@ def _fake_bench(**over):
 def test_budget_estimate_uses_the_measured_baseline():
     b = _fake_bench()
     baseline = _ok("diffusers", 2.0)
-    plain, compiled = bench.PlainDiffusers(False), bench.PlainDiffusers(True)
-    assert bench.estimate_cost_s(b, plain, None) is None  # nothing measured yet: run it
-    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0)
-    assert bench.estimate_cost_s(b, compiled, baseline) == pytest.approx(1.0 + 3 * 2.0 + 100.0)
+    plain, compiled = contenders.PlainDiffusers(False), contenders.PlainDiffusers(True)
+    assert measure.estimate_cost_s(b, plain, None) is None  # nothing measured yet: run it
+    assert measure.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0)
+    assert measure.estimate_cost_s(b, compiled, baseline) == pytest.approx(1.0 + 3 * 2.0 + 100.0)
     # Warm-up and runs every round; the compile once.
-    assert bench.estimate_cost_s(b, compiled, baseline, rounds=4) == pytest.approx(4 * (1.0 + 3 * 2.0) + 100.0)
+    assert measure.estimate_cost_s(b, compiled, baseline, rounds=4) == pytest.approx(4 * (1.0 + 3 * 2.0) + 100.0)
     b.dirty = "xfuser-usp"  # a pristine pipeline has to be built again first
-    assert bench.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
+    assert measure.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
 
 
 def test_measure_times_every_prompt_and_counts_forwards():
     b = _fake_bench()
-    record, output = bench.measure(b, bench.PlainDiffusers(False), None)
+    record, output = measure.measure(b, contenders.PlainDiffusers(False), None)
     assert record["status"] == "ok", record
     assert len(record["latencies_s"]) == 3 and record["median_s"] == statistics.median(record["latencies_s"])
     assert record["transformer_forwards_per_step"] == 1.0
@@ -235,7 +252,7 @@ def test_measure_times_every_prompt_and_counts_forwards():
 def test_measure_reports_a_failing_contender_and_undoes_it():
     events = []
 
-    class Broken(bench.Contender):
+    class Broken(contenders.Contender):
         family = "broken"
 
         def apply(self, b):
@@ -248,7 +265,7 @@ def test_measure_reports_a_failing_contender_and_undoes_it():
             events.append("restore")
 
     b = _fake_bench()
-    record, output = bench.measure(b, Broken(False), None)
+    record, output = measure.measure(b, Broken(False), None)
     assert record["status"] == "failed" and "RuntimeError: boom at step 1" in record["reason"]
     assert events == ["apply", "restore"] and output is None
     assert b.pipe.transformer._forward_hooks == {}  # the timer's hooks are gone too
@@ -268,7 +285,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     stem = tmp_path / "e2e-tiny-flux-1xcpu"
     record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in record["rows"]}
-    expected = {n + s for n in bench_cli.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
+    expected = {n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
     assert set(rows) == expected
 
     base = rows["diffusers"]
@@ -313,6 +330,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     assert (settings["steps"], settings["default_steps"], settings["num_prompts"]) == (2, 4, 1)
     assert record["environment"]["torch"] and record["environment"]["git_commit"]
     assert settings["command"].startswith("xstage-dit bench") and "--steps 2" in settings["command"]
+    assert (settings["seed"], settings["weights_seed"]) == (0, 0)  # sampling and weights seeds, apart
 
     md = stem.with_suffix(".md").read_text(encoding="utf-8")
     assert "measured at 2 denoising steps" in md
@@ -331,7 +349,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
 
 def test_diffusers_cp_reasons_are_detected(monkeypatch):
     b = _fake_bench()
-    cp = bench.DiffusersCP(False)
+    cp = contenders.DiffusersCP(False)
     if torch.accelerator.device_count() == 0:
         assert "needs an accelerator" in cp.check(b)
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)
@@ -348,11 +366,13 @@ def test_two_ranks_agree_and_rank0_writes(tmp_path):
     import subprocess
     import sys
 
-    env = {**os.environ, "PYTHONPATH": str(bench_cli.REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    from pathlib import Path
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     env.pop("WORLD_SIZE", None)
-    options = ["--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1", "--steps", "1",
+    argv = ["--model", "tiny-flux", "--gpus", "2", "--device", "cpu", "--num-prompts", "1", "--steps", "1",
                "--warmup", "0", "--contenders", "diffusers,xstage-serial", "--out-dir", str(tmp_path)]
-    cmd = [sys.executable, "-m", "xstage_dit.bench.e2e", *options]
+    cmd = [sys.executable, "-m", "xstage_dit.bench.e2e", *argv]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"e2e-tiny-flux-2xcpu.{s}" for s in ("json", "md", "png")]
@@ -390,7 +410,7 @@ def test_end_to_end_tiny_flux_gpu(tmp_path):
 def test_measure_undoes_a_half_applied_contender():
     events = []
 
-    class HalfApplied(bench.Contender):
+    class HalfApplied(contenders.Contender):
         family = "half"
 
         def apply(self, b):
@@ -400,7 +420,7 @@ def test_measure_undoes_a_half_applied_contender():
         def restore(self, b):
             events.append("restore")
 
-    record, _ = bench.measure(_fake_bench(), HalfApplied(False), None)
+    record, _ = measure.measure(_fake_bench(), HalfApplied(False), None)
     assert record["status"] == "failed" and "expected sp to divide 24 heads" in record["reason"]
     assert events == ["apply", "restore"]
 
@@ -411,7 +431,7 @@ def test_repeat_baseline_gives_the_drift_and_the_paired_verdict():
                _ok("xstage-calibrated", 2.405, latencies=[2.40, 2.41]),
                _ok("diffusers-repeat", 2.025, latencies=[2.02, 2.03]),
                _ok("xstage-serial+compile", 3.0, compile=True, latencies=[3.0, 3.0])]
-    bench.add_comparisons(records, default_steps=4, steps=4)
+    stats.add_comparisons(records, default_steps=4, steps=4)
     rec = {r["name"]: r for r in records}
     assert rec["diffusers"]["baseline_drift_pct"] == pytest.approx(100 * 0.02 / 2.005)
     serial, calibrated = rec["xstage-serial"], rec["xstage-calibrated"]
@@ -423,14 +443,14 @@ def test_repeat_baseline_gives_the_drift_and_the_paired_verdict():
     assert calibrated["verdict"] == "slower" and calibrated["not_slower_than_diffusers"] is False
     assert calibrated["ratio_ci95"][0] > 1
     assert "verdict" not in rec["xstage-serial+compile"] and "verdict" not in rec["diffusers"]
-    summary = bench.build_summary(records, {"steps": 4})["contenders"]
+    summary = stats.build_summary(records, {"steps": 4})["contenders"]
     assert summary["xstage-calibrated"]["not_slower_than_diffusers"] is False
     assert summary["xstage-calibrated"]["verdict"] == "slower"
     assert summary["xstage-serial"]["ratio_ci95"] == serial["ratio_ci95"]
     assert summary["diffusers"]["baseline_drift_pct"] == pytest.approx(rec["diffusers"]["baseline_drift_pct"])
     # Derived fields are recomputed, never left stale: without the repeat, the pairs are with diffusers only.
     records = [r for r in records if r["name"] != "diffusers-repeat"]
-    bench.add_comparisons(records, default_steps=4, steps=4)
+    stats.add_comparisons(records, default_steps=4, steps=4)
     assert "baseline_drift_pct" not in records[0] and records[1]["ratio_pairs"] == 2
     assert records[1]["ratio_vs_diffusers"] == pytest.approx(math.sqrt(2.015 / 2.00 * 2.02 / 2.01))
 
@@ -441,13 +461,13 @@ def test_the_h200_flux_run_reads_same_within_noise():
     records = [_ok("diffusers", 5.0412, latencies=[5.0418857421875, 5.04060400390625]),
                _ok("xstage-serial", 5.0642, latencies=[5.04188916015625, 5.08658544921875]),
                _ok("diffusers-repeat", 5.0498, latencies=[5.0382236328125, 5.0614443359375])]
-    bench.add_comparisons(records, default_steps=28, steps=28)
+    stats.add_comparisons(records, default_steps=28, steps=28)
     serial = records[1]
     assert serial["median_s"] > max(records[0]["median_s"], records[2]["median_s"])  # the old rule: "slower"
     assert serial["verdict"] == "same within noise" and serial["not_slower_than_diffusers"] is True
     lo, hi = serial["ratio_ci95"]
     assert lo < 1 < hi  # two pairs (two prompts against the bracketing baselines): a wide interval around 1
-    assert bench.verdict_cell(serial) == f"same within noise ({serial['ratio_vs_diffusers']:.3f}x, 95% CI {lo:.3f}-{hi:.3f})"
+    assert report.verdict_cell(serial) == f"same within noise ({serial['ratio_vs_diffusers']:.3f}x, 95% CI {lo:.3f}-{hi:.3f})"
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -455,18 +475,18 @@ def test_the_h200_flux_run_reads_same_within_noise():
 
 
 def test_t95_table():
-    assert bench.t95(1) == pytest.approx(12.706)
-    assert bench.t95(10) == pytest.approx(2.228)
-    assert bench.t95(30) == pytest.approx(2.042)
-    assert bench.t95(31) == bench.t95(1000) == 1.96
-    assert all(a > b for a, b in zip(bench.T95_TWO_SIDED, bench.T95_TWO_SIDED[1:]))  # narrower with more df
+    assert stats.t95(1) == pytest.approx(12.706)
+    assert stats.t95(10) == pytest.approx(2.228)
+    assert stats.t95(30) == pytest.approx(2.042)
+    assert stats.t95(31) == stats.t95(1000) == 1.96
+    assert all(a > b for a, b in zip(stats.T95_TWO_SIDED, stats.T95_TWO_SIDED[1:]))  # narrower with more df
     with pytest.raises(ValueError, match="df >= 1, got 0"):
-        bench.t95(0)
+        stats.t95(0)
 
 
 def test_ratio_verdict_interval_by_hand():
     # logs 0 and ln 1.1: mean ln(1.1)/2, sd ln(1.1)/sqrt(2), se ln(1.1)/2, t(1) = 12.706.
-    out = bench.ratio_verdict([1.0, 1.1])
+    out = stats.ratio_verdict([1.0, 1.1])
     half = 12.706 * math.log(1.1) / 2
     assert out["ratio"] == pytest.approx(math.sqrt(1.1))
     assert out["ci95"] == pytest.approx([math.sqrt(1.1) * math.exp(-half), math.sqrt(1.1) * math.exp(half)])
@@ -479,43 +499,43 @@ def test_ratio_verdict_on_synthetic_pairs():
     def noise(n, sigma):  # n log-normal factors around 1
         return np.exp(rng.normal(0.0, sigma, n))
 
-    slower = bench.ratio_verdict(list(1.10 * noise(8, 0.02)))
+    slower = stats.ratio_verdict(list(1.10 * noise(8, 0.02)))
     assert slower["verdict"] == "slower" and slower["ci95"][0] > 1 and slower["ratio"] == pytest.approx(1.10, rel=0.03)
-    faster = bench.ratio_verdict(list(0.80 * noise(8, 0.02)))
+    faster = stats.ratio_verdict(list(0.80 * noise(8, 0.02)))
     assert faster["verdict"] == "faster" and faster["ci95"][1] < 1
     # Equal on average, +-15% per pair (the NucleusMoE spread): no verdict either way.
     spread = noise(8, 0.15)
-    same = bench.ratio_verdict(list(spread / np.exp(np.log(spread).mean())))
+    same = stats.ratio_verdict(list(spread / np.exp(np.log(spread).mean())))
     assert same["verdict"] == "same within noise" and same["ci95"][0] < 1 < same["ci95"][1]
     # Exactly equal latencies: a zero-width interval at 1, still "same".
-    assert bench.ratio_verdict([1.0, 1.0, 1.0]) == {"ratio": 1.0, "ci95": [1.0, 1.0], "verdict": "same within noise",
+    assert stats.ratio_verdict([1.0, 1.0, 1.0]) == {"ratio": 1.0, "ci95": [1.0, 1.0], "verdict": "same within noise",
                                                    "pairs": 3}
     # One pair: no interval and no verdict either way, however large the ratio.
-    one = bench.ratio_verdict([1.5])
+    one = stats.ratio_verdict([1.5])
     assert one["ci95"] is None and one["verdict"] == "one pair: no verdict" and one["ratio"] == pytest.approx(1.5)
-    assert bench.verdict_cell({"verdict": one["verdict"], "ratio_vs_diffusers": 1.5, "ratio_ci95": None}) == \
+    assert report.verdict_cell({"verdict": one["verdict"], "ratio_vs_diffusers": 1.5, "ratio_ci95": None}) == \
         "one pair: no verdict (1.500x, one pair: no CI)"
-    assert bench.ratio_verdict([]) == {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
+    assert stats.ratio_verdict([]) == {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
     with pytest.raises(ValueError, match="positive finite"):
-        bench.ratio_verdict([1.0, 0.0])
+        stats.ratio_verdict([1.0, 0.0])
 
 
 def test_paired_ratios_pair_the_same_round_and_prompt():
     x = {"latencies_s": [1.0, 2.0, 3.0, 4.0]}  # 2 rounds x 2 prompts
     base = {"latencies_s": [2.0, 2.0, 4.0, 8.0]}
-    assert bench.paired_ratios(x, [base]) == pytest.approx([0.5, 1.0, 0.75, 0.5])
+    assert stats.paired_ratios(x, [base]) == pytest.approx([0.5, 1.0, 0.75, 0.5])
     # A contender that left after round 1 pairs its round only; two baselines (an A/B/A bracket) give one pair per
     # sample, against their geometric mean.
-    assert bench.paired_ratios({"latencies_s": [1.0, 2.0]}, [base, {"latencies_s": [1.0, 4.0]}]) == \
+    assert stats.paired_ratios({"latencies_s": [1.0, 2.0]}, [base, {"latencies_s": [1.0, 4.0]}]) == \
         pytest.approx([1.0 / 2**0.5, 2.0 / 8**0.5])
-    assert bench.paired_ratios({"latencies_s": []}, [base]) == []
+    assert stats.paired_ratios({"latencies_s": []}, [base]) == []
 
 
 # ----------------------------------------------------------------------------------------------------
 # Interleaved rounds
 
 
-class _FakeXStage(bench.Contender):
+class _FakeXStage(contenders.Contender):
     """A reversible stand-in for an xstage contender on the fake pipeline; fails in the rounds listed."""
 
     def __init__(self, family="xstage-serial", fail_in_rounds=()):
@@ -545,15 +565,15 @@ def _rounds_run(tmp_path, group, rounds, seconds_left):
 
     b = _fake_bench(prompts=["a"], spec=types.SimpleNamespace(steps=3))
     b.seconds_left = seconds_left
-    report = bench.Report(b, _settings(rounds=rounds), {"git_commit": "test"}, tmp_path / "e2e-fake-1xcpu")
-    baseline_row, reference = bench.measure_in_rounds(b, group, rounds, report)
-    return report, baseline_row, reference
+    rep = report.Report(b, _settings(rounds=rounds), {"git_commit": "test"}, tmp_path / "e2e-fake-1xcpu")
+    baseline_row, reference = measure.measure_in_rounds(b, group, rounds, rep)
+    return rep, baseline_row, reference
 
 
 def test_rounds_rotate_and_a_failure_is_not_retried(tmp_path, capsys):
     failing_first = _FakeXStage("xstage-calibrated", fail_in_rounds={1})
     failing_later = _FakeXStage("xstage-serial", fail_in_rounds={2})
-    group = [bench.PlainDiffusers(False), failing_later, failing_first]
+    group = [contenders.PlainDiffusers(False), failing_later, failing_first]
     report, baseline_row, reference = _rounds_run(tmp_path, group, 3, lambda: math.inf)
     rows = {r["name"]: r for r in report.rows}
     assert report.settings["rounds_completed"] == 3 and "rounds_stopped" not in report.settings
@@ -581,7 +601,7 @@ def test_rounds_rotate_and_a_failure_is_not_retried(tmp_path, capsys):
 
 def test_rounds_stop_for_everyone_when_the_next_does_not_fit(tmp_path):
     answers = iter([math.inf, 1e6, 0.0])  # round 1's budget check of xstage, before round 2, before round 3
-    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    group = [contenders.PlainDiffusers(False), _FakeXStage()]
     report, _, _ = _rounds_run(tmp_path, group, 4, lambda: next(answers))
     rows = {r["name"]: r for r in report.rows}
     assert report.settings["rounds_completed"] == 2
@@ -593,7 +613,7 @@ def test_rounds_stop_for_everyone_when_the_next_does_not_fit(tmp_path):
 
 
 def test_a_first_round_that_does_not_fit_is_skipped(tmp_path):
-    group = [bench.PlainDiffusers(False), _FakeXStage()]
+    group = [contenders.PlainDiffusers(False), _FakeXStage()]
     report, _, _ = _rounds_run(tmp_path, group, 2, lambda: 0.0)
     rows = {r["name"]: r for r in report.rows}
     assert rows["diffusers"]["status"] == "ok"  # the baseline is never skipped for time

@@ -25,7 +25,7 @@ def test_help_documents_every_option(capsys):
         main(["generate", "--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for opt in ("--model", "--prompt", "--height", "--width", "--frames", "--steps", "--seed", "--guidance",
+    for opt in ("--model", "--prompt", "--height", "--width", "--frames", "--steps", "--seed", "--weights-seed", "--guidance",
                 "--output", "--device", "--dtype", "--negative-prompt", "--no-progress"):
         assert opt in out
     assert "tiny-flux" in out and "full-flux" in out
@@ -47,6 +47,9 @@ def test_help_documents_every_option(capsys):
         (["--device", "tpu"], "tpu"),
         (["--model", "tiny-wan", "--frames", "8"], "got 8"),  # Wan: 1 + a multiple of 4
         (["--prompt", "   "], "prompt"),
+        (["--seed", "-1"], "--seed"),
+        (["--cfg", "3"], "--cfg"),
+        (["--sp", "2", "--ep", "3"], "--ep"),
     ],
 )
 def test_bad_values_give_one_line_errors(argv, needle, capsys):

@@ -13,7 +13,7 @@ def test_help_documents_every_option(capsys):
     assert exc.value.code == 0
     text = capsys.readouterr().out
     for option in ("--model", "--sp", "--ep", "--cfg", "--host", "--port", "--max-queue", "--max-batch-size",
-                   "--request-timeout", "--max-body-bytes", "--heartbeat-timeout", "XSTAGE_API_KEY"):
+                   "--request-timeout", "--max-body-bytes", "--heartbeat-timeout", "--weights-seed", "XSTAGE_API_KEY"):
         assert option in text, option
 
 
@@ -25,6 +25,7 @@ def test_help_documents_every_option(capsys):
     (["--max-queue", "0"], "--max-queue"),
     (["--max-batch-size", "-1"], "--max-batch-size"),
     (["--port", "70000"], "--port"),
+    (["--collective-timeout", "0"], "--collective-timeout"),
 ])
 def test_bad_values_give_one_line_errors(capsys, argv, named):
     with pytest.raises(SystemExit) as exc:

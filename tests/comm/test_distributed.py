@@ -36,8 +36,31 @@ def test_init_distributed_without_torchrun_is_one_process(monkeypatch):
     assert (info.rank, info.world_size) == (0, 1)
 
 
-def test_nvlink_multicast_is_disabled_by_default():
+def test_nvlink_multicast_is_off_where_we_start_and_untouched_at_import(monkeypatch):
     import os
+    import subprocess
+    import sys
 
+    clean = {k: v for k, v in os.environ.items() if k not in distributed.SAFE_ENV}
+    probe = "import os, xstage_dit.comm.distributed as d; print(sorted(k for k in d.SAFE_ENV if k in os.environ))"
+    out = subprocess.run([sys.executable, "-c", probe], env=clean, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", "importing xstage_dit.comm.distributed wrote os.environ"
+    env = distributed.apply_safe_env({"NCCL_NVLS_ENABLE": "1"})
+    assert env == {**distributed.SAFE_ENV, "NCCL_NVLS_ENABLE": "1"}  # a user's value stays
+    assert distributed.apply_safe_env({"NCCL_NVLS_ENABLE": "1"}, force=True) == distributed.SAFE_ENV
+    for key in distributed.SAFE_ENV:
+        monkeypatch.delenv(key, raising=False)
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    distributed.init_distributed()
     for key, value in distributed.SAFE_ENV.items():
         assert os.environ[key] == value
+
+
+def test_launcher_gives_its_ranks_the_safe_env(monkeypatch):
+    from xstage_dit.comm.launcher import rank_env
+
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    env = rank_env(1, 2, 12345)
+    assert {k: env[k] for k in distributed.SAFE_ENV} == distributed.SAFE_ENV
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == ("1", "2", "1", "12345")

@@ -13,8 +13,8 @@ import time
 import numpy as np
 import torch
 
+from xstage_dit.models.generation import to_uint8
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.media import to_uint8
 from xstage_dit.server.worker import LoadedModel, Worker
 
 

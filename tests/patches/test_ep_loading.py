@@ -209,6 +209,7 @@ def test_config_gives_each_rank_its_ep_group_rank():
 
 def test_serve_loader_loads_the_ranks_shard(monkeypatch):
     import xstage_dit.models as models
+    from xstage_dit.patches.config import ParallelConfig
     from xstage_dit.server.startup import model_loader
     from xstage_dit.server.worker import RankContext
 
@@ -223,10 +224,10 @@ def test_serve_loader_loads_the_ranks_shard(monkeypatch):
 
     monkeypatch.setattr(models, "load_pipeline", fake_load)
     with pytest.raises(Stop):
-        model_loader("tiny-hidream", sp=2, ep=2, cfg=2)(RankContext(rank=3, world_size=4))
+        model_loader("tiny-hidream", ParallelConfig(sp=2, ep=2, cfg=2))(RankContext(rank=3, world_size=4))
     assert seen["expert_shard"] == (1, 2)
     with pytest.raises(Stop):
-        model_loader("tiny-hidream", sp=2, ep=1, cfg=2)(RankContext(rank=3, world_size=4))
+        model_loader("tiny-hidream", ParallelConfig(sp=2, ep=1, cfg=2))(RankContext(rank=3, world_size=4))
     assert seen["expert_shard"] is None
 
 

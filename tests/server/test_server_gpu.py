@@ -7,6 +7,7 @@ import httpx
 import pytest
 import torch
 
+from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.startup import model_loader
@@ -16,7 +17,7 @@ from tests.helpers.server import decode_png, live_server
 
 @pytest.mark.gpu
 def test_tiny_flux_server_on_gpu():
-    worker = Worker(model_loader("tiny-flux"), ServerConfig(max_batch_size=4, api_key=None),
+    worker = Worker(model_loader("tiny-flux", ParallelConfig()), ServerConfig(max_batch_size=4, api_key=None),
                     join=lambda: RankContext(device=torch.device("cuda", 0))).start()
     assert worker.wait_ready(300), worker.reason
     assert str(worker.model.pipe.transformer.dtype) == "torch.bfloat16"

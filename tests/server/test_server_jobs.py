@@ -7,13 +7,13 @@ import time
 
 import pytest
 
-from xstage_dit.server.jobs import (CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, GenerationParams, Job, JobQueue, QueueFull,
-                         Unavailable)
+from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.server.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobQueue, QueueFull, Unavailable
 
 
 def params(seed=0, width=32, steps=2, kind="image", negative=None, prompt="a cat"):
-    return GenerationParams(kind=kind, prompt=prompt, width=width, height=32, steps=steps, guidance=3.5, seed=seed,
-                            negative_prompt=negative)
+    return GenerationRequest(kind=kind, prompt=prompt, width=width, height=32, steps=steps, guidance=3.5, seed=seed,
+                             negative_prompt=negative)
 
 
 def job(*items, timeout_s=60.0):

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from xstage_dit.models.generation import to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from xstage_dit.server.media import to_uint8
 from tests.helpers.server import live_server, one_torch_thread, start_worker, tiny
 
 

@@ -1,6 +1,9 @@
 """The web page at `/` in headless Chromium (Debian's `chromium`, driven by Playwright; no browser is
-downloaded): type a prompt, press Generate, see the progress bar move and the image appear. The
-screenshot goes to out/webpage.png (git-ignored); its path is printed."""
+downloaded): type a prompt, press Generate, see the progress bar move and the image appear; the
+random-weights notice; a server with an API key (asked for, 401 shown, then accepted); an error after
+an image (the old image goes); an empty Steps field (the model's default). Screenshots go to out/
+(git-ignored: webpage.png, webpage-apikey.png, webpage-error.png, webpage-video.png); their paths are
+printed. docs/webpage.png, shown in the README, is a copy of out/webpage.png."""
 
 from __future__ import annotations
 
@@ -92,6 +95,8 @@ def test_page_generates_an_image_with_a_moving_progress_bar():
         page.wait_for_function("document.getElementById('output').naturalWidth === 128")
         assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 30")
         assert "done in" in page.text_content("#status")
+        # Built-in model: the page says its weights are random and how to use real ones.
+        assert page.is_visible("#notice") and "--model /path/to/" in page.text_content("#notice")
         page.screenshot(path=str(shot), full_page=True)
     print(f"\nweb page screenshot: {shot}")
     assert shot.stat().st_size > 10_000
@@ -118,3 +123,62 @@ def test_page_generates_a_video():
         assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 3")
         page.screenshot(path=str(shot), full_page=True)
     print(f"\nweb page (video) screenshot: {shot}")
+
+
+def _shot(page, name: str) -> Path:
+    shot = ROOT / "out" / name
+    shot.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(shot), full_page=True)
+    print(f"\nweb page screenshot: {shot}")
+    return shot
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_page_with_an_api_key_asks_for_it_shows_the_401_then_works():
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key="page-key"))
+    with _open_page(worker, "document.getElementById('model').textContent.includes('API key')") as page:
+        assert "needs an API key" in page.text_content("#model")
+        page.fill("#prompt", "a red cat on a blue sofa")
+        page.click("#generate")  # no key yet: an error is shown, not nothing
+        page.wait_for_function("document.getElementById('status').className === 'error'")
+        assert "API key" in page.text_content("#status")
+        _shot(page, "webpage-apikey.png")
+        page.fill("#apikey", "wrong-key")
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('model').textContent.includes('refused')")
+        page.fill("#apikey", "page-key")
+        page.click("#generate")
+        page.wait_for_selector("#output", timeout=60_000)
+        assert page.text_content("#model").startswith("model tiny-flux") and "done in" in page.text_content("#status")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_page_error_after_an_image_clears_it_and_empty_steps_mean_the_default():
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None))
+    default_steps = worker.served.default_steps
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-flux')") as page:
+        page.fill("#prompt", "a red cat on a blue sofa")
+        page.fill("#width", "64")
+        page.fill("#height", "64")
+        page.fill("#steps", "")  # left empty: the model's default, not 0
+        page.click("#generate")
+        page.wait_for_selector("#output", timeout=60_000)
+        assert page.eval_on_selector("#progress", f"p => p.max === {default_steps} && p.value === p.max")
+        page.fill("#width", "4096")  # past the server's max_size: refused by the server, not the browser
+        page.click("#generate")
+        page.wait_for_function("document.getElementById('status').className === 'error'")
+        assert "size: expected width in [16, 2048], got 4096" in page.text_content("#status")
+        assert page.query_selector("#output") is None  # the previous image does not sit under the error
+        _shot(page, "webpage-error.png")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_api_docs_render_without_internet():
+    # This machine reaches no CDN: Swagger UI draws the operations only from the server's own files.
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None))
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-flux')") as page:
+        page.goto(page.url.rstrip("/") + "/docs")
+        page.wait_for_selector(".opblock-summary-path", timeout=30_000)
+        paths = page.eval_on_selector_all(".opblock-summary-path", "els => els.map(e => e.textContent)")
+        assert "/v1/images/generations" in "".join(paths), paths
+        _shot(page, "webpage-docs.png")

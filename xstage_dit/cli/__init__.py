@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+
+from xstage_dit.errors import UsageError
 
 # Subcommand modules, in the order shown by --help. A module missing here is a programming error.
 SUBCOMMANDS = (
@@ -15,22 +18,34 @@ SUBCOMMANDS = (
     "xstage_dit.cli.bench",
 )
 
+__all__ = ["UsageError", "build_parser", "main", "parallel_config"]
 
-class UsageError(Exception):
-    """A bad option value: printed as one line `xstage-dit: error: ...` with exit code 2."""
+_PARALLEL_FIELD = re.compile(r"expected (sp|ep|cfg|timeout_s)\b")
+
+
+def parallel_config(args: argparse.Namespace, timeout_flag: str | None = None):
+    """The command's one `ParallelConfig`, from --sp/--ep/--cfg (and the timeout option `timeout_flag`,
+    e.g. "--collective-timeout"); its validation error becomes a UsageError naming the option."""
+    from xstage_dit.patches.config import ParallelConfig
+
+    timeout = {} if timeout_flag is None else {"timeout_s": getattr(args, timeout_flag.lstrip("-").replace("-", "_"))}
+    try:
+        return ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg, **timeout)
+    except ValueError as exc:
+        match = _PARALLEL_FIELD.search(str(exc))
+        field = match.group(1) if match else "sp/--ep/--cfg"
+        flag = timeout_flag if field == "timeout_s" else f"--{field}"
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from xstage_dit import __version__
+
     parser = argparse.ArgumentParser(prog="xstage-dit", description="Fast multi-GPU serving of diffusers DiT pipelines.")
+    parser.add_argument("--version", action="version", version=f"xstage-dit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:  # subcommand not written yet
-                continue
-            raise
-        module.add_parser(sub)
+        importlib.import_module(name).add_parser(sub)
     return parser
 
 

@@ -41,7 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="denoising steps (>= 1)")
     p.add_argument("--guidance", type=float, default=None, help="guidance scale (>= 0)")
     p.add_argument("--seed", type=int, default=0,
-                   help="seed of the initial noise and of the random weights of built-in models; default: %(default)s")
+                   help="seed of the initial noise (a CPU generator, so the image does not depend on the device; "
+                        "the server gives the same image for the same seed); default: %(default)s")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="seed of the random weights of built-in models; default: %(default)s")
     p.add_argument("--output", "-o", default=None,
                    help="output file: .png/.jpg/.webp for images; .mp4 or an image suffix (a grid of frames) "
                    "for video; default: out/<model>-seed<seed>.png (or .mp4)")
@@ -80,15 +83,12 @@ def _resolve_device_dtype(device_arg: str, dtype_arg: str):
     return device, dtype
 
 
-def _parallel_setup(args: argparse.Namespace):
-    """None for one process; the exit code after starting sp*cfg ranks; (ParallelConfig, RankInfo) in a rank."""
-    from xstage_dit.cli import UsageError
-    from xstage_dit.patches.config import ParallelConfig
+def _parallel_setup(config):
+    """None for one process; the exit code after starting sp*cfg ranks; RankInfo in a rank.
 
-    try:
-        config = ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg)
-    except ValueError as exc:
-        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    config: the command's one ParallelConfig."""
+    from xstage_dit.cli import UsageError
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if config.world_size == 1 and world == 1:
         return None
@@ -100,15 +100,16 @@ def _parallel_setup(args: argparse.Namespace):
         raise UsageError(f"--sp/--cfg: expected sp * cfg == {world} (the ranks started), got {config.world_size}")
     from xstage_dit.comm.distributed import init_distributed
 
-    return config, init_distributed(timeout_s=config.timeout_s)
+    return init_distributed(timeout_s=config.timeout_s)
 
 
 def run(args: argparse.Namespace) -> int:
     # transformers warns at import about optional vision backends no pipeline here uses.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from xstage_dit.cli import UsageError
+    from xstage_dit.cli import UsageError, parallel_config
     from xstage_dit.models import model_spec
 
+    parallel = parallel_config(args)
     try:
         spec = model_spec(args.model)
     except ValueError as exc:
@@ -122,16 +123,19 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--guidance: expected a number >= 0, got {args.guidance}")
     if args.frames is not None and spec.kind == "image" and args.frames != 1:
         raise UsageError(f"--frames: expected no --frames for the image model {spec.name}, got {args.frames}")
-    height = spec.height if args.height is None else args.height
-    width = spec.width if args.width is None else args.width
-    frames = spec.frames if args.frames is None else args.frames
-    try:
-        spec.check_size(height, width, frames)
-    except ValueError as exc:
-        flag = "--height" if "height" in str(exc) else "--width" if "width" in str(exc) else "--frames"
-        raise UsageError(f"{flag}: {exc}") from None
     if not args.prompt.strip():
         raise UsageError(f"--prompt: expected a non-empty prompt, got {args.prompt!r}")
+    from xstage_dit.models.generation import request_for
+
+    try:
+        request = request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+                              width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
+                              seed=args.seed)
+    except ValueError as exc:
+        text = str(exc)
+        flag = next((f for word, f in (("height", "--height"), ("width", "--width"), ("frames", "--frames"),
+                                       ("seed", "--seed")) if word in text), "--model")
+        raise UsageError(f"{flag}: {exc}") from None
     default_suffix = ".mp4" if spec.kind == "video" else ".png"
     stem = Path(spec.name).name if spec.size == "local" else spec.name
     output = Path(args.output) if args.output else Path("out") / f"{stem}-seed{args.seed}{default_suffix}"
@@ -140,42 +144,46 @@ def run(args: argparse.Namespace) -> int:
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
-    if args.ep > 1:  # before starting ranks: each would load only its experts, and a dense model has none
-        from xstage_dit.models.experts import FAMILIES
+    from xstage_dit.cli.validate import check_parallel
 
-        if spec.family not in FAMILIES:
-            raise UsageError(f"--ep: expected --ep 1 for {spec.name} (no MoE layers to shard), got {args.ep}")
-    parallel = _parallel_setup(args)  # may start the ranks and return their exit code
-    if isinstance(parallel, int):
-        return parallel
+    # Before any rank starts: what the model's config decides fails here once, in one line.
+    check_parallel(spec, parallel, guidance=args.guidance)
+    rank_info = _parallel_setup(parallel)  # may start the ranks and return their exit code
+    if isinstance(rank_info, int):
+        return rank_info
     device, dtype = _resolve_device_dtype(args.device, args.dtype)
-    if parallel is not None and device.type == "cuda" and args.device == "auto":
-        device = parallel[1].device  # one GPU per local rank (ranks share it where there are fewer)
+    if rank_info is not None and device.type == "cuda" and args.device == "auto":
+        device = rank_info.device  # one GPU per local rank (ranks share it where there are fewer)
+    rank = 0 if rank_info is None else rank_info.rank
 
     from xstage_dit.models import load_pipeline
-    from xstage_dit.models.generation import call_kwargs, save_output, to_pil_frames
+    from xstage_dit.models.generation import fixed_kwargs, pipeline_kwargs, save_output, to_pil_frames
 
     t0 = time.perf_counter()
     # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
-    expert_shard = parallel[0].expert_shard(parallel[1].rank) if parallel is not None else None
+    expert_shard = parallel.expert_shard(rank)
     try:
-        pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.seed, expert_shard=expert_shard)
+        pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.weights_seed,
+                             expert_shard=expert_shard)
     except ValueError as exc:
         if expert_shard is None:
             raise
         raise UsageError(f"--ep: {exc}") from None  # no MoE layers, or ep not dividing the expert count
     t_build = time.perf_counter() - t0
-    pipe.set_progress_bar_config(disable=args.no_progress or (parallel is not None and parallel[1].rank != 0),
-                                 desc="denoising", file=sys.stderr, leave=False)
-    if parallel is not None:
+    pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
+                                 leave=False)
+    if rank_info is not None:
         from xstage_dit.patches import parallelize
 
         try:
-            parallelize(pipe, parallel[0])
+            parallelize(pipe, parallel)
         except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
             raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
-    kwargs = call_kwargs(pipe, spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=height,
-                         width=width, frames=frames, steps=args.steps, guidance=args.guidance, seed=args.seed)
+    try:
+        kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))
+    except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
+        flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
+        raise UsageError(f"{flag}: {exc}") from None
     t1 = time.perf_counter()
     result = pipe(**kwargs)
     if device.type == "cuda":
@@ -183,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
 
         torch.cuda.synchronize(device)
     t_gen = time.perf_counter() - t1
-    if parallel is not None and parallel[1].rank != 0:
+    if rank != 0:
         return 0  # only rank 0 writes the output
     images = to_pil_frames(result, spec.kind)
     path = save_output(images, output, kind=spec.kind, fps=spec.fps)
@@ -197,4 +205,6 @@ def run(args: argparse.Namespace) -> int:
               f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline, "
           f"{t_gen + t_build:.2f} s total")
+    if spec.weights_notice:
+        print(f"note: {spec.weights_notice}")
     return 0

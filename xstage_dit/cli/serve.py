@@ -39,8 +39,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed of a built-in model's random weights; default: %(default)s")
+    p.add_argument("--weights-seed", type=int, default=0,
+                   help="seed of a built-in model's random weights (images take the seed of their request); "
+                        "default: %(default)s")
     p.add_argument("--max-queue", type=int, default=_D.max_queue, help="waiting jobs before 429; default: %(default)s")
     p.add_argument("--max-batch-size", type=int, default=_D.max_batch_size,
                    help="images per pipeline call when requests are compatible; default: %(default)s")
@@ -67,31 +68,29 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace):
+    """The command's ServerConfig, carrying its one ParallelConfig; UsageError naming a bad option."""
+    from xstage_dit.cli import UsageError, parallel_config
     from xstage_dit.server.config import ServerConfig
-    from xstage_dit.cli import UsageError
 
-    for flag in ("sp", "ep", "cfg"):
-        if getattr(args, flag) < 1:
-            raise UsageError(f"--{flag}: expected an integer >= 1, got {getattr(args, flag)}")
-    if args.cfg not in (1, 2):
-        raise UsageError(f"--cfg: expected 1 or 2, got {args.cfg}")
-    if args.ep not in (1, args.sp):
-        raise UsageError(f"--ep: expected 1 or equal to --sp ({args.sp}), got {args.ep}")
+    parallel = parallel_config(args, timeout_flag="--collective-timeout")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: expected 0..65535, got {args.port}")
     try:
         from xstage_dit.models import model_spec
 
-        model_spec(args.model)
+        spec = model_spec(args.model)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
+    from xstage_dit.cli.validate import check_parallel
+
+    check_parallel(spec, parallel)  # before any rank starts
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
-            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup)
+            exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None
@@ -115,12 +114,14 @@ def run(args: argparse.Namespace) -> int:
     # transformers warns at import about optional vision backends no pipeline here uses.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     config = _config(args)
-    world_size = args.sp * args.cfg
+    world_size = config.parallel.world_size
     started_as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if world_size > 1 and not started_as_rank:
-        from xstage_dit.server.launch import supervise
+        from xstage_dit.comm.launcher import launch
 
-        return supervise(world_size, _argv(args))
+        # Rank 0 decides: it must stay up to answer 503 and report another rank's failure.
+        return launch(world_size, [sys.executable, "-m", "xstage_dit", *_argv(args)], policy="leader", poll_s=0.2,
+                      label="xstage-dit serve")
     if started_as_rank and int(os.environ["WORLD_SIZE"]) != world_size:
         from xstage_dit.cli import UsageError
 
@@ -143,10 +144,10 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         # CPU ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    loader = model_loader(args.model, sp=args.sp, ep=args.ep, cfg=args.cfg, dtype=dtype, seed=args.seed)
+    loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed)
 
     def join() -> RankContext:
-        return RankContext.join(args.collective_timeout)
+        return RankContext.join(config.parallel.timeout_s)
 
     if rank != 0:
         try:
@@ -174,18 +175,12 @@ def serve_rank(args: argparse.Namespace, config) -> int:
     holder["server"] = server
 
     def announce() -> None:
-        if worker.wait_ready(timeout_s=args.collective_timeout * 2):
-            served, base = worker.served, f"http://{args.host}:{args.port}"
-            print(f"xstage-dit serve: {served.name} ready on {base} ({worker.ctx.world_size} rank(s)); "
-                  f"web page at {base}/ , API docs at {base}/docs", file=sys.stderr, flush=True)
-            if served.kind == "image":
-                example = (f"curl -s {base}/v1/images/generations -H 'Content-Type: application/json' "
-                           f"-d '{{\"prompt\": \"a red fox in the snow\", \"size\": \"{served.default_width}x"
-                           f"{served.default_height}\", \"seed\": 1}}'")
-            else:
-                example = (f"curl -s {base}/v1/videos -H 'Content-Type: application/json' "
-                           f"-d '{{\"prompt\": \"a cat walking on grass\", \"seed\": 1}}'")
-            print(f"xstage-dit serve: try  {example}", file=sys.stderr, flush=True)
+        if worker.wait_ready(timeout_s=config.parallel.timeout_s * 2):
+            from xstage_dit.server.announce import ready_lines
+
+            for line in ready_lines(worker.served, f"http://{args.host}:{args.port}", worker.ctx.world_size,
+                                    needs_key=config.api_key is not None):
+                print(line, file=sys.stderr, flush=True)
 
     import threading
 

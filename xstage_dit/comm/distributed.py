@@ -19,7 +19,7 @@ import datetime
 import logging
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import MutableMapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,8 +32,22 @@ SAFE_ENV = {
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
-for _k, _v in SAFE_ENV.items():
-    os.environ.setdefault(_k, _v)
+
+
+def apply_safe_env(env: MutableMapping[str, str] | None = None, *, force: bool = False) -> MutableMapping[str, str]:
+    """Put the NVLink-multicast-off settings (`SAFE_ENV`) into `env` (default: this process's os.environ)
+    and return it. Without `force` a value the user set stays; the launcher forces them on its ranks.
+
+    Called explicitly (by `init_distributed` before a group exists, and by `xstage_dit.comm.launcher`
+    for its children), never at import: importing the package leaves the environment alone.
+    """
+    env = os.environ if env is None else env
+    for key, value in SAFE_ENV.items():
+        if force:
+            env[key] = value
+        else:
+            env.setdefault(key, value)
+    return env
 
 
 @dataclass(frozen=True)
@@ -57,9 +71,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Ra
     """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR...).
 
     Without that environment this is a single process: returns rank 0 of 1 and creates no group.
+    Applies `SAFE_ENV` to os.environ first (user-set values stay), before NCCL or symmetric memory read it.
     backend: None picks NCCL when every rank has its own GPU, gloo otherwise (CPU, or ranks sharing
     a GPU, which NCCL refuses).
     """
+    apply_safe_env()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -1,10 +1,18 @@
-"""Start N ranks of a command on this machine and supervise them (what ``xstage-dit generate --sp N`` uses).
+"""Start N ranks of a command on this machine and supervise them: the one launcher behind
+``xstage-dit generate --sp N``, ``xstage-dit serve --sp N``, ``xstage-dit bench`` and the multi-rank tests.
 
 Every child gets torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR,
-MASTER_PORT, plus the NVLink-multicast-off settings of `xstage_dit.distributed.SAFE_ENV`), so the same
-program runs under torchrun or under `launch`. Supervision: when one rank exits non-zero (or is killed),
-the others are terminated (SIGTERM, then SIGKILL after a grace period) and `launch` returns that rank's
-exit code: a dead rank never leaves the others hanging in a collective.
+MASTER_PORT, plus the NVLink-multicast-off settings of `xstage_dit.comm.distributed.SAFE_ENV`, applied
+here to the children), so the same program runs under torchrun or under `launch`. Ranks run in their own
+sessions and are stopped by `stop_ranks` (SIGTERM to the process group, SIGKILL after a grace period).
+
+Two supervision policies, one loop (`supervise`):
+
+- ``any`` (generate, bench, tests): when one rank exits non-zero (or is killed) the others are stopped
+  and `launch` returns that rank's exit code: a dead rank never leaves the others hanging in a collective.
+- ``leader`` (serve): rank 0 decides. SIGINT / SIGTERM are forwarded to rank 0 (which tells the others to
+  stop); another rank's exit is reported and left to rank 0 (it answers 503, then exits); when rank 0
+  exits the others are stopped and its code is returned. torchrun's agent would kill rank 0 instead.
 """
 
 from __future__ import annotations
@@ -19,8 +27,6 @@ import time
 from typing import Sequence
 
 log = logging.getLogger(__name__)
-
-IN_LAUNCH_ENV = "XSTAGE_LAUNCHED"  # set in children: "I am one rank of a launch"
 
 
 def free_port() -> int:
@@ -40,17 +46,65 @@ def gpus_are_shared(nproc: int) -> bool:
 
 def rank_env(rank: int, world_size: int, port: int, base: dict | None = None, *, share_gpu: bool = False) -> dict:
     """The environment of rank `rank` (torchrun's variables, plus the NVLink-multicast safety variables)."""
-    from xstage_dit.comm.distributed import SAFE_ENV
+    from xstage_dit.comm.distributed import apply_safe_env
 
-    env = dict(os.environ if base is None else base)
-    env.update(SAFE_ENV)
+    env = apply_safe_env(dict(os.environ if base is None else base), force=True)
     env.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **{IN_LAUNCH_ENV: "1"},
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )
     if share_gpu:
         env["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     return env
+
+
+def start_ranks(nproc: int, argv: Sequence[str], env: dict | None = None) -> list[subprocess.Popen]:
+    """Start `argv` as `nproc` ranks (own sessions, so a terminal's Ctrl-C reaches the supervisor only)."""
+    if nproc < 1:
+        raise ValueError(f"expected nproc >= 1, got {nproc}")
+    if not argv:
+        raise ValueError("expected a command to launch, got an empty argv")
+    port = free_port()
+    share_gpu = gpus_are_shared(nproc)
+    return [subprocess.Popen(list(argv), env=rank_env(r, nproc, port, env, share_gpu=share_gpu),
+                             start_new_session=True) for r in range(nproc)]
+
+
+def _exit_code(code: int) -> int:
+    return code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell reports it
+
+
+def supervise(procs: list[subprocess.Popen], *, policy: str = "any", timeout_s: float | None = None,
+              poll_s: float = 0.05, label: str = "xstage-dit launch") -> int:
+    """Wait for the ranks under `policy` ("any" or "leader", see the module) and return the exit code
+    (124 after `timeout_s`, 130 when interrupted). Does not stop the ranks: `launch` does."""
+    if policy not in ("any", "leader"):
+        raise ValueError(f"expected policy 'any' or 'leader', got {policy!r}")
+    start = time.monotonic()
+    reported: set[int] = set()
+    while True:
+        codes = [p.poll() for p in procs]
+        if policy == "leader":
+            if codes[0] is not None:
+                return _exit_code(codes[0])
+            for rank, code in enumerate(codes[1:], start=1):
+                if code is not None and rank not in reported:
+                    reported.add(rank)  # rank 0 notices (heartbeat), answers 503, exits after its grace period
+                    print(f"{label}: rank {rank} (pid {procs[rank].pid}) exited with code {_exit_code(code)}",
+                          file=sys.stderr, flush=True)
+        else:
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                rank, code = failed[0][0], _exit_code(failed[0][1])
+                log.error("rank %d exited with %d: stopping the other ranks", rank, code)
+                print(f"{label}: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
+                return code
+            if all(c == 0 for c in codes):
+                return 0
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            print(f"{label}: ranks still running after {timeout_s:.0f} s; stopping them", file=sys.stderr)
+            return 124
+        time.sleep(poll_s)
 
 
 def launch(
@@ -61,57 +115,41 @@ def launch(
     grace_s: float = 5.0,
     env: dict | None = None,
     poll_s: float = 0.05,
+    policy: str = "any",
+    label: str = "xstage-dit launch",
 ) -> int:
-    """Run `argv` as `nproc` ranks; return 0 if all exit 0, else the first failing rank's exit code.
+    """Run `argv` as `nproc` ranks under `policy`; return the exit code `supervise` gives.
 
     argv: the full command (e.g. ``[sys.executable, "-m", "xstage_dit", "generate", ...]``).
-    timeout_s: kill all ranks and return 124 if they run longer. A rank killed by a signal counts as
-    exit code 128 + signal.
+    timeout_s: stop all ranks and return 124 if they run longer. A rank killed by a signal counts as
+    exit code 128 + signal. Every rank is stopped (`stop_ranks`) before this returns.
     """
-    if nproc < 1:
-        raise ValueError(f"expected nproc >= 1, got {nproc}")
-    if not argv:
-        raise ValueError("expected a command to launch, got an empty argv")
-    port = free_port()
-    share_gpu = gpus_are_shared(nproc)
-    # A supervisor stopped with SIGTERM (a job timeout) must take its ranks with it: they run in their
-    # own sessions, so nothing else would stop them.
-    def _on_term(signum, frame):
-        raise KeyboardInterrupt
+    if policy not in ("any", "leader"):
+        raise ValueError(f"expected policy 'any' or 'leader', got {policy!r}")
+    procs = start_ranks(nproc, argv, env)
+    if policy == "leader":
+        print(f"{label}: started {nproc} ranks (pids {', '.join(str(p.pid) for p in procs)})",
+              file=sys.stderr, flush=True)
+
+    def on_signal(signum, frame):
+        if policy == "any":
+            raise KeyboardInterrupt  # a supervisor stopped by a job timeout takes its ranks with it
+        if procs[0].poll() is None:  # rank 0 shuts down cleanly and tells the other ranks to stop
+            procs[0].send_signal(signum)
 
     import threading
 
-    previous = signal.signal(signal.SIGTERM, _on_term) if threading.current_thread() is threading.main_thread() else None
-    procs = [
-        subprocess.Popen(list(argv), env=rank_env(r, nproc, port, env, share_gpu=share_gpu), start_new_session=True)
-        for r in range(nproc)
-    ]
-    start = time.monotonic()
-    code = 0
+    signals = (signal.SIGTERM,) if policy == "any" else (signal.SIGTERM, signal.SIGINT)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, on_signal) for s in signals} if main_thread else {}
     try:
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                rank, c = failed[0]
-                code = c if c > 0 else 128 - c
-                log.error("rank %d exited with %d: stopping the other ranks", rank, code)
-                print(f"xstage-dit launch: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
-                break
-            if all(c == 0 for c in codes):
-                code = 0
-                break
-            if timeout_s is not None and time.monotonic() - start > timeout_s:
-                print(f"xstage-dit launch: ranks still running after {timeout_s:.0f} s; stopping them", file=sys.stderr)
-                code = 124
-                break
-            time.sleep(poll_s)
+        code = supervise(procs, policy=policy, timeout_s=timeout_s, poll_s=poll_s, label=label)
     except KeyboardInterrupt:
         code = 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    stop_ranks(procs, grace_s)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        stop_ranks(procs, grace_s)
     return code
 
 

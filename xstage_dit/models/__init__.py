@@ -23,6 +23,7 @@ import torch
 
 from xstage_dit.models.registry import FAMILY_MODULES, MODELS, PIPELINE_FAMILIES
 from xstage_dit.models.spec import ModelSpec
+from xstage_dit.models.tokenizers import quiet_prompt_truncation
 
 __all__ = ["ModelSpec", "MODELS", "load_pipeline", "load_transformer", "model_spec", "model_names"]
 
@@ -120,6 +121,7 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
         extra = {} if shard is None else {"expert_shard": shard}
         pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed), **extra)
     pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
+    quiet_prompt_truncation(pipe)
     return pipe
 
 

@@ -1,12 +1,23 @@
-"""Run a pipeline with a `ModelSpec`'s defaults and save what it makes (PNG, MP4 or a PNG grid of frames).
+"""One generation request, one rule for the pipeline's keyword arguments and its generators, and saving
+what a pipeline makes (PNG, MP4 or a PNG grid of frames).
 
-Shared by ``xstage-dit generate`` and the server, so both call pipelines and write outputs the same way.
+Shared by ``xstage-dit generate``, the server and the benchmarks, so the same prompt, seed, size and step
+count give the same image from each of them: every image's initial noise comes from a CPU generator seeded
+with its own seed (``seed + i`` for the i-th image of a request), whatever the device, and pixels are
+rounded to uint8 by one rule (`to_uint8`).
+
+Example::
+
+    request = request_for(spec, prompt="a red fox", seed=7)
+    out = pipe(**pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec)))
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,27 +28,67 @@ from xstage_dit.models.spec import ModelSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 VIDEO_SUFFIXES = (".mp4",)
+MAX_SEED = 2**63 - 1
+# Fixed arguments a pipeline may lack (a local folder's class): dropped there instead of failing the call.
+_OPTIONAL_FIXED = ("max_sequence_length",)
 
 
-def call_kwargs(
-    pipe,
-    spec: ModelSpec,
-    *,
-    prompt: str,
-    negative_prompt: str | None = None,
-    height: int | None = None,
-    width: int | None = None,
-    frames: int | None = None,
-    steps: int | None = None,
-    guidance: float | None = None,
-    seed: int = 0,
-) -> dict:
-    """Keyword arguments for ``pipe(**kwargs)``: the spec's defaults where a value is None, validated.
+@dataclass(frozen=True)
+class GenerationRequest:
+    """`n` images (or one video) of one prompt, every value resolved (no model defaults left to apply).
 
-    Raises ValueError naming the bad value (size not a multiple of the patch, steps < 1, ...).
+    kind: "image" or "video". width/height: pixels. steps: denoising steps. guidance: guidance scale.
+    seed: seed of the first image; image i uses ``seed + i`` (see `generators_for`).
+    true_cfg_scale: true classifier-free guidance, for pipelines that have it (None: not passed).
+    frames / fps: video only (frames is 1 for images).
+    Requests with equal `batch_key` can share one pipeline call.
     """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"expected a non-empty prompt, got {prompt!r}")
+
+    kind: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int = 0
+    negative_prompt: str | None = None
+    true_cfg_scale: float | None = None
+    num_frames: int = 1
+    fps: int = 16
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("image", "video"):
+            raise ValueError(f"expected kind 'image' or 'video', got {self.kind!r}")
+        if not isinstance(self.prompt, str) or not self.prompt.strip():
+            raise ValueError(f"expected a non-empty prompt, got {self.prompt!r}")
+        for name in ("width", "height", "steps", "num_frames", "fps", "n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"expected {name} to be an integer >= 1, got {value!r}")
+        if not math.isfinite(self.guidance) or self.guidance < 0:
+            raise ValueError(f"expected guidance >= 0, got {self.guidance}")
+        if self.true_cfg_scale is not None and not (math.isfinite(self.true_cfg_scale) and self.true_cfg_scale >= 0):
+            raise ValueError(f"expected true_cfg_scale >= 0, got {self.true_cfg_scale}")
+        if not 0 <= self.seed or self.seed + self.n - 1 > MAX_SEED:
+            raise ValueError(f"expected seeds seed .. seed + n - 1 in [0, 2**63-1], got seed {self.seed} with n {self.n}")
+
+    @property
+    def batch_key(self) -> tuple:
+        # A batch mixing items with and without a negative prompt would change the CFG path of some.
+        return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
+                self.true_cfg_scale, self.negative_prompt is not None)
+
+    def per_image(self) -> list["GenerationRequest"]:
+        """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""
+        return [replace(self, seed=self.seed + i, n=1) for i in range(self.n)]
+
+
+def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = None, height: int | None = None,
+                width: int | None = None, frames: int | None = None, steps: int | None = None,
+                guidance: float | None = None, true_cfg_scale: float | None = None, seed: int = 0,
+                n: int = 1) -> GenerationRequest:
+    """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value."""
     height = spec.height if height is None else int(height)
     width = spec.width if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)
@@ -46,31 +97,83 @@ def call_kwargs(
     spec.check_size(height, width, frames)
     if steps < 1:
         raise ValueError(f"expected steps >= 1, got {steps}")
-    if not math.isfinite(guidance) or guidance < 0:
-        raise ValueError(f"expected guidance >= 0, got {guidance}")
-    device = getattr(pipe, "_execution_device", None) or torch.device("cpu")
-    gen_device = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    kwargs = dict(
-        prompt=prompt,
-        height=height,
-        width=width,
-        num_inference_steps=steps,
-        guidance_scale=guidance,
-        generator=torch.Generator(gen_device).manual_seed(int(seed)),
+    return GenerationRequest(kind=spec.kind, prompt=prompt, width=width, height=height, steps=steps,
+                             guidance=guidance, seed=int(seed), negative_prompt=negative_prompt,
+                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n)
+
+
+def fixed_kwargs(spec: ModelSpec) -> dict:
+    """The keyword arguments every call of `spec`'s pipeline gets (text length, the spec's call_kwargs)."""
+    fixed = dict(spec.call_kwargs)
+    if spec.max_sequence_length is not None:
+        fixed.setdefault("max_sequence_length", int(spec.max_sequence_length))
+    return fixed
+
+
+def generators_for(request: GenerationRequest) -> list[torch.Generator]:
+    """One CPU generator per image, seeded ``seed + i``: the same initial noise on every device and rank
+    (diffusers draws each image's latents from its own generator, on the CPU, then moves them)."""
+    return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]
+
+
+def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, fixed: Mapping = ()) -> dict:
+    """Keyword arguments of one ``pipe(**kwargs)`` call making every image of `requests` (equal batch_key):
+    lists of prompts and generators, one per image (plain values for a single image).
+
+    fixed: the model's fixed arguments (`fixed_kwargs(spec)`). Raises ValueError naming any argument the
+    pipeline does not take (a negative prompt for a pipeline without one, ...).
+    """
+    if not requests:
+        raise ValueError("expected at least one request, got none")
+    keys = {r.batch_key for r in requests}
+    if len(keys) != 1:
+        raise ValueError(f"expected requests with one batch_key, got {len(keys)} different ones")
+    first = requests[0]
+    if first.kind != kind:
+        raise ValueError(f"expected {kind} requests for this {kind} model, got a {first.kind} request")
+    params = inspect.signature(pipe.__call__).parameters
+    kwargs = {k: v for k, v in dict(fixed).items() if k in params or k not in _OPTIONAL_FIXED}
+    kwargs.update(
+        prompt=[r.prompt for r in requests for _ in range(r.n)],
+        height=first.height,
+        width=first.width,
+        num_inference_steps=first.steps,
+        guidance_scale=first.guidance,
+        generator=[g for r in requests for g in generators_for(r)],
         output_type="np",
     )
-    params = inspect.signature(pipe.__call__).parameters
-    if spec.kind == "video":
-        kwargs["num_frames"] = frames
-    if negative_prompt is not None and "negative_prompt" in params:
-        kwargs["negative_prompt"] = negative_prompt
-    if spec.max_sequence_length is not None and "max_sequence_length" in params:
-        kwargs["max_sequence_length"] = spec.max_sequence_length
-    kwargs.update(spec.call_kwargs)
+    if first.negative_prompt is not None:
+        kwargs["negative_prompt"] = [r.negative_prompt for r in requests for _ in range(r.n)]
+    if first.true_cfg_scale is not None:
+        kwargs["true_cfg_scale"] = first.true_cfg_scale
+    if kind == "video":
+        kwargs["num_frames"] = first.num_frames
+    if len(kwargs["prompt"]) == 1:
+        # One image: plain values, as a user calls a pipeline (wrappers such as xfuser's expect them); diffusers
+        # draws the same noise from one generator as from a list of one.
+        for key in ("prompt", "negative_prompt", "generator"):
+            if key in kwargs:
+                kwargs[key] = kwargs[key][0]
     unknown = sorted(k for k in kwargs if k not in params)
     if unknown:
         raise ValueError(f"expected arguments of {type(pipe).__name__}.__call__, got {unknown}")
     return kwargs
+
+
+def call_kwargs(pipe, spec: ModelSpec, *, prompt: str, seed: int = 0, **values) -> dict:
+    """`pipeline_kwargs` for one image (or video) of `spec`'s model; None values take the spec's defaults.
+
+    values: negative_prompt, height, width, frames, steps, guidance, true_cfg_scale (see `request_for`).
+    """
+    request = request_for(spec, prompt=prompt, seed=seed, **values)
+    return pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))
+
+
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """float [0, 1] (any shape ending in channels) -> uint8, rounded half up: the one pixel rule."""
+    if pixels.dtype == np.uint8:
+        return pixels
+    return (np.clip(pixels, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
 def to_pil_frames(output, kind: str) -> list[Image.Image]:
@@ -83,7 +186,7 @@ def to_pil_frames(output, kind: str) -> list[Image.Image]:
         raise ValueError(f"expected (frames, H, W, C) pixel data, got shape {array.shape}")
     if not np.isfinite(array).all():
         raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")
-    pixels = (np.clip(array, 0.0, 1.0) * 255.0).round().astype(np.uint8)
+    pixels = to_uint8(array)
     return [Image.fromarray(frame.squeeze(-1) if frame.shape[-1] == 1 else frame) for frame in pixels]
 
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A published checkpoint per family, named in the random-weights notice as an example of real weights.
+_REAL_WEIGHTS_EXAMPLE = {"flux": "FLUX.1-dev", "wan": "Wan2.1-T2V-14B-Diffusers", "nucleusmoe": "Nucleus-Image",
+                         "hidream": "HiDream-I1-Full"}
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -47,6 +51,21 @@ class ModelSpec:
         for name in ("patch_multiple", "height", "width", "steps", "frames", "frame_multiple", "fps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"expected {name} >= 1, got {getattr(self, name)}")
+
+    @property
+    def random_weights(self) -> bool:
+        """Built-in models (tiny, full) are made with random weights; a local folder has real ones."""
+        return self.size != "local"
+
+    @property
+    def weights_notice(self) -> str | None:
+        """What a user must be told once (start-up, `/v1/models`, the page) when the weights are random."""
+        if not self.random_weights:
+            return None
+        example = _REAL_WEIGHTS_EXAMPLE.get(self.family, "a diffusers checkpoint")
+        return (f"{self.name} has random weights (built in, nothing downloaded), so every {self.kind} is coloured "
+                f"noise whatever the prompt. For real {self.kind}s pass a local diffusers folder: "
+                f"--model /path/to/{example}")
 
     def check_size(self, height: int, width: int, frames: int | None = None) -> None:
         """Raise ValueError naming the bad value when (height, width, frames) cannot be generated."""

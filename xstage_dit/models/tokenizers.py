@@ -9,10 +9,16 @@ How text outside the vocabulary is handled (non-ASCII prompts must work):
 - CLIP and Qwen (byte-level BPE): every byte has a token, so any UTF-8 text encodes losslessly.
 - Llama (BPE with byte fallback): unknown characters become ``<0xNN>`` byte tokens.
 - T5 / UMT5 (Unigram, as the real ones): unknown characters become ``<unk>``.
+
+`quiet_prompt_truncation(pipe)` keeps a long or non-Latin prompt from filling the log: diffusers prints
+the whole cut-off text (runs of ``<unk>`` for what a tokenizer lacks) on every call, and transformers
+warns about an over-long sequence the pipeline only encodes to report what it cut.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import string
 from functools import cache
 
@@ -171,3 +177,35 @@ def llama_tokenizer(model_max_length: int = 8192):
 def max_token_id(tokenizer) -> int:
     """Largest id the tokenizer can emit (added tokens included)."""
     return max(tokenizer.get_vocab().values())
+
+
+# diffusers' pipelines: "... truncated because CLIP can only handle sequences up to 77 tokens: [<text>]"
+# and "... because `max_sequence_length` is set to  512 tokens: [<text>]".
+_TRUNCATED = re.compile(r"The following part of your input was truncated because (?P<why>.*?)"
+                        r"(?:handle sequences up to|is set to)\s+(?P<tokens>\d+) tokens")
+# transformers, on the untruncated encoding that diffusers makes only to find the cut-off text.
+_TOO_LONG = "Token indices sequence length is longer than the specified maximum sequence length"
+_TOKENIZER_LOGGER = "transformers.tokenization_utils_base"
+
+
+class PromptTruncationFilter(logging.Filter):
+    """One short line per cut instead of the cut-off text; drops the over-long-sequence warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if message.startswith(_TOO_LONG):
+            return False
+        match = _TRUNCATED.match(message)
+        if match:
+            encoder = "CLIP" if "CLIP" in match["why"] else "max_sequence_length"
+            record.msg, record.args = f"prompt truncated to its first {match['tokens']} tokens ({encoder})", ()
+        return True
+
+
+def quiet_prompt_truncation(pipe) -> None:
+    """Installs `PromptTruncationFilter` on `pipe`'s pipeline module logger and on transformers'
+    tokenizer logger (once each; the truncation itself is unchanged)."""
+    for name in (type(pipe).__module__, _TOKENIZER_LOGGER):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, PromptTruncationFilter) for f in logger.filters):
+            logger.addFilter(PromptTruncationFilter())

@@ -35,14 +35,13 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.calibration.provider import ChosenParams, params_for
-from xstage_dit.patches.attention_schedules import AttentionSchedules
 from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.patches.groups import ParallelGroups
 from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["parallelize", "ParallelConfig", "ParallelHandle", "supported_models"]
+__all__ = ["parallelize", "check_degrees", "ParallelConfig", "ParallelHandle", "supported_models"]
 
 _MARK = "_xstage_parallel_handle"
 
@@ -143,6 +142,24 @@ def _calibrated_params(config: ParallelConfig, groups: ParallelGroups) -> Chosen
     return chosen
 
 
+def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
+    """The model's own rules for `config` (its plan's check, ep only with MoE layers, cfg only where CFG
+    applies, enough heads for sp); ValueError naming the rule. Returns the transformer's `ModelPlan`.
+    Touches no process group, so it also runs on a meta-device transformer (the CLI's pre-check test)."""
+    from xstage_dit.patches.plans import plan_for
+    from xstage_dit.patches.sequence_parallel import check_heads
+
+    plan = plan_for(transformer)
+    if plan.check is not None:
+        plan.check(transformer, config)
+    if config.ep > 1 and not plan.moe_layers:
+        raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
+    if config.cfg > 1 and plan.cfg is None:
+        raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
+    check_heads(transformer, config.sp)
+    return plan
+
+
 def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any) -> ParallelHandle:
     """Make `pipe` (a diffusers DiT pipeline, or a bare transformer) run on `sp * cfg` ranks.
 
@@ -167,7 +184,6 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     from xstage_dit.patches import _diffusers_private as private
     from xstage_dit.patches.collective_safety import setup_facts
     from xstage_dit.patches.plans import plan_for
-    from xstage_dit.patches.sequence_parallel import check_heads
 
     _ensure_process_group(config)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -184,19 +200,11 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
                 raise RuntimeError(
                     "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
                 )
-            plan = plan_for(transformer)
-            if plan.moe_layers:
+            if plan_for(transformer).moe_layers:
                 from xstage_dit.patches.expert_parallel import check_loaded_shards
 
                 check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
-            if plan.check is not None:
-                plan.check(transformer, config)
-            if config.ep > 1 and not plan.moe_layers:
-                raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
-            if config.cfg > 1 and plan.cfg is None:
-                raise ValueError(f"expected cfg=1: CFG parallel does not apply to {type(transformer).__name__}, got cfg={config.cfg}")
-            check_heads(transformer, config.sp)
-            plans.append(plan)
+            plans.append(check_degrees(transformer, config))
         config.check_world(world)
 
     from xstage_dit.patches.groups import build_groups
@@ -205,6 +213,10 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     chosen = _calibrated_params(config, groups)
     handle = ParallelHandle(config=config, groups=groups, transformer=transformers[0], transformers=transformers,
                             calibration=chosen)
+    # Imported here, not at the top: it pulls in the attention op (and torch._dynamo through its
+    # assume_constant_result), which the CLI's pre-checks of a ParallelConfig must not pay for.
+    from xstage_dit.patches.attention_schedules import AttentionSchedules
+
     schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
                                    xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
                                    choices=handle.schedule_choices, paths=handle.attention_paths)
@@ -249,7 +261,7 @@ def _log_layer_shapes(transformer, handle: ParallelHandle) -> None:
                  "count (%s)", cls, hidden, experts, len(names), handle.config.ep, calibrated)
 
 
-def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedules) -> None:
+def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSchedules") -> None:  # noqa: F821
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
@@ -261,7 +273,8 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: AttentionSchedu
     # ep > 1: every MoE layer becomes an EP layer. World 1: only where the MoE chooser runs the fused
     # kernel (NucleusMoE on a GPU); the others stay diffusers' own, with the reason logged.
     if config.ep > 1 or (groups.world_size == 1 and plan.moe_layers):
-        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=schedules.xparams)
+        xparams = handle.calibration.params if handle.calibration is not None else None
+        undo_ep, num_moe = apply_expert_parallel(transformer, plan.moe_layers, groups.sp_group, xparams=xparams)
         handle.num_moe_layers += num_moe
         handle._undo.append(undo_ep)
     # MoE layers that stay diffusers' own (ep = 1) get the torch.compile work-around of compile_fixes.

@@ -1,5 +1,6 @@
-"""What `parallelize` does so that ranks never hang on each other (issue 18), built on
-`xstage_dit.comm.agreement`:
+"""What `parallelize` does so that ranks never hang on each other (issue 18).
+
+Built on `xstage_dit.comm.agreement`:
 
 - `setup_facts(config, transformers)`: the configuration, model classes and weight shapes every rank
   must agree on; `parallelize` compares them with one all-gather before any other collective.

@@ -2,7 +2,8 @@
 
 EP shares the ranks of the sequence-parallel group: each EP layer receives this rank's sequence shard
 and holds ``num_experts / ep`` experts (``from_layer`` copies only this rank's experts). The original
-layers are kept for `undo`, moved to the CPU while patched so only the rank's experts occupy the GPU.
+layers are kept for `undo`, their own tensors moved to the CPU while patched (the router and shared expert, which
+the EP layer shares, stay where they are), so only the rank's experts occupy the GPU.
 Every EP layer of a model shares one ``MoEScheduler`` fed the X-Stage params ``parallelize`` hands down
 (``xparams``): the path and lead are chosen once per layer shape, logged once, and readable on each
 layer as ``layer.schedule_choice``.
@@ -102,7 +103,7 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
                 device = _device_of(child)
                 setattr(parent, child_name, ep_layer)
                 if device.type != "cpu":
-                    child.to("cpu")
+                    _offload_unshared(child, ep_layer)
                 swapped.append((parent, child_name, child, device))
     except BaseException:
         _undo(swapped, bound)
@@ -132,6 +133,20 @@ def check_loaded_shards(model: torch.nn.Module, ep: int) -> None:
     if worlds and ep not in worlds:
         w = worlds.pop()
         raise ValueError(f"expected ep={w} for a pipeline loaded with expert_shard=(rank, {w}), got ep={ep}")
+
+
+def _offload_unshared(original: torch.nn.Module, ep_layer: torch.nn.Module) -> None:
+    """Move the original layer's tensors to the CPU while it waits for `undo`, except those the EP layer
+    shares with it (the router and the shared expert run on, in place): moving the whole module would take
+    them off the GPU under the EP layer's feet."""
+    shared = {id(t) for t in (*ep_layer.parameters(), *ep_layer.buffers())}
+    for module in original.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) not in shared:
+                param.data = param.data.to("cpu")
+        for name, buf in module.named_buffers(recurse=False):
+            if id(buf) not in shared:
+                module._buffers[name] = buf.to("cpu")
 
 
 def _undo(swapped, bound) -> None:

@@ -1,6 +1,7 @@
 """What the server serves and the limits it enforces: `ServedModel` (facts about the one model this
-server runs) and `ServerConfig` (queue, batching, timeouts, request bounds, auth), both validated on
-construction so a bad value fails at start-up with the option's name."""
+server runs) and `ServerConfig` (queue, batching, timeouts, request bounds, auth, and the one
+`ParallelConfig` of the command), both validated on construction so a bad value fails at start-up with
+the option's name."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from xstage_dit.patches.config import ParallelConfig
 
 #: Environment variable holding the optional bearer token (unset or empty: no authentication).
 API_KEY_ENV = "XSTAGE_API_KEY"
@@ -27,7 +30,10 @@ class ServedModel:
     size_multiple: width and height must be multiples of this many pixels (VAE factor x patch size).
     default_width/default_height, default_steps, default_guidance: used when a request omits them.
     default_frames / frame_multiple: video only; valid frame counts are `k * frame_multiple + 1`.
-    pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length).
+    pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length),
+        `xstage_dit.models.generation.fixed_kwargs` of the spec.
+    weights_notice: set when the weights are random (a built-in model): what to tell users, and how to
+        use real weights; None for real weights.
     """
 
     name: str
@@ -41,6 +47,7 @@ class ServedModel:
     frame_multiple: int = 4
     default_fps: int = 16
     pipeline_kwargs: dict = field(default_factory=dict)
+    weights_notice: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -57,32 +64,12 @@ class ServedModel:
     @classmethod
     def from_spec(cls, name: str, spec: Any) -> "ServedModel":
         """Build from `xstage_dit.models.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults)."""
+        from xstage_dit.models.generation import fixed_kwargs
 
-        def pick(*names: str, default: Any = None) -> Any:
-            for n in names:
-                if hasattr(spec, n) and getattr(spec, n) is not None:
-                    return getattr(spec, n)
-            return default
-
-        kind = pick("kind", default="image")
-        multiple = int(pick("size_multiple", "patch_multiple", "pixel_multiple", default=16))
-        extra = dict(pick("call_kwargs", default={}) or {})
-        max_seq = pick("max_sequence_length")
-        if max_seq is not None:
-            extra["max_sequence_length"] = int(max_seq)
-        return cls(
-            name=name,
-            kind=kind,
-            size_multiple=multiple,
-            default_width=int(pick("default_width", "width", default=multiple * 4)),
-            default_height=int(pick("default_height", "height", default=multiple * 4)),
-            default_steps=int(pick("default_steps", "steps", "num_inference_steps", default=4)),
-            default_guidance=float(pick("default_guidance", "guidance", "guidance_scale", default=3.5)),
-            default_frames=int(pick("default_frames", "frames", "num_frames", default=1)),
-            frame_multiple=int(pick("frame_multiple", "temporal_multiple", default=4)),
-            default_fps=int(pick("fps", "default_fps", default=16)),
-            pipeline_kwargs=extra,
-        )
+        return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
+                   default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
+                   default_frames=spec.frames, frame_multiple=spec.frame_multiple, default_fps=spec.fps,
+                   pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice)
 
 
 @dataclass(frozen=True)
@@ -103,6 +90,8 @@ class ServerConfig:
     exit_after_failure_s: after a rank failure, keep answering 503 this long, then exit non-zero
         (so a process manager restarts the server); None keeps running.
     warmup: run one step at the model's default size on every rank before reporting ready.
+    parallel: the degrees of parallelism (sp, ep, cfg) and the collective timeout, built once by the
+        command and handed whole to every rank's loader (`xstage_dit.server.startup.model_loader`).
     """
 
     max_queue: int = 64
@@ -123,6 +112,7 @@ class ServerConfig:
     heartbeat_timeout_s: float = 5.0
     exit_after_failure_s: float | None = 30.0
     warmup: bool = True
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         for what in ("max_queue", "max_batch_size", "max_body_bytes", "max_n", "max_steps", "max_prompt_chars",
@@ -134,5 +124,6 @@ class ServerConfig:
             value = getattr(self, what)
             _check(math.isfinite(value) and value >= 0, what, "a finite number >= 0", value)
         _check(self.request_timeout_s > 0, "request_timeout_s", "> 0", self.request_timeout_s)
+        _check(isinstance(self.parallel, ParallelConfig), "parallel", "a ParallelConfig", self.parallel)
         if self.exit_after_failure_s is not None:
             _check(self.exit_after_failure_s >= 0, "exit_after_failure_s", ">= 0 or None", self.exit_after_failure_s)

@@ -1,6 +1,6 @@
 """Jobs, the bounded queue that batches compatible jobs, cancellation and timeouts.
 
-A *job* is one HTTP request: `n` images or one video, each image one `GenerationParams` item. The
+A *job* is one HTTP request: `n` images or one video, each image one `GenerationRequest` item. The
 worker thread takes a *batch*: the oldest waiting job plus the following jobs whose items have the
 same `batch_key` (kind, size, steps, guidance, frames, CFG settings), up to `max_batch_size` items, so
 they run as one pipeline call with a list of prompts and one generator per item.
@@ -21,31 +21,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from xstage_dit.models.generation import GenerationRequest
+
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 TERMINAL = (COMPLETED, FAILED, CANCELLED)
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    """One image or one video to generate. Items with equal `batch_key` can share a pipeline call."""
-
-    kind: str
-    prompt: str
-    width: int
-    height: int
-    steps: int
-    guidance: float
-    seed: int
-    negative_prompt: str | None = None
-    true_cfg_scale: float | None = None
-    num_frames: int = 1
-    fps: int = 16
-
-    @property
-    def batch_key(self) -> tuple:
-        # A batch mixing items with and without a negative prompt would change the CFG path of some.
-        return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
-                self.true_cfg_scale, self.negative_prompt is not None)
 
 
 class QueueFull(Exception):
@@ -72,7 +51,7 @@ class Job:
     """One request. `results` holds PNG bytes per image, or one MP4, once `status` is completed."""
 
     id: str
-    items: list[GenerationParams]
+    items: list[GenerationRequest]
     deadline: float
     created: float = field(default_factory=time.time)
     status: str = QUEUED
@@ -116,6 +95,9 @@ class Job:
         run = (self.finished - self.started) if (self.finished and self.started) else None
         total = (self.finished - self.created) if self.finished else None
         mean_step = sum(self.step_times) / len(self.step_times) if self.step_times else None
+        if mean_step is None and run is not None and self.steps_done:
+            # One step: its only interval also holds prompt encoding and decoding, the best bound there is.
+            mean_step = run / self.steps_done
         return {"queued_s": queued, "run_s": run, "total_s": total, "mean_step_s": mean_step}
 
     # --- subscribers (asyncio side) ---

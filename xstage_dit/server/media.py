@@ -1,7 +1,7 @@
 """Encoding generated pixels for HTTP: PNG for images, MP4 (H.264, yuv420p) for videos.
 
-Arrays come from the pipeline as floats in [0, 1]; `to_uint8` rounds them once, the same way for every
-image, so an image's bytes depend only on its pixels.
+Arrays come from the pipeline as floats in [0, 1]; `xstage_dit.models.generation.to_uint8` rounds them once,
+the same way for every image and for `xstage-dit generate`, so an image's bytes depend only on its pixels.
 """
 
 from __future__ import annotations
@@ -13,12 +13,7 @@ import tempfile
 import numpy as np
 from PIL import Image
 
-
-def to_uint8(pixels: np.ndarray) -> np.ndarray:
-    """float [0, 1] (any shape ending in channels) -> uint8, rounded to nearest."""
-    if pixels.dtype == np.uint8:
-        return pixels
-    return (np.clip(pixels, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
+from xstage_dit.models.generation import to_uint8
 
 
 def png_bytes(image: np.ndarray) -> bytes:

@@ -1,5 +1,6 @@
 """Request and response models of the HTTP API (pydantic), and the checks that depend on the served
-model and the server's limits (`to_params`), which turn a request into `GenerationParams`.
+model and the server's limits (`image_params`, `video_params`), which turn a request into the
+`GenerationRequest` items a job runs (one per image).
 
 Unknown fields are rejected (`extra="forbid"`), so a typo such as `num_inference_step` is a 422 naming
 the field rather than a silently ignored option.
@@ -14,21 +15,21 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xstage_dit.models.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.jobs import GenerationParams
 
-MAX_SEED = 2**63 - 1
-_SIZE_RE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 
 
 class RequestError(Exception):
     """A request that is well-formed JSON but not acceptable: answered as `status` with `param` named."""
 
-    def __init__(self, param: str, message: str, status: int = 422):
+    def __init__(self, param: str, message: str, status: int = 422, headers: dict[str, str] | None = None):
         super().__init__(f"{param}: {message}")
         self.param = param
         self.message = f"{param}: {message}"
         self.status = status
+        self.headers = headers
 
 
 class _Strict(BaseModel):
@@ -77,7 +78,8 @@ class Timings(BaseModel):
     queued_s: float | None = Field(None, description="Time waiting in the queue.")
     run_s: float | None = Field(None, description="Time in the pipeline (the whole batch).")
     total_s: float | None = Field(None, description="Submission to completion.")
-    mean_step_s: float | None = None
+    mean_step_s: float | None = Field(
+        None, description="Mean denoising step, from the second step on (for a one-step job: run_s).")
 
 
 class ImageGenerationResponse(BaseModel):
@@ -119,6 +121,8 @@ class ModelCard(BaseModel):
     size_multiple: int
     default_steps: int
     default_frames: int | None = None
+    random_weights: bool = Field(..., description="True for a built-in model: its outputs are noise, whatever the prompt.")
+    weights_notice: str | None = Field(None, description="With random weights: what that means and how to use real ones.")
 
 
 class ModelList(BaseModel):
@@ -137,15 +141,25 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+def error_responses(*codes: int) -> dict[int, dict]:
+    """OpenAPI `responses` documenting `codes` as the error envelope (so clients and fuzzers know them)."""
+    return {code: {"model": ErrorResponse} for code in codes}
+
+
 def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[int, int]:
     """'WxH' -> (width, height), checked against the model's multiple and the server's bounds."""
     match = _SIZE_RE.match(size)
     if not match:
         raise RequestError("size", f"expected 'WIDTHxHEIGHT' such as '64x64', got {size!r}")
-    width, height = int(match.group(1)), int(match.group(2))
+    # Any digit run is a number (so "100000x100000" is out of range, not malformed); past 18 digits it is
+    # out of range without being converted (int() refuses thousands of digits).
+    texts = {"width": match.group(1).lstrip("0") or "0", "height": match.group(2).lstrip("0") or "0"}
+    for name, text in texts.items():
+        if len(text) > 18 or not config.min_size <= int(text) <= config.max_size:
+            shown = text if len(text) <= 18 else f"{text[:18]}... ({len(text)} digits)"
+            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {shown}")
+    width, height = int(texts["width"]), int(texts["height"])
     for name, value in (("width", width), ("height", height)):
-        if not config.min_size <= value <= config.max_size:
-            raise RequestError("size", f"expected {name} in [{config.min_size}, {config.max_size}], got {value}")
         if value % served.size_multiple:
             raise RequestError("size", f"expected {name} a multiple of {served.size_multiple} for model "
                                f"{served.name}, got {value}")
@@ -171,7 +185,7 @@ def _common(req, served: ServedModel, config: ServerConfig, kind: str) -> dict:
         raise RequestError("model", f"expected {served.name!r} (the served model), got {req.model!r}", 404)
     if served.kind != kind:
         other = "POST /v1/videos" if served.kind == "video" else "POST /v1/images/generations"
-        raise RequestError("model", f"expected a {kind} model for this endpoint, got {served.name!r} which "
+        raise RequestError("model", f"expected {'an' if kind == 'image' else 'a'} {kind} model for this endpoint, got {served.name!r} which "
                            f"generates {served.kind}s: use {other}", 400)
     prompt = _prompt(req.prompt, "prompt", config, required=True)
     negative = _prompt(req.negative_prompt, "negative_prompt", config, required=False)
@@ -190,8 +204,8 @@ def _common(req, served: ServedModel, config: ServerConfig, kind: str) -> dict:
                 guidance=float(guidance), seed=seed)
 
 
-def image_params(req: ImageGenerationRequest, served: ServedModel, config: ServerConfig) -> list[GenerationParams]:
-    """One `GenerationParams` per requested image (seeds seed, seed+1, ...)."""
+def image_params(req: ImageGenerationRequest, served: ServedModel, config: ServerConfig) -> list[GenerationRequest]:
+    """One one-image `GenerationRequest` per requested image (seeds seed, seed+1, ...)."""
     common = _common(req, served, config, "image")
     if not 1 <= req.n <= config.max_n:
         raise RequestError("n", f"expected an integer in [1, {config.max_n}], got {req.n}")
@@ -200,11 +214,10 @@ def image_params(req: ImageGenerationRequest, served: ServedModel, config: Serve
     true_cfg = req.true_cfg_scale
     if true_cfg is not None and not (math.isfinite(true_cfg) and 0 <= true_cfg <= 100):
         raise RequestError("true_cfg_scale", f"expected a number in [0, 100], got {true_cfg}")
-    base_seed = common.pop("seed")
-    return [GenerationParams(**common, seed=base_seed + i, true_cfg_scale=true_cfg) for i in range(req.n)]
+    return GenerationRequest(**common, true_cfg_scale=true_cfg, n=req.n).per_image()
 
 
-def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig) -> GenerationParams:
+def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig) -> GenerationRequest:
     common = _common(req, served, config, "video")
     frames = served.default_frames if req.num_frames is None else req.num_frames
     if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
@@ -213,4 +226,4 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")
-    return GenerationParams(**common, num_frames=frames, fps=fps)
+    return GenerationRequest(**common, num_frames=frames, fps=fps)

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.calibration.provider import params_for
-from xstage_dit.server.config import ServedModel
 from xstage_dit.jsonable import to_jsonable
+from xstage_dit.patches import ParallelConfig, parallelize
+from xstage_dit.server.config import ServedModel
 from xstage_dit.server.worker import LoadedModel, RankContext
 
 log = logging.getLogger(__name__)
@@ -51,44 +52,35 @@ def schedule_report(handle: Any) -> Any:
     return {"note": f"{type(handle).__name__} does not report its schedule choices"}
 
 
-def model_loader(model: str, *, sp: int = 1, ep: int = 1, cfg: int = 1, dtype: torch.dtype | None = None,
-                 seed: int = 0) -> Callable[[RankContext], LoadedModel]:
+def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
+                 weights_seed: int = 0) -> Callable[[RankContext], LoadedModel]:
     """The factory every rank calls once the ranks have joined (see `Worker`).
 
+    parallel: the command's one ParallelConfig (its world size must be the ranks'), handed to `parallelize`.
     dtype: None picks bfloat16 on a GPU and float32 on a CPU.
+    weights_seed: seed of a built-in model's random weights (not of the images: requests carry their seeds).
     """
 
     def load(ctx: RankContext) -> LoadedModel:
         from xstage_dit.models import load_pipeline, model_spec
 
+        parallel.check_world(ctx.world_size)
         spec = model_spec(model)
         name = model if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))
         served = ServedModel.from_spec(name, spec)
         device = torch.device(ctx.device)
         want = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.
-        expert_shard = None
-        if ep > 1:
-            from xstage_dit.patches.config import ParallelConfig as ShardConfig
-
-            expert_shard = ShardConfig(sp=sp, ep=ep, cfg=cfg).expert_shard(ctx.rank)
-        pipe = load_pipeline(model, dtype=want, device=device, seed=seed, expert_shard=expert_shard)
-        handle, parallel = None, {"sp": sp, "ep": ep, "cfg": cfg, "world_size": ctx.world_size}
-        if ctx.world_size > 1 or max(sp, ep, cfg) > 1:
-            try:
-                from xstage_dit.patches import ParallelConfig, parallelize
-            except ImportError as exc:
-                if expert_shard is not None:  # this rank holds only its experts: it cannot run alone
-                    raise RuntimeError(f"expected xstage_dit.patches for ep={ep} (experts loaded sharded), got {exc}") from exc
-                # Said loudly, once: every rank then runs the whole pipeline (same images, no speed-up).
-                log.warning("parallelize unavailable (%s): each of the %d ranks runs the whole pipeline",
-                            exc, ctx.world_size)
-                parallel["mode"] = f"replicated: xstage_dit.patches not available ({exc})"
-            else:
-                handle = parallelize(pipe, ParallelConfig(sp=sp, ep=ep, cfg=cfg))
-                parallel["mode"] = "parallelized"
-        parallel["experts_loaded"] = "all" if expert_shard is None else f"shard {expert_shard[0]} of {expert_shard[1]}"
-        report = {"model": served.name, "parallel": parallel, "device": str(device), "dtype": str(want)}
+        expert_shard = parallel.expert_shard(ctx.rank)
+        pipe = load_pipeline(model, dtype=want, device=device, seed=weights_seed, expert_shard=expert_shard)
+        handle = None
+        report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size}
+        if parallel.world_size > 1:
+            handle = parallelize(pipe, parallel)
+            report_parallel["mode"] = "parallelized"
+        report_parallel["experts_loaded"] = ("all" if expert_shard is None
+                                             else f"shard {expert_shard[0]} of {expert_shard[1]}")
+        report = {"model": served.name, "parallel": report_parallel, "device": str(device), "dtype": str(want)}
         if ctx.rank == 0:
             report["calibration"] = calibration_report(device, handle)
             log.info("calibration: %s", report["calibration"])

@@ -5,7 +5,7 @@ Control messages travel over a gloo group (a CPU channel, even when the pipeline
 NCCL), always as `broadcast_object_list` from rank 0, tagged so that a rank can never mistake one for
 another:
 
-- ``("run", batch_id, items)``: run this batch (a list of `GenerationParams`);
+- ``("run", batch_id, items)``: run this batch (a list of `GenerationRequest`);
 - ``("step", batch_id, keep_going)``: sent after every denoising step; all ranks stop together when
   rank 0 says so (every job of the batch cancelled or timed out);
 - ``("ping",)``: sent when idle, so a waiting rank never hits the collective timeout;
@@ -34,7 +34,8 @@ from typing import Any, Callable
 import numpy as np
 
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.jobs import Batch, GenerationParams, JobQueue
+from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.server.jobs import Batch, JobQueue
 from xstage_dit.server.media import mp4_bytes, png_bytes
 from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.runner import BatchRunner, BatchStopped
@@ -199,7 +200,7 @@ class Worker:
         if not self.config.warmup:
             return
         s = self.model.served
-        item = GenerationParams(kind=s.kind, prompt="warm-up", width=s.default_width, height=s.default_height,
+        item = GenerationRequest(kind=s.kind, prompt="warm-up", width=s.default_width, height=s.default_height,
                                 steps=1, guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
         started = time.perf_counter()
         runner.run([item], lambda done, total: True)

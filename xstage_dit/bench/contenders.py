@@ -1,0 +1,245 @@
+"""The contenders of the end-to-end benchmark, each with ``check`` (the reason it cannot run, found before
+any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_contenders`)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+import torch
+
+from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
+from xstage_dit.bench.session import Bench, error_text
+from xstage_dit.jsonable import to_jsonable
+from xstage_dit.patches import ParallelConfig, parallelize
+
+XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
+# Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
+MOE_FAMILIES = ("nucleusmoe", "hidream")
+
+
+def _version(dist_name: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class Contender:
+    family = ""
+    irreversible = False  # no way to undo it: runs after every reversible contender, marks the pipeline dirty
+
+    def __init__(self, compile: bool):
+        self.compile = compile
+        self.info: dict = {}
+
+    def accepts(self, dirty: str | None) -> bool:
+        """Whether this contender can run on a pipeline left modified by ``dirty`` (None: pristine)."""
+        return dirty is None
+
+    @property
+    def name(self) -> str:
+        return self.family + ("+compile" if self.compile else "")
+
+    def check(self, b: Bench) -> str | None:
+        return None
+
+    def apply(self, b: Bench) -> None:
+        if self.compile:
+            self.info["compile_mode"] = b.compile_transformer()
+
+    def call(self, b: Bench, kwargs: dict):
+        return b.pipe(**kwargs)
+
+    def restore(self, b: Bench) -> None:
+        b.uncompile()
+
+
+class PlainDiffusers(Contender):
+    """The unmodified diffusers pipeline; at a GPU count > 1 every rank runs it alone on its GPU."""
+
+    family = "diffusers"
+
+
+class PlainDiffusersRepeat(PlainDiffusers):
+    """Plain diffusers again, after the eager xstage contenders (an A/B/A order, at ``--rounds 1``): the
+    baseline's own drift over the run (clocks, temperature) shows, and the xstage rows pair with both runs."""
+
+    family = BASELINE_REPEAT
+
+
+class XStage(Contender):
+    """``xstage_dit.parallelize`` with the serial schedule, or with the calibrated ones."""
+
+    def __init__(self, compile: bool, schedule: str):
+        super().__init__(compile)
+        self.schedule = schedule
+        self.family = "xstage-serial" if schedule == "serial" else "xstage-calibrated"
+        self.handle = None
+
+    def _config(self, b: Bench) -> ParallelConfig:
+        ep = b.world_size if b.spec.family in MOE_FAMILIES else 1
+        if self.schedule == "serial":
+            return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="serial", calibrate=False)
+        return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="auto", calibrate=True)
+
+    def check(self, b: Bench) -> str | None:
+        try:
+            self.info["parallel_config"] = to_jsonable(self._config(b))
+        except Exception as exc:
+            return f"ParallelConfig refuses this configuration: {error_text(exc)}"
+        return None
+
+    def apply(self, b: Bench) -> None:
+        self.handle = parallelize(b.pipe, self._config(b))
+        calibration = getattr(self.handle, "calibration", None)
+        self.info["calibration"] = None if calibration is None else {
+            "source": getattr(calibration, "source", None),
+            "machine_key": getattr(calibration, "machine_key", None),
+            "params": to_jsonable(getattr(calibration, "params", None)),
+        }
+        super().apply(b)
+
+    def restore(self, b: Bench) -> None:
+        super().restore(b)
+        handle, self.handle = self.handle, None
+        if handle is None:
+            return
+        # The attention schedule per distinct layer shape, filled as the shapes were first seen.
+        self.info["schedules"] = to_jsonable(getattr(handle, "schedule_choices", None))
+        handle.restore()
+
+
+class XFuserUSP(Contender):
+    """xDiT/xfuser's USP: its pipeline wrapper with Ulysses degree = GPU count (ring degree 1)."""
+
+    family = "xfuser-usp"
+
+    def __init__(self, compile: bool, world_size: int):
+        super().__init__(compile)
+        # At degree > 1 the wrapper replaces attention layers inside the transformer: no way back.
+        self.irreversible = world_size > 1
+        self.wrapper = None
+        self.saved: dict = {}
+        self.had_forward_attr = False
+
+    def check(self, b: Bench) -> str | None:
+        version = _version("xfuser")
+        if version is None:
+            return f"xfuser is not installed (the bench extra pins xfuser=={XFUSER_PIN})"
+        self.info["xfuser_version"] = version
+        try:
+            import xfuser  # noqa: F401
+            from xfuser.model_executor.pipelines.register import xFuserPipelineWrapperRegister
+        except Exception as exc:
+            return f"xfuser {version} does not import here: {error_text(exc)}"
+        try:
+            self.wrapper_class = xFuserPipelineWrapperRegister.get_class(b.pipe)
+        except Exception as exc:
+            return f"xfuser {version} has no pipeline wrapper for {type(b.pipe).__name__}: {error_text(exc)}"
+        return None
+
+    def apply(self, b: Bench) -> None:
+        from xfuser import xFuserArgs
+        from xfuser.core.distributed import init_distributed_environment
+
+        b.ensure_process_group()
+        init_distributed_environment(rank=b.rank, world_size=b.world_size)  # adopts the existing group
+        engine_config, _ = xFuserArgs(
+            model=b.args.model, ulysses_degree=b.world_size, ring_degree=1, use_torch_compile=self.compile,
+            height=b.height, width=b.width, num_inference_steps=b.steps, seed=b.args.seed,
+        ).create_config()
+        # The wrapper swaps the pipeline's transformer/scheduler/vae for its own: keep them to put back.
+        self.saved = {name: getattr(b.pipe, name) for name in ("transformer", "scheduler", "vae")
+                      if getattr(b.pipe, name, None) is not None}
+        # With use_torch_compile it sets a compiled `forward` on the transformer instance itself.
+        self.had_forward_attr = "forward" in vars(b.pipe.transformer)
+        self.wrapper = self.wrapper_class(b.pipe, engine_config)
+        if self.compile:
+            self.info["compile_mode"] = "xfuser use_torch_compile (torch.compile of the transformer's forward)"
+        naive = getattr(self.wrapper, "use_naive_forward", None)
+        if callable(naive):
+            # At degree 1 xfuser runs the unmodified diffusers pipeline: record it, the table says so.
+            self.info["xfuser_naive_forward"] = bool(naive())
+
+    def call(self, b: Bench, kwargs: dict):
+        return self.wrapper(**kwargs)
+
+    def restore(self, b: Bench) -> None:
+        for name, module in self.saved.items():
+            setattr(b.pipe, name, module)
+        transformer = self.saved.get("transformer")
+        if transformer is not None and not self.had_forward_attr and "forward" in vars(transformer):
+            del transformer.forward
+        self.saved, self.wrapper = {}, None
+        if self.compile:
+            torch._dynamo.reset()
+        if self.irreversible:
+            b.dirty = self.family
+
+
+class DiffusersCP(Contender):
+    """diffusers' native context parallelism (Ulysses) through ``enable_parallelism``."""
+
+    family = "diffusers-cp"
+    irreversible = True
+
+    def accepts(self, dirty: str | None) -> bool:
+        return dirty in (None, self.family)  # the compiled variant reuses the eager variant's sharding
+
+    def check(self, b: Bench) -> str | None:
+        import diffusers
+
+        transformer = b.pipe.transformer
+        if torch.accelerator.device_count() == 0:
+            # enable_parallelism places rank r on accelerator r % device_count (a ZeroDivisionError here).
+            return f"diffusers {diffusers.__version__} context parallelism needs an accelerator, found none"
+        if getattr(transformer, "_cp_plan", None) is None:
+            return f"{type(transformer).__name__} ships no _cp_plan in diffusers {diffusers.__version__}"
+        try:
+            from diffusers import ContextParallelConfig
+
+            ContextParallelConfig(ulysses_degree=b.world_size)
+        except Exception as exc:
+            return (f"diffusers {diffusers.__version__} ContextParallelConfig(ulysses_degree={b.world_size}) "
+                    f"refuses: {error_text(exc)}")
+        return None
+
+    def apply(self, b: Bench) -> None:
+        if b.dirty != self.family:
+            from diffusers import ContextParallelConfig
+
+            b.ensure_process_group()
+            b.dirty = self.family  # from here on, even if enabling fails half-way
+            b.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=b.world_size))
+        super().apply(b)
+
+
+def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1) -> list[Contender]:
+    """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
+    the other reversible stacks, then each irreversible contender with its compiled variant (they leave
+    the pipeline modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no
+    diffusers-repeat."""
+    factories = {
+        "diffusers": lambda c: PlainDiffusers(c),
+        "xstage-serial": lambda c: XStage(c, "serial"),
+        "xstage-calibrated": lambda c: XStage(c, "auto"),
+        "xfuser-usp": lambda c: XFuserUSP(c, world_size),
+        "diffusers-cp": lambda c: DiffusersCP(c),
+    }
+    eager = [factories[n](False) for n in names]
+    compiled = [factories[n](True) for n in names]
+    # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
+    # before a diffusers/xstage measurement.
+    ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
+    if rounds == 1 and "diffusers" in names and any(n.startswith("xstage") for n in names):
+        # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
+        last_eager = max(i for i, c in enumerate(ours) if not c.compile)
+        ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
+    ordered = ours + [c for c in eager + compiled if c not in ours and not c.irreversible]
+    for e, c in zip(eager, compiled):
+        if e.irreversible and e not in ordered:
+            ordered += [e, c]
+    if not with_compile:
+        for c in compiled:
+            c.info["skip_reason"] = "torch.compile variants not requested (--compile)"
+    return ordered

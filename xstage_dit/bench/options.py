@@ -1,0 +1,167 @@
+"""The options of the end-to-end benchmark (``xstage-dit bench`` and ``python -m xstage_dit.bench.e2e`` take
+exactly these), their checks, the contender names, and the command line that repeats a run.
+
+Example::
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-flux", "--steps", "2"])
+    validate(args)   # UsageError naming the bad value
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from xstage_dit.errors import UsageError
+
+# Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
+# context parallelism has no public way to undo) after every reversible one.
+CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xfuser-usp", "diffusers-cp")
+BASELINE = "diffusers"
+# Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
+BASELINE_REPEAT = "diffusers-repeat"
+# Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
+# the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
+OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated")
+
+# The sample prompts ship inside the package, so an installed wheel benchmarks too.
+PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
+# Relative to the current directory: an installed wheel has no checkout to write into.
+DEFAULT_OUT_DIR = str(Path("benchmarks") / "results")
+
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register every option of the end-to-end benchmark on ``parser``."""
+    parser.add_argument("--model", default="tiny-flux",
+                        help="built-in model name (tiny-flux, full-flux, full-wan, full-nucleusmoe, ...) or a local "
+                             "diffusers folder with real weights (default: %(default)s)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="GPU count of the run; must equal the launched ranks (torchrun's WORLD_SIZE; default: it)")
+    parser.add_argument("--prompts", default=str(PROMPTS),
+                        help="file with one prompt per line ('#' comments skipped) (default: the package's bench/prompts.txt)")
+    parser.add_argument("--num-prompts", type=int, default=None,
+                        help="measure only the first N prompts (default: all of them)")
+    parser.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default: the model's)")
+    parser.add_argument("--width", type=int, default=None, help="image/video width in pixels (default: the model's)")
+    parser.add_argument("--frames", type=int, default=None, help="video frames (default: the model's; images: 1)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed of every generation (CPU generators, as generate and serve) (default: 0)")
+    parser.add_argument("--weights-seed", type=int, default=0,
+                        help="seed of a built-in model's random weights (default: %(default)s)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="warm-up generations per contender before timing (default: %(default)s)")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="denoising steps of a warm-up generation: every step runs the same kernels, so one step "
+                             "warms up (and compiles) everything (default: %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the eager diffusers and xstage contenders in N interleaved rounds (each round "
+                             "applies, warms up, times every prompt and undoes each of them, in an order rotated "
+                             "every round), so drift of the GPU over the run hits them all alike; the compiled "
+                             "variants and the other stacks still run once. 1 = once each, with plain diffusers "
+                             "repeated after the xstage contenders (default: %(default)s)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights and activations; auto = bf16 on a GPU, fp32 on the CPU (default: auto)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run; auto = cuda when available (default: auto)")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS),
+                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run each contender with torch.compile on the transformer (reported as skipped "
+                             "otherwise)")
+    parser.add_argument("--compile-mode", choices=("regional", "full"), default="regional",
+                        help="regional = diffusers' compile_repeated_blocks (each repeated block compiled once; "
+                             "the whole module where a model has none), full = torch.compile of the whole "
+                             "transformer (default: %(default)s)")
+    parser.add_argument("--time-budget-s", type=float, default=0.0,
+                        help="wall-clock budget of the whole run, model build included; a contender whose estimated "
+                             "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
+    parser.add_argument("--compile-estimate-s", type=float, default=120.0,
+                        help="compile time assumed by the budget check for a torch.compile variant (default: %(default)s)")
+    parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
+                        help="where e2e-<model>-<gpus>x<gpu>.{json,md,png} go, relative to the current directory "
+                             "(default: %(default)s)")
+    parser.add_argument("--rerender", metavar="PATH.json", default=None,
+                        help="measure nothing: recompute the comparisons, verdicts, summary and notes of a results "
+                             "JSON written by this benchmark with the current code, and rewrite its .json/.md/.png "
+                             "in place (the measured numbers stay as they are; the other options are ignored)")
+
+
+def parse_contenders(text: str) -> list[str]:
+    """The contender names of a comma-separated list, in run order; UsageError naming an unknown one."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if not names or unknown:
+        raise UsageError(f"expected --contenders from {','.join(CONTENDERS)}, got {text!r}")
+    return [n for n in CONTENDERS if n in names]
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check option values before any model is built; UsageError names the bad value."""
+    positive = {"--steps": args.steps, "--num-prompts": args.num_prompts, "--gpus": args.gpus,
+                "--height": args.height, "--width": args.width, "--frames": args.frames,
+                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise UsageError(f"expected {flag} >= 1, got {value}")
+    if args.rerender is not None and not Path(args.rerender).is_file():
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {args.rerender!r}")
+    if args.warmup < 0:
+        raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
+    if not args.time_budget_s >= 0:
+        raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
+    if not args.compile_estimate_s >= 0:
+        raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
+    if not Path(args.prompts).is_file():
+        raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
+    parse_contenders(args.contenders)
+
+
+def parse_contenders(text: str) -> list[str]:
+    """The contender names of a comma-separated list, in run order; UsageError naming an unknown one."""
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONTENDERS]
+    if not names or unknown:
+        raise UsageError(f"expected --contenders from {','.join(CONTENDERS)}, got {text!r}")
+    return [n for n in CONTENDERS if n in names]
+
+
+def validate(args: argparse.Namespace) -> None:
+    """Check option values before any model is built; UsageError names the bad value."""
+    positive = {"--steps": args.steps, "--num-prompts": args.num_prompts, "--gpus": args.gpus,
+                "--height": args.height, "--width": args.width, "--frames": args.frames,
+                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds}
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise UsageError(f"expected {flag} >= 1, got {value}")
+    if args.rerender is not None and not Path(args.rerender).is_file():
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {args.rerender!r}")
+    if args.warmup < 0:
+        raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
+    if not args.time_budget_s >= 0:
+        raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
+    if not args.compile_estimate_s >= 0:
+        raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
+    if not Path(args.prompts).is_file():
+        raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
+    parse_contenders(args.contenders)
+
+
+def option_argv(args: argparse.Namespace) -> list[str]:
+    """The options of this run as an argument list (what repeats it, and what each launched rank gets)."""
+    argv = []
+    for key, value in vars(args).items():
+        if key in ("func", "command") or value is None or value is False:
+            continue
+        argv += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    return argv
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The options of this run as a command line (what to type to repeat it)."""
+    return " ".join(["xstage-dit bench"] + [shlex.quote(a) for a in option_argv(args)])

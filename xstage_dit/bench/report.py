@@ -1,0 +1,201 @@
+"""What the end-to-end benchmark writes: rows with notes, the JSON + Markdown table (through
+`xstage_dit.bench.results`) and the bar chart, rewritten after every contender (`Report`), and
+``--rerender`` of an earlier results JSON."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from xstage_dit.bench.results import git_commit, write_results
+from xstage_dit.bench.session import Bench, error_text
+from xstage_dit.bench.stats import add_comparisons, build_summary
+from xstage_dit.errors import UsageError
+
+
+def verdict_cell(row: dict) -> str:
+    """The table's verdict cell, e.g. 'same within noise (0.996x, 95% CI 0.990-1.002)'."""
+    verdict, ratio, ci = row.get("verdict"), row.get("ratio_vs_diffusers"), row.get("ratio_ci95")
+    if verdict is None or ratio is None:
+        return verdict or ""
+    if ci is None:
+        return f"{verdict} ({ratio:.3f}x, one pair: no CI)"
+    return f"{verdict} ({ratio:.3f}x, 95% CI {ci[0]:.3f}-{ci[1]:.3f})"
+
+
+TABLE_COLUMNS = ("name", "status", "median_s", "p90_s", "transformer_step_ms", "peak_memory_gib",
+                 "speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
+                 "verdict", "output_max_abs_diff_vs_diffusers", "note")
+
+
+def add_notes(rows: list[dict], settings: dict) -> None:
+    """Each row's ``note`` (a table column): why it has no numbers, or what else it carries (compile
+    mode, schedules, xfuser's degree-1 path, the baseline's drift, a contender that left the rounds
+    early, the default-steps estimate)."""
+    for r in rows:
+        notes = []
+        if r["status"] != "ok":
+            notes.append(r.get("reason", ""))
+        if r.get("round_failure"):
+            notes.append(f"no later rounds after {r['round_failure']}")
+        if r.get("compile_mode"):
+            notes.append(f"compile: {r['compile_mode']}")
+        if r.get("xfuser_naive_forward"):
+            notes.append("xfuser at degree 1 runs the unmodified diffusers pipeline")
+        if r.get("schedules"):
+            notes.append("schedules: " + json.dumps(r["schedules"], ensure_ascii=False)[:300])
+        if "baseline_drift_pct" in r:
+            notes.append(f"drift {r['baseline_drift_pct']:+.1f}% by diffusers-repeat")
+        if "baseline_round_spread_pct" in r:
+            notes.append(f"round medians {', '.join(f'{m:.3f}' for m in r['round_medians_s'])} s "
+                         f"(spread {r['baseline_round_spread_pct']:.1f}%)")
+        if "latency_s_at_default_steps_extrapolated" in r:
+            notes.append(f"{r['latency_s_at_default_steps_extrapolated']:.2f} s at {settings['default_steps']} "
+                         "steps (extrapolated from the measured step time, not measured)")
+        r["note"] = "; ".join(n for n in notes if n).replace("|", "/").replace("\n", " ")
+
+
+def rounds_text(settings: dict) -> str:
+    """How the eager group was ordered: interleaved rounds, or once each with the A/B/A repeat."""
+    rounds = settings.get("rounds", 1)  # results written before --rounds existed: one round
+    if rounds < 2:
+        return ("diffusers-repeat: plain diffusers again after the eager xstage contenders (an A/B/A order), "
+                "a second baseline the xstage rows pair with.")
+    done = settings.get("rounds_completed", rounds)
+    stopped = f", stopped by the {settings['rounds_stopped']}" if settings.get("rounds_stopped") else ""
+    return (f"The eager diffusers and xstage contenders ran in {done} interleaved rounds ({rounds} requested"
+            f"{stopped}): each round applies, warms up, times every prompt and undoes each of them, in an order "
+            "rotated every round; median_s / p90_s are over all rounds and prompts. The torch.compile variants and "
+            "the other stacks ran once, after them (compiling again every round would cost minutes).")
+
+
+def notes_text(settings: dict) -> str:
+    s = settings
+    size = f"{s['height']}x{s['width']}" + (f", {s['frames']} frames" if s["kind"] == "video" else "")
+    return "\n".join([
+        f"Model {s['model']} ({s['family']}, {size}), **measured at {s['steps']} denoising steps** (model "
+        f"default {s['default_steps']}), guidance {s['guidance']}, seed {s['seed']} (weights seed "
+        f"{s.get('weights_seed', s['seed'])}), {s['dtype']}, "
+        f"{s['gpus']} GPU(s); {s['num_prompts']} prompt(s) from xstage_dit/bench/prompts.txt per contender, each after "
+        f"{s['warmup']} warm-up run(s) of {s['warmup_steps']} step(s).",
+        "",
+        "median_s / p90_s: the whole pipeline call (text encoders, denoising, VAE decode), one run per prompt. "
+        "transformer_step_ms: CUDA events around every transformer forward, summed per denoising step "
+        "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
+        "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
+        "speedup_vs_xstage_serial: the difference the calibrated schedule makes. " + rounds_text(s),
+        "",
+        "verdict (eager xstage rows): the geometric mean of the paired latency ratios xstage / diffusers (same "
+        "round, same prompt; below 1 = faster) with its 95% t-interval; \"slower\" or \"faster\" only when the "
+        "interval lies wholly above or below 1, else \"same within noise\". not_slower_than_diffusers (JSON): the "
+        "verdict is not \"slower\".",
+        "",
+        f"Command: `{s['command']}`",
+    ])
+
+
+def bar_chart(rows: list[dict], settings: dict, gpu: str | None, path: Path) -> Path | None:
+    """Median latency per measured contender, labelled with its speedup over plain diffusers on one GPU."""
+    rows = [r for r in rows if r["status"] == "ok"]
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    medians = [r["median_s"] for r in rows]
+    colors = ["#1f77b4" if r["family"].startswith("xstage") else "#7f7f7f" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(rows) + 2), 4.5))
+    bars = ax.bar(range(len(rows)), medians, color=colors)
+    for bar, r in zip(bars, rows):
+        speedup = r.get("speedup_vs_diffusers_1gpu")
+        ax.annotate(f"{speedup:.2f}x" if speedup else "", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=9, xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(range(len(rows)), [r["name"] for r in rows], rotation=20, ha="right")
+    ax.set_ylabel("median end-to-end latency (s)")
+    ax.set_title(f"{settings['model']}, {settings['gpus']}x {gpu or 'CPU'}, {settings['height']}x{settings['width']}, "
+                 f"{settings['steps']} steps (label: speedup vs diffusers 1-GPU)", fontsize=9)
+    ax.set_ylim(0, max(medians) * 1.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bool,
+              extra: dict | None = None) -> list[Path]:
+    """``<stem>.json`` + ``.md`` through the shared writer, and the bar chart ``<stem>.png``; ``extra``: more
+    top-level keys of the JSON (``provenance``)."""
+    add_notes(rows, settings)
+    # The table's verdict cell carries the ratio and its interval; the JSON keeps them as separate fields.
+    table_rows = [dict(r, verdict=verdict_cell(r)) if "verdict" in r else r for r in rows]
+    paths = list(write_results(stem, "e2e", rows, build_summary(rows, settings), columns=TABLE_COLUMNS,
+                               notes=notes_text(settings), env=env, table_rows=table_rows, extra=extra))
+    if chart:
+        png = bar_chart(rows, settings, env.get("gpu"), stem.parent / f"{stem.name}.png")
+        if png is not None:
+            paths.append(png)
+    return paths
+
+
+def rerender(path: str | Path) -> list[Path]:
+    """Recompute the comparisons, verdicts, summary and notes of a results JSON written by this script with
+    the current code, and rewrite its .json/.md/.png in place. Measures nothing: the measured fields
+    (latencies, step times, memory), the settings and the environment stay as they are; the JSON's
+    ``provenance.rerendered`` records the commit that recomputed them (earlier provenance is kept)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {str(path)!r} "
+                         f"({error_text(exc)})") from None
+    settings = doc.get("summary", {}).get("settings") if isinstance(doc, dict) else None
+    if not (isinstance(doc, dict) and doc.get("benchmark") == "e2e" and isinstance(doc.get("rows"), list)
+            and isinstance(settings, dict) and isinstance(doc.get("environment"), dict)):
+        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench (benchmark 'e2e' with "
+                         f"environment, rows and summary.settings), got {str(path)!r}")
+    rows = doc["rows"]
+    add_comparisons(rows, settings["default_steps"], settings["steps"])
+    extra = {k: v for k, v in doc.items() if k not in ("benchmark", "environment", "summary", "rows")}
+    extra["provenance"] = dict(doc.get("provenance") or {}, rerendered={
+        "at_commit": git_commit(), "what": "comparisons and verdicts recomputed from the measured latencies"})
+    stem = path.parent / path.name.removesuffix(".json")
+    return write_all(rows, settings, doc["environment"], stem, chart=True, extra=extra)
+
+
+class Report:
+    """The rows so far, in run order, and where they go: rank 0 prints every change and rewrites the JSON
+    and the table, so a run cut short by a time limit still leaves what it measured."""
+
+    def __init__(self, b: Bench, settings: dict, env: dict, stem: Path):
+        self.b, self.settings, self.env, self.stem = b, settings, env, stem
+        self.rows: list[dict] = []
+
+    def row(self, name: str) -> dict | None:
+        return next((r for r in self.rows if r["name"] == name), None)
+
+    def put(self, row: dict, label: str | None = None) -> None:
+        """Add ``row``, or replace the row of the same name (a contender measured in rounds, after each)."""
+        names = [r["name"] for r in self.rows]
+        if row["name"] in names:
+            self.rows[names.index(row["name"])] = row
+        else:
+            self.rows.append(row)
+        if self.b.rank == 0:
+            detail = f"median {row['median_s']:.3f} s" if row["status"] == "ok" else row.get("reason", "")
+            print(f"[bench] {label or row['name']}: {row['status']} {detail}", flush=True)
+        self.write()
+
+    def write(self, chart: bool = False) -> list[Path]:
+        """Recompute the comparisons and rewrite the files (rank 0; the other ranks write nothing)."""
+        if self.b.rank != 0:
+            return []
+        add_comparisons(self.rows, self.b.spec.steps, self.b.steps)
+        self.settings["elapsed_s"] = time.perf_counter() - self.b.t_start
+        return write_all(self.rows, self.settings, self.env, self.stem, chart=chart)
+
+    def finish(self) -> None:
+        for path in self.write(chart=True):
+            print(f"[bench] wrote {path}", flush=True)

@@ -1,0 +1,156 @@
+"""The numbers of the end-to-end benchmark: percentiles, paired latency ratios with a 95% interval of
+their geometric mean and its verdict, and the comparisons and summary derived from the measured rows."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+import numpy as np
+
+from xstage_dit.bench.options import BASELINE, BASELINE_REPEAT
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100) with linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        raise ValueError("expected at least one value, got none")
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+# Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (scipy is not a dependency); past 30
+# the normal quantile 1.96 (at most 4% narrower than t's).
+T95_TWO_SIDED = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
+                 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
+                 2.052, 2.048, 2.045, 2.042)
+
+
+def t95(df: int) -> float:
+    """Two-sided 95% quantile of Student's t with ``df`` >= 1 degrees of freedom (1.96 past 30)."""
+    if df < 1:
+        raise ValueError(f"expected df >= 1, got {df}")
+    return T95_TWO_SIDED[df - 1] if df <= len(T95_TWO_SIDED) else 1.96
+
+
+def ratio_verdict(ratios: Sequence[float]) -> dict:
+    """Is a contender slower than the baseline? From paired latency ratios r_i = x_i / base_i.
+
+    The log ratios' mean m and standard error s/sqrt(n) give the 95% t-interval exp(m ± t95(n-1)·s/sqrt(n))
+    of the geometric-mean ratio: "slower" when it lies wholly above 1, "faster" wholly below 1, else "same
+    within noise"; "one pair: no verdict" with a single pair (no spread, so no noise to compare with);
+    "not measured" without pairs. Logs, because latencies scale: 1.1 and 1/1.1 cancel.
+
+    Returns ``{"ratio": geometric mean | None, "ci95": [lo, hi] | None, "verdict": str, "pairs": n}``.
+
+    Example::
+
+        ratio_verdict([1.01, 0.99, 1.00])["verdict"]   # 'same within noise' (ci95 ~ [0.975, 1.025])
+        ratio_verdict([1.10, 1.11, 1.09])["verdict"]   # 'slower'
+    """
+    if any(not (math.isfinite(r) and r > 0) for r in ratios):
+        raise ValueError(f"expected positive finite latency ratios, got {list(ratios)}")
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    if n == 0:
+        return {"ratio": None, "ci95": None, "verdict": "not measured", "pairs": 0}
+    mean = statistics.fmean(logs)
+    if n == 1:
+        return {"ratio": math.exp(mean), "ci95": None, "verdict": "one pair: no verdict", "pairs": 1}
+    half = t95(n - 1) * statistics.stdev(logs) / math.sqrt(n)
+    lo, hi = math.exp(mean - half), math.exp(mean + half)
+    verdict = "slower" if lo > 1 else "faster" if hi < 1 else "same within noise"
+    return {"ratio": math.exp(mean), "ci95": [lo, hi], "verdict": verdict, "pairs": n}
+
+
+def paired_ratios(row: dict, baselines: Sequence[dict]) -> list[float]:
+    """``x_i / base_i`` for every sample i that ``row`` shares with the baseline rows, in order.
+
+    Rows keep their samples round by round, prompt by prompt, so index i is the same (round, prompt) in
+    both; a contender that left the rounds early pairs the rounds it has. With several baselines (at one
+    round: diffusers before and diffusers-repeat after, an A/B/A bracket) base_i is their geometric mean:
+    one pair per sample, since pairing one xstage sample with each baseline would count it twice and
+    narrow the interval without any new measurement.
+    """
+    latencies = row.get("latencies_s") or []
+    series = [baseline.get("latencies_s") or [] for baseline in baselines]
+    if not series:
+        return []
+    n = min([len(latencies)] + [len(s) for s in series])
+    return [latencies[i] / math.exp(statistics.fmean(math.log(s[i]) for s in series)) for i in range(n)]
+
+
+# What add_comparisons derives from the measured fields. Cleared before it runs, so it can run again on rows
+# it has seen (after every contender, and on --rerender) without leaving a stale value behind.
+DERIVED_FIELDS = ("speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
+                  "baseline_drift_pct", "baseline_round_spread_pct", "ratio_vs_diffusers", "ratio_ci95",
+                  "ratio_pairs", "verdict", "not_slower_than_diffusers", "latency_s_at_default_steps_extrapolated")
+
+
+def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
+    """Ratios of measured medians: against plain diffusers on one GPU (eager: the headline), against
+    diffusers with the same compile setting, and calibrated against serial (the difference the
+    calibrated schedule makes); the baseline's drift over the run; for each eager xstage row the
+    noise-aware verdict against diffusers (``ratio_verdict`` of ``paired_ratios``); plus a labelled
+    estimate at the model's default step count."""
+    by_name = {r["name"]: r for r in rows}
+    for r in rows:
+        for key in DERIVED_FIELDS:
+            r.pop(key, None)
+
+    def ok_row(name: str) -> dict | None:
+        r = by_name.get(name)
+        return r if r is not None and r.get("status") == "ok" else None
+
+    def median_of(name: str) -> float | None:
+        r = ok_row(name)
+        return r["median_s"] if r is not None else None
+
+    base_row, repeat_row = ok_row(BASELINE), ok_row(BASELINE_REPEAT)
+    base, repeat = median_of(BASELINE), median_of(BASELINE_REPEAT)
+    if base and repeat:
+        base_row["baseline_drift_pct"] = 100.0 * (repeat - base) / base
+    round_medians = (base_row or {}).get("round_medians_s") or []
+    if len(round_medians) >= 2:
+        base_row["baseline_round_spread_pct"] = (
+            100.0 * (max(round_medians) - min(round_medians)) / statistics.median(round_medians))
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        suffix = "+compile" if r["compile"] else ""
+        same, serial = median_of(BASELINE + suffix), median_of("xstage-serial" + suffix)
+        r["speedup_vs_diffusers_1gpu"] = base / r["median_s"] if base else None
+        r["speedup_vs_diffusers_same_compile"] = same / r["median_s"] if same else None
+        if r["family"] == "xstage-calibrated":
+            r["speedup_vs_xstage_serial"] = serial / r["median_s"] if serial else None
+        if r["family"].startswith("xstage") and not r["compile"] and base_row is not None:
+            # Paired with the diffusers runs of the same round and prompt (at one round: the run before and
+            # the repeat after), so drift over the run cancels instead of reading as a speedup.
+            stats = ratio_verdict(paired_ratios(r, [x for x in (base_row, repeat_row) if x is not None]))
+            r.update(ratio_vs_diffusers=stats["ratio"], ratio_ci95=stats["ci95"], ratio_pairs=stats["pairs"],
+                     verdict=stats["verdict"])
+            if stats["pairs"] >= 2:  # one pair has no spread: no claim either way
+                r["not_slower_than_diffusers"] = stats["verdict"] != "slower"
+        if steps != default_steps:
+            # Not measured: the measured latency plus the missing steps at the measured step time.
+            r["latency_s_at_default_steps_extrapolated"] = (
+                r["median_s"] + (default_steps - steps) * r["transformer_step_ms"] / 1e3)
+
+
+def build_summary(rows: list[dict], settings: dict) -> dict:
+    """Headline figures: per contender its status, median latency (s) and speedup over plain diffusers
+    on one GPU (and, where present, the baseline's drift and the eager xstage rows' verdicts); with the
+    settings they were measured at."""
+    contenders = {}
+    for r in rows:
+        if r["status"] == "ok":
+            contenders[r["name"]] = {"status": "ok", "median_latency_s": r["median_s"],
+                                     "speedup_vs_diffusers_1gpu": r.get("speedup_vs_diffusers_1gpu")}
+            for key in ("baseline_drift_pct", "baseline_round_spread_pct", "not_slower_than_diffusers", "verdict",
+                        "ratio_vs_diffusers", "ratio_ci95"):
+                if key in r:
+                    contenders[r["name"]][key] = r[key]
+        else:
+            contenders[r["name"]] = {"status": r["status"], "reason": r.get("reason", "")}
+    return {"baseline": BASELINE, "measured_at_steps": settings["steps"], "contenders": contenders,
+            "settings": settings}

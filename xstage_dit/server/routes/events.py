@@ -1,0 +1,52 @@
+"""Server-sent events of one job: `progress` after every step, then `completed` (or `error`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+
+from xstage_dit.server.jobs import COMPLETED, TERMINAL, Job
+from xstage_dit.server.worker import Worker
+
+SSE_KEEPALIVE_S = 2.0
+
+
+def _sse(event: str, data: dict) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+async def events(worker: Worker, job: Job, final: Callable[[Job], dict] | None,
+                 cancel_on_disconnect: bool) -> AsyncIterator[bytes]:
+    """The event stream of `job`; `final(job)` is the `completed` payload (the last progress event when
+    None). With `cancel_on_disconnect`, a client that goes away before the end cancels the job."""
+    q = job.subscribe()
+    try:
+        while True:
+            try:
+                event = await asyncio.wait_for(q.get(), SSE_KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield b": keep-alive\n\n"
+                continue
+            if event["status"] not in TERMINAL:
+                yield _sse("progress", event)
+                continue
+            if event["status"] == COMPLETED:
+                yield _sse("progress", event)
+                yield _sse("completed", final(job) if final else event)
+            else:
+                yield _sse("error", {"error": {"message": job.error or job.status, "code": job.error_code,
+                                               "status": job.status}})
+            return
+    finally:
+        job.unsubscribe(q)
+        if cancel_on_disconnect and not job.done:
+            worker.queue.cancel(job.id)
+            worker.metrics.errors.labels("client_disconnected").inc()
+
+
+def sse_response(stream: AsyncIterator[bytes], job: Job) -> StreamingResponse:
+    return StreamingResponse(stream, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Job-Id": job.id})

@@ -1,0 +1,62 @@
+"""`POST /v1/images/generations`: synchronous (the client waits; leaving cancels the job) or streamed."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse
+
+from xstage_dit.server.config import ServerConfig
+from xstage_dit.server.http_layer import error_response
+from xstage_dit.server.jobs import COMPLETED, Job
+from xstage_dit.server.routes.deps import config_of, failure, require_key, served, submit, worker_of
+from xstage_dit.server.routes.events import events, sse_response
+from xstage_dit.server.schemas import (ImageData, ImageGenerationRequest, ImageGenerationResponse, Timings,
+                                       error_responses, image_params)
+from xstage_dit.server.worker import Worker
+
+DISCONNECT_POLL_S = 0.25
+
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 429, 499, 503, 504))
+
+
+def image_payload(worker: Worker, job: Job) -> dict:
+    """The JSON answer of a completed image job: one base64 PNG and seed per image."""
+    return ImageGenerationResponse(
+        created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
+        data=[ImageData(b64_json=base64.b64encode(png).decode(), seed=item.seed)
+              for png, item in zip(job.results, job.items)],
+        timings=Timings(**job.timings())).model_dump()
+
+
+@router.post("/v1/images/generations", response_model=ImageGenerationResponse,
+             responses={200: {"content": {"text/event-stream": {}}}})
+async def generate_images(req: ImageGenerationRequest, request: Request, worker: Worker = Depends(worker_of),
+                          config: ServerConfig = Depends(config_of)):
+    """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`
+    after every step, then `completed` with this endpoint's usual JSON (or `error`)."""
+    job = submit(worker, config, image_params(req, served(worker), config))
+    if req.stream:
+        return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True), job)
+    q = job.subscribe()
+    try:
+        next_check = time.monotonic() + DISCONNECT_POLL_S
+        while not job.done:
+            try:
+                await asyncio.wait_for(q.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
+            if time.monotonic() >= next_check:  # on a clock: progress events may come faster
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
+                    worker.queue.cancel(job.id)  # the client went away: free its place
+                    worker.metrics.errors.labels("client_disconnected").inc()
+                    return error_response(499, "client disconnected")
+    finally:
+        job.unsubscribe(q)
+    if job.status != COMPLETED:
+        return failure(job)
+    return JSONResponse(image_payload(worker, job), headers={"X-Job-Id": job.id})
