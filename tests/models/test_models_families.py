@@ -27,6 +27,7 @@ TINY_ONLY_CLASSES = {
     "skyreels-v2": "SkyReelsV2DiffusionForcingPipeline",
     "qwenimage": "QwenImagePipeline",
     "helios": "HeliosPipeline",
+    "flux2": "Flux2Pipeline",
 }
 
 

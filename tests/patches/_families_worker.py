@@ -91,6 +91,10 @@ PIPELINES = {
     "qwenimage": (lambda: _pipe("tiny-qwenimage"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
                                                         height=48, width=48, num_inference_steps=2,
                                                         max_sequence_length=64)),
+    # 48x48 -> 3x3 = 9 image tokens (3, 2, 2, 2 at world 4), 32 padded text tokens from the chat template
+    "flux2": (lambda: _pipe("tiny-flux2"), dict(prompt=PROMPT, height=48, width=48, num_inference_steps=2,
+                                                guidance_scale=4.0, max_sequence_length=32,
+                                                text_encoder_out_layers=(1, 2, 3))),
     # Helios with 3 blocks (its plan follows the model, not diffusers' 40): a window of latent frames with
     # its history latents, guidance 5 (two calls per step)
     "helios": (lambda: _pipe("tiny-helios"), dict(prompt=PROMPT, negative_prompt="blurry", height=48, width=48,

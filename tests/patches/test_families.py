@@ -24,14 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "patches" / "_families_worker.py")
 TOL = 1e-4  # fp32 pipelines, pixels in [0, 1]: the parallel output differs by float reassociation only
 FAMILIES = ["ltx", "cogvideox", "sd3", "z-image", "wan-vace", "skyreels-v2", "skyreels-v2-causal", "qwenimage",
-            "helios", "chronoedit"]
+            "helios", "chronoedit", "flux2"]
 # the registry's transformer class of each family case (the README's pipeline-test column comes from it)
 FAMILY_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel", "cogvideox": "CogVideoXTransformer3DModel", "sd3": "SD3Transformer2DModel",
     "z-image": "ZImageTransformer2DModel", "wan-vace": "WanVACETransformer3DModel",
     "skyreels-v2": "SkyReelsV2Transformer3DModel", "skyreels-v2-causal": "SkyReelsV2Transformer3DModel",
     "qwenimage": "QwenImageTransformer2DModel", "helios": "HeliosTransformer3DModel",
-    "chronoedit": "ChronoEditTransformer3DModel",
+    "chronoedit": "ChronoEditTransformer3DModel", "flux2": "Flux2Transformer2DModel",
 }
 
 

@@ -22,6 +22,7 @@ FAMILY_MODULES = {
     "skyreels-v2": "xstage_dit.models.skyreels",
     "qwenimage": "xstage_dit.models.qwenimage",
     "helios": "xstage_dit.models.helios",
+    "flux2": "xstage_dit.models.flux2",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -120,6 +121,12 @@ def _specs() -> dict[str, ModelSpec]:
             name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
             patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
             description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-flux2", family="flux2", size="tiny", kind="image", pipeline_class="Flux2Pipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=4.0, max_sequence_length=32,
+            call_kwargs={"text_encoder_out_layers": (1, 2, 3)},  # the tiny encoder's layers (FLUX.2: 10, 20, 30)
+            description="FLUX.2 architecture, 1+1 blocks, 4 heads x 16, Mistral-3 text encoder, random weights",
         ),
         ModelSpec(
             name="tiny-helios", family="helios", size="tiny", kind="video", pipeline_class="HeliosPipeline",

@@ -220,7 +220,7 @@ _PLANS: dict[str, ModelPlan] = {
     for p in (
         ModelPlan("FluxTransformer2DModel", "FLUX.1", "diffusers", _shipped(), check=_check_flux, tested=True,
                   pipeline_worlds=(2, 4)),
-        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped(), tested=True),
+        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped(), tested=True, pipeline_worlds=_PW),
         ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped(), tested=True,
                   pipeline_worlds=_PW),
         ModelPlan("WanTransformer3DModel", "Wan 2.1 / 2.2", "diffusers", _shipped(_WAN_KV), tested=True,
