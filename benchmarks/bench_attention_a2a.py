@@ -80,6 +80,39 @@ def cuda_time_ms(fn, target_ms: float = 250.0, min_reps: int = 5, max_reps: int 
     return statistics.median(times)
 
 
+def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
+    """Median GPU time of one call of ``fn``, from CUDA-graph replays of n back-to-back calls (n fills ~2 ms):
+    no host launch overhead in the number, unlike per-call events on an idle GPU."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    n = max(1, min(64, int(2.0 / max(start.elapsed_time(end), 1e-3))))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # capture needs a side stream; warm it there too
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(3, min(reps, int(target_ms / max(start.elapsed_time(end) * n, 1e-3))))):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times)
+
+
 def attn_flops(batch: int, seq: int, heads: int, head_dim: int) -> float:
     return 4.0 * batch * heads * seq * seq * head_dim
 
@@ -333,6 +366,16 @@ def main(argv=None) -> int:
     parser.add_argument("--notes", default=None, help="closing note text for the Markdown")
     parser.add_argument("--skip-checks", action="store_true")
     parser.add_argument("--rounds", type=int, default=4, help="interleaved timing rounds (forward, backward, ...)")
+    parser.add_argument("--window", action="store_true",
+                        help="the peer-window table (issue 14): stock kernels writing the post-A2A, per-rank and "
+                             "all-heads rows, into results/attention/<gpu>-<commit>.{json,md}")
+    parser.add_argument("--worlds", default="1,2,4,8", help="with --window: P values")
+    parser.add_argument("--odd-stride", action="store_true",
+                        help="with --window: window slots an odd number of 2 MiB granules apart")
+    parser.add_argument("--graph", action="store_true",
+                        help="with --window: time CUDA-graph replays (no host launch overhead in the numbers)")
+    parser.add_argument("--cudnn-fe-seqs", default="4608,8192,32768",
+                        help="with --window: sequence lengths that also time cudnn-frontend (graph builds are slow)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -345,6 +388,8 @@ def main(argv=None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     env = env_info(args.commit)
     print(json.dumps(env), flush=True)
+    if args.window:
+        return run_window(args, env)
     sweep_rows = None
     if args.sweep:
         shapes = [(int(a), int(b), "") for a, b in (x.split("x") for x in args.sweep_shapes.split(","))]
@@ -370,6 +415,50 @@ def main(argv=None) -> int:
         write_markdown(args.out_dir / f"{args.name}.md", data)
     print(json.dumps(data["summary"], indent=1))
     bad = [c for c in checks if c["nan"] or c["rel_err"] > 2e-2]
+    return 1 if bad else 0
+
+
+def run_window(args, env) -> int:
+    """The peer-window table; checkpoints rows as it goes (a fault later keeps them)."""
+    from benchmarks._attention_window import WINDOW_COLUMNS, WINDOW_SHAPES, window_rows, window_summary
+    from benchmarks._common import write_results
+    from xstage_dit.ops.attention import cudnn_fe, fa4
+
+    shapes = WINDOW_SHAPES
+    if args.shapes:
+        shapes = [(int(a), int(b), "custom") for a, b in (x.split("x") for x in args.shapes.split(","))]
+    worlds = tuple(int(w) for w in args.worlds.split(","))
+    fe_seqs = tuple(int(x) for x in args.cudnn_fe_seqs.split(",") if x)
+    gpu = (env.get("gpu") or "gpu").lower().replace("nvidia", "").strip().replace(" ", "-")
+    suffix = ("-graph" if args.graph else "") + ("-odd-stride" if args.odd_stride else "")
+    stem = args.out_dir / "attention" / f"{gpu}-{env.get('git_commit', 'unknown')[:12]}{suffix}"
+    versions = {"flash_attn_4": fa4.version(), "cudnn_frontend": cudnn_fe.PINNED if cudnn_fe.available() is None
+                else None, "cudnn_frontend_backend": cudnn_fe.backend_version(),
+                "torch_cudnn": torch.backends.cudnn.version()}
+    print(json.dumps(versions), flush=True)
+    env = dict(env, **versions)
+    if args.graph:
+        timing = lambda fn: graph_time_ms(fn, target_ms=60.0 / args.rounds)  # noqa: E731
+    else:
+        timing = lambda fn: cuda_time_ms(fn, target_ms=60.0 / args.rounds, min_reps=3, max_reps=50)  # noqa: E731
+    env = dict(env, timing="cuda-graph replay" if args.graph else "per-call CUDA events")
+    env = dict(env, odd_stride=args.odd_stride)
+
+    def checkpoint(rows):
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        (stem.parent / f"{stem.name}.partial.json").write_text(json.dumps({"environment": env, "rows": rows},
+                                                                          indent=1, default=str))
+
+    rows = window_rows(timing, interleaved_times, shapes=shapes, worlds=worlds, rounds=args.rounds,
+                       cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint, odd_stride=args.odd_stride)
+    summary = window_summary(rows)
+    notes = ("x_* = t_cudnn / t (torch cuDNN SDPA at the same heads, local output). scope rank: H/P heads at the "
+             "last rank's head offset; all: H heads in one launch. serial = best local kernel + copy of its output "
+             "into the owners' buffers (one-GPU stand-in for the library A2A). residual = t_window / t_local - 1 "
+             "of the same kernel. Medians of CUDA-event timings over interleaved rounds. " + (args.notes or ""))
+    write_results(stem, "attention-window", rows, summary, WINDOW_COLUMNS, notes=notes, env=env)
+    print(json.dumps({k: v for k, v in summary.items() if k not in ("by_shape", "best_kernel_by_shape")}, indent=1))
+    bad = [r for r in rows if any(not (e < 2e-2) for e in r.get("rel_err", {}).values())]
     return 1 if bad else 0
 
 

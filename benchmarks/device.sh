@@ -14,6 +14,12 @@
 #   parallelize  bench_parallelize_flux.py (FLUX step, world 1 vs 2 ranks sharing the GPU)
 #   flux-step    bench_flux_step.py (plain diffusers FLUX step, tiny and full size)
 #   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
+#   fa4-stash    call 1 of ../shared/tools/device-bigwheel.sh for the CuTe DSL wheels (carry .whl-a .whl):
+#                keeps the first half of the 92 MB wheel and the small wheels in /tmp/bigwheel
+#   fa4-install  call 2, on the same warm machine (carry .whl-b .whl-fe): joins the wheel and installs
+#                flash-attn-4, the CuTe DSL and cudnn-frontend in ONE pip call into /tmp/site
+#   window       the peer-window GPU tests and bench_attention_a2a.py --window (WINDOW_ARGS adds options,
+#                e.g. --graph for CUDA-graph timing)
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 # Time limits: <STEP>_S (e.g. TESTS_S=300, E2E_S=400); the defaults below fit one 10-minute call only for
@@ -63,6 +69,33 @@ step_attention() {
     ${ATTN_ARGS:-}
 }
 
+site_dsl=/tmp/site
+# The CuTe DSL wheels add dsl_packages through a .pth file, which a --target install does not run.
+export PYTHONPATH="$PYTHONPATH:$site_dsl:$site_dsl/nvidia_cutlass_dsl/dsl_packages"
+
+step_fa4_stash() {
+  mkdir -p /tmp/bigwheel && cp .whl-a/* .whl/*.whl /tmp/bigwheel/ && ls /tmp/bigwheel
+}
+
+step_fa4_install() {
+  local b n
+  for b in .whl-b/*.part-ab; do
+    n=$(basename "$b" .part-ab)
+    [ -f "/tmp/bigwheel/$n.part-aa" ] || { echo "no stash on this machine: run fa4-stash first"; return 3; }
+    cat "/tmp/bigwheel/$n.part-aa" "$b" > "/tmp/bigwheel/$n"
+  done
+  cp .whl-fe/*.whl /tmp/bigwheel/ 2>/dev/null
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site_dsl" /tmp/bigwheel/*.whl \
+    2>&1 | grep -v -i warning
+  "$py" -c "import flash_attn.cute, cudnn, torch; print('fa4 ok; cudnn', cudnn.backend_version(), torch.backends.cudnn.version())"
+}
+
+step_window() {
+  timeout "$(limit window 420)" bash -c "
+    '$py' -m pytest -q -rs --tb=short -p no:cacheprovider -o addopts='' tests/ops/test_attention_window_gpu.py;
+    '$py' benchmarks/bench_attention_a2a.py --window --out-dir '$1' --commit '$XSTAGE_GIT_COMMIT' ${WINDOW_ARGS:-}"
+}
+
 step_moe() {
   # shellcheck disable=SC2086
   timeout "$(limit moe 200)" "$py" benchmarks/bench_moe_combine.py --out "$1/moe" ${MOE_ARGS:-}
@@ -101,7 +134,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention moe parallelize flux-step regime e2e)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

@@ -122,36 +122,6 @@ def validate(args: argparse.Namespace) -> None:
     parse_contenders(args.contenders)
 
 
-def parse_contenders(text: str) -> list[str]:
-    """The contender names of a comma-separated list, in run order; UsageError naming an unknown one."""
-    names = [n.strip() for n in str(text).split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONTENDERS]
-    if not names or unknown:
-        raise UsageError(f"expected --contenders from {','.join(CONTENDERS)}, got {text!r}")
-    return [n for n in CONTENDERS if n in names]
-
-
-def validate(args: argparse.Namespace) -> None:
-    """Check option values before any model is built; UsageError names the bad value."""
-    positive = {"--steps": args.steps, "--num-prompts": args.num_prompts, "--gpus": args.gpus,
-                "--height": args.height, "--width": args.width, "--frames": args.frames,
-                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds}
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise UsageError(f"expected {flag} >= 1, got {value}")
-    if args.rerender is not None and not Path(args.rerender).is_file():
-        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {args.rerender!r}")
-    if args.warmup < 0:
-        raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
-    if not args.time_budget_s >= 0:
-        raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
-    if not args.compile_estimate_s >= 0:
-        raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
-    if not Path(args.prompts).is_file():
-        raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
-    parse_contenders(args.contenders)
-
-
 def option_argv(args: argparse.Namespace) -> list[str]:
     """The options of this run as an argument list (what repeats it, and what each launched rank gets)."""
     argv = []

@@ -174,6 +174,19 @@ def symmetric_buffer(
     return buf
 
 
+# Callbacks run before the buffers are dropped: what maps them (the peer windows of comm.peer_window
+# register here on import) must be unmapped first. A registry keeps this module below its users.
+_BEFORE_FREE: list = []
+
+
+def on_free_symmetric_buffers(callback) -> None:
+    """Run ``callback()`` before ``free_symmetric_buffers`` drops the buffers (once per registration)."""
+    if callback not in _BEFORE_FREE:
+        _BEFORE_FREE.append(callback)
+
+
 def free_symmetric_buffers() -> None:
-    """Drop every cached buffer (tests; a server changing models)."""
+    """Drop every cached buffer (tests; a server changing models), closing what maps them (peer windows) first."""
+    for callback in _BEFORE_FREE:
+        callback()
     _BUFFERS.clear()

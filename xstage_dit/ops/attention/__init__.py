@@ -47,12 +47,40 @@ SCHEDULES = ("auto", "fused", "serial")
 OP_SCHEDULES = ("fused", "serial")
 
 
+def _split_schedule(schedule: str) -> tuple[str, str | None]:
+    """"fused:<kernel>" (the kernel chosen per shape by ``schedule.attention_kernel``, handed down) ->
+    ("fused", kernel); the plain names -> (name, None)."""
+    from xstage_dit.ops.attention.kernels import KERNELS
+
+    name, _, kernel = schedule.partition(":") if isinstance(schedule, str) else (schedule, "", "")
+    if name not in SCHEDULES or (kernel and (name != "fused" or kernel not in KERNELS)):
+        raise ValueError(f"expected schedule in {SCHEDULES} or 'fused:<kernel>' with a kernel in {sorted(KERNELS)}, "
+                         f"got {schedule!r}")
+    return name, kernel or None
+
+
+def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len):
+    """A stock kernel (FA4, cuDNN) writing the post-A2A through the peer window; at world size 1 the same
+    kernel writes a plain output (a one-GPU user gets its speed too)."""
+    from xstage_dit.ops.attention.kernels import make_kernel
+    from xstage_dit.ops.attention.window_path import fused_window_attention, plain_kernel_attention
+
+    kernel = make_kernel(kernel_name)
+    if world_of(group)[1] == 1:
+        return plain_kernel_attention(q, k, v, kernel, scale=scale)
+    return fused_window_attention(q, k, v, group=group, kernel=kernel, scale=scale, seq_len=seq_len)
+
+
 def ulysses_attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str,
                            scale: float | None = None, seq_len: int | None = None) -> torch.Tensor:
-    """Eager implementation behind the custom op: runs ``schedule`` ("fused" | "serial") as handed in."""
-    if schedule not in OP_SCHEDULES:
+    """Eager implementation behind the custom op: runs ``schedule`` ("fused" | "fused:<kernel>" | "serial")
+    as handed in."""
+    name, kernel_name = _split_schedule(schedule)
+    if name not in OP_SCHEDULES:
         raise ValueError(f"expected schedule in {OP_SCHEDULES} (resolve 'auto' before the op), got {schedule!r}")
-    if schedule == "fused":
+    if kernel_name not in (None, "triton"):
+        return _window_kernel_attention(q, k, v, kernel_name, group=group, scale=scale, seq_len=seq_len)
+    if name == "fused":
         return fused_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
     return serial_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
 
@@ -94,7 +122,9 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     Returns (batch, seq_local, heads, head_dim): ``softmax(q K^T * scale) V`` over all ranks' keys.
     schedule: "fused" | "serial" | "auto" (``resolve_attention_schedule`` on ``xparams``, the calibrated
         ``XStageParams`` of the ranks' target from ``calibration.params_for``; None = uncalibrated: serial
-        across ranks). scale: default ``1/sqrt(head_dim)``.
+        across ranks), or "fused:fa4" | "fused:cudnn" | "fused:triton": the fused path with that kernel writing
+        the post-A2A through the peer window (the per-shape choice of ``schedule.attention_kernel``).
+        scale: default ``1/sqrt(head_dim)``.
 
     Example::
 
@@ -102,8 +132,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
 
     Goes through the ``xstage_dit::ulysses_attention`` custom op, so ``torch.compile`` can trace it.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"expected schedule in {SCHEDULES}, got {schedule!r}")
+    _split_schedule(schedule)
     if schedule == "auto":
         rank, world_size = world_of(group)
         seq_len = check_inputs(q, k, v, rank, world_size, seq_len)

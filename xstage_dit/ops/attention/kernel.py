@@ -184,15 +184,17 @@ def ulysses_attn_fwd_kernel(
     o = (acc / l_i[:, None]).to(Q.dtype.element_ty)
     head_col = (off_b.to(tl.int64) * stride_ob + (head_offset + off_h).to(tl.int64) * stride_oh)
     dest = tl.load(out_table + owner).to(tl.pointer_type(Q.dtype.element_ty)) + head_col
+    # The owner's valid rows: the last owners' padding rows (S not divisible by P) are never written.
+    owner_rows = tl.minimum(seq_local, seq_len - owner * seq_local)
     if USE_DESC:
-        # One TMA store through a descriptor spanning exactly the owner's seq_local rows: a partial
+        # One TMA store through a descriptor spanning exactly the owner's valid rows: a partial
         # last tile's extra rows fall past the end and are not written.
-        desc_o = tl.make_tensor_descriptor(dest, shape=[seq_local, HEAD_DIM], strides=[stride_os, 1],
+        desc_o = tl.make_tensor_descriptor(dest, shape=[owner_rows, HEAD_DIM], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM])
         desc_o.store([row0, 0], o)
     else:
         rows = row0 + tl.arange(0, BLOCK_M)
-        ok = (rows < seq_local) & (offs_m < seq_len)
+        ok = rows < owner_rows
         tl.store(dest + rows[:, None].to(tl.int64) * stride_os + offs_d[None, :], o, mask=ok[:, None])
 
 

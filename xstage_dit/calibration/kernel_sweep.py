@@ -1,0 +1,120 @@
+"""Which attention kernel is fastest per shape family on this machine: timed once, cached beside the calibration.
+
+The sweep times, for every shape family the server will run, each kernel that takes it (FA4, cuDNN through
+cudnn-frontend, our Triton kernel; all writing through a peer window) and keeps the medians:
+
+    sweep = load_or_sweep(key, make_cases, time_fn)          # KernelSweep(key, timings_ms, source, path)
+    sweep.timings_ms["bf16-d128-b1-s4096-hr3-p8"]            # {"fa4": 0.158, "cudnn": 0.106, "triton": 0.118}
+
+What a result is valid for (``sweep_key``): the GPU, driver and the versions of every library whose kernels
+it times (torch, triton, cuDNN, flash-attn-4, cudnn-frontend) and this module's ``SWEEP_VERSION``; another key
+reads as a miss and the sweep runs again. Families are opaque strings here (``schedule.attention_kernel``
+names them); the timing closures come from the caller (``ops.attention.window_path.sweep_cases``), so this
+module measures without importing the ops (layer 2).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from xstage_dit.calibration.cache import _driver_strings, _key_hash, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SWEEP_VERSION = 1
+
+
+def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:
+    """The key a kernel sweep is valid for: GPU, driver, library versions, sweep version."""
+    return {"gpu_name": gpu_name, **_driver_strings(), "versions": dict(sorted(versions.items())),
+            "sweep_version": SWEEP_VERSION}
+
+
+def cache_path(key: dict, cache_dir: str | os.PathLike | None = None) -> Path:
+    """``<cache_dir>/kernel-sweep-<hash of the key>.json`` (the calibration's cache directory)."""
+    root = Path(cache_dir) if cache_dir else default_cache_dir()
+    return root / f"kernel-sweep-{_key_hash(key)}.json"
+
+
+@dataclass
+class KernelSweep:
+    """timings_ms: {family: {kernel: median ms, or None where it failed}}; source: "measured" | "cache";
+    errors: {family: {kernel: message}}."""
+
+    key: dict
+    timings_ms: dict[str, dict[str, float | None]]
+    source: str
+    errors: dict[str, dict[str, str]] = field(default_factory=dict)
+    path: str | None = None
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "timings_ms": self.timings_ms, "errors": self.errors}
+
+
+def run_sweep(cases: dict[str, dict[str, Callable[[], Any]]], time_fn: Callable[[Callable[[], Any]], float],
+              rounds: int = 3) -> tuple[dict, dict]:
+    """Time every (family, kernel) closure ``rounds`` times, kernels of one family interleaved (a drift of the
+    GPU does not read as a kernel difference). Returns (timings_ms, errors); a kernel that raises is None."""
+    timings: dict[str, dict[str, float | None]] = {}
+    errors: dict[str, dict[str, str]] = {}
+    for family, fns in cases.items():
+        samples: dict[str, list[float]] = {name: [] for name in fns}
+        for r in range(rounds):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                if name in errors.get(family, {}):
+                    continue
+                try:
+                    samples[name].append(float(time_fn(fns[name])))
+                except Exception as exc:  # noqa: BLE001 - a kernel failing on a shape is a result of the sweep
+                    errors.setdefault(family, {})[name] = f"{type(exc).__name__}: {exc}"[:300]
+        timings[family] = {name: (statistics.median(s) if s and name not in errors.get(family, {}) else None)
+                           for name, s in samples.items()}
+        log.info("kernel sweep %s: %s", family, timings[family])
+    return timings, errors
+
+
+def save(sweep: KernelSweep, cache_dir: str | os.PathLike | None = None) -> Path:
+    path = cache_path(sweep.key, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(sweep.to_json(), indent=1))
+    os.replace(tmp, path)
+    sweep.path = str(path)
+    return path
+
+
+def load(key: dict, cache_dir: str | os.PathLike | None = None) -> KernelSweep | None:
+    """The cached sweep for ``key``, or None (missing, unreadable, or another key)."""
+    path = cache_path(key, cache_dir)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("key") != key:
+        return None
+    timings = {f: {k: (None if v is None or not math.isfinite(v) else float(v)) for k, v in t.items()}
+               for f, t in data.get("timings_ms", {}).items()}
+    return KernelSweep(key, timings, "cache", data.get("errors", {}), str(path))
+
+
+def load_or_sweep(key: dict, make_cases: Callable[[list[str]], dict], families: list[str],
+                  time_fn: Callable[[Callable[[], Any]], float], *, cache_dir: str | os.PathLike | None = None,
+                  force: bool = False, rounds: int = 3) -> KernelSweep:
+    """The cached sweep when it holds every family in ``families``; else time the missing families
+    (``make_cases(missing) -> {family: {kernel: fn}}``), merge, save and return it."""
+    cached = None if force else load(key, cache_dir)
+    missing = [f for f in families if cached is None or f not in cached.timings_ms]
+    if cached is not None and not missing:
+        return cached
+    timings, errors = run_sweep(make_cases(missing), time_fn, rounds=rounds)
+    merged = KernelSweep(key, {**(cached.timings_ms if cached else {}), **timings}, "measured",
+                         {**(cached.errors if cached else {}), **errors})
+    save(merged, cache_dir)
+    return merged

@@ -1,0 +1,123 @@
+"""Attention kernels that write the post-attention All-to-All, behind one interface.
+
+Every kernel takes one rank's gathered heads and stores each output row at its owner's place:
+
+    supports(geom, dtype, device, has_window) -> None, or the reason it refuses the problem
+    run(q, k, v, target, geom, scale)        -> None (writes through ``target``)
+
+q, k, v: (B, rows_in >= P*L, Hr, D), rows [0, S) the whole sequence in token order (window.py).
+target: an ``OutTarget``: the window view (B*P, L, Hr, D) at the rank's head offset when a peer window
+exists, and always the pointer table (owner addresses and element strides) for the Triton kernel.
+
+Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``cudnn`` (cuDNN through cudnn-frontend's graph with an
+explicit O stride), ``triton`` (our kernel through its pointer table: takes what the others refuse, runs
+in the CPU interpreter, and is the reference fast path). Which one runs for a shape is chosen by
+``xstage_dit.schedule.attention_kernel`` from a measured sweep and handed to the op; nothing here
+measures or loads a cache.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from xstage_dit.ops.attention.window import WindowGeometry
+
+TRITON_DTYPES = (torch.float16, torch.bfloat16)
+TRITON_HEAD_DIMS = (16, 32, 64, 128)
+
+
+@dataclass
+class OutTarget:
+    """Where one rank's output goes.
+
+    view: (B*P, L, Hr, D) strided tensor over the peer window at the rank's head offset, or None (no window).
+    table: int64[P] owner addresses for the pointer-table kernel; table_strides: its (batch, row, head)
+        element strides; head_offset: h0, the rank's first head in the owners' (L, H, D) buffers.
+    """
+
+    view: torch.Tensor | None
+    table: torch.Tensor
+    table_strides: tuple[int, int, int]
+    head_offset: int
+
+
+class TritonTableKernel:
+    """Our Triton FlashAttention whose epilogue stores through the owner table (``kernel.py``)."""
+
+    name = "triton"
+
+    def __init__(self, config=None):
+        self.config = config
+
+    def supports(self, geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has_window: bool) -> str | None:
+        if dtype not in TRITON_DTYPES:
+            return f"the Triton kernel takes float16/bfloat16, got {dtype}"
+        if geom.head_dim not in TRITON_HEAD_DIMS:
+            return f"the Triton kernel takes head_dim in {TRITON_HEAD_DIMS}, got {geom.head_dim}"
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            return f"the Triton kernel needs a CUDA device (or TRITON_INTERPRET=1), got {device}"
+        return None
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        from xstage_dit.ops.attention import kernel as kern
+
+        config = self.config or kern.default_config(geom.head_dim, q.device)
+        kern.launch_attention(q, k, v, target.table, seq_len=geom.seq_len, seq_local=geom.rows_per_owner,
+                              head_offset=target.head_offset, out_strides=target.table_strides, scale=scale,
+                              config=config)
+
+
+class FA4Kernel:
+    """FlashAttention-4 writing the window view (``fa4.py``)."""
+
+    name = "fa4"
+
+    def __init__(self, kv_mode: str = "auto"):
+        from xstage_dit.ops.attention.fa4 import FA4WindowKernel
+
+        self._impl = FA4WindowKernel()
+        self.kv_mode = kv_mode
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        return self._impl.supports(geom, dtype, device, has_window)
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        self._impl.run(q, k, v, target.view, geom, scale, kv_mode=self.kv_mode)
+
+
+class CudnnKernel:
+    """cuDNN SDPA through cudnn-frontend's graph API with the window as O (``cudnn_fe.py``)."""
+
+    name = "cudnn"
+
+    def __init__(self):
+        from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel
+
+        self._impl = CudnnWindowKernel()
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        return self._impl.supports(geom, dtype, device, has_window)
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        self._impl.run(q, k, v, target.view, geom, scale)
+
+
+KERNELS = {"fa4": FA4Kernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
+# Order of preference where nothing was measured: the stock kernels first, ours takes the rest.
+DEFAULT_ORDER = ("fa4", "cudnn", "triton")
+
+
+def make_kernel(name: str, **kwargs):
+    """A fresh kernel object by name (``fa4``, ``cudnn``, ``triton``)."""
+    if name not in KERNELS:
+        raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
+    return KERNELS[name](**kwargs)
+
+
+def refusals(geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has_window: bool,
+             names=DEFAULT_ORDER) -> dict[str, str | None]:
+    """Every kernel's answer for one problem: None (takes it) or the reason it refuses."""
+    return {name: make_kernel(name).supports(geom, dtype, device, has_window) for name in names}

@@ -1,0 +1,228 @@
+"""Ulysses attention whose post-attention All-to-All is the output layout of a stock kernel (DESIGN §2b).
+
+Per call on rank r of P (batch B, sequence S, heads H, head_dim D, L = ceil(S/P)):
+
+1. pre-attention All-to-All: the push kernel stores this rank's tokens of head h into the owner of h's
+   (3, B, P*L, Hr_max, D) symmetric input buffer (zeroed once, so padding rows read as 0), then a device
+   barrier;
+2. the chosen kernel (``kernels.py``) attends the rank's heads over the whole sequence with Q viewed as
+   (B*P, L, Hr, D) and ``out`` the peer window's view at head offset h0: every row lands in its owner's
+   (L, H, D) buffer (window slot b*P + o); padding rows are never written;
+3. a device barrier; the owner reads its rows.
+
+The window is built once per shape (``comm.peer_window``); where it cannot be (``PeerWindowUnavailable``)
+the call logs once and runs the pointer-table path (``fused_attention``). The kernel is handed in: this
+module never measures or loads a choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+
+import torch
+
+from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable, peer_window
+from xstage_dit.comm.distributed import local_buffer_table, symmetric_buffer, world_of
+from xstage_dit.ops.attention.kernels import OutTarget
+from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
+
+log = logging.getLogger(__name__)
+
+
+def _elem(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _scale(scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+
+def out_target(window: PeerWindow, geom: WindowGeometry, dtype: torch.dtype, head0: int, heads_local: int
+               ) -> OutTarget:
+    """The window view (B*P, L, Hr, D) at head offset ``head0`` plus the owner table of the same memory."""
+    spec_full = geom.out_view(0)
+    shape = (spec_full.shape[0], spec_full.shape[1], heads_local, geom.head_dim)
+    view = window.view(dtype, shape, spec_full.strides, head0 * geom.head_dim)
+    return OutTarget(view=view, table=window.owner_table(0), table_strides=geom.table_strides(), head_offset=head0)
+
+
+def _push(q, k, v, in_table, in_like, *, rank, world_size, seq_len):
+    from xstage_dit.ops.attention.table import push_to_owners
+
+    push_to_owners(q, k, v, in_table, in_like, rank=rank, world_size=world_size, seq_len=seq_len)
+
+
+class VirtualRun:
+    """Result of ``window_attention_virtual_ranks``: per-rank outputs (copies), the open window and its
+    geometry (the tests read the padding rows through it; close the window when done)."""
+
+    def __init__(self, outs, window, geom):
+        self.outs, self.window, self.geom = outs, window, geom
+
+
+def window_attention_virtual_ranks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, kernel,
+                                   scale: float | None = None, fill: float | None = float("nan"),
+                                   all_heads: bool = False) -> VirtualRun:
+    """P virtual ranks in one process through a local peer window (tests, benchmarks).
+
+    q, k, v: (B, S, H, D), the whole sequence. Every virtual rank pushes its chunk into the head owners'
+    input buffers, then runs ``kernel`` on its heads through the window (``all_heads``: one launch for all H
+    heads, head offset 0). ``fill`` poisons the window first (NaN: an unwritten row shows).
+    Returns ``VirtualRun`` with ``outs[r]``: (B, rows_r, H, D).
+    """
+    from xstage_dit.ops.attention import kernel as kern
+
+    batch, seq_len, heads, head_dim = q.shape
+    p = world_size
+    length = -(-seq_len // p)
+    ranges = head_ranges(heads, p)
+    hmax = heads if all_heads else ranges[0][1]
+    window = PeerWindow.local(p, batch, length * heads * head_dim * _elem(q.dtype), q.device)
+    geom = WindowGeometry(p, batch, seq_len, heads, head_dim, window.slot_bytes // _elem(q.dtype))
+    if fill is not None:
+        window.view(q.dtype, (window.num_ranks * window.num_segments * geom.slot_elems,), (1,)).fill_(fill)
+    owners = [(0, heads)] if all_heads else ranges
+    ins = [torch.zeros((3, batch, p * length, hmax, head_dim), dtype=q.dtype, device=q.device) for _ in owners]
+    rows = shard_rows(seq_len, p)
+    if all_heads:
+        # One head group holding every head: the gathered sequence is q, k, v themselves.
+        for t, src in enumerate((q, k, v)):
+            ins[0][t, :, :seq_len] = src
+    else:
+        in_table = local_buffer_table(ins)
+        for r in range(p):
+            start = r * length
+            if rows[r]:
+                sl = slice(start, start + rows[r])
+                kern.launch_push(q[:, sl].contiguous(), k[:, sl].contiguous(), v[:, sl].contiguous(), in_table,
+                                 row_offset=start, world_size=p, dest_strides=tuple(ins[0].stride()[:4]))
+    sc = _scale(scale, head_dim)
+    for (h0, hr), buf in zip(owners, ins):
+        mine = buf[:, :, :, :hr]
+        kernel.run(mine[0], mine[1], mine[2], out_target(window, geom, q.dtype, h0, hr), geom, sc)
+    outs = [torch.stack([window.slot_tensor(b, o, q.dtype, (length, heads, head_dim))[:rows[o]]
+                         for b in range(batch)]).clone() for o in range(p)]
+    return VirtualRun(outs, window, geom)
+
+
+@functools.cache
+def _log_fallback(reason: str) -> None:
+    log.warning("peer window unavailable (%s): the fused path stores through the pointer table", reason)
+
+
+_ZEROED: set[int] = set()
+
+
+def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, kernel,
+                           scale: float | None = None, seq_len: int | None = None) -> torch.Tensor:
+    """Ulysses attention over ``group`` with ``kernel`` writing the post-A2A through the peer window.
+
+    q, k, v: (B, seq_local, H, D), this rank's chunk -> (B, seq_local, H, D). World size >= 2 (world size 1
+    needs no window: the kernel writes a plain tensor). Falls back, logged once, to ``fused_attention``
+    (pointer table) where the window cannot be built.
+    """
+    from xstage_dit.ops.attention.checks import check_inputs
+    from xstage_dit.ops.attention.table import fused_attention
+
+    rank, p = world_of(group)
+    seq_len = check_inputs(q, k, v, rank, p, seq_len)
+    batch, seq_local, heads, head_dim = q.shape
+    length = -(-seq_len // p)
+    h0, hr = head_ranges(heads, p)[rank]
+    hmax = head_ranges(heads, p)[0][1]
+    try:
+        window, outs = peer_window("ulysses_window.out", (length, heads, head_dim), q.dtype, q.device, group,
+                                   segments=batch)
+    except PeerWindowUnavailable as exc:
+        _log_fallback(str(exc))
+        return fused_attention(q, k, v, group=group, scale=scale, seq_len=seq_len)
+    geom = WindowGeometry(p, batch, seq_len, heads, head_dim, window.slot_bytes // _elem(q.dtype))
+    reason = kernel.supports(geom, q.dtype, q.device, True)
+    if reason:
+        raise ValueError(f"kernel {kernel.name} refuses this problem: {reason}")
+    buf_in = symmetric_buffer("ulysses_window.in", (3, batch, p * length, hmax, head_dim), q.dtype, q.device, group)
+    if id(buf_in) not in _ZEROED:
+        # Padding rows are never pushed: zero once so a kernel reading whole pages reads zeros, not NaN.
+        buf_in.tensor.zero_()
+        # No peer may push into my buffer before my zeros are in.
+        buf_in.barrier()
+        _ZEROED.add(id(buf_in))
+    target = _target_for(window, geom, q.dtype, h0, hr)
+    _push(q, k, v, buf_in.ptr_table, buf_in.tensor, rank=rank, world_size=p, seq_len=seq_len)
+    # Everyone's rows are in my input buffer, and everyone finished reading the previous call's output.
+    buf_in.barrier()
+    mine = buf_in.tensor[:, :, :, :hr]
+    kernel.run(mine[0], mine[1], mine[2], target, geom, _scale(scale, head_dim))
+    # Every rank's tiles for my rows have landed (the barrier orders them before my reads).
+    outs[0].barrier()
+    return torch.stack([o.tensor[:seq_local] for o in outs])
+
+
+def plain_kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel, *,
+                           scale: float | None = None) -> torch.Tensor:
+    """World size 1: ``kernel`` on all heads through a one-slot window view of a plain output.
+
+    q, k, v: (B, S, H, D) -> (B, S, H, D). The window of one rank is the output itself (slot stride = one
+    batch element), so the kernel runs exactly as it does for P ranks; no peer memory, no rendezvous.
+    """
+    batch, seq_len, heads, head_dim = q.shape
+    geom = WindowGeometry(1, batch, seq_len, heads, head_dim, seq_len * heads * head_dim)
+    reason = kernel.supports(geom, q.dtype, q.device, True)
+    if reason:
+        raise ValueError(f"kernel {kernel.name} refuses this problem: {reason}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    table = local_buffer_table([out])
+    target = OutTarget(out, table, (seq_len * heads * head_dim, heads * head_dim, head_dim), 0)
+    kernel.run(q, k, v, target, geom, _scale(scale, head_dim))
+    return out
+
+
+_TARGETS: dict[tuple, OutTarget] = {}
+
+
+def _target_for(window, geom, dtype, h0, hr) -> OutTarget:
+    key = (id(window), geom, dtype, h0, hr)
+    target = _TARGETS.get(key)
+    if target is None or window.closed:
+        target = _TARGETS[key] = out_target(window, geom, dtype, h0, hr)
+    return target
+
+
+def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
+    """Timing closures for the kernel sweep: {family: {kernel: fn}}, each kernel that takes the problem
+    running one rank's launch (the last rank: its head offset is not 0) through a local peer window.
+
+    problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype) and device.
+    The closures hold their windows; dropping the dict releases them.
+    """
+    from xstage_dit.ops.attention.kernels import make_kernel
+    from xstage_dit.schedule.attention_kernel import shape_family
+
+    cases = {}
+    for prob in problems:
+        b, s, h, d, p = (prob[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size"))
+        dtype, device = prob["dtype"], torch.device(prob["device"])
+        h0, hr = head_ranges(h, p)[-1]
+        family = shape_family(batch=b, seq_len=s, heads_local=hr, head_dim=d, world_size=p,
+                              dtype_name=str(dtype).removeprefix("torch."))
+        if family in cases:
+            continue
+        length = -(-s // p)
+        window = PeerWindow.local(p, b, length * h * d * _elem(dtype), device)
+        geom = WindowGeometry(p, b, s, h, d, window.slot_bytes // _elem(dtype))
+        buf = torch.zeros((3, b, p * length, hr, d), dtype=dtype, device=device)
+        buf[:, :, :s].normal_()
+        target = out_target(window, geom, dtype, h0, hr)
+        fns = {}
+        for name in kernel_names:
+            kernel = make_kernel(name)
+            if kernel.supports(geom, dtype, device, True) is None:
+                # The default argument keeps the window alive as long as the closure.
+                def timed(kernel=kernel, window=window, target=target, geom=geom, buf=buf, scale=d ** -0.5):
+                    kernel.run(buf[0], buf[1], buf[2], target, geom, scale)
+
+                fns[name] = timed
+        cases[family] = fns
+    return cases
