@@ -30,9 +30,16 @@ if [ "${1:-}" = "--multi" ]; then
   "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)" \
     || { echo "gpu_tests.sh --multi: needs >= 2 GPUs, found fewer" >&2; exit 4; }
 fi
+# The OpenAPI fuzzing module holds no GPU test and needs schemathesis, a CPU-only test tool the GPU machine
+# lacks: leave it out of collection there instead of failing the run on its import.
+extra=()
+if ! "$py" -c "import schemathesis" 2>/dev/null; then
+  extra+=(--ignore=tests/server/test_openapi_fuzz.py)
+  echo "gpu_tests.sh: schemathesis not installed: tests/server/test_openapi_fuzz.py (CPU only) not collected" >&2
+fi
 report="$out/gpu-tests.txt"
 "$py" -m pytest -m "$marker" -p no:cacheprovider -o addopts="" -rA --timeout=600 \
-  --junitxml="$out/gpu-tests.xml" "$@" 2>&1 | tee "$report"
+  --junitxml="$out/gpu-tests.xml" "${extra[@]}" "$@" 2>&1 | tee "$report"
 status=${PIPESTATUS[0]}
 {
   echo
