@@ -59,17 +59,24 @@ def test_config_rejects_bad_values(kwargs, match):
         ParallelConfig(**kwargs)
 
 
-def test_split_rule_is_the_ops_rule():
+def test_split_rule_is_the_ops_rule_where_the_op_gets_shards():
+    """Balanced shards (no empty one while total >= parts); equal to the op's chunks when total divides,
+    the only case in which the backend hands shards to the Ulysses op."""
     from xstage_dit.ops.attention import shard_bounds
-    from xstage_dit.patches.sharding import split_offsets, split_sizes
+    from xstage_dit.patches.sharding import check_splittable, split_offsets, split_sizes
 
+    assert split_sizes(9, 4) == [3, 2, 2, 2]  # issue 18: was 3, 3, 3, 0 (an empty shard)
     for total in range(0, 40):
         for parts in range(1, 9):
             sizes = split_sizes(total, parts)
-            assert sum(sizes) == total
+            assert sum(sizes) == total and max(sizes) - min(sizes) <= 1
+            assert total < parts or min(sizes) >= 1
             starts = split_offsets(total, parts)[:-1]
-            if total >= 1:
+            if total >= 1 and total % parts == 0:
                 assert list(zip(starts, sizes)) == shard_bounds(total, parts), (total, parts)
+    check_splittable(4, 4, "x")
+    with pytest.raises(ValueError, match="expected at least sp=4 tokens in x to split over 4 ranks, got 3"):
+        check_splittable(3, 4, "x")
 
 
 def test_exit_gather_decision_is_the_same_on_every_rank():
@@ -87,15 +94,20 @@ def test_exit_gather_decision_is_the_same_on_every_rank():
             assert len(decisions) == 1, (totals, world)  # all ranks exchange sizes, or none does
 
 
-def test_key_padding_masks_are_normalised():
-    from xstage_dit.patches.attention_backend import _key_padding_mask
+def test_attention_masks_of_every_diffusers_shape_are_normalised():
+    from xstage_dit.patches.attention_backend import _attention_mask
 
     keep = torch.tensor([[True, True, False]])
-    assert torch.equal(_key_padding_mask(keep[:, None, None, :], 2, 3), keep.expand(2, 3))
-    additive = torch.tensor([[0.0, 0.0, float("-inf")]])
-    assert torch.equal(_key_padding_mask(additive, 1, 3), keep)
-    with pytest.raises(NotImplementedError, match=r"key-padding masks of shape \(batch, seq_k\)=\(1, 3\)"):
-        _key_padding_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3)
+    for given in (keep, keep[:, None, :], keep[:, None, None, :], keep[:, None, None, :].expand(1, 4, 1, 3)):
+        got = _attention_mask(given, 1, 3)
+        assert got.ndim == 4 and got.dtype == torch.bool and torch.equal(got[:, 0, 0], keep)
+    assert _attention_mask(torch.ones(2, 4, 1, 3), 2, 3).shape == (2, 4, 1, 3)  # LTX: per head, additive
+    additive = torch.tensor([[0.0, 0.0, -10000.0]])  # LTX's bias stays additive (SDPA's reading of it)
+    assert torch.equal(_attention_mask(additive, 1, 3), additive[:, None, None, :])
+    assert _attention_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3).shape == (1, 1, 3, 3)  # per query
+    assert _attention_mask(torch.tensor([[1, 1, 0]]), 1, 3).dtype == torch.bool
+    with pytest.raises(NotImplementedError, match=r"with batch=1, seq_k=3, got \(1, 4\)"):
+        _attention_mask(torch.ones(1, 4, dtype=torch.bool), 1, 3)
 
 
 def test_parallelize_errors_before_any_work():

@@ -30,6 +30,10 @@ from xstage_dit.patches.config import ParallelConfig
 _EXPERT_KEYS = {"nucleusmoe": "num_experts", "hidream": "num_routed_experts"}
 #: families whose pipeline runs CFG as a second branch (cfg=2 needs guidance on), all but FLUX.1's.
 _CFG_NEEDS_GUIDANCE = ("wan", "nucleusmoe", "hidream")
+#: families whose plan has no CFG parallelism (`xstage_dit.patches.plans`: cfg=None).
+_NO_CFG_PARALLEL = ("sd3", "cogvideox", "z-image", "wan-vace", "skyreels-v2")
+#: config key of the head count where it is not ``num_attention_heads`` (Z-Image).
+_HEADS_KEYS = {"z-image": "n_heads"}
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def transformer_config(spec: ModelSpec) -> dict:
 def transformer_facts(spec: ModelSpec) -> TransformerFacts:
     config = transformer_config(spec)
     key = _EXPERT_KEYS.get(spec.family)
-    return TransformerFacts(heads=int(config["num_attention_heads"]),
+    return TransformerFacts(heads=int(config[_HEADS_KEYS.get(spec.family, "num_attention_heads")]),
                             guidance_distilled=spec.family == "flux" and bool(config.get("guidance_embeds", False)),
                             num_experts=int(config[key]) if key and key in config else None)
 
@@ -85,6 +89,9 @@ def check_parallel(spec: ModelSpec, config: ParallelConfig, guidance: float | No
         raise UsageError(f"--ep: expected --ep {config.sp} (equal to --sp: NucleusMoE routes by expert choice over "
                          f"the whole sequence), got {config.ep}")
     if config.cfg > 1:
+        if spec.family in _NO_CFG_PARALLEL:
+            raise UsageError(f"--cfg: expected 1 for {spec.name}: CFG parallel does not apply to its pipeline, "
+                             f"got --cfg {config.cfg}")
         if facts.guidance_distilled:
             raise UsageError(f"--cfg: expected 1 for {spec.name}: it is guidance-distilled (one branch per step, "
                              f"nothing to run in parallel), got --cfg {config.cfg}")

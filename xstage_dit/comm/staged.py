@@ -7,6 +7,11 @@ it as it is. Every caller that moves rows between ranks goes through these funct
 Shapes: ``all_to_all_rows(send (n, ...), send_splits, recv_splits) -> (sum(recv_splits), ...)``;
 ``all_gather_list(t) -> [t of rank 0, t of rank 1, ...]``; ``all_gather_dim0(x (n, ...)) -> (world*n, ...)``;
 ``all_gather_chunks(x (batch, seq_local_r, ...), seq_len) -> (batch, seq_len, ...)`` (unequal chunks).
+
+On gloo (which blocks the host) every collective here waits through `xstage_dit.comm.agreement.wait`:
+when a peer failed in the middle of a forward and published its error, this rank stops at once with
+that error instead of sitting in the collective until the timeout. NCCL and traced (torch.compile)
+calls run the plain collective.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from xstage_dit.comm import agreement
 from xstage_dit.comm.distributed import world_of
 
 __all__ = ["is_gloo", "needs_host_staging", "all_to_all_rows", "all_gather_list", "all_gather_dim0",
@@ -33,6 +39,13 @@ def needs_host_staging(t: torch.Tensor, group: dist.ProcessGroup | None) -> bool
     return t.is_cuda and is_gloo(group)
 
 
+def _collective(fn, *args, group, **kwargs) -> None:
+    if torch.compiler.is_compiling() or not is_gloo(group):
+        fn(*args, group=group, **kwargs)
+    else:
+        agreement.wait(fn(*args, group=group, async_op=True, **kwargs), group)
+
+
 def all_to_all_rows(send: torch.Tensor, send_splits: list[int], recv_splits: list[int], group) -> torch.Tensor:
     """``all_to_all_single`` of rows (dim 0) with split sizes; returns (sum(recv_splits), *send.shape[1:])."""
     _, world = world_of(group)
@@ -41,7 +54,7 @@ def all_to_all_rows(send: torch.Tensor, send_splits: list[int], recv_splits: lis
     staged = needs_host_staging(send, group)
     src = send.contiguous().cpu() if staged else send.contiguous()
     recv = src.new_empty((sum(recv_splits), *send.shape[1:]))
-    dist.all_to_all_single(recv, src, recv_splits, send_splits, group=group)
+    _collective(dist.all_to_all_single, recv, src, recv_splits, send_splits, group=group)
     return recv.to(send.device) if staged else recv
 
 
@@ -53,7 +66,7 @@ def all_gather_list(t: torch.Tensor, group) -> list[torch.Tensor]:
     staged = needs_host_staging(t, group)
     src = t.contiguous().cpu() if staged else t.contiguous()
     parts = [torch.empty_like(src) for _ in range(world)]
-    dist.all_gather(parts, src, group=group)
+    _collective(dist.all_gather, parts, src, group=group)
     return [p.to(t.device) for p in parts] if staged else parts
 
 
@@ -65,7 +78,7 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     staged = needs_host_staging(x, group)
     src = x.contiguous().cpu() if staged else x.contiguous()
     out = src.new_empty((world * src.shape[0], *src.shape[1:]))
-    _all_gather_single(out, src, group=group)
+    _collective(_all_gather_single, out, src, group=group)
     return out.to(x.device, non_blocking=True) if staged else out
 
 

@@ -14,6 +14,15 @@ FAMILY_MODULES = {
     "wan": "xstage_dit.models.wan",
     "nucleusmoe": "xstage_dit.models.nucleusmoe",
     "hidream": "xstage_dit.models.hidream",
+    "ltx": "xstage_dit.models.ltx",
+    "cogvideox": "xstage_dit.models.cogvideox",
+    "sd3": "xstage_dit.models.sd3",
+    "z-image": "xstage_dit.models.z_image",
+    "wan-vace": "xstage_dit.models.wan_vace",
+    "skyreels-v2": "xstage_dit.models.skyreels",
+    "qwenimage": "xstage_dit.models.qwenimage",
+    "helios": "xstage_dit.models.helios",
+    "flux2": "xstage_dit.models.flux2",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -72,6 +81,58 @@ def _specs() -> dict[str, ModelSpec]:
             patch_multiple=16, height=1024, width=1024, steps=50, guidance=5.0, max_sequence_length=128,
             description="HiDream-I1-Full dimensions (17B MoE transformer: 16 double + 32 single blocks, 20 x 128), "
             "random weights",
+        ),
+        # Tiny pipelines of the other families parallelize supports (tests/patches/test_families.py)
+        ModelSpec(
+            name="tiny-ltx", family="ltx", size="tiny", kind="video", pipeline_class="LTXPipeline",
+            patch_multiple=32, height=64, width=96, frames=9, frame_multiple=8, steps=2, guidance=3.0,
+            max_sequence_length=16, fps=24,
+            description="LTX-Video architecture, 1 block, 4 heads x 8, LTX VAE (32x, 8x), random weights",
+        ),
+        ModelSpec(
+            name="tiny-cogvideox", family="cogvideox", size="tiny", kind="video", pipeline_class="CogVideoXPipeline",
+            patch_multiple=16, height=64, width=64, frames=9, frame_multiple=4, steps=2, guidance=6.0,
+            max_sequence_length=16, fps=8,
+            description="CogVideoX-5B style (rotary positions), 1 block, 4 heads x 16, random weights",
+        ),
+        ModelSpec(
+            name="tiny-sd3", family="sd3", size="tiny", kind="image", pipeline_class="StableDiffusion3Pipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=7.0, max_sequence_length=16,
+            description="SD3.5 architecture (a dual-attention block, RMS q/k norm), 2 blocks, 4 heads x 8, random weights",
+        ),
+        ModelSpec(
+            name="tiny-z-image", family="z-image", size="tiny", kind="image", pipeline_class="ZImagePipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=0.0, max_sequence_length=32,
+            description="Z-Image architecture, 1 layer + refiners, 6 heads x 8, Qwen3 text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-wan-vace", family="wan-vace", size="tiny", kind="video", pipeline_class="WanVACEPipeline",
+            patch_multiple=16, height=64, width=64, frames=5, frame_multiple=4, steps=2, guidance=1.0,
+            max_sequence_length=16, fps=16,
+            description="Wan-VACE architecture, 2 blocks with VACE hints, 4 heads x 16, random weights",
+        ),
+        ModelSpec(
+            name="tiny-skyreels-v2", family="skyreels-v2", size="tiny", kind="video",
+            pipeline_class="SkyReelsV2DiffusionForcingPipeline", patch_multiple=16, height=64, width=64, frames=5,
+            frame_multiple=4, steps=2, guidance=1.0, max_sequence_length=16, fps=24,
+            description="SkyReels-V2 diffusion forcing, 2 blocks, 4 heads x 16, random weights",
+        ),
+        ModelSpec(
+            name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
+            description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-flux2", family="flux2", size="tiny", kind="image", pipeline_class="Flux2Pipeline",
+            patch_multiple=16, height=64, width=64, steps=2, guidance=4.0, max_sequence_length=32,
+            call_kwargs={"text_encoder_out_layers": (1, 2, 3)},  # the tiny encoder's layers (FLUX.2: 10, 20, 30)
+            description="FLUX.2 architecture, 1+1 blocks, 4 heads x 16, Mistral-3 text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-helios", family="helios", size="tiny", kind="video", pipeline_class="HeliosPipeline",
+            patch_multiple=16, height=64, width=64, frames=9, frame_multiple=4, steps=2, guidance=5.0,
+            max_sequence_length=16, fps=24,
+            description="Helios architecture, 3 blocks, 4 heads x 16, random weights",
         ),
     ]
     return {s.name: s for s in specs}

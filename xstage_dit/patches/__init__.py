@@ -7,11 +7,21 @@
     handle.restore()                                                         # the original pipeline again
 
 One module per concern: `config` (ParallelConfig), `groups` (process groups), `sharding` (the split
-rule), `sequence_parallel` + `attention_backend` + `processors` (Ulysses), `attention_schedules` (the
-schedule per shape, from the params `calibration.params_for` gives once), `expert_parallel` (EP MoE
-layers), `cfg_parallel` (guidance branches), `plans` (model registry), `_diffusers_private` (the only
-user of private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
+rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processors` (Ulysses),
+`attention_schedules` (the schedule per shape, from the params `calibration.params_for` gives once),
+`expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
+subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
+`collective_safety` (agreement and failures across ranks), `_diffusers_private` (the only user of
+private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
+
+Never a hang (issue 18): before any other collective the ranks compare their configuration, model
+classes and weight shapes (`RanksDisagree` on every rank if they differ); a validation error on one
+rank is raised on all (`RankFailed`, also of the original builtin kind: ``except ValueError`` works);
+each eager forward compares a fingerprint of the inputs first (differently seeded generators fail on
+every rank instead of giving an image no single process makes; ``ParallelConfig(check_inputs=False)``
+skips it); an exception inside a forward is published to the peers, whose gloo collectives stop with
+the same error at once. After such a forward failure the process group is not reusable: exit.
 """
 
 from __future__ import annotations
@@ -106,6 +116,14 @@ def _transformers_of(pipe: Any) -> list[torch.nn.Module]:
     return [transformer] + ([second] if isinstance(second, torch.nn.Module) else [])
 
 
+def _modules_of(pipe: Any) -> list[torch.nn.Module]:
+    """The transformers of `pipe` without raising (what the ranks compare before validating)."""
+    try:
+        return _transformers_of(pipe)
+    except ValueError:
+        return []
+
+
 def _ensure_process_group(config: ParallelConfig) -> None:
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from xstage_dit.comm.distributed import init_distributed
@@ -149,7 +167,10 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     Call on every rank after loading the same weights (torchrun, or ``xstage-dit generate --sp N``).
     Errors, raised before any GPU work: ValueError for degrees that do not multiply to the world
     size, a head count sp cannot split, ep > 1 on a model without MoE layers, cfg=2 where CFG does
-    not apply, or an unsupported transformer; RuntimeError if `pipe` is already parallelized.
+    not apply, an unsupported transformer, or a processor that bypasses dispatch_attention_fn
+    (named); RuntimeError if `pipe` is already parallelized. At world > 1 every rank raises the same
+    error: `RanksDisagree` (a ValueError) when the ranks passed different configurations, model
+    classes or weight shapes, `RankFailed` (of the first failing rank's kind) when one rank failed.
     Returns a `ParallelHandle`; ``handle.restore()`` gives back the original pipeline.
     """
     if config is None:
@@ -159,25 +180,32 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     if not isinstance(config, ParallelConfig):
         raise ValueError(f"expected a ParallelConfig, got {type(config).__name__}")
 
+    from xstage_dit.comm.agreement import check_agreement, fail_together
     from xstage_dit.patches import _diffusers_private as private
+    from xstage_dit.patches.collective_safety import setup_facts
     from xstage_dit.patches.plans import plan_for
 
-    private.check_diffusers_version()
-    transformers = _transformers_of(pipe)
-    plans = []
-    for transformer in transformers:
-        if getattr(transformer, _MARK, None) is not None:
-            raise RuntimeError(
-                "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
-            )
-        if plan_for(transformer).moe_layers:
-            from xstage_dit.patches.expert_parallel import check_loaded_shards
-
-            check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
-        plans.append(check_degrees(transformer, config))
     _ensure_process_group(config)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    config.check_world(world)
+    # Before any collective that depends on them, every rank checks the others passed the same
+    # configuration, model classes and weight shapes (one all-gather), then validates locally; an error
+    # on one rank becomes the same error on all (one more all-gather), so none is left in new_group().
+    check_agreement(setup_facts(config, _modules_of(pipe)), what="parallelize")
+    with fail_together(what="parallelize"):
+        private.check_diffusers_version()
+        transformers = _transformers_of(pipe)
+        plans = []
+        for transformer in transformers:
+            if getattr(transformer, _MARK, None) is not None:
+                raise RuntimeError(
+                    "expected a pipeline that is not parallelized yet, got one already patched: call restore() first"
+                )
+            if plan_for(transformer).moe_layers:
+                from xstage_dit.patches.expert_parallel import check_loaded_shards
+
+                check_loaded_shards(transformer, config.ep)  # loaded with expert_shard=(r, w): ep must be w
+            plans.append(check_degrees(transformer, config))
+        config.check_world(world)
 
     from xstage_dit.patches.groups import build_groups
 
@@ -258,6 +286,15 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
             transformer, spec, group=groups.sp_group, rank=groups.sp_rank, world=config.sp, schedules=schedules,
         )
     )
+
+    if groups.sp_group is not None and config.sp > 1:
+        # outside the sequence hooks (sees the whole inputs), inside the CFG hook (one branch's inputs)
+        from xstage_dit.patches.collective_safety import CollectiveSafetyHook
+
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(CollectiveSafetyHook(groups.sp_group, type(transformer), config.check_inputs),
+                               "xstage-safety")
+        handle._undo.append(lambda: registry.remove_hook("xstage-safety", recurse=False))
 
     if config.cfg > 1:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)

@@ -15,9 +15,10 @@ that object to the backend untouched). The context says how the key/value tokens
 The op takes equal chunks of one sequence. A rank's attention sequence is a concatenation of
 several split pieces (FLUX: its text shard then its image shard), which is an equal chunk exactly
 when every piece divides by sp (the served shapes: 512 text + 4096 image tokens over 2/4/8). When
-some piece does not (decided from the split totals, the same on every rank), or a key-padding mask
-(``(batch, seq_k)`` / ``(batch, 1, 1, seq_k)``) is given, the call takes the gather-KV path instead
-(keys, values and mask all-gathered, local queries): correct for any layout, logged once.
+some piece does not (decided from the split totals, the same on every rank), or a mask is given, the call takes the gather-KV path instead
+(keys, values and mask all-gathered, local queries): correct for any layout, logged once. So does
+cross-attention with more local queries than keys (LTX's video attending its sharded text). Masks of
+every shape diffusers passes are taken (`_attention_mask`).
 """
 
 from __future__ import annotations
@@ -67,26 +68,38 @@ def _schedule_for(ctx: AttentionContext, q: torch.Tensor, seq_total: int) -> str
     return ctx.schedules.for_shape(batch, seq_total, heads, head_dim, q.dtype, q.device)
 
 
-def _key_padding_mask(mask: torch.Tensor, batch: int, seq_k: int) -> torch.Tensor:
-    """Normalise a diffusers key-padding mask to bool ``(batch, seq_k)``; anything else is an error."""
-    if mask.ndim == 4 and mask.shape[1] == 1 and mask.shape[2] == 1:
-        mask = mask[:, 0, 0]
-    if mask.ndim != 2 or mask.shape[-1] != seq_k or mask.shape[0] not in (1, batch):
+def _attention_mask(mask: torch.Tensor, batch: int, seq_k: int, *, sharded_keys: bool = False) -> torch.Tensor:
+    """Normalise a diffusers attention mask to 4-D ``(batch | 1, heads | 1, seq_q | 1, seq_k)``.
+
+    Takes every shape diffusers passes: key padding ``(batch, seq_k)``, ``(batch, 1, seq_k)``,
+    ``(batch, 1, 1, seq_k)``, expanded per head ``(batch, heads, 1, seq_k)`` (LTX), and query-dependent
+    ``(batch | 1, heads | 1, seq_q, seq_k)`` (SkyReels-V2's block-causal mask). Boolean (True keeps)
+    masks stay boolean, integer ones become boolean; floating masks stay additive, as SDPA reads them
+    (LTX adds -10000 to padded keys: a bias, not -inf, so it is not turned into a boolean). ``seq_k``
+    is the key count of this call; with ``sharded_keys`` the mask may instead span the whole key
+    sequence (checked after the gather).
+    """
+    given = tuple(mask.shape)
+    if mask.ndim == 2:
+        mask = mask[:, None, None, :]
+    elif mask.ndim == 3:
+        mask = mask[:, None, :, :]
+    if mask.ndim != 4 or (mask.shape[-1] != seq_k and not sharded_keys) or mask.shape[0] not in (1, batch):
         raise NotImplementedError(
-            f"xstage sequence parallel supports key-padding masks of shape (batch, seq_k)=({batch}, {seq_k}) "
-            f"or (batch, 1, 1, seq_k), got {tuple(mask.shape)}"
+            f"xstage sequence parallel takes attention masks (batch, seq_k), (batch, 1, seq_k) or "
+            f"(batch | 1, heads | 1, seq_q | 1, seq_k) with batch={batch}, seq_k={seq_k}, got {given}"
         )
-    if mask.dtype != torch.bool:
-        # additive masks: 0 keeps, -inf (or very negative) drops
-        mask = mask > torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else mask.bool()
-    return mask.expand(batch, seq_k)
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        mask = mask.bool()
+    return mask
 
 
 def _sdpa(q, k, v, mask, scale):
-    """Local attention, (B, S, H, D) layout; mask: bool (B, S_k) or None."""
-    attn_mask = None if mask is None else mask[:, None, None, :]
+    """Local attention, (B, S, H, D) layout; mask: bool or additive (B|1, H|1, S_q|1, S_k), or None."""
+    if mask is not None and mask.is_floating_point():
+        mask = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask, scale=scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
     )
     return out.transpose(1, 2)
 
@@ -102,8 +115,39 @@ def _gather_kv_attention(q, k, v, mask, scale, ctx: AttentionContext, why: str):
     ctx.schedules.note_path("gather_kv", f"{ctx.name} ({why}: keys/values all-gathered instead of the Ulysses op)")
     k_all = sharding.gather(k, 1, ctx.group)
     v_all = sharding.gather(v, 1, ctx.group)
-    m_all = None if mask is None else sharding.gather(mask, 1, ctx.group)
+    if mask is not None and mask.shape[-1] not in (k.shape[1], k_all.shape[1]):
+        raise NotImplementedError(
+            f"attention {ctx.name}: expected a mask over this rank's {k.shape[1]} keys or all {k_all.shape[1]}, "
+            f"got {tuple(mask.shape)}"
+        )
+    if mask is None or mask.shape[-1] == k_all.shape[1]:
+        # a mask over the whole key sequence already (built from full lengths, e.g. a block-causal mask
+        # whose query rows the plan split): the same decision on every rank, since each holds >= 1 key
+        m_all = mask
+    elif mask.shape[2] == 1:
+        m_all = sharding.gather(mask.contiguous(), 3, ctx.group)
+    elif (valid := _symmetric_padding(mask, q.shape[1])) is not None:
+        # HunyuanVideo 1.5 masks self-attention with valid_q & valid_k over the rank's own tokens: gather
+        # the validity of the keys and rebuild the rows of this rank's queries against all keys
+        valid_all = sharding.gather(valid.contiguous(), 1, ctx.group)
+        m_all = valid[:, None, :, None] & valid_all[:, None, None, :]
+    else:
+        raise NotImplementedError(
+            f"attention {ctx.name}: a query-dependent mask over this rank's keys only cannot be gathered, got "
+            f"{tuple(mask.shape)} for {k.shape[1]} local of {k_all.shape[1]} keys"
+        )
     return _sdpa(q, k_all, v_all, m_all, scale)
+
+
+def _symmetric_padding(mask: torch.Tensor, seq_q: int) -> torch.Tensor | None:
+    """``valid (batch, seq)`` when a bool (batch, 1, seq, seq) mask over the rank's own tokens is
+    ``valid_q & valid_k`` (read off its diagonal and checked), else None."""
+    if mask.dtype != torch.bool or mask.shape[1] != 1 or mask.shape[2] != seq_q or mask.shape[3] != seq_q:
+        return None
+    valid = torch.diagonal(mask[:, 0], dim1=1, dim2=2)
+    if not torch.equal(mask[:, 0], valid[:, :, None] & valid[:, None, :]):
+        return None
+    return valid
 
 
 def xstage_attention(
@@ -134,7 +178,8 @@ def xstage_attention(
         rep = query.shape[2] // key.shape[2]
         key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
     batch, seq_q = query.shape[:2]
-    mask = None if attn_mask is None else _key_padding_mask(attn_mask, batch, key.shape[1])
+    sharded_keys = ctx is not None and ctx.world > 1 and ctx.kv_layout == "sharded"
+    mask = None if attn_mask is None else _attention_mask(attn_mask, batch, key.shape[1], sharded_keys=sharded_keys)
     if ctx is None or ctx.world == 1 or ctx.kv_layout == "replicated":
         if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
             schedule = _schedule_for(ctx, query, seq_q)
@@ -155,7 +200,7 @@ def xstage_attention(
         key = torch.cat([key[:, :seq_q], sharding.shard(key[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
         value = torch.cat([value[:, :seq_q], sharding.shard(value[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
         if mask is not None:
-            mask = torch.cat([mask[:, :seq_q], sharding.shard(mask[:, seq_q:], 1, ctx.rank, ctx.world)], dim=1)
+            mask = torch.cat([mask[..., :seq_q], sharding.shard(mask[..., seq_q:], 3, ctx.rank, ctx.world)], dim=3)
 
     if mask is not None:
         return _gather_kv_attention(query, key, value, mask, scale, ctx, "attention mask")
@@ -163,12 +208,14 @@ def xstage_attention(
         return _gather_kv_attention(query, key, value, None, scale, ctx, "sequence pieces not divisible by sp")
 
     seq_k = key.shape[1]
+    if seq_q > seq_k:
+        # Cross-attention to a shorter sharded sequence (LTX video queries to its text keys, unmasked):
+        # the op's one layout cannot hold both; the keys are few, gather them (same on every rank: even pieces).
+        return _gather_kv_attention(query, key, value, None, scale, ctx, "more queries than keys (cross-attention)")
     q = query
     if seq_q != seq_k:
         # The op attends q, k, v of one sequence layout: give the extra key rows dummy queries and
         # drop their outputs (costs (seq_k - seq_q) / seq_k extra query rows, no extra exchange).
-        if seq_q > seq_k:
-            raise ValueError(f"expected at most as many local queries as keys, got {seq_q} > {seq_k}")
         q = torch.cat([query, query.new_zeros((batch, seq_k - seq_q, *query.shape[2:]))], dim=1)
     schedule = _schedule_for(ctx, q, seq_k * ctx.world)
     ctx.schedules.note_path("ulysses", ctx.name)

@@ -30,6 +30,10 @@ class ParallelConfig:
     calibrate: run/load the X-Stage calibration at startup to choose schedules (GPU only; on a CPU
         the choice falls back to the uncalibrated rule and says so in the log).
     timeout_s: collective timeout used when `parallelize` has to create the process group itself.
+    check_inputs: before every eager forward, compare a fingerprint of the transformer's inputs over the
+        sp ranks (one small all-gather and a host sync): ranks whose generators were seeded differently
+        then fail on every rank instead of returning an image no single process makes. False skips it
+        when the caller guarantees identical inputs (a server that broadcasts each request).
 
     Example: ``ParallelConfig(sp=4)`` on 4 ranks; ``ParallelConfig(sp=2, ep=2, cfg=2)`` on 4 ranks.
     """
@@ -40,6 +44,7 @@ class ParallelConfig:
     schedule: str = "auto"
     calibrate: bool = True
     timeout_s: float = 600.0
+    check_inputs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("sp", "ep", "cfg"):

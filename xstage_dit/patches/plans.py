@@ -1,7 +1,9 @@
 """Model facts for `parallelize`, in one registry keyed by transformer class name.
 
-Per transformer: its sequence-parallel plan (diffusers' own ``_cp_plan`` where it ships one, ours for
-HunyuanVideo, NucleusMoE and HiDream), how each attention's keys/values are laid out under that plan,
+A subclass of a registered class (a user's ``class MyFlux(FluxTransformer2DModel)``) resolves to its
+nearest registered base class (`plan_for` walks the MRO). Per transformer: its sequence-parallel plan
+(diffusers' own ``_cp_plan`` where it ships one, ours for HunyuanVideo, NucleusMoE, HiDream and the
+families of `family_plans`), how each attention's keys/values are laid out under that plan,
 processor replacements for models that call SDPA directly, the MoE layers to swap for EP layers, and
 how its pipeline runs classifier-free guidance ("paired": two transformer calls per step, cond then
 uncond; "batched": one call on a (uncond, cond) batch; None: no CFG to parallelize).
@@ -35,7 +37,8 @@ class ModelPlan:
     cfg_batch_dims: dict[str, int] = field(default_factory=dict)  # batched CFG: input name -> batch dim
     cfg_unbatched: tuple[str, ...] = ()  # batched CFG: tensor inputs that carry no batch dim
     check: Callable[[torch.nn.Module, Any], None] | None = None
-    tested: bool = False  # covered by the CPU equivalence tests
+    tested: bool = False  # covered by a CPU equivalence test (transformer or pipeline level, world 2 and 4)
+    pipeline_worlds: tuple[int, ...] = ()  # worlds of the CPU pipeline-level test (tests/patches/test_families*.py)
 
 
 def _shipped(kv_layouts: dict[str, str] | None = None) -> Callable[[torch.nn.Module], SequenceParallelSpec]:
@@ -93,6 +96,7 @@ class _HiDreamImageSplit(ModelHook):
         self.state = state
 
     def post_forward(self, module, output):
+        sharding.check_splittable(output.shape[1], self.state.world, "HiDream's image tokens")
         self.state.named["image"] = output.shape[1]
         self.state.record(output.shape[1])
         return sharding.shard(output, 1, self.state.rank, self.state.world)
@@ -203,25 +207,51 @@ def _hunyuan_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     )
 
 
+from xstage_dit.patches import family_plans as fam  # noqa: E402
+
 _NUCLEUS_EP = ("NucleusMoELayer", "xstage_dit.patches.ep_layers:NucleusMoEEPLayer")
 _HIDREAM_EP = ("MOEFeedForwardSwiGLU", "xstage_dit.patches.ep_layers:HiDreamMoEEPLayer")
+
+_WAN_KV = {"blocks.*.attn2": "replicated"}
+_PW = (2, 4)  # pipeline-level CPU test at world 2 and 4
 
 _PLANS: dict[str, ModelPlan] = {
     p.class_name: p
     for p in (
-        ModelPlan("FluxTransformer2DModel", "FLUX.1", "diffusers", _shipped(), check=_check_flux, tested=True),
-        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped()),
-        ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped()),
-        ModelPlan("WanTransformer3DModel", "Wan 2.1 / 2.2", "diffusers", _shipped({"blocks.*.attn2": "replicated"}), tested=True),
-        ModelPlan("ChronoEditTransformer3DModel", "ChronoEdit", "diffusers", _shipped({"blocks.*.attn2": "replicated"})),
-        ModelPlan("HeliosTransformer3DModel", "Helios", "diffusers", _shipped({"blocks.*.attn2": "replicated"})),
-        ModelPlan("LTXVideoTransformer3DModel", "LTX-Video", "diffusers", _shipped()),
-        ModelPlan("LTX2VideoTransformer3DModel", "LTX-2", "diffusers", _shipped()),
+        ModelPlan("FluxTransformer2DModel", "FLUX.1", "diffusers", _shipped(), check=_check_flux, tested=True,
+                  pipeline_worlds=(2, 4)),
+        ModelPlan("Flux2Transformer2DModel", "FLUX.2", "diffusers", _shipped(), tested=True, pipeline_worlds=_PW),
+        ModelPlan("QwenImageTransformer2DModel", "QwenImage", "diffusers", _shipped(), tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("WanTransformer3DModel", "Wan 2.1 / 2.2", "diffusers", _shipped(_WAN_KV), tested=True,
+                  pipeline_worlds=(2, 4)),
+        ModelPlan("ChronoEditTransformer3DModel", "ChronoEdit", "diffusers", _shipped(_WAN_KV), tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("HeliosTransformer3DModel", "Helios", "diffusers (blocks from the model)", fam.helios_sp, tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("LTXVideoTransformer3DModel", "LTX-Video", "diffusers", _shipped(), tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("LTX2VideoTransformer3DModel", "LTX-2", "diffusers (completed: cross-modal rotary, audio local)",
+                  fam.ltx2_sp, tested=True),
         ModelPlan("MiniMaxH3Transformer3DModel", "MiniMax-H3", "diffusers", _shipped()),
         ModelPlan("HunyuanVideoTransformer3DModel", "HunyuanVideo", "xstage", _hunyuan_sp, tested=True),
+        ModelPlan("SD3Transformer2DModel", "SD3 / SD3.5", "xstage", fam.sd3_sp, cfg=None, tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("CogVideoXTransformer3DModel", "CogVideoX", "xstage", fam.cogvideox_sp, cfg=None, tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("ZImageTransformer2DModel", "Z-Image", "xstage", fam.z_image_sp, cfg=None, tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("WanVACETransformer3DModel", "Wan-VACE", "xstage", fam.wan_vace_sp, cfg=None, tested=True,
+                  pipeline_worlds=_PW),
+        ModelPlan("HunyuanVideo15Transformer3DModel", "HunyuanVideo 1.5", "xstage", fam.hunyuan_video15_sp, cfg=None,
+                  tested=True),
+        ModelPlan("HunyuanImageTransformer2DModel", "HunyuanImage 2.1", "xstage", fam.hunyuan_image_sp, cfg=None,
+                  tested=True),
+        ModelPlan("SkyReelsV2Transformer3DModel", "SkyReels-V2", "xstage", fam.skyreels_v2_sp, cfg=None, tested=True,
+                  pipeline_worlds=_PW),
         ModelPlan(
             "NucleusMoEImageTransformer2DModel", "NucleusMoE", "xstage", _nucleusmoe_sp,
-            moe_layers=(_NUCLEUS_EP,), check=_check_nucleusmoe, tested=True,
+            moe_layers=(_NUCLEUS_EP,), check=_check_nucleusmoe, tested=True, pipeline_worlds=(2, 4),
         ),
         ModelPlan(
             "HiDreamImageTransformer2DModel", "HiDream-I1", "xstage", _hidream_sp,
@@ -230,21 +260,32 @@ _PLANS: dict[str, ModelPlan] = {
             cfg_batch_dims={"hidden_states": 0, "timesteps": 0, "encoder_hidden_states_t5": 0,
                             "encoder_hidden_states_llama3": 1, "pooled_embeds": 0, "img_ids": 0,
                             "img_sizes": 0, "hidden_states_masks": 0},
-            tested=True,
+            tested=True, pipeline_worlds=(2, 4),
         ),
     )
 }
 
+# Transformers with a diffusers pipeline that `parallelize` refuses, and why (shown under the README table).
+NOT_SUPPORTED = {
+    "Cosmos3OmniTransformer": "Cosmos 3: a mixture-of-transformers model (separate experts per modality inside "
+                              "each block, its context parallelism written inside the model), not a DiT plan",
+}
+
 
 def plan_for(model: torch.nn.Module) -> ModelPlan:
-    """The plan for `model`'s class; ValueError naming it (and the supported ones) if there is none."""
+    """The plan for `model`'s class, or for its nearest registered base class (subclasses resolve to their
+    family); ValueError naming the class (and the supported ones) if there is none."""
+    for cls in type(model).__mro__:
+        plan = _PLANS.get(cls.__name__)
+        # the name must be the registered diffusers class itself, not an unrelated class of the same name
+        if plan is not None and cls.__module__.startswith("diffusers."):
+            return plan
     name = type(model).__name__
-    plan = _PLANS.get(name)
-    if plan is None:
-        raise ValueError(
-            f"expected a supported transformer ({', '.join(sorted(_PLANS))}), got {name}"
-        )
-    return plan
+    why = NOT_SUPPORTED.get(name)
+    raise ValueError(
+        f"expected a supported transformer ({', '.join(sorted(_PLANS))}) or a subclass of one, got {name}"
+        + (f" ({why})" if why else "")
+    )
 
 
 def supported_models() -> list[ModelPlan]:
@@ -255,15 +296,22 @@ def supported_models() -> list[ModelPlan]:
 def supported_models_markdown() -> str:
     """The README table of supported transformers, generated from the registry."""
     rows = [
-        "| transformer | family | sequence plan | expert parallel | CFG parallel | CPU-tested |",
-        "|---|---|---|---|---|---|",
+        "| transformer | family | sequence plan | expert parallel | CFG parallel | CPU-tested | pipeline test (CPU) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for p in _PLANS.values():
         ep = ", ".join(c for c, _ in p.moe_layers) or "-"
+        worlds = "world " + " and ".join(map(str, p.pipeline_worlds)) if p.pipeline_worlds else "-"
         rows.append(
-            f"| `{p.class_name}` | {p.family} | {p.plan_source} | {ep} | {p.cfg or '-'} | {'yes' if p.tested else 'no'} |"
+            f"| `{p.class_name}` | {p.family} | {p.plan_source} | {ep} | {p.cfg or '-'} | {'yes' if p.tested else 'no'} "
+            f"| {worlds} |"
         )
     return "\n".join(rows)
+
+
+def not_supported_markdown() -> str:
+    """The line under the README table: transformers with a pipeline that `parallelize` refuses, and why."""
+    return "Not supported: " + "; ".join(f"`{k}` ({v})" for k, v in NOT_SUPPORTED.items()) + "."
 
 
 README_BEGIN = "<!-- supported-models:begin (generated: python -m xstage_dit.patches.plans --readme README.md) -->"
@@ -276,7 +324,7 @@ def update_readme(path: str) -> bool:
 
     readme = Path(path)
     text = readme.read_text() if readme.exists() else ""
-    block = f"{README_BEGIN}\n{supported_models_markdown()}\n{README_END}"
+    block = f"{README_BEGIN}\n{supported_models_markdown()}\n\n{not_supported_markdown()}\n{README_END}"
     if README_BEGIN in text and README_END in text:
         head, rest = text.split(README_BEGIN, 1)
         new = head + block + rest.split(README_END, 1)[1]

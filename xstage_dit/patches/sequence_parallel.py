@@ -25,6 +25,7 @@ from xstage_dit.patches import _diffusers_private as private
 from xstage_dit.patches import sharding
 from xstage_dit.patches.attention_backend import AttentionContext, xstage_attention
 from xstage_dit.patches.attention_schedules import AttentionSchedules
+from xstage_dit.patches.collective_safety import check_dispatching
 
 log = logging.getLogger(__name__)
 
@@ -102,14 +103,18 @@ class SplitHook(ModelHook):
         self.metadata = metadata
         self.state = state
         self.args = None
+        self.where = "an input"
 
     def initialize_hook(self, module):
         self.args = _ForwardArgs(module)
+        self.where = f"the input of {type(module).__name__}"
         return module
 
     def _split(self, x: torch.Tensor, cpi) -> torch.Tensor:
         if cpi.expected_dims is not None and x.dim() != cpi.expected_dims:
             return x  # same rule as diffusers: a tensor of another rank is not the sequence
+        # an empty shard would fail in model code on that rank alone: refuse on every rank alike
+        sharding.check_splittable(x.shape[cpi.split_dim], self.state.world, f"{self.where} (dim {cpi.split_dim})")
         self.state.record(x.shape[cpi.split_dim])
         return sharding.shard(x, cpi.split_dim, self.state.rank, self.state.world)
 
@@ -286,9 +291,11 @@ def apply_sequence_parallel(
                 name=name, state=state,
             )
             swap = spec.processor_swaps.get(type(original).__name__)
-            if swap is not None:
+            if swap is not None and type(original).__module__.startswith("diffusers."):
                 patched = swap(original)
             elif hasattr(original, "_attention_backend"):
+                # a user's subclass may override __call__ and call SDPA itself: refused, named
+                check_dispatching(original, f"{type(model).__name__}.{name}")
                 patched = copy.copy(original)  # processors may be shared between modules
             else:
                 raise ValueError(

@@ -1,10 +1,17 @@
 """The one sequence split rule, and the shard / gather collectives built on it.
 
-Split rule (`split_sizes`): the ``torch.chunk`` convention of `xstage_dit.ops.attention.partition`
-(``shard_bounds``): chunks of ``ceil(total / parts)`` tokens in rank order, so only the last ranks are
-short (possibly empty). Every place that decides which tokens a rank owns (the entry hooks, the
-attention backend for replicated tails, the exit gather) calls this function, so the shards agree
-with the attention op on token ownership (a test checks the two functions give the same bounds).
+Split rule (`split_sizes`): balanced contiguous shards in rank order, sizes differing by at most one
+token, the longer ones first (``split_sizes(9, 4) == [3, 2, 2, 2]``), so no rank's shard is empty
+while there are at least as many tokens as ranks (`check_splittable` refuses fewer, on every rank
+alike). Every place that decides which tokens a rank owns (the entry hooks, the attention backend for
+replicated tails, the exit gather) calls this function. When ``total`` divides by ``parts`` the shards
+are the equal chunks of the Ulysses op (`xstage_dit.ops.attention.partition.shard_bounds`), the only case in
+which the backend hands shards to the op (a test checks the two rules agree there); otherwise the
+backend gathers keys and values, which works for any split.
+
+The collectives are `xstage_dit.comm.staged`'s (the one copy of host staging for gloo), which wait
+failure-aware on gloo: a peer that failed in the middle of a forward (and published its error) stops
+this rank at once with the peer's error, instead of leaving it in the all-gather until the timeout.
 """
 
 from __future__ import annotations
@@ -12,22 +19,34 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from xstage_dit.comm.staged import all_gather_dim0
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (same arguments); the GPU machine has 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+__all__ = ["split_sizes", "split_offsets", "check_splittable", "shard", "gather", "all_gather_dim0"]
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
-    """Tokens per rank: chunks of ``ceil(total / parts)``, the remainder on the last non-empty rank.
+    """Tokens per rank: ``total // parts`` each, one more on the first ``total % parts`` ranks.
 
-    Example: ``split_sizes(10, 4) == [3, 3, 3, 1]``, ``split_sizes(5, 4) == [2, 2, 1, 0]``.
+    Example: ``split_sizes(10, 4) == [3, 3, 2, 2]``, ``split_sizes(9, 4) == [3, 2, 2, 2]``,
+    ``split_sizes(8, 4) == [2, 2, 2, 2]`` (the op's equal chunks).
     """
     if parts < 1:
         raise ValueError(f"expected parts >= 1, got {parts}")
     if total < 0:
         raise ValueError(f"expected total >= 0, got {total}")
-    chunk = -(-total // parts)
-    return [max(0, min(chunk, total - r * chunk)) for r in range(parts)]
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+def check_splittable(total: int, parts: int, what: str) -> None:
+    """Raise ValueError (the same on every rank: it depends only on the full length) when a sequence of
+    `total` tokens would leave a rank with an empty shard. Model code (rotary embeddings, reshapes
+    with ``-1``) fails on empty tensors, and it would fail on that rank alone."""
+    if 0 < total < parts:
+        raise ValueError(
+            f"expected at least sp={parts} tokens in {what} to split over {parts} ranks, got {total} "
+            f"(a rank would hold none); use a smaller sp or a longer input"
+        )
 
 
 def split_offsets(total: int, parts: int) -> list[int]:
@@ -74,22 +93,6 @@ def gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup, total: int | Non
     return torch.cat(pieces, dim=0).movedim(0, dim)
 
 
-def all_gather_dim0(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``(n, ...)`` on each rank -> ``(world * n, ...)`` in rank order. gloo (ranks sharing one GPU) stages
-    CUDA tensors through the host: it has no CUDA all-gather."""
-    world = dist.get_world_size(group)
-    staged = x.is_cuda and str(dist.get_backend(group)) == "gloo"
-    src = x.cpu() if staged else x
-    out = src.new_empty((world * src.shape[0], *src.shape[1:]))
-    _all_gather_single(out, src, group=group)
-    return out.to(x.device, non_blocking=True) if staged else out
-
-
 def _exchange_sizes(local: int, group: dist.ProcessGroup, device: torch.device) -> list[int]:
-    world = dist.get_world_size(group)
-    backend = str(dist.get_backend(group))
-    sizes_device = torch.device("cpu") if backend == "gloo" else device
-    mine = torch.tensor([local], dtype=torch.int64, device=sizes_device)
-    out = torch.empty(world, dtype=torch.int64, device=sizes_device)
-    _all_gather_single(out, mine, group=group)
-    return [int(s) for s in out.tolist()]
+    mine = torch.tensor([local], dtype=torch.int64, device=device)
+    return [int(n) for n in all_gather_dim0(mine, group).tolist()]

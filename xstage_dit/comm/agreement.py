@@ -1,0 +1,197 @@
+"""Collective safety: ranks that disagree, or a rank that fails, end with the same error on every rank.
+
+Three tools, each for one way a multi-rank program hangs:
+
+- `check_agreement(facts, group)`: one small all-gather of each rank's facts (configuration, model
+  class, weight shapes, an input fingerprint); if any fact differs, every rank raises the same
+  `RanksDisagree` naming the fact and each rank's value. Call it before the first collective that
+  depends on those facts.
+- `fail_together(group)`: a block with no collectives inside (local validation). At its end every rank
+  reports ok / its error in one all-gather; if any rank failed, every rank raises the same
+  `RankFailed` (the first failing rank's error, its rank named). A rank that raised inside the block
+  still takes part in that all-gather, so no rank is left waiting.
+- `publish_failure(exc, group)` / `wait(work, group)`: for errors in the middle of a forward, where
+  the other ranks may already sit in a collective. The failing rank writes its error to the
+  process group's key-value store; `wait` (used instead of ``work.wait()`` by the collectives of
+  `xstage_dit.patches.sharding`) polls the store while its collective is pending and raises the same
+  `RankFailed` as soon as a peer has published one. After such a failure the process group is
+  unusable (the abandoned collective never completes): the program should exit, as it would after a
+  collective timeout, only at once and with the peer's error.
+
+The store is torch's default one (``torch.distributed.distributed_c10d._get_default_store``, private
+torch API, used here only).
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import functools
+import hashlib
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RanksDisagree", "RankFailed", "check_agreement", "fail_together", "publish_failure", "wait",
+           "fingerprint"]
+
+_KEY = "xstage/failure"
+
+
+class RanksDisagree(ValueError):
+    """Ranks passed different facts (raised with the same message on every rank)."""
+
+
+class RankFailed(RuntimeError):
+    """A rank failed; raised with the same message on every rank of the group.
+
+    When the first failure was a builtin exception (ValueError, NotImplementedError...), every rank raises
+    a subclass of both RankFailed and that type, so ``except ValueError`` behaves as at world 1.
+    """
+
+
+@functools.cache
+def _failure_type(name: str) -> type:
+    builtin = getattr(builtins, name, None)
+    if not (isinstance(builtin, type) and issubclass(builtin, Exception)) or issubclass(builtin, RankFailed):
+        return RankFailed
+    if issubclass(RankFailed, builtin):
+        return RankFailed  # RuntimeError, Exception
+    return type(f"RankFailed{name}", (RankFailed, builtin), {"__module__": __name__})
+
+
+def _failure(kind: str, message: str) -> RankFailed:
+    return _failure_type(kind)(message)
+
+
+def _world(group) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def check_agreement(facts: dict[str, Any], group=None, *, what: str = "parallelize") -> None:
+    """Raise `RanksDisagree` on every rank if any value of `facts` differs between the ranks of `group`.
+
+    facts: name -> a picklable value with ``==`` (ints, strings, tuples of shapes, fingerprints). One
+    ``all_gather_object``; nothing at world 1. Example::
+
+        check_agreement({"config": config, "model": type(model).__qualname__}, group)
+    """
+    rank, world = _world(group)
+    if world == 1:
+        return
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, dict(facts), group=group)
+    names = list(facts)
+    for other in gathered:
+        names += [n for n in other if n not in names]
+    for name in names:
+        values = [g.get(name, "<missing>") for g in gathered]
+        if any(v != values[0] for v in values[1:]):
+            shown = ", ".join(f"rank {r}: {_short(v)}" for r, v in enumerate(values))
+            raise RanksDisagree(f"{what}: expected every rank to pass the same {name}, got {shown}")
+
+
+def _short(value: Any, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def fail_together(group=None, *, what: str = "parallelize") -> Iterator[None]:
+    """Run a block of local work (no collectives inside); any rank's error becomes every rank's error.
+
+    Every rank ends the block with one ``all_gather_object`` of its status. Raises `RankFailed`
+    (chained from the local exception on the rank that failed) naming the first failing rank and its
+    error; nothing is exchanged at world 1, where the local exception propagates unchanged.
+    """
+    rank, world = _world(group)
+    if world == 1:
+        yield
+        return
+    error: BaseException | None = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - reported to the peers, then raised again below
+        error = exc
+    statuses: list[Any] = [None] * world
+    mine = None if error is None else (type(error).__name__, str(error))
+    dist.all_gather_object(statuses, mine, group=group)
+    failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+    if failed:
+        first, (kind, message) = failed[0]
+        raise _failure(kind, f"{what} failed on rank {first} of {world}: {kind}: {message}") from error
+
+
+def _store():
+    store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if store is None:  # pragma: no cover - present in every torch this project supports
+        raise RuntimeError("expected torch.distributed's default store (_get_default_store), got none")
+    return store()
+
+
+def publish_failure(exc: BaseException, group=None, *, what: str = "forward") -> RankFailed:
+    """Record this rank's error for the peers (out of band) and return the `RankFailed` every rank raises:
+    the first published one (when several ranks fail at once, all of them raise the first one's error)."""
+    rank, world = _world(group)
+    global_rank = dist.get_rank() if dist.is_initialized() else 0
+    kind = type(exc).__name__
+    message = f"{what} failed on rank {global_rank}: {kind}: {exc}"
+    if world == 1:
+        return _failure(kind, message)
+    store = _store()
+    # add() is atomic: only the first failing rank writes; get() waits until that message is there.
+    if store.add(_KEY + "/count", 1) == 1:
+        store.set(_KEY, f"{kind}\n{message}")
+    return published_failure()
+
+
+def published_failure() -> RankFailed | None:
+    """The failure a rank published, or None (one store round trip)."""
+    if not dist.is_initialized():
+        return None
+    store = _store()
+    if not store.check([_KEY]):
+        return None
+    kind, _, message = store.get(_KEY).decode().partition("\n")
+    return _failure(kind, message)
+
+
+def wait(work, group=None, *, poll_s: float = 0.002) -> None:
+    """``work.wait()`` that gives up with the peer's `RankFailed` as soon as a peer has published one.
+
+    work: the handle of a collective issued with ``async_op=True``. A completed collective costs no
+    store round trip; a pending one polls the store every `poll_s` seconds.
+    """
+    if work.is_completed():
+        work.wait()
+        return
+    while not work.is_completed():
+        failure = published_failure()
+        if failure is not None:
+            raise failure
+        time.sleep(poll_s)
+    work.wait()
+
+
+def fingerprint(named: dict[str, Any]) -> dict[str, Any]:
+    """A cheap summary of named tensors to compare across ranks: shape, dtype and a short hash of the
+    float64 sum and sum of squares of each (equal inputs give equal sums on every rank: same kernels,
+    same order). Non-tensor values are kept as they are when small and simple. One host sync."""
+    tensors = {k: v.detach() for k, v in named.items() if isinstance(v, torch.Tensor)}
+    stats = []
+    for x in tensors.values():
+        x = torch.view_as_real(x).double() if x.is_complex() else x.double()
+        stats.append(torch.stack([x.sum(), x.square().sum()]) if x.numel() else x.new_zeros(2))
+    values = torch.stack(stats).cpu().tolist() if stats else []
+    out: dict[str, Any] = {}
+    for (name, x), pair in zip(tensors.items(), values):
+        digest = hashlib.sha1(repr(pair).encode()).hexdigest()[:12]
+        out[name] = (tuple(x.shape), str(x.dtype).replace("torch.", ""), digest)
+    for name, v in named.items():
+        if name not in tensors and isinstance(v, (int, float, str, bool, type(None))):
+            out[name] = v
+    return out

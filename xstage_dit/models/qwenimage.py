@@ -1,0 +1,57 @@
+"""Qwen-Image text-to-image (`QwenImagePipeline`), tiny: 1 block, 4 heads x 16, a Qwen2.5-VL text encoder
+(language model and a 1-layer vision tower) over the in-code Qwen tokenizer, the tiny Qwen-Image VAE of
+NucleusMoE; random weights, CPU seconds.
+
+The pipeline drops its prompt template's first 34 tokens and passes the prompt's padding mask
+(``encoder_hidden_states_mask``); a batch of prompts of different lengths is padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.models.build import build_module, check_vocab
+from xstage_dit.models.nucleusmoe import VAE, VISION_TOKENS
+from xstage_dit.models.tokenizers import qwen_tokenizer
+
+TRANSFORMER = {
+    "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                 num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+}
+
+TEXT = {
+    "tiny": dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                 rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+}
+
+VISION = {"tiny": dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, out_hidden_size=32, window_size=112, fullatt_block_indexes=[0])}
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+    from diffusers import QwenImageTransformer2DModel
+
+    return build_module(lambda: QwenImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    tokenizer = qwen_tokenizer(4096, extra_special_tokens=VISION_TOKENS)
+    check_vocab(tokenizer, TEXT[size]["vocab_size"], "Qwen2.5-VL")
+    config = Qwen2_5_VLConfig(
+        text_config=TEXT[size], vision_config=VISION[size],
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+    )
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False),
+        vae=build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
+        text_encoder=build_module(lambda: Qwen2_5_VLForConditionalGeneration(config), seed=seed + 1, device=device,
+                                  dtype=dtype),
+        tokenizer=tokenizer,
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+    )

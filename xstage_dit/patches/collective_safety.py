@@ -1,0 +1,89 @@
+"""What `parallelize` does so that ranks never hang on each other (issue 18).
+
+Built on `xstage_dit.comm.agreement`:
+
+- `setup_facts(config, transformers)`: the configuration, model classes and weight shapes every rank
+  must agree on; `parallelize` compares them with one all-gather before any other collective.
+- `CollectiveSafetyHook`: outermost sequence-parallel hook on each transformer. Before each forward
+  it compares a fingerprint of the inputs (latents, timestep, prompt embeddings...) over the sp
+  group, so ranks whose generators were seeded differently fail on every rank with `RanksDisagree`
+  instead of silently returning an image that matches no single-process one (eager only: a
+  ``torch.compile``'d forward skips it). An exception inside the forward is published to the peers
+  (`agreement.publish_failure`), which stop waiting in their collectives and raise the same error.
+- `check_dispatching(processor, where)`: refuses a processor whose ``__call__`` was written outside
+  diffusers and xstage (a subclass of ``FluxAttnProcessor`` calling SDPA itself would attend only its
+  own shard): it names the class. A processor that does route through ``dispatch_attention_fn``
+  declares it with the documented class attribute ``_xstage_dispatches = True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from typing import Any
+
+import torch
+from diffusers.hooks import ModelHook
+
+from xstage_dit.comm import agreement
+
+DISPATCHES_ATTR = "_xstage_dispatches"
+_TRUSTED_MODULES = ("diffusers.", "xstage_dit.")
+
+
+def setup_facts(config, transformers: list[torch.nn.Module]) -> dict[str, Any]:
+    """What every rank must pass alike: the config, each transformer's class and a digest of its
+    parameter names, shapes and dtypes (the values are not compared: loading is the user's)."""
+    shapes = []
+    for t in transformers:
+        rows = [(n, tuple(p.shape), str(p.dtype)) for n, p in t.named_parameters()]
+        shapes.append(hashlib.sha1(repr(rows).encode()).hexdigest()[:16])
+    return {
+        "config": config,
+        "model": tuple(f"{type(t).__module__}.{type(t).__qualname__}" for t in transformers),
+        "weights shape": tuple(shapes),
+    }
+
+
+def check_dispatching(processor: Any, where: str) -> None:
+    """ValueError naming the class when `processor`'s ``__call__`` is user code not declared to dispatch."""
+    cls = type(processor)
+    if getattr(cls, DISPATCHES_ATTR, False):
+        return
+    owner = next((c for c in cls.__mro__ if "__call__" in c.__dict__), cls)
+    if owner.__module__.startswith(_TRUSTED_MODULES):
+        return
+    bases = ", ".join(b.__name__ for b in cls.__mro__[1:] if b is not object)
+    raise ValueError(
+        f"expected attention processors whose attention goes through diffusers' dispatch_attention_fn, got "
+        f"{cls.__qualname__} (from {owner.__module__}, based on {bases or 'object'}) in {where}: its own __call__ may "
+        f"call SDPA directly, which under sequence parallelism attends only this rank's shard. Use a diffusers "
+        f"processor, or set {cls.__qualname__}.{DISPATCHES_ATTR} = True if it calls dispatch_attention_fn"
+    )
+
+
+class CollectiveSafetyHook(ModelHook):
+    """Input agreement before each forward, and a failure inside it made every rank's failure."""
+
+    def __init__(self, group, model_cls: type, check_inputs: bool = True) -> None:
+        super().__init__()
+        self.group = group
+        self.check_inputs = check_inputs
+        self.names = list(inspect.signature(model_cls.forward).parameters)[1:]
+        self.what = model_cls.__name__
+
+    def new_forward(self, module, *args, **kwargs):
+        forward = self.fn_ref.original_forward
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        if self.check_inputs:
+            named = dict(zip(self.names, args))
+            named.update({k: v for k, v in kwargs.items() if k != "return_dict"})
+            facts = {f"inputs ({name})": fp for name, fp in agreement.fingerprint(named).items()}
+            agreement.check_agreement(facts, self.group, what=f"{self.what} forward")
+        try:
+            return forward(*args, **kwargs)
+        except (agreement.RankFailed, agreement.RanksDisagree):
+            raise
+        except Exception as exc:
+            raise agreement.publish_failure(exc, self.group, what=f"{self.what} forward") from exc
