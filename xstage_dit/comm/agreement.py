@@ -146,6 +146,10 @@ def publish_failure(exc: BaseException, group=None, *, what: str = "forward") ->
     # add() is atomic: only the first failing rank writes; get() waits until that message is there.
     if store.add(_KEY + "/count", 1) == 1:
         store.set(_KEY, f"{kind}\n{message}")
+    else:
+        # Another rank won the add() but may not have set() its message yet: wait for it, or this rank
+        # would read no failure and raise None (seen in CI as "exceptions must derive from BaseException").
+        store.wait([_KEY])
     return published_failure()
 
 
