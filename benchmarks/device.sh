@@ -22,10 +22,11 @@
 #                e.g. --graph for CUDA-graph timing)
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
+#   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
 #   serving      (a) bench e2e FLUX.1-dev 1024^2 28 steps: diffusers, xstage bare and served (eager and
 #                compiled, interleaved rounds for the eager ones), xfuser (compiled); (b) bench_serving.py:
 #                4 and 16 concurrent FLUX requests at 1024^2 and 512^2, FIFO vs batched, and the batcher's
-#                pick. SERVING_E2E_S / SERVING_LOAD_S split its ~420 s; SERVING_E2E_ARGS / SERVING_LOAD_ARGS
+#                pick. SERVING_E2E_S / SERVING_LOAD_S split its ~420 s (SERVING_LOAD_S=0: (a) alone); SERVING_E2E_ARGS / SERVING_LOAD_ARGS
 #                override the options
 # Time limits: <STEP>_S (e.g. TESTS_S=300, E2E_S=400); the defaults below fit one 10-minute call only for
 # a few steps: pick the steps a call needs. Carry .whl (diffusers, transformers, ... wheels) when a step
@@ -146,6 +147,7 @@ step_serving() {
   timeout -k 10 "$e2e_s" "$py" benchmarks/bench_e2e.py ${SERVING_E2E_ARGS:-$e2e_args} --device cuda \
     --time-budget-s "$(( e2e_s - 25 ))" --out-dir "$1" 2>&1 | grep -v "^ *$"
   local rc_e2e=${PIPESTATUS[0]}
+  [ "$load_s" -eq 0 ] && return "$rc_e2e"  # SERVING_LOAD_S=0: the e2e part alone
   # Eager: compile moves FIFO and batched alike, and its minutes are better spent on requests.
   local load_args="--model full-flux --sizes 1024x1024,512x512 --concurrency 4,16 --steps 8 --compile off"
   echo "[device.sh] serving load: ${SERVING_LOAD_ARGS:-$load_args}"
@@ -156,11 +158,17 @@ step_serving() {
   [ "$rc_e2e" -eq 0 ] && [ "$rc_load" -eq 0 ]
 }
 
+step_compile_variants() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit compile-variants 300)" "$py" benchmarks/bench_compile_variants.py --out-dir "$1" \
+    ${CV_ARGS:---model flux --variants eager,regional,full,regional+qkv,regional+tuned --vae}
+}
+
 status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e serving)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e serving compile-variants)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

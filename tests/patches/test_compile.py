@@ -129,3 +129,25 @@ def test_regional_compile_traces_one_graph_per_block_class():
     # plus one recompile of the first single block for its input's strides (plain diffusers has it too).
     # With a guard on the block's name it was 6: one graph per block.
     assert dynamo_utils.counters["stats"]["unique_graphs"] <= 3, dict(dynamo_utils.counters["stats"])
+
+
+@pytest.mark.parametrize("mode", ["regional", "full"])
+def test_inductor_options_reach_every_compiled_graph(flux, mode, monkeypatch):
+    """``options`` go to the compiled graphs of this call only (torch.compile's own per-graph options)."""
+    pipe, _ = flux
+    seen = []
+    real_compile = torch.compile
+
+    def recording_compile(fn=None, **kwargs):
+        seen.append(kwargs.get("options"))
+        return real_compile(fn, **{**kwargs, "options": None}) if fn is not None else real_compile(**kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    handle = apply_compile(pipe, mode, backend="eager", options={"coordinate_descent_tuning": True})
+    try:
+        assert seen and all(o == {"coordinate_descent_tuning": True} for o in seen), seen
+    finally:
+        handle.restore()
+    seen.clear()
+    apply_compile(pipe, mode, backend="eager").restore()
+    assert seen and all(o is None for o in seen), seen

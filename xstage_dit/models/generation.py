@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from xstage_dit.models.png import encode_png
 from xstage_dit.models.spec import ModelSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -218,8 +219,12 @@ def save_output(frames: list[Image.Image], path: str | Path, *, kind: str, fps: 
         with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1) as writer:
             for frame in frames:
                 writer.append_data(np.asarray(frame.convert("RGB")))
-    elif len(frames) == 1:
-        frames[0].save(path)
     else:
-        image_grid(frames).save(path)
+        image = frames[0] if len(frames) == 1 else image_grid(frames)
+        if suffix == ".png":
+            # The server's encoder (models.png): the same bytes as a served PNG of the same pixels.
+            pixels = np.asarray(image)
+            path.write_bytes(encode_png(pixels[..., None] if pixels.ndim == 2 else pixels))
+        else:
+            image.save(path)
     return path

@@ -101,11 +101,13 @@ def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callab
 
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
-                  backend: str = "inductor") -> CompileHandle:
+                  backend: str = "inductor", options: dict | None = None) -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode` (see the module docstring).
 
     max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
     backend: the torch.compile backend ("inductor"; tests use "eager" to check the wiring fast).
+    options: Inductor options for these graphs only (``torch.compile(options=...)``), e.g.
+        ``{"coordinate_descent_tuning": True}``; None = Inductor's defaults.
     Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
     check_compile_mode(mode)
@@ -126,6 +128,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     dynamo.recompile_limit = max(saved_limit, max_shapes)
     handle._undo.append(torch._dynamo.reset)
     handle._undo.append(lambda: setattr(dynamo, "recompile_limit", saved_limit))
+    extra = {} if options is None else {"options": dict(options)}
     hows = []
     for module in targets:
         eager = module.forward
@@ -133,12 +136,12 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
         if regions:
             for region in regions:
-                region.compile(dynamic=False, backend=backend)
+                region.compile(dynamic=False, backend=backend, **extra)
             handle._undo.append(functools.partial(_uncompile_regions, regions))
             compiled = eager  # the blocks inside compile; the glue around them stays eager
             hows.append(f"regional: {len(regions)} {'/'.join(sorted(blocks))} blocks of {type(module).__name__}")
         else:
-            compiled = torch.compile(eager, dynamic=False, backend=backend)
+            compiled = torch.compile(eager, dynamic=False, backend=backend, **extra)
             what = "no repeated blocks, whole" if mode == "regional" else "whole"
             hows.append(f"{mode}: {what} {type(module).__name__} forward")
         module.forward = _guard(handle, eager, compiled)

@@ -6,23 +6,20 @@ the same way for every image and for `xstage-dit generate`, so an image's bytes 
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 
 import numpy as np
-from PIL import Image
 
 from xstage_dit.models.generation import to_uint8
+from xstage_dit.models.png import encode_png
 
 
 def png_bytes(image: np.ndarray) -> bytes:
-    """image: (height, width, 3) float in [0, 1] or uint8 -> PNG bytes."""
+    """image: (height, width, 1|3|4) float in [0, 1] or uint8 -> PNG bytes (`models.png.encode_png`)."""
     if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
         raise ValueError(f"expected an image of shape (height, width, 1|3|4), got {tuple(image.shape)}")
-    buf = io.BytesIO()
-    Image.fromarray(to_uint8(image).squeeze(-1) if image.shape[-1] == 1 else to_uint8(image)).save(buf, format="PNG")
-    return buf.getvalue()
+    return encode_png(to_uint8(image))
 
 
 def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:

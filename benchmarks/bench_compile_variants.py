@@ -1,0 +1,224 @@
+"""Which torch.compile setup makes a one-GPU transformer step (and the VAE decode) fastest: measured, not assumed.
+
+Builds the full-size transformer of a model (random weights: time does not depend on values), applies
+``parallelize`` at world 1 (the product's graph: its attention backend, serial schedule) and then each variant
+in turn, restoring between them:
+
+    eager                 no compile (diffusers' speed)
+    regional / full       ``apply_compile(mode)``: diffusers' compile_repeated_blocks / the whole forward
+    +tuned                Inductor's coordinate-descent tuning of its generated kernels, no epilogue fusion
+                          (``apply_compile(options=...)``, these graphs only)
+    +qkv                  ``transformer.fuse_qkv_projections()`` first (one GEMM for q, k, v)
+
+With ``--vae`` it also times the image VAE's decode of one latent: eager, channels_last, compiled, compiled +
+channels_last. Every variant's output is compared with the eager one (max abs difference) before it is timed.
+
+    python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
+    python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
+        --height 64 --width 64 --variants eager,regional --backend eager          # the CPU smoke test
+
+Writes <out-dir>/compile-variants-<model>.{json,md}: median of per-call CUDA-event timings after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
+
+from benchmarks._common import environment, time_ms, write_results  # noqa: E402
+
+TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
+         "epilogue_fusion": False}
+COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "speedup_vs_eager",
+           "max_abs_diff_vs_eager", "note")
+
+
+def parse_variant(name: str) -> tuple[str, bool, bool]:
+    """"regional+tuned+qkv" -> ("regional", tuned=True, qkv=True); ValueError naming a bad part."""
+    mode, *extras = name.split("+")
+    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv") for e in extras):
+        raise ValueError(f"expected a variant like eager, regional, full, regional+tuned, full+tuned+qkv; got {name!r}")
+    return mode, "tuned" in extras, "qkv" in extras
+
+
+def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, frames: int, dtype, device):
+    if model == "flux":
+        from xstage_dit.models.flux import build_transformer
+        from xstage_dit.models.flux_inputs import transformer_inputs
+
+        t = build_transformer(size, dtype=dtype, device=device)
+        return t, transformer_inputs(t.config, height=height, width=width, text_tokens=512, dtype=dtype,
+                                     device=device, seed=0)
+    from xstage_dit.models.wan import build_transformer
+
+    t = build_transformer(size, dtype=dtype, device=device)
+    cfg = t.config
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    latent_frames = (frames - 1) // 4 + 1
+    hidden = torch.randn((1, cfg.in_channels, latent_frames, height // 8, width // 8), generator=gen)
+    text = torch.randn((1, 512, cfg.text_dim), generator=gen)
+    return t, {"hidden_states": hidden.to(device, dtype), "encoder_hidden_states": text.to(device, dtype),
+               "timestep": torch.tensor([500], device=device)}
+
+
+def measure_transformer(args, variants: list[str], device, dtype, rows: list[dict], save) -> list[dict]:
+    """Appends one row per variant to ``rows`` and calls ``save()`` after each (a run cut short keeps them)."""
+    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.patches.compile import apply_compile
+
+    transformer, inputs = _transformer_and_inputs(args.model, args.size, height=args.height, width=args.width,
+                                                  frames=args.frames, dtype=dtype, device=device)
+    handle = parallelize(transformer, ParallelConfig(schedule="serial", calibrate=False))
+
+    @torch.inference_mode()
+    def step():
+        return transformer(**inputs, return_dict=False)[0]
+
+    reference, eager_ms = None, None
+    try:
+        for name in variants:
+            mode, tuned, qkv = parse_variant(name)
+            if qkv:
+                transformer.fuse_qkv_projections()
+            compiled = None if mode == "eager" else apply_compile(
+                _Pipe(transformer), mode, backend=args.backend,
+                options=TUNED if tuned else None)
+            try:
+                t0 = time.perf_counter()
+                out = step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                first_s = time.perf_counter() - t0
+                if not torch.isfinite(out).all():
+                    raise RuntimeError(f"variant {name}: expected a finite output, got NaN/inf")
+                if reference is None:
+                    reference = out.float().clone()
+                diff = float((out.float() - reference).abs().max())
+                stats = time_ms(step, warmup=args.warmup, reps=args.reps, device=device)
+                if mode == "eager" and not qkv and eager_ms is None:
+                    eager_ms = stats["median_ms"]
+                rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
+                                 first_call_s=round(first_s, 2),
+                                 speedup_vs_eager=round(eager_ms / stats["median_ms"], 4) if eager_ms else None,
+                                 max_abs_diff_vs_eager=diff, note=compiled.how if compiled else ""))
+                print(f"{name:24s} {stats['median_ms']:9.3f} ms (p20 {stats['p20_ms']:.3f}, p80 {stats['p80_ms']:.3f}) "
+                      f"first call {first_s:.1f} s, max|diff| {diff:.3g}", flush=True)
+                save()
+            finally:
+                if compiled is not None:
+                    compiled.restore()
+                if qkv:
+                    transformer.unfuse_qkv_projections()
+    finally:
+        handle.restore()
+        del transformer, inputs
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+class _Pipe:
+    """What ``apply_compile`` compiles: an object with a ``.transformer``."""
+
+    def __init__(self, transformer):
+        self.transformer = transformer
+
+
+def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
+    from diffusers import AutoencoderKL
+
+    from xstage_dit.models.build import build_module
+    from xstage_dit.models.flux import VAE
+
+    vae = build_module(lambda: AutoencoderKL(**VAE[args.size]), seed=3, device=device, dtype=dtype)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    latents = torch.randn((1, vae.config.latent_channels, args.height // 8, args.width // 8), generator=gen)
+    latents = latents.to(device, dtype)
+    reference, eager_ms = None, None
+    for name in ("eager", "channels_last", "compiled", "compiled+channels_last"):
+        channels_last = "channels_last" in name
+        vae.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+        decode = torch.compile(vae.decode, dynamic=False, backend=args.backend) if "compiled" in name else vae.decode
+
+        @torch.inference_mode()
+        def call(decode=decode):
+            return decode(latents, return_dict=False)[0]
+
+        t0 = time.perf_counter()
+        out = call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_s = time.perf_counter() - t0
+        if reference is None:
+            reference = out.float().clone()
+        diff = float((out.float() - reference).abs().max())
+        stats = time_ms(call, warmup=args.warmup, reps=args.reps, device=device)
+        eager_ms = eager_ms or stats["median_ms"]
+        rows.append(dict(what=f"{args.size}-flux VAE decode {args.width}x{args.height}", variant=name, **stats,
+                         first_call_s=round(first_s, 2), speedup_vs_eager=round(eager_ms / stats["median_ms"], 4),
+                         max_abs_diff_vs_eager=diff, note=""))
+        print(f"vae {name:22s} {stats['median_ms']:9.3f} ms first call {first_s:.1f} s, max|diff| {diff:.3g}",
+              flush=True)
+        save()
+        torch._dynamo.reset()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="flux", choices=("flux", "wan"))
+    p.add_argument("--size", default="full", choices=("tiny", "full"))
+    p.add_argument("--variants", default="eager,regional,full,regional+tuned,regional+qkv,full+tuned")
+    p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode variants")
+    p.add_argument("--height", type=int, default=None, help="default: 1024 (flux), 480 (wan)")
+    p.add_argument("--width", type=int, default=None, help="default: 1024 (flux), 832 (wan)")
+    p.add_argument("--frames", type=int, default=81, help="wan: video frames (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (the CPU smoke test: eager)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--reps", type=int, default=8)
+    p.add_argument("--out-dir", default="benchmarks/results/compile")
+    args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        try:
+            parse_variant(v)
+        except ValueError as exc:
+            p.error(str(exc))
+    args.height = args.height or (1024 if args.model == "flux" else 480)
+    args.width = args.width or (1024 if args.model == "flux" else 832)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    env = environment()
+    out = Path(args.out_dir) / f"compile-variants-{args.model}"
+    notes = (f"Median of per-call CUDA-event timings after {args.warmup} warm-up calls ({args.reps} reps), one "
+             "process, variants in the order listed; first_call_s includes the compile. Tuned = Inductor options "
+             f"{TUNED}.")
+    rows: list[dict] = []
+
+    def save():
+        steps = [r for r in rows if "transformer" in r["what"]]
+        best = min(steps, key=lambda r: r["median_ms"]) if steps else None
+        summary = {"model": args.model, "size": args.size, "resolution": f"{args.width}x{args.height}",
+                   "dtype": args.dtype, "fastest_transformer_variant": best and best["variant"],
+                   "fastest_transformer_ms": best and best["median_ms"]}
+        return write_results(out, "compile-variants", rows, summary, COLUMNS, notes=notes, env=env)
+
+    measure_transformer(args, variants, device, dtype, rows, save)
+    if args.vae:
+        measure_vae(args, device, dtype, rows, save)
+    json_path, md_path = save()
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

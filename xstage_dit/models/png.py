@@ -1,0 +1,89 @@
+"""PNG bytes of generated pixels, fast enough to sit on a request's critical path.
+
+    data = encode_png(pixels)         # pixels: (H, W, C) uint8, C in 1, 2, 3, 4 (floats: `generation.to_uint8` first)
+
+Why not Pillow's ``Image.save(format="PNG")``: on the H200 host a 1024² FLUX image took Pillow 0.15-0.48 s
+at its default level (its adaptive per-row filter search plus zlib level 6 on one core), about 6 % of a
+whole 28-step request, paid after the GPU finished. Here every row gets PNG's "Sub" filter (one numpy
+subtraction: generated images are smooth, so horizontal differences are small), and the filtered rows are
+deflated at level 1 in stripes of ``STRIPE_ROWS`` rows on a thread pool (zlib releases the GIL), each stripe
+ending on a sync flush so the stripes concatenate into one valid zlib stream (the way pigz does). Measured on
+a 2-core machine for a smooth 1024² RGB image: 0.02 s and 1.67 MB, against Pillow's 0.48 s and 1.42 MB.
+
+The bytes depend only on the pixels (the stripe size is fixed, not the thread count), so ``xstage-dit
+generate`` and the server write the same file for the same image. Any PNG decoder reads them; the tests
+decode them with Pillow.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import struct
+import zlib
+
+import numpy as np
+
+__all__ = ["encode_png", "STRIPE_ROWS"]
+
+STRIPE_ROWS = 256  # rows per independently deflated stripe: 4 stripes for a 1024-row image
+_LEVEL = 1
+_SUB = 1  # PNG filter type "Sub": each byte minus the byte one pixel to its left
+_COLOR_TYPE = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (grey, grey+alpha, RGB, RGBA)
+_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                      thread_name_prefix="xstage-png")
+    return _POOL
+
+
+def _chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(tag)))
+
+
+def _filtered_rows(pixels: np.ndarray) -> np.ndarray:
+    """(H, W, C) uint8 -> (H, 1 + W*C) uint8: each row's filter byte, then its Sub-filtered bytes."""
+    height, width, channels = pixels.shape
+    rows = pixels.reshape(height, width * channels)
+    out = np.empty((height, 1 + width * channels), dtype=np.uint8)
+    out[:, 0] = _SUB
+    out[:, 1:1 + channels] = rows[:, :channels]
+    np.subtract(rows[:, channels:], rows[:, :-channels], out=out[:, 1 + channels:])  # uint8 wraps mod 256
+    return out
+
+
+def _deflate(stripe: memoryview, last: bool) -> bytes:
+    co = zlib.compressobj(_LEVEL, zlib.DEFLATED, -15)  # raw deflate: the zlib header is written once
+    return co.compress(stripe) + co.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH)
+
+
+def encode_png(pixels: np.ndarray) -> bytes:
+    """pixels: (height, width, channels) uint8, channels 1-4 (grey, grey+alpha, RGB, RGBA) -> the bytes of an
+    8-bit PNG of them."""
+    pixels = np.asarray(pixels)
+    if pixels.ndim != 3 or pixels.shape[-1] not in _COLOR_TYPE or 0 in pixels.shape:
+        raise ValueError(f"expected an image of shape (height, width, 1|2|3|4) with height, width >= 1, got "
+                         f"{tuple(pixels.shape)}")
+    if pixels.dtype != np.uint8:
+        raise ValueError(f"expected uint8 pixels (round floats with generation.to_uint8), got dtype {pixels.dtype}")
+    pixels = np.ascontiguousarray(pixels)
+    height, width, channels = pixels.shape
+    raw = _filtered_rows(pixels)
+    flat = memoryview(raw.reshape(-1))
+    row_bytes = raw.shape[1]
+    starts = list(range(0, height, STRIPE_ROWS))
+    stripes = [flat[s * row_bytes:min(s + STRIPE_ROWS, height) * row_bytes] for s in starts]
+    lasts = [i == len(stripes) - 1 for i in range(len(stripes))]
+    if len(stripes) == 1:
+        pieces = [_deflate(stripes[0], True)]
+    else:
+        pieces = list(_pool().map(_deflate, stripes, lasts))
+    # zlib stream: header (deflate, 32K window, fastest), the concatenated stripes, Adler-32 of all raw bytes.
+    stream = b"\x78\x01" + b"".join(pieces) + struct.pack(">I", zlib.adler32(flat))
+    header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPE[channels], 0, 0, 0)
+    return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")
