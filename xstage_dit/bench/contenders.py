@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import io
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -114,15 +115,17 @@ class XStage(Contender):
 
 
 class XStageServed(XStage):
-    """The bare xstage contender's pipeline (``parallelize``, serial schedule, compiled when asked) behind
-    the HTTP server in this process: one ``POST /v1/images/generations`` per prompt, its PNG decoded. The
-    difference to ``xstage-serial`` is what the server costs (queue, step callback, PNG, HTTP).
+    """The ``xstage-calibrated`` contender's pipeline (``parallelize`` with the configuration ``xstage-dit
+    serve`` uses: schedule auto, calibrated, so the fused MoE layer where it measured faster; compiled when
+    asked) behind the HTTP server in this process: one ``POST /v1/images/generations`` per prompt, its PNG
+    decoded. The difference to ``xstage-calibrated`` is what the server costs (queue, step callback, PNG,
+    HTTP); ``info["served_timings"]`` splits it per call.
 
     serve: ``xstage_dit.server.inprocess.serve_pipeline`` (handed in by ``xstage-dit bench``: bench sits
     beside the server in the layer order and may not import it)."""
 
     def __init__(self, compile: bool, serve=None):
-        super().__init__(compile, "serial")
+        super().__init__(compile, "auto")
         self.family = "xstage-served"
         self.serve = serve
         self._server = None
@@ -154,11 +157,19 @@ class XStageServed(XStage):
 
         body = {"prompt": kwargs["prompt"], "size": f"{kwargs['width']}x{kwargs['height']}", "seed": b.args.seed,
                 "num_inference_steps": kwargs["num_inference_steps"], "guidance_scale": kwargs["guidance_scale"]}
+        t0 = time.perf_counter()
         r = self.client.post("/v1/images/generations", json=body)
+        answered = time.perf_counter()
         if r.status_code != 200:
             raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
-        png = base64.b64decode(r.json()["data"][0]["b64_json"])
+        payload = r.json()
+        png = base64.b64decode(payload["data"][0]["b64_json"])
         pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float32) / 255.0
+        # Where a served request's time goes (server side: queue, pipeline call, encoding; then HTTP and the
+        # client's decoding), one entry per timed call: the table's overhead over the bare call, located.
+        self.info.setdefault("served_timings", []).append({
+            **{k: payload.get("timings", {}).get(k) for k in ("queued_s", "pipeline_s", "encode_s", "total_s")},
+            "http_answer_s": answered - t0, "client_decode_s": time.perf_counter() - answered, "png_bytes": len(png)})
         return SimpleNamespace(images=pixels[None])
 
     def restore(self, b: Bench) -> None:

@@ -80,6 +80,8 @@ class Timings(BaseModel):
     total_s: float | None = Field(None, description="Submission to completion.")
     mean_step_s: float | None = Field(
         None, description="Mean denoising step, from the second step on (for a one-step job: run_s).")
+    pipeline_s: float | None = Field(None, description="The batch's pipeline call (prompt encoding to pixels).")
+    encode_s: float | None = Field(None, description="PNG/MP4 encoding of the batch's outputs.")
 
 
 class ImageGenerationResponse(BaseModel):

@@ -386,12 +386,14 @@ class Worker:
         """Encoder thread: PNG/MP4 bytes to their jobs, while the worker runs the next batch."""
         m = self.metrics
         try:
+            started = time.perf_counter()
             outputs = _encode(pixels, batch)
+            encode_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             m.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: encoding failed: {exc}", 500)
         else:
-            self.queue.complete(batch, outputs, run_s)
+            self.queue.complete(batch, outputs, run_s, encode_s)
             m.batch_latency.observe(run_s)
             for job in batch.jobs:
                 if job.status == "completed":
