@@ -700,3 +700,20 @@ def test_rerender_refuses_other_json(tmp_path, capsys):
         cli.main(["bench", "--rerender", str(path)])
     assert exc.value.code == 2
     assert "expected --rerender to be a results JSON written by xstage-dit bench" in capsys.readouterr().err
+
+
+def test_served_video_is_timed_through_the_job_api(tmp_path):
+    """tiny-wan through POST /v1/videos: the served row runs, records where its time went, and its frames
+    (decoded from the MP4 after the stopwatch) are the bare call's within the codec's error."""
+    rc = cli.main(["bench", "--model", "tiny-wan", "--num-prompts", "1", "--steps", "2", "--out-dir", str(tmp_path),
+                   "--contenders", "diffusers,xstage-calibrated,xstage-served"])
+    assert rc == 0
+    record = json.loads((tmp_path / "e2e-tiny-wan-1xcpu.json").read_text(encoding="utf-8"))
+    rows = {r["name"]: r for r in record["rows"]}
+    served = rows["xstage-served"]
+    assert served["status"] == "ok", served
+    timings = served["served_timings"]
+    assert timings and all(t["bytes"] > 0 and t["pipeline_s"] > 0 and t["encode_s"] > 0 for t in timings), timings
+    assert all(t["client_s"] >= t["total_s"] for t in timings), timings
+    # H.264 (yuv420p) is lossy: the served frames differ from the bare ones by the codec, never wildly.
+    assert served["output_max_abs_diff_vs_diffusers"] < 0.5

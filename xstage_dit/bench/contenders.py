@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import io
+import os
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -136,8 +138,6 @@ class XStageServed(XStage):
             return "needs the in-process server, which `xstage-dit bench` hands in (not python -m xstage_dit.bench.e2e)"
         if b.world_size > 1:
             return "the in-process server runs one rank; several ranks are served by `xstage-dit serve --sp N`"
-        if b.spec.kind != "image":
-            return "times /v1/images/generations requests; a video is an asynchronous job (/v1/videos)"
         return super().check(b)
 
     def apply(self, b: Bench) -> None:
@@ -152,25 +152,50 @@ class XStageServed(XStage):
         url, _ = self._server.__enter__()
         self.client = httpx.Client(base_url=url, timeout=3600.0)
 
-    def call(self, b: Bench, kwargs: dict):
-        from PIL import Image
-
+    def _body(self, b: Bench, kwargs: dict) -> dict:
         body = {"prompt": kwargs["prompt"], "size": f"{kwargs['width']}x{kwargs['height']}", "seed": b.args.seed,
                 "num_inference_steps": kwargs["num_inference_steps"], "guidance_scale": kwargs["guidance_scale"]}
+        if b.spec.kind == "video":
+            body["num_frames"] = kwargs["num_frames"]
+        if kwargs.get("negative_prompt"):
+            body["negative_prompt"] = kwargs["negative_prompt"]
+        return body
+
+    def call(self, b: Bench, kwargs: dict):
+        """One request; timed until the client holds the encoded bytes (PNG or MP4). The pixels for the
+        output comparison are decoded lazily, after the stopwatch (a client's display work is its own)."""
         t0 = time.perf_counter()
-        r = self.client.post("/v1/images/generations", json=body)
-        answered = time.perf_counter()
-        if r.status_code != 200:
-            raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
-        payload = r.json()
-        png = base64.b64decode(payload["data"][0]["b64_json"])
-        pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.float32) / 255.0
-        # Where a served request's time goes (server side: queue, pipeline call, encoding; then HTTP and the
-        # client's decoding), one entry per timed call: the table's overhead over the bare call, located.
+        if b.spec.kind == "video":
+            data, timings = self._video(self._body(b, kwargs))
+        else:
+            r = self.client.post("/v1/images/generations", json=self._body(b, kwargs))
+            if r.status_code != 200:
+                raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
+            payload = r.json()
+            data, timings = base64.b64decode(payload["data"][0]["b64_json"]), payload.get("timings") or {}
+        # Where a served request's time goes (server: queue, pipeline call, encoding; then HTTP), one entry per
+        # call: the overhead over the bare call, located.
         self.info.setdefault("served_timings", []).append({
-            **{k: payload.get("timings", {}).get(k) for k in ("queued_s", "pipeline_s", "encode_s", "total_s")},
-            "http_answer_s": answered - t0, "client_decode_s": time.perf_counter() - answered, "png_bytes": len(png)})
-        return SimpleNamespace(images=pixels[None])
+            **{k: timings.get(k) for k in ("queued_s", "pipeline_s", "encode_s", "total_s")},
+            "client_s": time.perf_counter() - t0, "bytes": len(data)})
+        return _EncodedOutput(data, b.spec.kind)
+
+    def _video(self, body: dict) -> tuple[bytes, dict]:
+        r = self.client.post("/v1/videos", json=body)
+        if r.status_code != 202:
+            raise RuntimeError(f"expected 202 from POST /v1/videos, got {r.status_code}: {r.text[:300]}")
+        job_id = r.json()["id"]
+        while True:  # 10 ms polls: at most 10 ms late on a job of seconds
+            state = self.client.get(f"/v1/videos/{job_id}").json()
+            if state["status"] in ("completed", "failed", "cancelled"):
+                break
+            time.sleep(0.01)
+        if state["status"] != "completed":
+            raise RuntimeError(f"expected the video job to complete, got {state['status']}: {state.get('error')}")
+        content = self.client.get(f"/v1/videos/{job_id}/content")
+        if content.status_code != 200:
+            raise RuntimeError(f"expected 200 from the video content, got {content.status_code}")
+        return content.content, state.get("timings") or {}
 
     def restore(self, b: Bench) -> None:
         if self.client is not None:
@@ -180,6 +205,50 @@ class XStageServed(XStage):
         if server is not None:
             server.__exit__(None, None, None)
         super().restore(b)
+
+
+class _EncodedOutput:
+    """A served answer: the encoded bytes, decoded to float pixels on first access of ``images`` / ``frames``
+    (MP4 is lossy: a served video differs from the bare call's frames by the codec's error)."""
+
+    def __init__(self, data: bytes, kind: str):
+        self.data, self.kind, self._pixels = data, kind, None
+
+    def _decode(self) -> np.ndarray:
+        if self._pixels is None:
+            if self.kind == "video":
+                self._pixels = np.stack(list(_mp4_frames(self.data))).astype(np.float32)[None] / 255.0
+            else:
+                from PIL import Image
+
+                image = Image.open(io.BytesIO(self.data)).convert("RGB")
+                self._pixels = np.asarray(image, dtype=np.float32)[None] / 255.0
+        return self._pixels
+
+    @property
+    def images(self):
+        return None if self.kind == "video" else self._decode()
+
+    @property
+    def frames(self):
+        return self._decode() if self.kind == "video" else None
+
+
+def _mp4_frames(data: bytes):
+    """(H, W, 3) uint8 frames of an MP4 (the ffmpeg binary of imageio-ffmpeg)."""
+    import imageio_ffmpeg
+
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        reader = imageio_ffmpeg.read_frames(path)
+        meta = next(reader)
+        width, height = meta["size"]
+        for frame in reader:
+            yield np.frombuffer(frame, dtype=np.uint8).reshape(height, width, 3)
+    finally:
+        os.unlink(path)
 
 
 class XFuserUSP(Contender):
