@@ -9,6 +9,9 @@ in turn, restoring between them:
     +tuned                Inductor's coordinate-descent tuning of its generated kernels, no epilogue fusion
                           (``apply_compile(options=...)``, these graphs only)
     +qkv                  ``transformer.fuse_qkv_projections()`` first (one GEMM for q, k, v)
+    @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
+                          call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
+                          faster than torch's SDPA)
 
 With ``--vae`` it also times the image VAE's decode of one latent: eager, channels_last, compiled, compiled +
 channels_last. Every variant's output is compared with the eager one (max abs difference) before it is timed.
@@ -40,12 +43,14 @@ COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_ca
            "max_abs_diff_vs_eager", "note")
 
 
-def parse_variant(name: str) -> tuple[str, bool, bool]:
-    """"regional+tuned+qkv" -> ("regional", tuned=True, qkv=True); ValueError naming a bad part."""
-    mode, *extras = name.split("+")
-    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv") for e in extras):
-        raise ValueError(f"expected a variant like eager, regional, full, regional+tuned, full+tuned+qkv; got {name!r}")
-    return mode, "tuned" in extras, "qkv" in extras
+def parse_variant(name: str) -> tuple[str, bool, bool, str]:
+    """"regional+tuned+qkv@auto" -> ("regional", tuned=True, qkv=True, "auto"); ValueError naming a bad part."""
+    body, _, schedule = name.partition("@")
+    mode, *extras = body.split("+")
+    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv") for e in extras) or \
+            schedule not in ("", "auto", "serial"):
+        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, eager@auto; got {name!r}")
+    return mode, "tuned" in extras, "qkv" in extras, schedule or "serial"
 
 
 def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, frames: int, dtype, device):
@@ -75,7 +80,6 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
 
     transformer, inputs = _transformer_and_inputs(args.model, args.size, height=args.height, width=args.width,
                                                   frames=args.frames, dtype=dtype, device=device)
-    handle = parallelize(transformer, ParallelConfig(schedule="serial", calibrate=False))
 
     @torch.inference_mode()
     def step():
@@ -84,7 +88,8 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     reference, eager_ms = None, None
     try:
         for name in variants:
-            mode, tuned, qkv = parse_variant(name)
+            mode, tuned, qkv, schedule = parse_variant(name)
+            handle = parallelize(transformer, ParallelConfig(schedule=schedule, calibrate=schedule == "auto"))
             if qkv:
                 transformer.fuse_qkv_projections()
             compiled = None if mode == "eager" else apply_compile(
@@ -102,12 +107,15 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                     reference = out.float().clone()
                 diff = float((out.float() - reference).abs().max())
                 stats = time_ms(step, warmup=args.warmup, reps=args.reps, device=device)
-                if mode == "eager" and not qkv and eager_ms is None:
+                if mode == "eager" and not qkv and schedule == "serial" and eager_ms is None:
                     eager_ms = stats["median_ms"]
+                choices = getattr(handle, "schedule_choices", None)
+                note = "; ".join(x for x in (compiled.how if compiled else "",
+                                             f"schedules {choices}" if schedule == "auto" else "") if x)
                 rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
                                  first_call_s=round(first_s, 2),
                                  speedup_vs_eager=round(eager_ms / stats["median_ms"], 4) if eager_ms else None,
-                                 max_abs_diff_vs_eager=diff, note=compiled.how if compiled else ""))
+                                 max_abs_diff_vs_eager=diff, note=note))
                 print(f"{name:24s} {stats['median_ms']:9.3f} ms (p20 {stats['p20_ms']:.3f}, p80 {stats['p80_ms']:.3f}) "
                       f"first call {first_s:.1f} s, max|diff| {diff:.3g}", flush=True)
                 save()
@@ -116,8 +124,8 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                     compiled.restore()
                 if qkv:
                     transformer.unfuse_qkv_projections()
+                handle.restore()
     finally:
-        handle.restore()
         del transformer, inputs
         gc.collect()
         if device.type == "cuda":
