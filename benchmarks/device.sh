@@ -80,7 +80,10 @@ site_dsl=/tmp/site
 export PYTHONPATH="$PYTHONPATH:$site_dsl:$site_dsl/nvidia_cutlass_dsl/dsl_packages"
 
 step_fa4_stash() {
-  mkdir -p /tmp/bigwheel && cp .whl-a/* .whl/*.whl /tmp/bigwheel/ && ls /tmp/bigwheel
+  # STASH_DIRS: more wheel dirs to keep for call 2 (what does not fit beside .whl-b there), e.g. ".whl-s1"
+  mkdir -p /tmp/bigwheel && cp .whl-a/* .whl/*.whl /tmp/bigwheel/ && ls /tmp/bigwheel || return 1
+  local d
+  for d in ${STASH_DIRS:-}; do cp "$d"/*.whl /tmp/bigwheel/ || return 1; done
 }
 
 step_fa4_install() {
