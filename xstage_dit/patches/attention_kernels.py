@@ -61,7 +61,7 @@ class KernelChooser:
     """
 
     def __init__(self, *, world: int, group=None, allow_measure: bool = False, sweep: Sweep | None = None,
-                 refusals: Refusals = problem_refusals, cache_dir: str | os.PathLike | None = None) -> None:
+                 refusals: Refusals | None = None, cache_dir: str | os.PathLike | None = None) -> None:
         if not isinstance(world, int) or world < 1:
             raise ValueError(f"expected world to be an int >= 1, got {world!r}")
         self.world, self.group, self.allow_measure = world, group, allow_measure
@@ -98,13 +98,16 @@ class KernelChooser:
 
     def _choose_here(self, problem: dict) -> KernelChoice:
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
-        refusals = self._refusals(**args, device=problem["device"])
+        refusals = (self._refusals or problem_refusals)(**args, device=problem["device"])
         takers = [k for k, r in refusals.items() if r is None]
         timings = None
-        if len(takers) >= 2 and problem["device"].type == "cuda":
+        # Something to compare only where two candidates take the shape (never on a CPU: the stock kernels
+        # refuse it there, and torch SDPA or our Triton kernel is all that is left).
+        if len(takers) >= 2:
             family = problem_family(**args)
             # No sweep inside a CUDA graph capture (it synchronizes): the cache only.
-            measure = self.allow_measure and not torch.cuda.is_current_stream_capturing()
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            measure = self.allow_measure and not capturing
             timings = self._timings(problem, family, measure)
         order, baseline = (WORLD1_ORDER, BASELINE) if self.world == 1 else (DEFAULT_ORDER, None)
         return choose_attention_kernel(timings, refusals, order, baseline=baseline)
