@@ -1,5 +1,7 @@
-"""Pitched device-to-device copies (``cuMemcpy2DAsync``) through ctypes on libcuda: the copy engine's way to
-move one owner's head slice of a rank's (B, L, H, D) tokens into its (3, B, P*L, Hr_max, D) input buffer.
+"""Pitched device-to-device copies (``cuMemcpy2DAsync``, the copy engine) through ctypes on libcuda.
+
+The copy engine's way to move one owner's head slice of a rank's (B, L, H, D) tokens into its
+(3, B, P*L, Hr_max, D) input buffer.
 
 A copy of ``height`` rows of ``width_bytes`` each, the source rows ``src_pitch`` bytes apart and the
 destination rows ``dst_pitch`` apart, on ``stream``; the addresses may be this device's memory or a peer's

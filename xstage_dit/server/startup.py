@@ -1,5 +1,6 @@
-"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: the
-serial schedule, and the fused MoE layer where the MoE chooser says it is faster), compile it, and (rank 0)
+"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: torch
+SDPA, or FA4 where the kernel sweep measured it faster, and the fused MoE layer where the MoE chooser says it is
+faster), compile it, and (rank 0)
 collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up (the
 schedules and attention kernels as of the request: each shape is decided, with its reasons, at its first call)."""
 
