@@ -374,6 +374,10 @@ def main(argv=None) -> int:
                         help="with --window: window slots an odd number of 2 MiB granules apart")
     parser.add_argument("--graph", action="store_true",
                         help="with --window: time CUDA-graph replays (no host launch overhead in the numbers)")
+    parser.add_argument("--pre-a2a", action="store_true",
+                        help="with --window: also the pre-attention All-to-All rows (push kernel vs torch copy_ vs "
+                             "cuMemcpy2DAsync vs the library path's copies), into <stem>-pre-a2a.{json,md}")
+    parser.add_argument("--pre-a2a-only", action="store_true", help="with --window: only the pre-A2A rows")
     parser.add_argument("--cudnn-fe-seqs", default="4608,8192,32768",
                         help="with --window: sequence lengths that also time cudnn-frontend (graph builds are slow)")
     args = parser.parse_args(argv)
@@ -449,6 +453,11 @@ def run_window(args, env) -> int:
         (stem.parent / f"{stem.name}.partial.json").write_text(json.dumps({"environment": env, "rows": rows},
                                                                           indent=1, default=str))
 
+    pre_bad = 0
+    if args.pre_a2a or args.pre_a2a_only:
+        pre_bad = run_pre_a2a(args, env, stem, timing)
+        if args.pre_a2a_only:
+            return pre_bad
     rows = window_rows(timing, interleaved_times, shapes=shapes, worlds=worlds, rounds=args.rounds,
                        cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint, odd_stride=args.odd_stride)
     summary = window_summary(rows)
@@ -459,7 +468,36 @@ def run_window(args, env) -> int:
     write_results(stem, "attention-window", rows, summary, WINDOW_COLUMNS, notes=notes, env=env)
     print(json.dumps({k: v for k, v in summary.items() if k not in ("by_shape", "best_kernel_by_shape")}, indent=1))
     bad = [r for r in rows if any(not (e < 2e-2) for e in r.get("rel_err", {}).values())]
-    return 1 if bad else 0
+    return 1 if bad or pre_bad else 0
+
+
+def run_pre_a2a(args, env, stem, timing) -> int:
+    """The pre-attention All-to-All rows (``_attention_prea2a``); 1 where a variant's buffers differ."""
+    from benchmarks._attention_prea2a import PRE_COLUMNS, PRE_SHAPES, pre_a2a_rows, pre_a2a_summary
+    from benchmarks._common import write_results
+
+    shapes = PRE_SHAPES
+    if args.shapes:
+        shapes = [(int(a), int(b), "custom") for a, b in (x.split("x") for x in args.shapes.split(","))]
+    worlds = tuple(int(w) for w in args.worlds.split(",") if int(w) > 1)
+    pre_stem = stem.parent / f"{stem.name}-pre-a2a"
+
+    def checkpoint(rows):
+        pre_stem.parent.mkdir(parents=True, exist_ok=True)
+        (pre_stem.parent / f"{pre_stem.name}.partial.json").write_text(json.dumps({"environment": env, "rows": rows},
+                                                                                  indent=1, default=str))
+
+    rows = pre_a2a_rows(timing, interleaved_times, shapes=shapes, worlds=worlds, rounds=args.rounds,
+                        checkpoint=checkpoint)
+    summary = pre_a2a_summary(rows)
+    notes = ("All P virtual ranks' pre-attention All-to-All on one GPU, ms (median over interleaved rounds). push: "
+             "the fused path's Triton push kernel; copy: torch copy_ of each head slice (SM copy kernels); memcpy2d: "
+             "the same slices as cuMemcpy2DAsync (copy engine); library: pack + contiguous chunk copies + unpack "
+             "(the local work of the NCCL path; NCCL refuses virtual ranks). gbps = bytes of q, k, v / time. "
+             + (args.notes or ""))
+    write_results(pre_stem, "attention-pre-a2a", rows, summary, PRE_COLUMNS, notes=notes, env=env)
+    print(json.dumps(summary, indent=1))
+    return 1 if summary["not_equal"] else 0
 
 
 if __name__ == "__main__":

@@ -34,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from xstage_dit.jsonable import to_jsonable  # noqa: E402
+
 SIZE = dict(image_tokens=4096, text_tokens=512, channels=64, text_dim=4096, pooled_dim=768)
 # --smoke: the same script on the CPU with the tiny FLUX (checks the plumbing before spending GPU time)
 SMOKE = os.environ.get("XSTAGE_BENCH_SMOKE") == "1"
@@ -159,7 +161,7 @@ def rank_main(args) -> int:
     if info.rank == 0:
         torch.save(out.float().cpu(), Path(args.out) / "flux-w2.pt")
         (Path(args.out) / "flux-w2.json").write_text(json.dumps(
-            {"ms": ms, "times_ms": times, "schedule": args.w2_schedule, "choices": {str(k): v for k, v in handle.schedule_choices.items()}}))
+            {"ms": ms, "times_ms": times, "schedule": args.w2_schedule, "choices": to_jsonable(handle.schedule_choices)}))
     handle.restore()
     return 0
 

@@ -19,7 +19,8 @@
 #   fa4-install  call 2, on the same warm machine (carry .whl-b .whl-fe): joins the wheel and installs
 #                flash-attn-4, the CuTe DSL and cudnn-frontend in ONE pip call into /tmp/site
 #   window       the peer-window GPU tests and bench_attention_a2a.py --window (WINDOW_ARGS adds options,
-#                e.g. --graph for CUDA-graph timing)
+#                e.g. --graph for CUDA-graph timing, --pre-a2a for the pre-attention All-to-All rows,
+#                --pre-a2a-only for those alone)
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest

@@ -195,6 +195,7 @@ def test_kernel_sweep_chooses_a_kernel_that_takes_the_shape(tmp_path):
         choice = choose_attention_kernel(sweep.timings_ms[family], answers)
         assert choice.name is not None and answers[choice.name] is None, choice
         assert sweep.timings_ms[family]["triton"] > 0
+        assert sweep.timings_ms[family]["sdpa"] > 0  # the serial path's attention at the same heads: the reference
 
 
 @pytest.mark.gpu

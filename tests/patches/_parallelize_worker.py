@@ -179,7 +179,7 @@ def main() -> int:
         par = _output(pipe, kwargs)
         graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) if name.endswith("-compile") else None
         paths = dict(handle.attention_paths)
-        choices = {str(k): v for k, v in handle.schedule_choices.items()}
+        choices = {str(k): v.name for k, v in handle.schedule_choices.items()}
         ran = sorted(set(op_schedules))
         cfg_stats = dict(handle.cfg_hook.stats) if handle.cfg_hook is not None else {}
         moe_layers = handle.num_moe_layers

@@ -162,7 +162,7 @@ def test_world1_same_output_restore_and_twice_is_an_error():
     out = _image(pipe)
     # World 1 on the CPU: the serial schedule, which is diffusers' own SDPA call (no op hop, no copy).
     assert list(handle.attention_paths) == ["local"], "the world-1 serial path must run diffusers' SDPA"
-    assert set(handle.schedule_choices.values()) == {"serial"}
+    assert {d.name for d in handle.schedule_choices.values()} == {"serial"}
     np.testing.assert_allclose(out, ref, atol=TOL, rtol=0)
     with pytest.raises(RuntimeError, match="already patched"):
         parallelize(pipe)

@@ -43,6 +43,24 @@ def test_choice_without_measurements_and_when_all_refuse():
     assert c.describe()["kernel"] is None
 
 
+def test_a_baseline_is_kept_unless_another_kernel_measured_faster():
+    from xstage_dit.schedule.attention_kernel import WORLD1_ORDER
+
+    both = {"sdpa": None, "fa4": None}
+    c = choose_attention_kernel({"sdpa": 9.0, "fa4": 8.0}, both, WORLD1_ORDER, baseline="sdpa")
+    assert c.name == "fa4" and c.over_baseline == pytest.approx(9.0 / 8.0) and c.describe()["baseline_ms"] == 9.0
+    c = choose_attention_kernel({"sdpa": 7.0, "fa4": 8.0}, both, WORLD1_ORDER, baseline="sdpa")
+    assert c.name == "sdpa" and c.over_baseline == pytest.approx(1.0)
+    # Without the baseline's own time nothing was shown faster: however fast FA4 alone measured.
+    c = choose_attention_kernel({"fa4": 0.1}, both, WORLD1_ORDER, baseline="sdpa")
+    assert c.name == "sdpa" and "sdpa not measured" in c.reason and c.over_baseline is None
+    with pytest.raises(ValueError, match="expected the baseline 'sdpa' among the kernels offered"):
+        choose_attention_kernel({}, {"fa4": None}, baseline="sdpa")
+    # Without a baseline among the takers (world > 1) torch SDPA's time is only the reference.
+    c = choose_attention_kernel({"sdpa": 1.0, "fa4": 0.8, "triton": 1.2}, {"fa4": None, "triton": None})
+    assert c.name == "fa4" and c.baseline_ms == 1.0 and "sdpa" not in c.timings_ms and "torch SDPA" in c.reason
+
+
 def test_run_sweep_interleaves_and_records_failures():
     calls = []
 

@@ -29,3 +29,39 @@ def test_report_without_a_handle_asks_the_provider_on_the_cpu():
     report = startup.calibration_report(torch.device("cpu"))
     assert report == {"available": False, "target": "local", "source": "no calibration: no GPU (cpu)", "params": None,
                       "reason": "no calibration: no GPU (cpu)"}
+
+
+def test_calibration_route_shows_each_shapes_kernel_choice(monkeypatch):
+    """Through the production loader and the HTTP route (world 1, CPU): the warm-up decided each shape; the
+    report names the kernel, both reasons and the timings (faked: FA4 takes the shape, torch SDPA measured
+    faster), and the sweep's families."""
+    import httpx
+
+    import xstage_dit.patches.attention_kernels as ak
+    from xstage_dit.calibration.kernel_sweep import KernelSweep
+    from xstage_dit.patches.config import ParallelConfig
+    from xstage_dit.server.app import create_app
+    from xstage_dit.server.config import ServerConfig
+    from xstage_dit.server.worker import RankContext, Worker
+    from tests.helpers.server import live_server
+
+    monkeypatch.setattr(ak, "problem_refusals", lambda **problem: {"sdpa": None, "fa4": None})
+    monkeypatch.setattr(ak.KernelChooser, "_machine_sweep", lambda self, problem, family, measure: KernelSweep(
+        {}, {family: {"sdpa": 0.5, "fa4": 0.7}}, "measured", path="/cache/kernel-sweep-x.json"))
+    worker = Worker(startup.model_loader("tiny-flux", ParallelConfig()), ServerConfig(api_key=None),
+                    join=lambda: RankContext(device=torch.device("cpu"))).start()
+    try:
+        assert worker.wait_ready(120), worker.reason
+        with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=30) as client:
+            report = client.get("/v1/calibration").json()
+    finally:
+        worker.stop()
+    decisions = list(report["schedules"].values())
+    assert decisions, report
+    for d in decisions:
+        assert d["name"] == "serial" and d["kernel"] == "sdpa" and "world size 1" in d["reason"], d
+        assert d["kernel_reason"] == "fastest measured on this machine: sdpa 0.500 ms (vs fa4 0.700 ms)", d
+        assert d["timings_ms"] == {"sdpa": 0.5, "fa4": 0.7} and d["baseline_ms"] == 0.5
+    families = report["attention_kernels"]["families"]
+    assert families and all(f == {"timings_ms": {"sdpa": 0.5, "fa4": 0.7}, "source": "measured",
+                                  "path": "/cache/kernel-sweep-x.json"} for f in families.values()), families

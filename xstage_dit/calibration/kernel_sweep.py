@@ -28,7 +28,9 @@ from xstage_dit.calibration.cache import _driver_strings, _key_hash, default_cac
 
 log = logging.getLogger(__name__)
 
-SWEEP_VERSION = 1
+# 2: world-1 families time torch SDPA ("sdpa", diffusers' call) against FA4 plain; world > 1 families add
+# "sdpa" (the serial schedule's local attention) as the reference of each kernel's speed.
+SWEEP_VERSION = 2
 
 
 def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:
@@ -78,6 +80,28 @@ def run_sweep(cases: dict[str, dict[str, Callable[[], Any]]], time_fn: Callable[
                            for name, s in samples.items()}
         log.info("kernel sweep %s: %s", family, timings[family])
     return timings, errors
+
+
+def cuda_event_ms(fn: Callable[[], Any], *, target_ms: float = 20.0, min_reps: int = 3, max_reps: int = 50) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream: one untimed call first (it compiles: FA4's
+    first call of a shape takes seconds), then enough back-to-back calls between two CUDA events to fill
+    about ``target_ms``. The time function the sweep uses on a GPU."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = int(min(max_reps, max(min_reps, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))))
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def save(sweep: KernelSweep, cache_dir: str | os.PathLike | None = None) -> Path:

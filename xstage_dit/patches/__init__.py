@@ -52,9 +52,11 @@ class ParallelHandle:
 
     config / groups: the configuration and this rank's groups. is_output_rank: True on global rank 0
     (the only rank that should write files). calibration: the ``ChosenParams`` the schedules use (None
-    when the user fixed the schedule). schedule_choices: attention schedule name per distinct shape
-    ``(batch, seq_len, heads, head_dim, dtype, sp)``, filled once per shape at its first call (eager or
-    under torch.compile; the reason is logged then). attention_paths: the attention paths taken ("ulysses",
+    when the user fixed the schedule). schedule_choices: the ``AttentionDecision`` per distinct shape
+    ``(batch, seq_len, heads, head_dim, dtype, sp)`` (``.name``: "fused:<kernel>" | "serial", ``.reason``,
+    ``.kernel``, ``.kernel_reason``, the timings it rests on), filled once per shape at its first call (eager or
+    under torch.compile; both reasons are logged then). attention_kernels: the ``KernelChooser`` (its
+    ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. restore(): puts the pipeline back exactly
     (idempotent).
     """
@@ -65,6 +67,7 @@ class ParallelHandle:
     transformers: list = field(default_factory=list)  # every patched one (Wan 2.2 A14B: + transformer_2)
     calibration: ChosenParams | None = None
     schedule_choices: dict = field(default_factory=dict)
+    attention_kernels: Any = None
     attention_paths: dict = field(default_factory=dict)
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
@@ -215,11 +218,16 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
                             calibration=chosen)
     # Imported here, not at the top: it pulls in the attention op (and torch._dynamo through its
     # assume_constant_result), which the CLI's pre-checks of a ParallelConfig must not pay for.
+    from xstage_dit.patches.attention_kernels import KernelChooser
     from xstage_dit.patches.attention_schedules import AttentionSchedules
 
+    if config.schedule == "auto":
+        handle.attention_kernels = KernelChooser(world=config.sp, group=groups.sp_group,
+                                                 allow_measure=config.calibrate)
     schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
                                    xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
-                                   choices=handle.schedule_choices, paths=handle.attention_paths)
+                                   kernels=handle.attention_kernels, choices=handle.schedule_choices,
+                                   paths=handle.attention_paths)
     try:
         for transformer, plan in zip(transformers, plans):
             _apply(transformer, plan, handle, schedules)

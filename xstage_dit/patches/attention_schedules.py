@@ -1,9 +1,11 @@
 """The attention schedule of every layer shape of one ``parallelize`` call, decided once per shape.
 
 ``parallelize`` resolves the calibrated params once (`calibration.params_for`) and builds one
-`AttentionSchedules`; every attention context of the call shares it. The first call of a shape asks
-`ops.attention.auto.resolve_attention_schedule`, records the name in ``choices`` (the handle's
-``schedule_choices``) and logs the choice with its reason, once; later calls, eager or compiled, read it.
+`AttentionSchedules`; every attention context of the call shares it. For "auto", the first call of a shape
+asks the `KernelChooser` (`attention_kernels`: the machine's kernel sweep) for the kernel, then
+`ops.attention.auto.resolve_attention_decision` (the X-Stage design test; at world 1 the comparison with
+torch SDPA) for the schedule, "fused:<kernel>" or "serial"; it records the `AttentionDecision` in ``choices``
+(the handle's ``schedule_choices``) and logs both reasons, once; later calls, eager or compiled, read it.
 
 Under ``torch.compile`` the decision runs as ``torch.compiler.assume_constant_result``: Dynamo calls it
 at trace time with the same values eager code passes (so the same choice, from the same place, logged
@@ -17,7 +19,8 @@ import logging
 
 import torch
 
-from xstage_dit.ops.attention.auto import resolve_attention_schedule
+from xstage_dit.ops.attention.auto import resolve_attention_decision
+from xstage_dit.patches.attention_kernels import KernelChooser
 from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
@@ -31,15 +34,18 @@ ATTENTION_PATHS = ("ulysses", "local", "gather_kv")
 class AttentionSchedules:
     """schedule: "auto" | "fused" | "serial" (the user's). xparams / source: the calibrated params handed
     down by ``parallelize`` and where they came from (``ChosenParams.params`` / ``.source``). world: the sp
-    degree. facts: the device's facts. choices: {(batch, seq_len, heads, head_dim, dtype, world): name},
-    filled once per shape. paths: {path: first module that took it}."""
+    degree. facts: the device's facts. kernels: the kernel per shape (None = a chooser that measures nothing
+    and reads no cache). choices: {(batch, seq_len, heads, head_dim, dtype, world): AttentionDecision}, filled
+    once per shape. paths: {path: first module that took it}."""
 
     def __init__(self, schedule: str, *, world: int, facts: DeviceFacts, xparams=None, source: str = "",
-                 choices: dict | None = None, paths: dict | None = None) -> None:
+                 kernels: KernelChooser | None = None, choices: dict | None = None,
+                 paths: dict | None = None) -> None:
         if schedule not in ("auto", "fused", "serial"):
             raise ValueError(f"expected schedule 'auto', 'fused' or 'serial', got {schedule!r}")
         self.schedule, self.world, self.facts = schedule, world, facts
         self.xparams, self.source = xparams, source
+        self.kernels = kernels if kernels is not None else KernelChooser(world=world, sweep=lambda *a: None)
         self.choices = {} if choices is None else choices
         self.paths = {} if paths is None else paths
         # Closures over this instance (a bound method cannot carry Dynamo's mark): Dynamo then calls the
@@ -75,17 +81,19 @@ class AttentionSchedules:
     def _decide(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device) -> str:
         key = (batch, seq_len, heads, head_dim, dtype, self.world)
-        name = self.choices.get(key)
-        if name is not None:
-            return name
-        choice = resolve_attention_schedule(self.xparams, batch=batch, seq_len=seq_len, heads=heads,
-                                            head_dim=head_dim, world_size=self.world, dtype=dtype, device=device,
-                                            facts=self.facts)
-        log.info("attention schedule for batch=%d seq=%d heads=%d head_dim=%d %s world=%d: %s (%s; params: %s)",
-                 batch, seq_len, heads, head_dim, str(dtype).replace("torch.", ""), self.world, choice.name,
-                 choice.reason, self.source or "none")
-        self.choices[key] = choice.name
-        return choice.name
+        decided = self.choices.get(key)
+        if decided is not None:
+            return decided.name
+        kernel = self.kernels.choose(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
+                                     device=device)
+        decision = resolve_attention_decision(self.xparams, kernel, batch=batch, seq_len=seq_len, heads=heads,
+                                              head_dim=head_dim, world_size=self.world, dtype=dtype, device=device,
+                                              facts=self.facts)
+        log.info("attention schedule for batch=%d seq=%d heads=%d head_dim=%d %s world=%d: %s (%s; params: %s); "
+                 "kernel %s (%s)", batch, seq_len, heads, head_dim, str(dtype).replace("torch.", ""), self.world,
+                 decision.name, decision.reason, self.source or "none", decision.kernel, decision.kernel_reason)
+        self.choices[key] = decision
+        return decision.name
 
     def _note(self, path: str, module: str) -> bool:
         if path not in ATTENTION_PATHS:

@@ -26,9 +26,12 @@ class ParallelConfig:
     sp: sequence-parallel (Ulysses) degree, >= 1.
     ep: expert-parallel degree: 1 or equal to ``sp`` (EP shares the sp ranks).
     cfg: 1 or 2 (conditional / unconditional branch on separate rank groups).
-    schedule: attention schedule, "auto" (calibrated design test), "fused" or "serial".
-    calibrate: run/load the X-Stage calibration at startup to choose schedules (GPU only; on a CPU
-        the choice falls back to the uncalibrated rule and says so in the log).
+    schedule: attention schedule, "auto" (per shape: the kernel the machine's sweep measured fastest, then the
+        calibrated design test: "fused:<kernel>" or "serial"; at world 1 FA4 where it beat torch SDPA), "fused"
+        or "serial".
+    calibrate: run/load the X-Stage calibration at startup and time the attention kernels of a new shape at its
+        first call, both cached per machine (GPU only; False: caches only; on a CPU the choice falls back to
+        the uncalibrated rule and says so in the log).
     timeout_s: collective timeout used when `parallelize` has to create the process group itself.
     check_inputs: before every eager forward, compare a fingerprint of the transformer's inputs over the
         sp ranks (one small all-gather and a host sync): ranks whose generators were seeded differently

@@ -7,7 +7,12 @@
 ``ops.attention.kernels.refusals``; the timings come from the machine's kernel sweep
 (``calibration.kernel_sweep``). Pure: the same inputs give the same choice wherever it is asked
 (eager, compiled, the server's report). The X-Stage design test (``choices.choose_attention_schedule``)
-then decides fused vs serial for the chosen kernel.
+then decides fused vs serial for the chosen kernel (``ops.attention.auto.resolve_attention_decision``
+combines both into one ``AttentionDecision``).
+
+World size 1 compares FA4 plain (all heads, no window) with torch's SDPA exactly as diffusers calls it (the
+``BASELINE``, "sdpa"): ``choose_attention_kernel(timings, {"sdpa": None, "fa4": None}, WORLD1_ORDER,
+baseline="sdpa")`` names FA4 only where both were measured and FA4 was faster.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ import math
 from dataclasses import dataclass, field
 
 DEFAULT_ORDER = ("fa4", "cudnn", "triton")
+# The call that runs when no kernel is chosen: torch SDPA (diffusers' own call at world 1; the serial
+# schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).
+BASELINE = "sdpa"
+WORLD1_ORDER = (BASELINE, "fa4")
 
 
 def _seq_bucket(seq_len: int) -> int:
@@ -44,30 +53,86 @@ class KernelChoice:
     reason: str
     timings_ms: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
+    baseline_ms: float | None = None  # torch SDPA at the same shape, where the sweep measured it
+
+    @property
+    def over_baseline(self) -> float | None:
+        """t_baseline / t_chosen (> 1: the chosen kernel is faster than torch SDPA), or None unmeasured."""
+        t = self.timings_ms.get(self.name) if self.name else None
+        return None if t is None or self.baseline_ms is None else self.baseline_ms / t
 
     def describe(self) -> dict:
         return {"kernel": self.name, "reason": self.reason, "timings_ms": dict(self.timings_ms),
-                "refused": dict(self.refused)}
+                "refused": dict(self.refused), "baseline_ms": self.baseline_ms}
+
+
+def _valid_ms(t) -> float | None:
+    if t is None:
+        return None
+    t = float(t)
+    return t if math.isfinite(t) and t > 0 else None
 
 
 def choose_attention_kernel(timings_ms: dict | None, refusals: dict[str, str | None],
-                            order: tuple[str, ...] = DEFAULT_ORDER) -> KernelChoice:
-    """The fastest measured kernel among those that take the problem; unmeasured: the first in ``order``."""
+                            order: tuple[str, ...] = DEFAULT_ORDER, *, baseline: str | None = None) -> KernelChoice:
+    """The fastest measured kernel among those that take the problem; unmeasured: the first in ``order``.
+
+    timings_ms: {kernel: median ms} of the problem's shape family (the sweep), or None; a "sdpa" entry that is
+        not among the takers is torch SDPA's time, kept as ``baseline_ms``.
+    refusals: {kernel: None (takes it) | why not}. baseline: a taker that keeps the problem unless another was
+        measured faster than it at the same shape (world 1: "sdpa", diffusers' own call).
+    Example: ``choose_attention_kernel({"sdpa": 9.1, "fa4": 8.4}, {"sdpa": None, "fa4": None}, WORLD1_ORDER,
+    baseline="sdpa").name == "fa4"``.
+    """
+    if baseline is not None and baseline not in refusals:
+        raise ValueError(f"expected the baseline {baseline!r} among the kernels offered {sorted(refusals)}")
+    timings_ms = timings_ms or {}
+    baseline_ms = _valid_ms(timings_ms.get(BASELINE))
     refused = {k: r for k, r in refusals.items() if r}
     takers = [k for k in order if k in refusals and not refusals[k]]
     if not takers:
         why = "; ".join(f"{k}: {r}" for k, r in refused.items()) or "no kernel offered"
-        return KernelChoice(None, f"every kernel refuses ({why}): serial path", {}, refused)
-    measured = {k: float(t) for k, t in (timings_ms or {}).items()
-                if k in takers and t is not None and math.isfinite(float(t)) and float(t) > 0}
+        return KernelChoice(None, f"every kernel refuses ({why}): serial path", {}, refused, baseline_ms)
+    measured = {k: t for k in takers if (t := _valid_ms(timings_ms.get(k))) is not None}
+    unmeasured = [k for k in takers if k not in measured]
+    if baseline is not None and baseline not in measured:
+        why = (f"only {baseline} takes the shape" if takers == [baseline]
+               else f"{baseline} not measured at this shape, so no kernel was shown faster")
+        refusal = "; ".join(f"{k}: {r}" for k, r in refused.items())
+        return KernelChoice(baseline, why + (f" ({refusal})" if refusal else ""), measured, refused, baseline_ms)
     if measured:
         best = min(measured, key=measured.get)
         others = ", ".join(f"{k} {t:.3f} ms" for k, t in sorted(measured.items(), key=lambda kv: kv[1]) if k != best)
         reason = f"fastest measured on this machine: {best} {measured[best]:.3f} ms" + (f" (vs {others})" if others
                                                                                      else "")
-        unmeasured = [k for k in takers if k not in measured]
         if unmeasured:
             reason += f"; not measured: {', '.join(unmeasured)}"
-        return KernelChoice(best, reason, measured, refused)
+        if baseline_ms is not None and best != BASELINE:
+            reason += f"; torch SDPA at this shape {baseline_ms:.3f} ms"
+        return KernelChoice(best, reason, measured, refused, baseline_ms)
     return KernelChoice(takers[0], f"not measured on this machine: first of {list(order)} that takes the shape",
-                        {}, refused)
+                        {}, refused, baseline_ms)
+
+
+@dataclass(frozen=True)
+class AttentionDecision:
+    """What ``schedule="auto"`` became for one layer shape, with both reasons (logged once, recorded in the
+    handle's ``schedule_choices``, shown by ``/v1/calibration``).
+
+    name: the schedule the op runs: "fused:<kernel>" | "serial". reason: why that schedule (the design test, or
+    world size 1's comparison with torch SDPA). kernel / kernel_reason / timings_ms / refused / baseline_ms:
+    the kernel choice (``KernelChoice``) it rests on.
+    """
+
+    name: str
+    reason: str
+    kernel: str | None
+    kernel_reason: str
+    timings_ms: dict = field(default_factory=dict)
+    refused: dict = field(default_factory=dict)
+    baseline_ms: float | None = None
+
+    @classmethod
+    def of(cls, name: str, reason: str, kernel: KernelChoice) -> "AttentionDecision":
+        return cls(name, reason, kernel.name, kernel.reason, dict(kernel.timings_ms), dict(kernel.refused),
+                   kernel.baseline_ms)

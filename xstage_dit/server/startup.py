@@ -1,6 +1,8 @@
-"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: the
-serial schedule, and the fused MoE layer where the MoE chooser says it is faster), compile it, and (rank 0)
-collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up."""
+"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: torch
+SDPA, or FA4 where the kernel sweep measured it faster, and the fused MoE layer where the MoE chooser says it is
+faster), compile it, and (rank 0)
+collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up (the
+schedules and attention kernels as of the request: each shape is decided, with its reasons, at its first call)."""
 
 from __future__ import annotations
 
@@ -54,6 +56,17 @@ def schedule_report(handle: Any) -> Any:
     return {"note": f"{type(handle).__name__} does not report its schedule choices"}
 
 
+def kernel_report(handle: Any) -> dict:
+    """The attention kernel sweep behind the "auto" schedules (``handle.attention_kernels.report()``): the
+    shape families timed or read from the cache, their timings and the cache file; per shape, the kernel
+    chosen and why is in the schedules report."""
+    chooser = getattr(handle, "attention_kernels", None)
+    if chooser is None:
+        return {"note": "no automatic attention schedule (fixed by the user, or no parallelize handle): no kernel "
+                        "sweep"}
+    return to_jsonable(chooser.report())
+
+
 def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
                  weights_seed: int = 0, compile: str | None = None,
                  max_compiled_shapes: int = DEFAULT_MAX_SHAPES) -> Callable[[RankContext], LoadedModel]:
@@ -97,7 +110,8 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:
-            return {**report, "compile": compiled.describe(), "schedules": schedule_report(handle)}
+            return {**report, "compile": compiled.describe(), "schedules": schedule_report(handle),
+                    "attention_kernels": kernel_report(handle)}
 
         return LoadedModel(pipe, served, report, describe)
 

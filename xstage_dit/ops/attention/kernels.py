@@ -121,3 +121,20 @@ def refusals(geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has
              names=DEFAULT_ORDER) -> dict[str, str | None]:
     """Every kernel's answer for one problem: None (takes it) or the reason it refuses."""
     return {name: make_kernel(name).supports(geom, dtype, device, has_window) for name in names}
+
+
+def kernel_versions() -> dict[str, object]:
+    """The version of every library whose kernels the sweep times (part of its cache key): torch, triton,
+    torch's cuDNN, flash-attn-4, cudnn-frontend and the cuDNN it runs on (None where missing)."""
+    from importlib import metadata
+
+    from xstage_dit.ops.attention import cudnn_fe, fa4
+
+    try:
+        triton = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton = None
+    return {"torch": torch.__version__, "triton": triton,
+            "torch_cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+            "flash_attn_4": fa4.version(), "cudnn_frontend": cudnn_fe.PINNED if cudnn_fe.available() is None else None,
+            "cudnn_frontend_backend": cudnn_fe.backend_version()}

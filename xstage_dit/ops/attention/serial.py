@@ -12,7 +12,7 @@ from xstage_dit.comm.staged import all_to_all_rows
 from xstage_dit.ops.attention.checks import FUSED_DTYPES, check_inputs, check_scale
 from xstage_dit.ops.attention.partition import head_split
 
-__all__ = ["sdpa", "library_pre_all_to_all", "serial_attention"]
+__all__ = ["sdpa", "library_pre_all_to_all", "pack_for_owners", "serial_attention", "unpack_from_sources"]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -29,6 +29,28 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     return out.transpose(1, 2)
 
 
+def pack_for_owners(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, world_size: int, seq_len: int
+                    ) -> tuple[torch.Tensor, list[int]]:
+    """The library pre-A2A's send buffer: q, k, v (batch, seq_local, heads, head_dim) -> flat send, owner j's
+    chunk (3, batch, ceil(seq_len/P), heads_j, head_dim) at offset sum(splits[:j]); returns (send, splits)."""
+    batch, seq_local, heads, head_dim = q.shape
+    chunk = -(-seq_len // world_size)
+    heads_of = head_split(heads, world_size)
+    qkv = torch.zeros((3, batch, chunk, heads, head_dim), dtype=q.dtype, device=q.device)
+    qkv[0, :, :seq_local], qkv[1, :, :seq_local], qkv[2, :, :seq_local] = q, k, v
+    send = torch.cat([qkv[:, :, :, h0:h0 + n].reshape(-1) for h0, n in heads_of])
+    elems = 3 * batch * chunk * head_dim
+    return send, [elems * n for _, n in heads_of]
+
+
+def unpack_from_sources(recv: torch.Tensor, *, world_size: int, batch: int, seq_len: int, my_heads: int,
+                        head_dim: int) -> torch.Tensor:
+    """The owner's side: the P sources' chunks, in source order -> (3, batch, P*chunk, my_heads, head_dim)."""
+    chunk = -(-seq_len // world_size)
+    return (recv.view(world_size, 3, batch, chunk, my_heads, head_dim).permute(1, 2, 0, 3, 4, 5)
+            .reshape(3, batch, world_size * chunk, my_heads, head_dim))
+
+
 def library_pre_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, rank: int, world_size: int,
                            seq_len: int) -> torch.Tensor:
     """Tokens -> heads with one library ``all_to_all_single`` (NCCL on GPUs, gloo on CPUs).
@@ -36,18 +58,12 @@ def library_pre_all_to_all(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     q, k, v: (batch, seq_local, heads, head_dim) -> (3, batch, P*ceil(seq_len/P), my_heads, head_dim), rows
     past seq_len zero.
     """
-    batch, seq_local, heads, head_dim = q.shape
-    chunk = -(-seq_len // world_size)
-    heads_of = head_split(heads, world_size)
-    my_heads = heads_of[rank][1]
-    # Chunk j of the send buffer is (3, batch, chunk, heads_j, head_dim) for rank j.
-    qkv = torch.zeros((3, batch, chunk, heads, head_dim), dtype=q.dtype, device=q.device)
-    qkv[0, :, :seq_local], qkv[1, :, :seq_local], qkv[2, :, :seq_local] = q, k, v
-    send = torch.cat([qkv[:, :, :, h0:h0 + n].reshape(-1) for h0, n in heads_of])
-    elems = 3 * batch * chunk * head_dim
-    recv = all_to_all_rows(send, [elems * n for _, n in heads_of], [elems * my_heads] * world_size, group)
-    return (recv.view(world_size, 3, batch, chunk, my_heads, head_dim).permute(1, 2, 0, 3, 4, 5)
-            .reshape(3, batch, world_size * chunk, my_heads, head_dim))
+    batch, _, heads, head_dim = q.shape
+    my_heads = head_split(heads, world_size)[rank][1]
+    send, splits = pack_for_owners(q, k, v, world_size=world_size, seq_len=seq_len)
+    recv = all_to_all_rows(send, splits, [splits[rank]] * world_size, group)
+    return unpack_from_sources(recv, world_size=world_size, batch=batch, seq_len=seq_len, my_heads=my_heads,
+                               head_dim=head_dim)
 
 
 def serial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, scale: float | None = None,

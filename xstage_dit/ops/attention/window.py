@@ -155,3 +155,49 @@ def owner_batch_strides(batch_stride: int, row_stride: int, head_stride: int, wo
     if batch > 1 and batch_stride != world_size * block:
         return None
     return block, row_stride, head_stride, 1
+
+
+@dataclass(frozen=True)
+class PitchedCopy:
+    """One pitched copy of the pre-attention All-to-All (bytes): ``height`` rows of ``width`` from source
+    tensor ``tensor`` (0 q, 1 k, 2 v) of rank ``src_rank`` at ``src_offset`` (rows ``src_pitch`` apart) into
+    owner ``owner``'s input buffer at ``dst_offset`` (rows ``dst_pitch`` apart)."""
+
+    src_rank: int
+    owner: int
+    tensor: int
+    batch: int
+    src_offset: int
+    src_pitch: int
+    dst_offset: int
+    dst_pitch: int
+    width: int
+    height: int
+
+
+def pre_a2a_copies(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, elem_bytes: int
+                   ) -> list[PitchedCopy]:
+    """The pre-attention All-to-All as pitched copies (the copy engine's form of the push kernel's stores).
+
+    Source: rank r's contiguous (batch, rows_r, heads, head_dim) q, k, v. Destination: owner o's contiguous
+    (3, batch, P*L, Hr_max, head_dim) input buffer, rows [r*L, r*L + rows_r) of owner o's heads (padding rows
+    and heads past Hr untouched). One copy per (rank, owner, tensor, batch element) with rows; none for empty
+    shards.
+    """
+    rows = shard_rows(seq_len, world_size)
+    length = -(-seq_len // world_size)
+    ranges = head_ranges(heads, world_size)
+    hmax = ranges[0][1]
+    copies = []
+    for r, n in enumerate(rows):
+        if n == 0:
+            continue
+        for o, (h0, hr) in enumerate(ranges):
+            for t in range(3):
+                for b in range(batch):
+                    copies.append(PitchedCopy(
+                        r, o, t, b, src_offset=(b * n * heads + h0) * head_dim * elem_bytes,
+                        src_pitch=heads * head_dim * elem_bytes,
+                        dst_offset=((t * batch + b) * world_size * length + r * length) * hmax * head_dim * elem_bytes,
+                        dst_pitch=hmax * head_dim * elem_bytes, width=hr * head_dim * elem_bytes, height=n))
+    return copies

@@ -190,32 +190,120 @@ def _target_for(window, geom, dtype, h0, hr) -> OutTarget:
     return target
 
 
+def fa4_plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+                        ) -> torch.Tensor:
+    """World size 1 with FA4 chosen: FA4 on all heads of (B, S, H, D) q, k, v -> a fresh (B, S, H, D) output.
+
+    No window, no owner table, no copy: the one allocation is FA4's output, as torch SDPA makes its own.
+    Raises ValueError naming the reason where FA4 refuses the problem (device, dtype, head_dim, not installed).
+    """
+    from xstage_dit.ops.attention import fa4
+
+    batch, seq_len, heads, head_dim = q.shape
+    reason = fa4.supports(WindowGeometry(1, batch, seq_len, heads, head_dim, seq_len * heads * head_dim), q.dtype,
+                          q.device, True)
+    if reason:
+        raise ValueError(f"kernel fa4 refuses this problem: {reason}")
+    return _fa4_plain().run_plain(q, k, v, _scale(scale, head_dim))
+
+
+@functools.cache
+def _fa4_plain():
+    from xstage_dit.ops.attention.fa4 import FA4WindowKernel
+
+    return FA4WindowKernel()
+
+
+def _problem(prob: dict) -> tuple:
+    b, s, h, d, p = (int(prob[k]) for k in ("batch", "seq_len", "heads", "head_dim", "world_size"))
+    return b, s, h, d, p, prob["dtype"], torch.device(prob["device"])
+
+
+def problem_family(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
+                   dtype: torch.dtype) -> str:
+    """The sweep's family of one rank's problem (``schedule.attention_kernel.shape_family`` at the heads of the
+    last rank, the launch ``sweep_cases`` times): the one rule the sweep and the chooser share."""
+    from xstage_dit.schedule.attention_kernel import shape_family
+
+    heads_local = heads if world_size == 1 else head_ranges(heads, world_size)[-1][1]
+    return shape_family(batch=batch, seq_len=seq_len, heads_local=heads_local, head_dim=head_dim,
+                        world_size=world_size, dtype_name=str(dtype).removeprefix("torch."))
+
+
+def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, dtype: torch.dtype,
+                     device: torch.device) -> dict[str, str | None]:
+    """Every candidate's answer for q of (batch, seq_len / world_size, heads, head_dim) per rank: None (takes it)
+    or why not. World size 1: torch SDPA ("sdpa", always) and FA4 plain ("fa4"); else the window kernels."""
+    from xstage_dit.ops.attention.kernels import DEFAULT_ORDER, make_kernel, refusals
+
+    device = torch.device(device)
+    length = -(-seq_len // world_size)
+    geom = WindowGeometry(world_size, batch, seq_len, heads, head_dim, length * heads * head_dim)
+    if world_size == 1:
+        return {"sdpa": None, "fa4": make_kernel("fa4").supports(geom, dtype, device, True)}
+    return refusals(geom, dtype, device, True, DEFAULT_ORDER)
+
+
+def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
+    """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain, at the
+    real (B, S, H, D) shape."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn((b, s, h, d), dtype=dtype, device=device) for _ in range(3))
+    scale = d ** -0.5
+
+    def sdpa(q=q, k=k, v=v):
+        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+
+    fns = {"sdpa": sdpa}
+    geom = WindowGeometry(1, b, s, h, d, s * h * d)
+    if "fa4" in kernel_names:
+        from xstage_dit.ops.attention.kernels import make_kernel
+
+        fa4 = make_kernel("fa4")
+        if fa4.supports(geom, dtype, device, True) is None:
+            def plain(q=q, k=k, v=v, impl=fa4._impl):
+                impl.run_plain(q, k, v, scale)
+
+            fns["fa4"] = plain
+    return fns
+
+
 def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
-    """Timing closures for the kernel sweep: {family: {kernel: fn}}, each kernel that takes the problem
-    running one rank's launch (the last rank: its head offset is not 0) through a local peer window.
+    """Timing closures for the kernel sweep: {family: {kernel: fn}} (``problem_family`` names the family).
+
+    World size > 1: each kernel that takes the problem running one rank's launch (the last rank: its head
+    offset is not 0) through a local peer window, and "sdpa": the serial schedule's local attention
+    (``serial.sdpa``) at the same heads, the reference of the kernel's speed. World size 1: "sdpa" (torch SDPA
+    as diffusers calls it) and "fa4" (FA4 plain on all heads) at the real shape.
 
     problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype) and device.
-    The closures hold their windows; dropping the dict releases them.
+    The closures hold their windows and tensors; dropping the dict releases them.
     """
     from xstage_dit.ops.attention.kernels import make_kernel
-    from xstage_dit.schedule.attention_kernel import shape_family
+    from xstage_dit.ops.attention.serial import sdpa as serial_sdpa
 
     cases = {}
     for prob in problems:
-        b, s, h, d, p = (prob[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size"))
-        dtype, device = prob["dtype"], torch.device(prob["device"])
-        h0, hr = head_ranges(h, p)[-1]
-        family = shape_family(batch=b, seq_len=s, heads_local=hr, head_dim=d, world_size=p,
-                              dtype_name=str(dtype).removeprefix("torch."))
+        b, s, h, d, p, dtype, device = _problem(prob)
+        family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype)
         if family in cases:
             continue
+        if p == 1:
+            cases[family] = _world1_cases(b, s, h, d, dtype, device, kernel_names)
+            continue
+        h0, hr = head_ranges(h, p)[-1]
         length = -(-s // p)
         window = PeerWindow.local(p, b, length * h * d * _elem(dtype), device)
         geom = WindowGeometry(p, b, s, h, d, window.slot_bytes // _elem(dtype))
         buf = torch.zeros((3, b, p * length, hr, d), dtype=dtype, device=device)
         buf[:, :, :s].normal_()
         target = out_target(window, geom, dtype, h0, hr)
-        fns = {}
+
+        def local(buf=buf, scale=d ** -0.5):
+            serial_sdpa(buf[0, :, :s], buf[1, :, :s], buf[2, :, :s], scale)
+
+        fns = {"sdpa": local}
         for name in kernel_names:
             kernel = make_kernel(name)
             if kernel.supports(geom, dtype, device, True) is None:
