@@ -28,6 +28,8 @@ TINY_ONLY_CLASSES = {
     "qwenimage": "QwenImagePipeline",
     "helios": "HeliosPipeline",
     "flux2": "Flux2Pipeline",
+    "qwenimage21": "QwenImage21Pipeline",
+    "ltx2": "LTX2Pipeline",
 }
 
 
