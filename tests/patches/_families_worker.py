@@ -49,6 +49,12 @@ DEVICE = os.environ.get("XSTAGE_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("XSTAGE_TEST_DTYPE", "float32"))
 
 
+def _hunyuan_template():
+    from xstage_dit.models.hunyuan_video import PROMPT_TEMPLATE
+
+    return PROMPT_TEMPLATE
+
+
 def _chronoedit_pipe():
     from xstage_dit.models import chronoedit
 
@@ -91,6 +97,12 @@ PIPELINES = {
     "qwenimage": (lambda: _pipe("tiny-qwenimage"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
                                                         height=48, width=48, num_inference_steps=2,
                                                         max_sequence_length=64)),
+    # HunyuanVideo: 32x32x5 -> 2 latent frames x 4x4 = 32 video tokens, 16 padded Llama tokens with their mask
+    # (the template cropped), the CLIP pooled prompt, embedded guidance and true CFG (a second call per step)
+    "hunyuanvideo": (lambda: _pipe("tiny-hunyuanvideo"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
+                                                              height=32, width=32, num_frames=5, num_inference_steps=2,
+                                                              guidance_scale=6.0, max_sequence_length=16,
+                                                              prompt_template=_hunyuan_template())),
     # LTX-2, audio + video: 32x32x5 -> 3 latent frames x 4x4 = 48 video tokens, 5 audio tokens (whole on every
     # rank), 16 padded Gemma tokens with their mask; CFG as a (uncond, cond) batch, then the STG call (block 0
     # perturbed) and the modality-isolation call (no audio<->video attention) per step

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "patches" / "_families_worker.py")
 TOL = 1e-4  # fp32 pipelines, pixels in [0, 1]: the parallel output differs by float reassociation only
 FAMILIES = ["ltx", "cogvideox", "sd3", "z-image", "wan-vace", "skyreels-v2", "skyreels-v2-causal", "qwenimage",
-            "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache"]
+            "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache", "hunyuanvideo"]
 # the registry's transformer class of each family case (the README's pipeline-test column comes from it)
 FAMILY_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel", "cogvideox": "CogVideoXTransformer3DModel", "sd3": "SD3Transformer2DModel",
@@ -33,7 +33,7 @@ FAMILY_CLASSES = {
     "qwenimage": "QwenImageTransformer2DModel", "helios": "HeliosTransformer3DModel",
     "chronoedit": "ChronoEditTransformer3DModel", "flux2": "Flux2Transformer2DModel",
     "ltx2": "LTX2VideoTransformer3DModel", "qwenimage21": "QwenImage21Transformer2DModel",
-    "qwenimage21-nocache": "QwenImage21Transformer2DModel",
+    "qwenimage21-nocache": "QwenImage21Transformer2DModel", "hunyuanvideo": "HunyuanVideoTransformer3DModel",
 }
 
 

@@ -6,6 +6,7 @@ Model facts live here, in one table, not in isinstance chains. A family module (
 
 from __future__ import annotations
 
+from xstage_dit.models.hunyuan_video import PROMPT_TEMPLATE as HUNYUAN_VIDEO_TEMPLATE
 from xstage_dit.models.spec import ModelSpec
 
 # family -> module with build(size, ...)
@@ -25,6 +26,7 @@ FAMILY_MODULES = {
     "flux2": "xstage_dit.models.flux2",
     "qwenimage21": "xstage_dit.models.qwenimage21",
     "ltx2": "xstage_dit.models.ltx2",
+    "hunyuanvideo": "xstage_dit.models.hunyuan_video",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -137,6 +139,13 @@ def _specs() -> dict[str, ModelSpec]:
             call_kwargs={"spatio_temporal_guidance_blocks": [0]},  # the tiny model's one block (LTX-2: 28)
             description="LTX-2 audio+video architecture, 1 block, 4 heads x 8 per stream, Gemma-3 text encoder, "
             "LTX-2 video/audio VAEs and vocoder, random weights (the audio is not written)",
+        ),
+        ModelSpec(
+            name="tiny-hunyuanvideo", family="hunyuanvideo", size="tiny", kind="video",
+            pipeline_class="HunyuanVideoPipeline", patch_multiple=16, height=32, width=32, frames=5, frame_multiple=4,
+            steps=2, guidance=6.0, max_sequence_length=16, fps=24,
+            call_kwargs={"prompt_template": HUNYUAN_VIDEO_TEMPLATE},  # its crop_start counts the in-code tokenizer
+            description="HunyuanVideo architecture, 1+1 blocks, 4 heads x 16, Llama + CLIP text encoders, random weights",
         ),
         ModelSpec(
             name="tiny-flux2", family="flux2", size="tiny", kind="image", pipeline_class="Flux2Pipeline",
