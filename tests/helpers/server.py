@@ -1,14 +1,18 @@
 """Helpers of the server tests: the tiny real pipelines, an in-process worker, a live uvicorn server on
-127.0.0.1, and reference images computed by calling the pipeline directly."""
+127.0.0.1, a multi-rank `xstage-dit serve` subprocess, and reference images computed by calling the
+pipeline directly."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
 import io
+import os
+import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -94,3 +98,46 @@ def assert_same_image(got: np.ndarray, want: np.ndarray, what: str = "image") ->
     assert got.shape == want.shape, f"{what}: expected shape {want.shape}, got {got.shape}"
     diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
     assert diff.max() <= 1, f"{what}: max pixel difference {diff.max()} (mean {diff.mean():.3f})"
+
+
+@contextlib.contextmanager
+def multirank_server(*serve_args: str, sp: int = 2, model: str = "tiny-flux", log_name: str = "serve",
+                     client_timeout_s: float = 60, ready_within_s: float = 180):
+    """`xstage-dit serve --model MODEL --sp SP SERVE_ARGS...` as a subprocess (the command starts its own rank
+    processes over gloo), yielded once `/health` answers 200 as ``(client, proc, log)``: an httpx client on
+    it, the Popen of the command and its open log (stdout and stderr). Stopped with SIGTERM (then killed)
+    on exit. Fails naming the log tail when the server exits, or is not ready within `ready_within_s`."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[2]
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"xstage-{log_name}-{port}.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xstage_dit", "serve", "--model", model, "--sp", str(sp), "--port", str(port),
+         *serve_args], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=client_timeout_s)
+    try:
+        deadline = time.time() + ready_within_s
+        while True:
+            assert proc.poll() is None, f"server exited with {proc.returncode}: {log.seek(0) or log.read()[-3000:]}"
+            assert time.time() < deadline, f"{sp}-rank server not ready within {ready_within_s:.0f} s"
+            try:
+                if client.get("/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield client, proc, log
+    finally:
+        client.close()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log.close()

@@ -28,6 +28,9 @@ TINY_ONLY_CLASSES = {
     "qwenimage": "QwenImagePipeline",
     "helios": "HeliosPipeline",
     "flux2": "Flux2Pipeline",
+    "qwenimage21": "QwenImage21Pipeline",
+    "ltx2": "LTX2Pipeline",
+    "hunyuanvideo": "HunyuanVideoPipeline",
 }
 
 
@@ -164,3 +167,14 @@ def test_load_transformer_matches_the_pipeline(name):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     with pytest.raises(ValueError, match="dtype"):
         load_transformer(name, dtype=torch.int64)
+
+
+def test_hunyuan_video_template_crops_exactly_its_own_tokens():
+    """crop_start must drop the template's prefix (bos + the text before the prompt) and nothing of the prompt."""
+    from xstage_dit.models.hunyuan_video import PROMPT_TEMPLATE
+    from xstage_dit.models.tokenizers import llama_tokenizer
+
+    tok = llama_tokenizer()
+    prefix = tok(PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids
+    full = tok(PROMPT_TEMPLATE["template"].format("a red fox")).input_ids
+    assert PROMPT_TEMPLATE["crop_start"] == len(prefix) and full[:len(prefix)] == prefix

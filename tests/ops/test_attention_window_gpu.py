@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.tolerances import rel_err
 
 BF16_TOL = 2e-2
 
@@ -31,10 +32,6 @@ CASES = [
     (2, 4607, 30, 128, 8, torch.bfloat16),
 ]
 KERNELS = ["triton", "fa4", "cudnn"]
-
-
-def _rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def _kernel_or_skip(name, geom, dtype):
@@ -101,7 +98,7 @@ def test_kernel_through_window_matches_reference(kernel_name, batch, seq_len, he
         out = torch.cat(run.outs, dim=1)
         assert out.shape == q.shape
         assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output"
-        assert _rel(out, attention_reference(q, k, v)) < BF16_TOL
+        assert rel_err(out, attention_reference(q, k, v)) < BF16_TOL
         geom = run.geom
         for b, o, first, end in geom.padding_rows():
             pad = run.window.slot_tensor(b, o, dtype, (length, heads, head_dim))[first:end]
@@ -209,4 +206,4 @@ def test_world1_public_op_runs_the_chosen_kernel(kernel_name):
     q, k, v = (torch.randn(2, 4608, 24, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = ulysses_attention(q, k, v, schedule=f"fused:{kernel_name}")
     assert out.shape == q.shape and not torch.isnan(out).any()
-    assert _rel(out, attention_reference(q, k, v)) < BF16_TOL
+    assert rel_err(out, attention_reference(q, k, v)) < BF16_TOL

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from xstage_dit.comm.launcher import run_rank_processes
 from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
+from tests.helpers.tolerances import rel_err
 
 BF16_REL_TOL = 2e-2
 
@@ -58,10 +59,6 @@ def _inputs(batch, seq, hidden, seed):
     return x, xu, t
 
 
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
-
-
 def _check_rank(rank: int, world: int, group) -> dict:
     """Both layers on this rank's shard of an uneven sequence split; returns the measured errors."""
     out = {}
@@ -80,7 +77,7 @@ def _check_rank(rank: int, world: int, group) -> dict:
         rec_ep: list = []
         with _record_topk(rec_ep):
             y = ep(x[:, idx], xu[:, idx], t)
-        out[f"{name}_rel"] = _rel(y, ref[:, idx])
+        out[f"{name}_rel"] = rel_err(y, ref[:, idx])
         out[f"{name}_routing_equal"] = bool(torch.equal(rec[0], rec_ep[0]))
         if world > 1:
             back = ep.to_layer()
@@ -96,7 +93,7 @@ def _check_rank(rank: int, world: int, group) -> dict:
     y3 = NucleusMoEEPLayer.from_layer(layer, group)(x3[:, idx3], xu3[:, idx3], t3)
     out["nucleus_tiny_shape_ok"] = tuple(y3.shape) == (1, len(idx3), 32)
     if len(idx3):
-        out["nucleus_tiny_rel"] = _rel(y3, ref3[:, idx3])
+        out["nucleus_tiny_rel"] = rel_err(y3, ref3[:, idx3])
 
     layer = _hidream()
     x, _, _ = _inputs(3, 11, 32, seed=9)
@@ -110,7 +107,7 @@ def _check_rank(rank: int, world: int, group) -> dict:
     hook = ep.gate.register_forward_hook(lambda module, args, output: routed.append(output[0].clone()))
     y = ep(x[:, idx])
     hook.remove()
-    out["hidream_rel"] = _rel(y, ref[:, idx])
+    out["hidream_rel"] = rel_err(y, ref[:, idx])
     got = routed[0].reshape(3, len(idx), -1)
     # A shard with no tokens at all (3 tokens over 4 ranks) must still take part in every collective.
     x3, _, _ = _inputs(1, 3, 32, seed=10)
@@ -120,8 +117,8 @@ def _check_rank(rank: int, world: int, group) -> dict:
     y3 = ep(x3[:, idx3])
     out["hidream_tiny_shape_ok"] = tuple(y3.shape) == (1, len(idx3), 32)
     if len(idx3):
-        out["hidream_tiny_rel"] = _rel(y3, ref3[:, idx3])
-    out["hidream_serial_rel"] = _rel(HiDreamMoEEPLayer.from_layer(layer, group, path="serial")(x[:, idx]), ref[:, idx])
+        out["hidream_tiny_rel"] = rel_err(y3, ref3[:, idx3])
+    out["hidream_serial_rel"] = rel_err(HiDreamMoEEPLayer.from_layer(layer, group, path="serial")(x[:, idx]), ref[:, idx])
     out["hidream_routing_equal"] = bool(torch.equal(got.sort(-1).values, ref_idx.reshape(3, 11, -1)[:, idx].sort(-1).values))
     return out
 

@@ -18,14 +18,11 @@ from xstage_dit.ops.moe import (
     expert_mlp_combine,
     expert_mlp_combine_reference,
 )
+from tests.helpers.tolerances import rel_err
 
 pytestmark = pytest.mark.gpu
 
 BF16_REL_TOL = 1e-2
-
-
-def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 def _case(rows_per_expert, hidden, inter, world, seed):
@@ -58,7 +55,7 @@ def _check_fused(rows_per_expert, hidden, inter, world, lead, seed):
     for r in range(world):
         n = int((dest_rank == r).sum())
         assert not torch.isnan(bufs[r][:n].float()).any(), f"rank {r}: unwritten combine rows"
-        err = _rel(bufs[r][:n], refs[r][:n])
+        err = rel_err(bufs[r][:n], refs[r][:n])
         assert err < BF16_REL_TOL, f"rank {r} lead {lead}: rel err {err}"
 
 
@@ -86,7 +83,7 @@ def test_combine_reduce_gpu():
     slots = torch.randperm(n, device="cuda", generator=g).to(torch.int32)
     buf = torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16)
     shared = torch.randn(tokens, hidden, device="cuda", generator=g).to(torch.bfloat16)
-    assert _rel(combine_reduce(buf, offs, slots, shared), combine_reduce_reference(buf, offs, slots, shared)) < 1e-2
+    assert rel_err(combine_reduce(buf, offs, slots, shared), combine_reduce_reference(buf, offs, slots, shared)) < 1e-2
 
 
 def _nucleus_layer(hidden=256, inter=192, experts=16, cf=4.0):
@@ -114,7 +111,7 @@ def test_ep_layer_fused_world1_matches_diffusers():
     with torch.no_grad():
         ref = layer(x, xu, t)
     ep = NucleusMoEEPLayer.from_layer(layer, None, path="fused")
-    assert _rel(ep(x, xu, t), ref) < BF16_REL_TOL
+    assert rel_err(ep(x, xu, t), ref) < BF16_REL_TOL
 
 
 def _shared_gpu_worker(rank, world, port, queue):
@@ -137,7 +134,7 @@ def _shared_gpu_worker(rank, world, port, queue):
         ep = NucleusMoEEPLayer.from_layer(layer, dist.group.WORLD, path="fused")
         idx = torch.tensor_split(torch.arange(x.shape[1]), world)[rank].cuda()
         y = ep(x[:, idx], xu[:, idx], t)
-        res = {"nucleus_rel": _rel(y, one[:, idx]), "nucleus_vs_diffusers": _rel(y, ref[:, idx])}
+        res = {"nucleus_rel": rel_err(y, one[:, idx]), "nucleus_vs_diffusers": rel_err(y, ref[:, idx])}
 
         from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
@@ -148,7 +145,7 @@ def _shared_gpu_worker(rank, world, port, queue):
         hd = hd.to("cuda", torch.bfloat16).eval()
         one = HiDreamMoEEPLayer.from_layer(hd, solo, path="fused")(x)
         y = HiDreamMoEEPLayer.from_layer(hd, dist.group.WORLD, path="fused")(x[:, idx])
-        res["hidream_rel"] = _rel(y, one[:, idx])
+        res["hidream_rel"] = rel_err(y, one[:, idx])
         dist.barrier()
         queue.put((rank, res))
     except Exception:  # noqa: BLE001

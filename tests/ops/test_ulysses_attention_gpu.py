@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.tolerances import rel_err
 
 BF16_TOL = 2e-2  # relative Frobenius error; bf16 operands land between 1e-3 and 1e-2
 
@@ -32,10 +33,6 @@ CASES = [
 ]
 
 
-def _rel(out, ref):
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim, world, dtype", CASES)
 def test_fused_matches_reference(batch, seq_len, heads, head_dim, world, dtype):
@@ -46,7 +43,7 @@ def test_fused_matches_reference(batch, seq_len, heads, head_dim, world, dtype):
     out = torch.cat(outs, dim=1)
     assert out.shape == q.shape
     assert not torch.isnan(out).any(), "unwritten (NaN-poisoned) or NaN output"
-    assert _rel(out, attention_reference(q, k, v)) < BF16_TOL
+    assert rel_err(out, attention_reference(q, k, v)) < BF16_TOL
 
 
 @pytest.mark.gpu
@@ -57,11 +54,11 @@ def test_world1_public_op_fused_and_serial():
     ref = attention_reference(q, k, v)
     for schedule in ("fused", "serial", "auto"):
         out = ulysses_attention(q, k, v, schedule=schedule)
-        assert _rel(out, ref) < BF16_TOL, schedule
+        assert rel_err(out, ref) < BF16_TOL, schedule
     # Non-contiguous views (a slice of a packed qkv projection) are accepted.
     qkv = torch.randn(2, 1500, 3, 8, 128, device="cuda", dtype=torch.bfloat16)
     out = ulysses_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], schedule="fused")
-    assert _rel(out, attention_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])) < BF16_TOL
+    assert rel_err(out, attention_reference(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2])) < BF16_TOL
 
 
 @pytest.mark.gpu
@@ -70,7 +67,7 @@ def test_compiled_model_calls_the_op():
 
     q, k, v = (torch.randn(1, 640, 4, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     fn = torch.compile(lambda a, b, c: ulysses_attention(a * 1.0, b, c, schedule="fused") + 0.0, fullgraph=True)
-    assert _rel(fn(q, k, v), attention_reference(q, k, v)) < BF16_TOL
+    assert rel_err(fn(q, k, v), attention_reference(q, k, v)) < BF16_TOL
 
 
 @pytest.mark.gpu
@@ -102,7 +99,7 @@ def test_fused_kernel_launches_from_a_fresh_thread():
 
     def work():
         try:
-            results.append(_rel(torch.cat(fused_attention_virtual_ranks(q, k, v, world_size=2), dim=1), ref))
+            results.append(rel_err(torch.cat(fused_attention_virtual_ranks(q, k, v, world_size=2), dim=1), ref))
         except Exception as exc:  # noqa: BLE001 - reported by the assertion
             results.append(repr(exc))
 

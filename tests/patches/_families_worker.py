@@ -49,6 +49,12 @@ DEVICE = os.environ.get("XSTAGE_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("XSTAGE_TEST_DTYPE", "float32"))
 
 
+def _hunyuan_template():
+    from xstage_dit.models.hunyuan_video import PROMPT_TEMPLATE
+
+    return PROMPT_TEMPLATE
+
+
 def _chronoedit_pipe():
     from xstage_dit.models import chronoedit
 
@@ -91,6 +97,26 @@ PIPELINES = {
     "qwenimage": (lambda: _pipe("tiny-qwenimage"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
                                                         height=48, width=48, num_inference_steps=2,
                                                         max_sequence_length=64)),
+    # HunyuanVideo: 32x32x5 -> 2 latent frames x 4x4 = 32 video tokens, 16 padded Llama tokens with their mask
+    # (the template cropped), the CLIP pooled prompt, embedded guidance and true CFG (a second call per step)
+    "hunyuanvideo": (lambda: _pipe("tiny-hunyuanvideo"), dict(prompt=PROMPT, negative_prompt="blurry", true_cfg_scale=4.0,
+                                                              height=32, width=32, num_frames=5, num_inference_steps=2,
+                                                              guidance_scale=6.0, max_sequence_length=16,
+                                                              prompt_template=_hunyuan_template())),
+    # LTX-2, audio + video: 32x32x5 -> 3 latent frames x 4x4 = 48 video tokens, 5 audio tokens (whole on every
+    # rank), 16 padded Gemma tokens with their mask; CFG as a (uncond, cond) batch, then the STG call (block 0
+    # perturbed) and the modality-isolation call (no audio<->video attention) per step
+    "ltx2": (lambda: _pipe("tiny-ltx2"), dict(prompt=PROMPT, negative_prompt="blurry", height=32, width=32, num_frames=5,
+                                              frame_rate=24.0, num_inference_steps=2, guidance_scale=3.0,
+                                              max_sequence_length=16, spatio_temporal_guidance_blocks=[0])),
+    # Qwen-Image 2.1: two prompts of different lengths (the padding mask), true CFG as two calls, the KV cache
+    # (prefill on step 0, target-only decode after); 64x96 -> 4x6 = 24 target tokens after a 22-token prefix
+    "qwenimage21": (lambda: _pipe("tiny-qwenimage21"), dict(prompt=[PROMPT, "a cat"], negative_prompt=["blurry", "dark"],
+                                                            true_cfg_scale=4.0, height=64, width=96,
+                                                            num_inference_steps=2)),
+    # one prompt, no mask, no cache: every step prefills the block-causal segments; 64x64 -> 16 target tokens
+    "qwenimage21-nocache": (lambda: _pipe("tiny-qwenimage21"), dict(prompt=PROMPT, height=64, width=64,
+                                                                    num_inference_steps=2, use_kv_cache=False)),
     # 48x48 -> 3x3 = 9 image tokens (3, 2, 2, 2 at world 4), 32 padded text tokens from the chat template
     "flux2": (lambda: _pipe("tiny-flux2"), dict(prompt=PROMPT, height=48, width=48, num_inference_steps=2,
                                                 guidance_scale=4.0, max_sequence_length=32,
@@ -279,9 +305,13 @@ def transformer_equivalence(name: str, world: int) -> dict:
 
 
 def _output(pipe, kwargs, generator=None) -> np.ndarray:
+    """The pixels (and, for LTX-2, the waveform after them), flattened when there is audio."""
     out = pipe(**kwargs, generator=generator or _gen(), output_type="np")
-    arr = out.frames if hasattr(out, "frames") else out.images
-    return np.asarray(arr, dtype=np.float32)
+    arr = np.asarray(out.frames if hasattr(out, "frames") else out.images, dtype=np.float32)
+    audio = getattr(out, "audio", None)
+    if audio is not None:
+        return np.concatenate([arr.ravel(), np.asarray(audio, dtype=np.float32).ravel()])
+    return arr
 
 
 def equivalence(name: str, world: int) -> dict:

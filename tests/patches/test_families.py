@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "patches" / "_families_worker.py")
 TOL = 1e-4  # fp32 pipelines, pixels in [0, 1]: the parallel output differs by float reassociation only
 FAMILIES = ["ltx", "cogvideox", "sd3", "z-image", "wan-vace", "skyreels-v2", "skyreels-v2-causal", "qwenimage",
-            "helios", "chronoedit", "flux2"]
+            "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache", "hunyuanvideo"]
 # the registry's transformer class of each family case (the README's pipeline-test column comes from it)
 FAMILY_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel", "cogvideox": "CogVideoXTransformer3DModel", "sd3": "SD3Transformer2DModel",
@@ -32,6 +32,8 @@ FAMILY_CLASSES = {
     "skyreels-v2": "SkyReelsV2Transformer3DModel", "skyreels-v2-causal": "SkyReelsV2Transformer3DModel",
     "qwenimage": "QwenImageTransformer2DModel", "helios": "HeliosTransformer3DModel",
     "chronoedit": "ChronoEditTransformer3DModel", "flux2": "Flux2Transformer2DModel",
+    "ltx2": "LTX2VideoTransformer3DModel", "qwenimage21": "QwenImage21Transformer2DModel",
+    "qwenimage21-nocache": "QwenImage21Transformer2DModel", "hunyuanvideo": "HunyuanVideoTransformer3DModel",
 }
 
 
@@ -55,7 +57,8 @@ TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flu
                 "hunyuanvideo15"]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+# world 4 runs ~40 s on the 2-core CI machine (every family, 4 ranks on 2 cores)
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_family_pipelines_match_single_process(world, tmp_path):
     ranks = _launch(world, FAMILIES + TRANSFORMERS + ["subclass"], tmp_path)
     results = ranks[0]
@@ -164,3 +167,33 @@ def test_a_failure_is_the_same_clear_error_on_every_rank(case, tmp_path):
     entered = [r[case]["entered"] for r in ranks]
     assert all(e is not None for e in entered), ranks
     assert max(r[case]["at"] for r in ranks) - max(entered) < 10, (ranks, time.monotonic() - t0)
+
+
+def test_qwenimage21_refuses_the_flex_processor_and_needs_the_prefix_fact():
+    """Qwen-Image 2.1's flex processor calls flex_attention itself (it would attend the local shard only):
+    refused by name; the replicated-head backend layout refuses a forward whose plan did not record the prefix."""
+    import torch
+    from diffusers import QwenImage21Transformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21FlexAttnProcessor
+
+    from xstage_dit.patches.attention_backend import AttentionContext, xstage_attention
+    from xstage_dit.patches.plans import plan_for
+    from xstage_dit.patches.sequence_parallel import SequenceState
+
+    model = QwenImage21Transformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
+                                          num_attention_heads=2, context_in_dim=16, axes_dims_rope=(2, 2, 4))
+    assert plan_for(model).family == "Qwen-Image 2.1"
+    plan_for(model).build_sp(model)  # the default processor is taken
+    model.transformer_blocks[1].attn.set_processor(QwenImage21FlexAttnProcessor())
+    with pytest.raises(ValueError, match="got QwenImage21FlexAttnProcessor in transformer_blocks.1.attn"):
+        plan_for(model).build_sp(model)
+
+    # schedules=None: both refusals come before any schedule is looked up
+    ctx = AttentionContext(group=None, rank=0, world=2, schedules=None, kv_layout="replicated_head",
+                           name="transformer_blocks.0.attn", state=SequenceState(rank=0, world=2, group=None))
+    q = torch.zeros(1, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"expected the plan to record the replicated key prefix"):
+        xstage_attention(q, q, q, _parallel_config=ctx)
+    ctx.state.named["kv_head"] = 2
+    with pytest.raises(ValueError, match="expected keys = 2 replicated \\+ the queries' 3 sharded, got 4 keys"):
+        xstage_attention(q, torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), _parallel_config=ctx)

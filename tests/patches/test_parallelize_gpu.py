@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.tolerances import rel_err
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -41,11 +42,6 @@ def _model_and_inputs(device):
     return model, x
 
 
-def _rel(a, b):
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["fused", "serial"])
 def test_world1_matches_plain_diffusers(schedule):
@@ -60,7 +56,7 @@ def test_world1_matches_plain_diffusers(schedule):
         assert path in handle.attention_paths, handle.attention_paths
         back = model(**x)[0]
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 2e-2, _rel(out, ref)  # bf16 attention, different kernels
+    assert rel_err(out, ref) < 2e-2, rel_err(out, ref)  # bf16 attention, different kernels
     assert torch.equal(back, ref)
 
 
@@ -81,7 +77,7 @@ def test_two_ranks_sharing_the_gpu_match_world1(schedule, tmp_path):
     assert code == 0
     out = torch.load(out_path)
     assert torch.isfinite(out).all()
-    assert _rel(out, ref) < 2e-2, _rel(out, ref)
+    assert rel_err(out, ref) < 2e-2, rel_err(out, ref)
 
 
 def _rank_worker(out_path: str, schedule: str) -> int:

@@ -8,52 +8,20 @@ import concurrent.futures as cf
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers.server import assert_same_image, decode_png, free_port, reference_image, tiny
+from tests.helpers.server import assert_same_image, decode_png, multirank_server, reference_image, tiny
 
-ROOT = Path(__file__).resolve().parents[2]
 EXIT_AFTER_FAILURE_S = 3.0
 
 
 @pytest.fixture(scope="module")
 def two_rank_server():
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"xstage-serve-{port}.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xstage_dit", "serve", "--model", "tiny-flux", "--sp", "2", "--port", str(port),
-         "--heartbeat-timeout", "5", "--exit-after-failure", str(EXIT_AFTER_FAILURE_S), "--log-level", "warning",
-         "--max-batch-size", "1"],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, f"server exited with {proc.returncode}: {log.seek(0) or log.read()[-3000:]}"
-            assert time.time() < deadline, "2-rank server not ready within 180 s"
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        yield client, proc, log
-    finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()
+    with multirank_server("--heartbeat-timeout", "5", "--exit-after-failure", str(EXIT_AFTER_FAILURE_S),
+                          "--log-level", "warning", "--max-batch-size", "1") as server:
+        yield server
 
 
 def test_two_ranks_answer_with_the_single_process_image(two_rank_server):

@@ -5,39 +5,13 @@ next request gets the single-process image: the ranks still agree, step for step
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
-import httpx
-
-from tests.helpers.server import assert_same_image, decode_png, free_port, reference_image, tiny
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.server import assert_same_image, decode_png, multirank_server, reference_image, tiny
 
 
 def test_cancel_on_two_ranks_then_serve_again():
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", PYTHONUNBUFFERED="1")
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"xstage-serve-cancel-{port}.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "xstage_dit", "serve", "--model", "tiny-flux", "--sp", "2", "--port", str(port),
-         "--log-level", "warning", "--max-batch-size", "1"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-    try:
-        deadline = time.time() + 180
-        while True:
-            assert proc.poll() is None, f"server exited: {log.seek(0) or log.read()[-3000:]}"
-            assert time.time() < deadline, "2-rank server not ready within 180 s"
-            try:
-                if client.get("/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    with multirank_server("--log-level", "warning", "--max-batch-size", "1", log_name="serve-cancel",
+                          client_timeout_s=120) as (client, _, _):
         body = {"prompt": "slow", "size": "512x512", "num_inference_steps": 100, "seed": 3, "stream": True}
         events, job_id, cancelled_at = [], None, None
         with client.stream("POST", "/v1/images/generations", json=body) as stream:
@@ -64,12 +38,3 @@ def test_cancel_on_two_ranks_then_serve_again():
         want = reference_image(pipe, served, "a red cat", 5, 64, 64, 2)
         assert_same_image(decode_png(r.json()["data"][0]["b64_json"]), want, "after a cancelled batch")
         assert client.get("/health").status_code == 200
-    finally:
-        client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        log.close()

@@ -139,10 +139,15 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
         height=first.height,
         width=first.width,
         num_inference_steps=first.steps,
-        guidance_scale=first.guidance,
         generator=[g for r in requests for g in generators_for(r)],
         output_type="np",
     )
+    if "guidance_scale" in params:
+        kwargs["guidance_scale"] = first.guidance
+    elif first.guidance not in (0.0, 1.0):
+        # Qwen-Image 2.1 guides only through true_cfg_scale with a negative prompt
+        raise ValueError(f"expected guidance 1 for {type(pipe).__name__} (it has no guidance_scale; use "
+                         f"true_cfg_scale), got {first.guidance}")
     if first.negative_prompt is not None:
         kwargs["negative_prompt"] = [r.negative_prompt for r in requests for _ in range(r.n)]
     if first.true_cfg_scale is not None:
@@ -183,7 +188,7 @@ def to_pil_frames(output, kind: str) -> list[Image.Image]:
     array = np.asarray(array[0])  # first sample: (H, W, C) or (frames, H, W, C), floats in [0, 1]
     if kind == "image":
         array = array[None]
-    if array.ndim != 4 or array.shape[-1] not in (1, 3):
+    if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):  # 4: RGBA (Qwen-Image 2.1's VAE)
         raise ValueError(f"expected (frames, H, W, C) pixel data, got shape {array.shape}")
     if not np.isfinite(array).all():
         raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")

@@ -6,6 +6,7 @@ Model facts live here, in one table, not in isinstance chains. A family module (
 
 from __future__ import annotations
 
+from xstage_dit.models.hunyuan_video import PROMPT_TEMPLATE as HUNYUAN_VIDEO_TEMPLATE
 from xstage_dit.models.spec import ModelSpec
 
 # family -> module with build(size, ...)
@@ -23,6 +24,9 @@ FAMILY_MODULES = {
     "qwenimage": "xstage_dit.models.qwenimage",
     "helios": "xstage_dit.models.helios",
     "flux2": "xstage_dit.models.flux2",
+    "qwenimage21": "xstage_dit.models.qwenimage21",
+    "ltx2": "xstage_dit.models.ltx2",
+    "hunyuanvideo": "xstage_dit.models.hunyuan_video",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -121,6 +125,27 @@ def _specs() -> dict[str, ModelSpec]:
             name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
             patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
             description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-qwenimage21", family="qwenimage21", size="tiny", kind="image",
+            pipeline_class="QwenImage21Pipeline", patch_multiple=32, height=64, width=64, steps=2, guidance=1.0,
+            description="Qwen-Image 2.1 architecture (block-causal, KV cache), 2 blocks, 4 heads x 16, Qwen3-VL text "
+            "encoder, random weights",
+        ),
+        ModelSpec(
+            name="tiny-ltx2", family="ltx2", size="tiny", kind="video", pipeline_class="LTX2Pipeline",
+            patch_multiple=32, height=32, width=32, frames=5, frame_multiple=2, steps=2, guidance=3.0,
+            max_sequence_length=16, fps=24,
+            call_kwargs={"spatio_temporal_guidance_blocks": [0]},  # the tiny model's one block (LTX-2: 28)
+            description="LTX-2 audio+video architecture, 1 block, 4 heads x 8 per stream, Gemma-3 text encoder, "
+            "LTX-2 video/audio VAEs and vocoder, random weights (the audio is not written)",
+        ),
+        ModelSpec(
+            name="tiny-hunyuanvideo", family="hunyuanvideo", size="tiny", kind="video",
+            pipeline_class="HunyuanVideoPipeline", patch_multiple=16, height=32, width=32, frames=5, frame_multiple=4,
+            steps=2, guidance=6.0, max_sequence_length=16, fps=24,
+            call_kwargs={"prompt_template": HUNYUAN_VIDEO_TEMPLATE},  # its crop_start counts the in-code tokenizer
+            description="HunyuanVideo architecture, 1+1 blocks, 4 heads x 16, Llama + CLIP text encoders, random weights",
         ),
         ModelSpec(
             name="tiny-flux2", family="flux2", size="tiny", kind="image", pipeline_class="Flux2Pipeline",

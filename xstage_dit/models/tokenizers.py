@@ -7,7 +7,7 @@ below the text encoder's ``vocab_size`` (callers check this with :func:`max_toke
 How text outside the vocabulary is handled (non-ASCII prompts must work):
 
 - CLIP and Qwen (byte-level BPE): every byte has a token, so any UTF-8 text encodes losslessly.
-- Llama (BPE with byte fallback): unknown characters become ``<0xNN>`` byte tokens.
+- Llama and Gemma (BPE with byte fallback): unknown characters become ``<0xNN>`` byte tokens.
 - T5 / UMT5 (Unigram, as the real ones): unknown characters become ``<unk>``.
 
 `quiet_prompt_truncation(pipe)` keeps a long or non-Latin prompt from filling the log: diffusers prints
@@ -142,12 +142,11 @@ def t5_tokenizer(model_max_length: int = 512):
     return T5TokenizerFast(vocab=vocab, extra_ids=0, model_max_length=model_max_length)
 
 
-def llama_tokenizer(model_max_length: int = 8192):
-    """`LlamaTokenizerFast`-style BPE with byte fallback, bos/eos as in Llama 3 instruct and a pad token."""
-    from transformers import LlamaTokenizer
-
+def _byte_fallback_bpe(specials: tuple[str, ...]) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """SentencePiece-style BPE vocabulary with byte fallback (Llama, Gemma): `specials` first (their ids
+    in order), the 256 ``<0xNN>`` byte tokens, characters, ``▁`` word starts and the common words."""
     vocab: dict[str, int] = {}
-    for special in ("<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"):
+    for special in specials:
         _add(vocab, special)
     for b in range(256):
         _add(vocab, f"<0x{b:02X}>")
@@ -162,6 +161,14 @@ def llama_tokenizer(model_max_length: int = 8192):
         _word_merges(["▁" + word[0], *word[1:]], vocab, merges, seen)
     for word in WORDS:
         _word_merges(list(word), vocab, merges, seen)
+    return vocab, merges
+
+
+def llama_tokenizer(model_max_length: int = 8192):
+    """`LlamaTokenizerFast`-style BPE with byte fallback, bos/eos as in Llama 3 instruct and a pad token."""
+    from transformers import LlamaTokenizer
+
+    vocab, merges = _byte_fallback_bpe(("<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
     tok = LlamaTokenizer(
         vocab=vocab,
         merges=merges,
@@ -172,6 +179,14 @@ def llama_tokenizer(model_max_length: int = 8192):
     )
     tok.pad_token = "<|eot_id|>"
     return tok
+
+
+def gemma_tokenizer(model_max_length: int = 1024):
+    """`GemmaTokenizer` (BPE with byte fallback; ``<pad>``=0, ``<eos>``=1, ``<bos>``=2, ``<unk>``=3 as in Gemma)."""
+    from transformers import GemmaTokenizer
+
+    vocab, merges = _byte_fallback_bpe(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"))
+    return GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=model_max_length)
 
 
 def max_token_id(tokenizer) -> int:

@@ -11,6 +11,12 @@ that object to the backend untouched). The context says how the key/value tokens
 - ``"replicated_tail"``: k, v = [sharded image tokens (as many as the queries), replicated text]
   (NucleusMoE: image queries attend to image + text keys). The text tail is cut to this rank's
   share with the one split rule, so after the All-to-All every key appears exactly once.
+- ``"replicated_head"``: k, v = [a replicated prefix, sharded tokens (as many as the queries)]
+  (Qwen-Image 2.1: the target image attends to the whole text prefix and itself). The prefix
+  length is the plan's fact for this forward (``state.named["kv_head"]``, the same on every rank);
+  a call whose keys all lie inside the prefix (the prefix's own block-causal segments, whose
+  queries are replicated too) is local attention; otherwise the prefix is cut to this rank's share
+  as the tail is above.
 
 The op takes equal chunks of one sequence. A rank's attention sequence is a concatenation of
 several split pieces (FLUX: its text shard then its image shard), which is an equal chunk exactly
@@ -36,7 +42,7 @@ from xstage_dit.patches.attention_schedules import AttentionSchedules
 
 log = logging.getLogger(__name__)
 
-KV_LAYOUTS = ("sharded", "replicated", "replicated_tail")
+KV_LAYOUTS = ("sharded", "replicated", "replicated_tail", "replicated_head")
 
 
 @dataclass(eq=False)
@@ -92,6 +98,20 @@ def _attention_mask(mask: torch.Tensor, batch: int, seq_k: int, *, sharded_keys:
     if mask.dtype != torch.bool and not mask.is_floating_point():
         mask = mask.bool()
     return mask
+
+
+def _replicated_head(ctx: AttentionContext, seq_q: int, seq_k: int) -> int:
+    """The replicated prefix length of this call's keys, or -1 when every key lies inside the prefix."""
+    head = getattr(ctx.state, "named", {}).get("kv_head")
+    if not isinstance(head, int) or head < 0:
+        raise ValueError(f"attention {ctx.name}: expected the plan to record the replicated key prefix "
+                         f"(state.named['kv_head']) this forward, got {head!r}")
+    if seq_k <= head:
+        return -1
+    if seq_k - head != seq_q:
+        raise ValueError(f"attention {ctx.name}: expected keys = {head} replicated + the queries' {seq_q} sharded, "
+                         f"got {seq_k} keys")
+    return head
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -193,6 +213,16 @@ def xstage_attention(
         return _sdpa(query, key, value, mask, scale)
 
     tail = 0
+    if ctx.kv_layout == "replicated_head":
+        head = _replicated_head(ctx, seq_q, key.shape[1])
+        if head < 0:  # the prefix's own segments: replicated queries and keys
+            ctx.schedules.note_path("local", ctx.name)
+            return _sdpa(query, key, value, mask, scale)
+        tail = head  # one more split piece for the even-pieces rule
+        key = torch.cat([sharding.shard(key[:, :head], 1, ctx.rank, ctx.world), key[:, head:]], dim=1)
+        value = torch.cat([sharding.shard(value[:, :head], 1, ctx.rank, ctx.world), value[:, head:]], dim=1)
+        if mask is not None:
+            mask = torch.cat([sharding.shard(mask[..., :head], 3, ctx.rank, ctx.world), mask[..., head:]], dim=3)
     if ctx.kv_layout == "replicated_tail":
         tail = key.shape[1] - seq_q
         if tail < 0:

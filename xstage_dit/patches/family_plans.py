@@ -248,3 +248,105 @@ def hunyuan_video15_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         },
         local_attention=("context_embedder.*",),  # the token refiner, on the whole prompt before the split
     )
+
+
+# ---- Qwen-Image 2.1: one block-causal [text prefix, target image] sequence; the target is split -------------
+#
+# The prefix (text, and condition images in edit mode) stays whole on every rank: its keys are what the KV
+# cache holds after the first step (later steps run the target only), and its block-causal segments attend
+# only to the prefix, so every rank computes them alike, without communication. Only the target image (the
+# tokens of every step, the bulk of the sequence) is split; its queries attend [whole prefix, all targets]
+# through the "replicated_head" key layout.
+
+class _Qwen21Layout(ModelHook):
+    """Records, per forward, the target tokens (the last ``prod(img_shapes[0][-1])`` of the joint sequence)
+    and the replicated key prefix (the joint length minus them: every vision slot of ``img_mask`` stands for
+    2x2 latent tokens), in both the prefill and the cached decode (whose keys are [cached prefix, target])."""
+
+    def __init__(self, state: SequenceState) -> None:
+        super().__init__()
+        self.state = state
+
+    def pre_forward(self, module, *args, **kwargs):
+        img_shapes, img_mask = kwargs.get("img_shapes"), kwargs.get("img_mask")
+        if img_shapes is None or img_mask is None:
+            raise ValueError("expected QwenImage21Transformer2DModel to be called with img_shapes= and img_mask= "
+                             f"keywords (as its pipeline does), got keywords {sorted(kwargs)}")
+        target = 1
+        for n in img_shapes[0][-1]:
+            target *= int(n)
+        joint = img_mask.shape[1] + 3 * int(img_mask[0].sum())
+        sharding.check_splittable(target, self.state.world, "Qwen-Image 2.1's target image tokens")
+        self.state.record(target)
+        self.state.named.update(target=target, kv_head=joint - target)
+        return args, kwargs
+
+
+def _shard_last(x: torch.Tensor, dim: int, state: SequenceState) -> torch.Tensor:
+    """[x's leading part, this rank's shard of its last ``state.named['target']`` entries] along `dim`."""
+    target = state.named["target"]
+    head = x.shape[dim] - target
+    if head < 0:
+        raise ValueError(f"expected at least the {target} target tokens along dim {dim}, got shape {tuple(x.shape)}")
+    return torch.cat([x.narrow(dim, 0, head), sharding.shard(x.narrow(dim, head, target), dim, state.rank, state.world)],
+                     dim=dim)
+
+
+class _Qwen21Block(ModelHook):
+    """Every block gets the per-token tables of the whole sequence (rotary (seq, d/2) complex, the target
+    token mask (seq,), the key validity (batch, keys)) and, in the cached decode, the key padding mask
+    (batch, 1, 1, keys): each keeps its prefix and this rank's target shard. The first block also splits
+    the hidden states; after the last one, [prefix, target shard] becomes [prefix, all targets] on every
+    rank (the final norm and projection run on the whole sequence, as the pipeline reads its tail)."""
+
+    def __init__(self, state: SequenceState, first: bool, last: bool) -> None:
+        super().__init__()
+        self.state = state
+        self.first, self.last = first, last
+
+    def pre_forward(self, module, *args, **kwargs):
+        if args:
+            raise NotImplementedError(f"expected Qwen-Image 2.1 blocks to be called with keywords (inference, no "
+                                      f"gradient checkpointing), got {len(args)} positional arguments")
+        for name, dim in (("rotary_emb", 0), ("target_token_mask", 0), ("key_valid", 1), ("hidden_states", 1)):
+            if kwargs.get(name) is not None and (name != "hidden_states" or self.first):
+                kwargs[name] = _shard_last(kwargs[name], dim, self.state)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor):
+            kwargs["attention_mask"] = _shard_last(mask, mask.dim() - 1, self.state)
+        elif mask is not None:
+            raise NotImplementedError(f"Qwen-Image 2.1 under sequence parallelism runs QwenImage21AttnProcessor "
+                                      f"(segment prefill); got an attention_mask of type {type(mask).__name__}")
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        if not self.last:
+            return output
+        target = self.state.named["target"]
+        local = sharding.split_sizes(target, self.state.world)[self.state.rank]
+        head = output.shape[1] - local
+        full = sharding.gather(output[:, head:], 1, self.state.group, target)
+        return torch.cat([output[:, :head], full], dim=1)
+
+
+def qwenimage21_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    from xstage_dit.patches.processors import qwenimage21_processor
+
+    count = _blocks(model, "transformer_blocks")
+    for i, block in enumerate(model.transformer_blocks):
+        processor = block.attn.processor
+        if type(processor).__name__ != "QwenImage21AttnProcessor" or not type(processor).__module__.startswith("diffusers."):
+            # the flex processor's prefill calls flex_attention itself (backend="flex"), and a subclass may
+            # dispatch with backend=None too: either would attend the local shard only, so both are refused
+            raise ValueError(f"expected diffusers' QwenImage21AttnProcessor in every Qwen-Image 2.1 block under "
+                             f"sequence parallelism, got {type(processor).__name__} in transformer_blocks.{i}.attn")
+
+    def block_hook(i: int):
+        return lambda state: _Qwen21Block(state, first=i == 0, last=i == count - 1)
+
+    return SequenceParallelSpec(
+        cp_plan={},
+        kv_layouts={"transformer_blocks.*.attn": "replicated_head"},
+        processor_swaps={"QwenImage21AttnProcessor": qwenimage21_processor},
+        extra_hooks=[("", _Qwen21Layout), *[(f"transformer_blocks.{i}", block_hook(i)) for i in range(count)]],
+    )

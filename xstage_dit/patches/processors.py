@@ -87,3 +87,22 @@ class XStageHiDreamAttnProcessor:
             hidden_states_i, hidden_states_t = torch.split(hidden_states, [num_image_tokens, num_text_tokens], dim=1)
             return attn.to_out(hidden_states_i), attn.to_out_t(hidden_states_t)
         return attn.to_out(hidden_states)
+
+
+def qwenimage21_processor(processor):
+    """Qwen-Image 2.1's ``QwenImage21AttnProcessor`` whose every attention call reaches the xstage backend.
+
+    Its block-causal prefill calls ``dispatch_attention_fn(..., backend=None)`` once per prefix segment and
+    once for the target image: ``backend=None`` means diffusers' active backend, not the processor's
+    ``_attention_backend`` (which only its cached decode reads). The replacement runs the original
+    ``__call__`` unchanged with the processor's backend made the active one for the call's duration.
+    """
+    from diffusers import attention_backend
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
+
+    class XStageQwenImage21AttnProcessor(QwenImage21AttnProcessor):
+        def __call__(self, attn, hidden_states, **kwargs):
+            with attention_backend(self._attention_backend):
+                return super().__call__(attn, hidden_states, **kwargs)
+
+    return XStageQwenImage21AttnProcessor()
