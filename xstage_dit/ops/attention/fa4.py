@@ -44,8 +44,11 @@ def _fwd():
         raise FA4Unavailable(f"expected {DISTRIBUTION}=={PINNED} (pip install 'xstage-dit[gpu]'), got none") from exc
     if version != PINNED:
         raise FA4Unavailable(f"expected {DISTRIBUTION}=={PINNED} (its _flash_attn_fwd is private API), got {version}")
-    from flash_attn.cute.interface import _flash_attn_fwd
-
+    try:
+        from flash_attn.cute.interface import _flash_attn_fwd
+    except Exception as exc:  # noqa: BLE001 - an install that does not import (e.g. the CuTe DSL without its
+        # CUDA-toolkit flavour raises RuntimeError at import) is an unavailable kernel, with the reason
+        raise FA4Unavailable(f"expected {DISTRIBUTION}=={PINNED} to import, got {type(exc).__name__}: {exc}") from exc
     return _flash_attn_fwd
 
 

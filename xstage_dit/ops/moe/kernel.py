@@ -13,7 +13,10 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# Per-call counts (tiles, rows) depend on the routing: specialised on divisibility by 16 they would compile a
+# new kernel each time a call's counts land in a new residue class (seconds each, paid by whichever request
+# first routes that way), so they are plain run-time ints.
+@triton.jit(do_not_specialize=["num_tiles", "num_rows"])
 def _moe_mlp_combine_kernel(
     x_ptr,  # (rows, H) expert-major dispatched rows
     w1_ptr,  # (E_local, H, 2I): gate columns [0, I), up columns [I, 2I)
@@ -184,7 +187,7 @@ def _moe_mlp_combine_kernel(
             t += tl.num_programs(0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _push_rows_kernel(
     src_ptr,  # (n_src, C) rows to send
     src_idx_ptr,  # int32[n]: source row of each pushed row
