@@ -134,6 +134,70 @@ def test_schedules_are_complete_and_deadlock_free(lead):
         assert L1_TILE in kinds[first_l2:]
 
 
+def _reference_order(expert_offsets, *, hidden, intermediate, block_m, block_n1, block_n2, lead, num_programs):
+    """The schedule's definition written as loops (the module docstring), for the array version to match."""
+    blocks = [(e, r, min(r + block_m, expert_offsets[e + 1])) for e in range(len(expert_offsets) - 1)
+              for r in range(expert_offsets[e], expert_offsets[e + 1], block_m)]
+    n1, n2 = -(-intermediate // block_n1), -(-hidden // block_n2)
+    wb = max(1, -(-num_programs // n1))
+    waves = [list(range(b, min(b + wb, len(blocks)))) for b in range(0, len(blocks), wb)]
+    l1 = lambda w: [(L1_TILE, b, n) for b in waves[w] for n in range(n1)] if w < len(waves) else []  # noqa: E731
+    l2 = lambda w: [(L2_TILE, b, n) for b in waves[w] for n in range(n2)]  # noqa: E731
+
+    def merge(a2, a1):
+        if not a2 or not a1:
+            return a2 + a1
+        out, j = [], 0
+        for i, t in enumerate(a2):
+            out.append(t)
+            while j < (i + 1) * len(a1) // len(a2):
+                out.append(a1[j])
+                j += 1
+        return out + a1[j:]
+
+    if lead == 0:
+        order = [t for w in range(len(waves)) for t in l1(w) + l2(w)]
+    else:
+        order = [t for w in range(min(lead, len(waves))) for t in l1(w)]
+        order += [t for w in range(len(waves)) for t in merge(l2(w), l1(w + lead))]
+    return blocks, order
+
+
+@pytest.mark.parametrize("lead", [0, 1, 2, 5])
+@pytest.mark.parametrize("seed", range(4))
+def test_array_schedule_equals_the_loop_definition(lead, seed):
+    g = torch.Generator().manual_seed(seed)
+    experts = int(torch.randint(1, 40, (1,), generator=g))
+    sizes = torch.randint(0, 400, (experts,), generator=g)
+    sizes[torch.rand(experts, generator=g) < 0.2] = 0  # empty experts
+    offsets = [0] + sizes.cumsum(0).tolist()
+    shape = dict(hidden=int(torch.randint(16, 600, (1,), generator=g)),
+                 intermediate=int(torch.randint(16, 600, (1,), generator=g)), block_m=[16, 64, 128][seed % 3],
+                 block_n1=32, block_n2=64, lead=lead, num_programs=int(torch.randint(1, 140, (1,), generator=g)))
+    s = build_schedule(offsets, **shape)
+    blocks, order = _reference_order(offsets, **shape)
+    assert [tuple(r) for r in s.blocks.tolist()] == blocks
+    assert [tuple(r) for r in s.tiles.tolist()] == order
+    check_schedule(s)
+
+
+def test_schedule_of_a_nucleusmoe_layer_is_cheap_host_work():
+    """Built on every MoE layer call (routing moves the offsets), behind a host sync: it must stay small."""
+    g = torch.Generator().manual_seed(0)
+    offsets = [0] + torch.randint(100, 400, (128,), generator=g).cumsum(0).tolist()
+    best = min(_timed(lambda: build_schedule(offsets, hidden=2048, intermediate=1344, block_m=128, block_n1=128,
+                                             block_n2=128, lead=2, num_programs=132)) for _ in range(5))
+    assert best < 3e-3, f"expected the tile table of ~8.5K tiles in under 3 ms, took {best * 1e3:.1f} ms"
+
+
+def _timed(fn):
+    import time
+
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def test_check_schedule_rejects_bad_orders():
     s = build_schedule([0, 64], hidden=64, intermediate=64, block_m=64, block_n1=32, block_n2=64, lead=0,
                        num_programs=4)

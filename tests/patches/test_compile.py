@@ -73,14 +73,14 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
 
 
 def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
-    """NucleusMoE at world 1 on a GPU swaps in the EP layer (the fused kernel's path); its routing plan is
-    data-dependent (bincount, nonzero, .tolist) and graph-breaks under dynamo, which must cost speed only,
-    never correctness. On the CPU the chooser keeps diffusers' layer, so the GPU's choice is forced here."""
+    """NucleusMoE's EP layer at world 1 (what ``world1_path`` asks for; "auto" keeps diffusers' layer): its
+    routing plan is data-dependent (bincount, nonzero, .tolist) and graph-breaks under dynamo, which must cost
+    speed only, never correctness. The swap is forced here (the CPU keeps diffusers' layer)."""
     import xstage_dit.patches.expert_parallel as expert_parallel
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs
 
-    monkeypatch.setattr(expert_parallel, "_world1_keeps", lambda child, where, seen: False)
+    monkeypatch.setattr(expert_parallel, "_world1_keeps", lambda child, where, seen, requested: False)
     with one_torch_thread():
         pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
         spec = model_spec("tiny-nucleusmoe")

@@ -95,3 +95,14 @@ def test_scheduler_decides_once_per_shape_and_logs_once(caplog):
     assert a is b and c is not a and len(sched.choices) == 2
     lines = [r.getMessage() for r in caplog.records if "EP MoE schedule" in r.getMessage()]
     assert len(lines) == 2 and all("fused" in line for line in lines), lines
+
+
+def test_world1_keeps_diffusers_layer_unless_a_path_is_requested():
+    from xstage_dit.schedule.moe import choose_moe_world1
+
+    assert choose_moe_world1(CPU, num_experts=128).name == "diffusers"
+    gpu = choose_moe_world1(H200, num_experts=128)
+    assert gpu.name == "diffusers" and "2.2x" in gpu.reason  # the measured reason, not a guess
+    assert choose_moe_world1(H200, num_experts=128, requested="fused").name == "fused"
+    with pytest.raises(ValueError, match="fast"):
+        choose_moe_world1(H200, num_experts=128, requested="fast")

@@ -118,7 +118,7 @@ class XStage(Contender):
 
 class XStageServed(XStage):
     """The ``xstage-calibrated`` contender's pipeline (``parallelize`` with the configuration ``xstage-dit
-    serve`` uses: schedule auto, calibrated, so the fused MoE layer where it measured faster; compiled when
+    serve`` uses: schedule auto, calibrated: the measured attention kernel; compiled when
     asked) behind the HTTP server in this process: one ``POST /v1/images/generations`` per prompt, its PNG
     decoded. The difference to ``xstage-calibrated`` is what the server costs (queue, step callback, PNG,
     HTTP); ``info["served_timings"]`` splits it per call.
@@ -251,6 +251,17 @@ def _mp4_frames(data: bytes):
         os.unlink(path)
 
 
+def _give_flash_attn_a_version() -> None:
+    """xfuser's compile path reads ``flash_attn.__version__`` whenever ``flash_attn`` is imported; flash-attn-4
+    (imported by our kernel sweep in the same process) is a namespace package without one, and xfuser+compile
+    then failed with AttributeError (H200, 2026-12-03). Give it the installed distribution's version."""
+    import sys
+
+    module = sys.modules.get("flash_attn")
+    if module is not None and not hasattr(module, "__version__"):
+        module.__version__ = _version("flash-attn-4") or _version("flash-attn") or "0"
+
+
 class XFuserUSP(Contender):
     """xDiT/xfuser's USP: its pipeline wrapper with Ulysses degree = GPU count (ring degree 1)."""
 
@@ -285,6 +296,7 @@ class XFuserUSP(Contender):
         from xfuser.core.distributed import init_distributed_environment
 
         b.ensure_process_group()
+        _give_flash_attn_a_version()
         init_distributed_environment(rank=b.rank, world_size=b.world_size)  # adopts the existing group
         engine_config, _ = xFuserArgs(
             model=b.args.model, ulysses_degree=b.world_size, ring_degree=1, use_torch_compile=self.compile,

@@ -18,7 +18,7 @@ never falls back silently first.
 
 Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
 
-    handle = parallelize(pipe, ParallelConfig())           # world 1 too: serial schedule, fused MoE
+    handle = parallelize(pipe, ParallelConfig())           # world 1 too: the measured attention kernel
     compiled = apply_compile(pipe, "regional", max_shapes=4)
     pipe(prompt, height=1024, width=1024)                  # compiles this shape (warm-up)
     compiled.restore()

@@ -8,9 +8,9 @@ Every EP layer of a model shares one ``MoEScheduler`` fed the X-Stage params ``p
 (``xparams``): the path and lead are chosen once per layer shape, logged once, and readable on each
 layer as ``layer.schedule_choice``.
 
-World 1 (a group of one rank): a layer is swapped only where the path chooser says "fused" (the fused
-kernel on a GPU with enough local experts, e.g. NucleusMoE); elsewhere (the CPU, HiDream's few large
-experts) diffusers' own layer stays, and the reason is logged either way.
+World 1 (a group of one rank): diffusers' own layer stays (`schedule.moe.choose_moe_world1`: measured faster
+end to end on the H200 for NucleusMoE, whose EP layer's host-side routing plan outweighs its faster kernel
+there), and the reason is logged; ``apply_expert_parallel(world1_path="fused")`` swaps the EP layer in anyway.
 
 A pipeline loaded with ``load_pipeline(..., expert_shard=(rank, ep))`` already holds EP layers with only
 this rank's experts: they are not swapped but bound to the group (their shard must be the group's
@@ -28,7 +28,7 @@ import torch
 
 from xstage_dit.comm.distributed import world_of
 from xstage_dit.schedule.facts import DeviceFacts
-from xstage_dit.schedule.moe import MoEScheduler, choose_moe_path
+from xstage_dit.schedule.moe import MoEScheduler, choose_moe_world1
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +53,28 @@ def _num_experts(layer: torch.nn.Module) -> int:
     return int(num) if num is not None else len(layer.experts)
 
 
-def _world1_keeps(child: torch.nn.Module, where: str, seen: set) -> bool:
-    """World 1: True (keep diffusers' layer) unless the path chooser says the fused kernel runs faster."""
+def _world1_keeps(child: torch.nn.Module, where: str, seen: set, requested: str) -> bool:
+    """World 1: True (keep diffusers' layer) unless `choose_moe_world1` picks an EP layer path."""
     facts = DeviceFacts.from_device(_device_of(child))
     experts = _num_experts(child)
-    choice = choose_moe_path(facts, num_experts_per_rank=experts)
+    choice = choose_moe_world1(facts, num_experts=experts, requested=requested)
     key = (type(child).__name__, experts, facts)
     if key not in seen:  # one line per layer shape, not per layer
         seen.add(key)
-        action = "EP layer (world 1)" if choice.name == "fused" else "diffusers' layer kept"
+        action = "diffusers' layer kept" if choice.name == "diffusers" else "EP layer (world 1)"
         log.info("expert parallel at world 1: %s with %d experts (first at %s): %s -> %s (%s)",
                  type(child).__name__, experts, where, choice.name, action, choice.reason)
-    return choice.name != "fused"
+    return choice.name == "diffusers"
 
 
-def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None) -> tuple[Callable[[], None], int]:
+def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None,
+                          world1_path: str = "auto") -> tuple[Callable[[], None], int]:
     """Replace every module whose class name is in `moe_layers` by its EP layer over `group`.
 
     moe_layers: ((diffusers class name, "module:EPClass"), ...). xparams: the calibrated X-Stage params of
     the group's target (``params_for(...).params``) or None; they feed the layers' shared ``MoEScheduler``.
-    At world 1 only the layers the path chooser runs fused are swapped (see the module docstring).
+    At world 1 diffusers' layers stay unless ``world1_path`` asks for an EP path ("fused", "serial",
+    "reference"; "auto" keeps them: measured faster end to end, `schedule.moe.choose_moe_world1`).
     Returns (undo, number replaced or bound).
     """
     classes = {name: path for name, path in moe_layers}
@@ -97,7 +99,7 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
                 path = classes.get(type(child).__name__)
                 if path is None:
                     continue
-                if world == 1 and _world1_keeps(child, f"{parent_name}.{child_name}", kept):
+                if world == 1 and _world1_keeps(child, f"{parent_name}.{child_name}", kept, world1_path):
                     continue
                 ep_layer = _ep_class(path).from_layer(child, group, scheduler=scheduler)
                 device = _device_of(child)

@@ -85,6 +85,29 @@ def choose_moe_path(facts: DeviceFacts, *, num_experts_per_rank: int, requested:
         "fused kernel was measured faster than grouped matmul there", {})
 
 
+# Measured on one H200 (2026-12-03, benchmarks/results/e2e/nucleusmoe-1xh200-9ba8745.*): NucleusMoE 1024²,
+# 4 steps, world 1: diffusers' own layer 134 ms a step, the EP layer with the fused kernel 285-370 ms. The
+# kernel alone is faster than grouped matmul (benchmarks/results/moe), but the EP layer plans its rows on the
+# host behind a sync every layer (~5 ms a layer for 32K routed rows), and at world 1 nothing hides it.
+WORLD1_MEASURED = ("measured on the H200 for NucleusMoE at world 1: the EP layer's step 2.2x diffusers' own "
+                   "(its host-side routing plan, ~5 ms a layer behind a sync, outweighs the faster kernel)")
+
+
+def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, requested: str = "auto") -> ScheduleChoice:
+    """World 1 (no experts to exchange): "diffusers" (keep diffusers' MoE layer) or an EP layer path.
+
+    requested: "auto" keeps diffusers' layer (measured faster end to end, ``WORLD1_MEASURED``); an explicit
+    "fused" | "serial" | "reference" swaps in the EP layer on that path (`choose_moe_path` rules).
+    """
+    check_moe_path(requested)
+    _check_ints(num_experts=num_experts)
+    if requested != "auto":
+        return choose_moe_path(facts, num_experts_per_rank=num_experts, requested=requested)
+    if not facts.is_cuda:
+        return ScheduleChoice("diffusers", f"no GPU ({facts.name}): diffusers' layer", {})
+    return ScheduleChoice("diffusers", f"{num_experts} experts on {facts.name}: {WORLD1_MEASURED}", {})
+
+
 def choose_moe_lead(
     xparams,
     facts: DeviceFacts,
