@@ -115,22 +115,28 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, e
                               shard=expert_shard, build_module=build_module, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int, expert_shard=None):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, NucleusMoEImagePipeline
+def qwen3vl_text_encoder(text_config: dict, vision_config: dict, *, seed: int, device, dtype: torch.dtype):
+    """(the Qwen3-VL processor with the in-code tokenizer, a ``Qwen3VLForConditionalGeneration`` of these
+    configs with random weights): the text encoder of NucleusMoE and Qwen-Image 2.1."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     proc = processor()
     tok = proc.tokenizer
-    check_vocab(tok, TEXT[size]["vocab_size"], "Qwen3-VL")
+    check_vocab(tok, text_config["vocab_size"], "Qwen3-VL")
     config = Qwen3VLConfig(
-        text_config=TEXT[size], vision_config=VISION[size],
+        text_config=text_config, vision_config=vision_config,
         image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
     )
-    text_encoder = build_module(lambda: Qwen3VLForConditionalGeneration(config), seed=seed + 1, device=device,
-                                dtype=dtype)
+    return proc, build_module(lambda: Qwen3VLForConditionalGeneration(config), seed=seed, device=device, dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int, expert_shard=None):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, NucleusMoEImagePipeline
+
+    proc, text_encoder = qwen3vl_text_encoder(TEXT[size], VISION[size], seed=seed + 1, device=device, dtype=dtype)
     vae = build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype)
     return NucleusMoEImagePipeline(
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed, expert_shard=expert_shard),

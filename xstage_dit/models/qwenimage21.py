@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.models.build import build_module, check_vocab
-from xstage_dit.models.nucleusmoe import VISION, processor
+from xstage_dit.models.build import build_module
+from xstage_dit.models.nucleusmoe import VISION, qwen3vl_text_encoder
 
 TEXT = {
     # the pipeline reads hidden_states[-1] (before the final norm): 2 layers suffice
@@ -49,23 +49,12 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
 
 def build(size: str, *, dtype: torch.dtype, device, seed: int):
     from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    proc = processor()
-    tok = proc.tokenizer
-    check_vocab(tok, TEXT[size]["vocab_size"], "Qwen3-VL")
-    config = Qwen3VLConfig(
-        text_config=TEXT[size], vision_config=VISION[size],
-        image_token_id=tok.convert_tokens_to_ids("<|image_pad|>"),
-        video_token_id=tok.convert_tokens_to_ids("<|video_pad|>"),
-        vision_start_token_id=tok.convert_tokens_to_ids("<|vision_start|>"),
-        vision_end_token_id=tok.convert_tokens_to_ids("<|vision_end|>"),
-    )
+    proc, text_encoder = qwen3vl_text_encoder(TEXT[size], VISION[size], seed=seed + 1, device=device, dtype=dtype)
     return QwenImage21Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=build_module(lambda: AutoencoderKLQwenImage21(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
-        text_encoder=build_module(lambda: Qwen3VLForConditionalGeneration(config), seed=seed + 1, device=device,
-                                  dtype=dtype),
+        text_encoder=text_encoder,
         processor=proc,
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
     )
