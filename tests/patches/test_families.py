@@ -10,6 +10,7 @@ error within 10 s.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -40,7 +41,8 @@ FAMILY_CLASSES = {
 def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400) -> list[dict]:
     from xstage_dit.comm.launcher import launch
 
-    out = tmp_path / f"{'-'.join(cases)}-w{world}.json"
+    # Named by a digest of the cases: joined names outgrow a file name (255 bytes) as families are added.
+    out = tmp_path / f"{hashlib.sha1('-'.join(cases).encode()).hexdigest()[:12]}-w{world}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XSTAGE_TEST_TIMEOUT="120", OMP_NUM_THREADS="1")
     code = launch(world, [sys.executable, WORKER, str(out), *cases], timeout_s=timeout_s, env=env)
