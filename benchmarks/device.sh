@@ -95,7 +95,10 @@ step_fa4_install() {
     cat "/tmp/bigwheel/$n.part-aa" "$b" > "/tmp/bigwheel/$n"
   done
   cp .whl-fe/*.whl /tmp/bigwheel/ 2>/dev/null
-  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site_dsl" /tmp/bigwheel/*.whl \
+  # --upgrade: device_env.sh already installed the stash's other wheels into the same folder before the join,
+  # and without it pip skips the existing nvidia_cutlass_dsl folder, leaving the DSL without its CUDA-13
+  # libraries ("No CTK flavor installed", H200 2026-12-03). One call, all wheels, replaced together.
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site_dsl" /tmp/bigwheel/*.whl \
     2>&1 | grep -v -i warning
   "$py" -c "import flash_attn.cute, cudnn, torch; print('fa4 ok; cudnn', cudnn.backend_version(), torch.backends.cudnn.version())"
 }
