@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from xstage_dit.models.generation import to_uint8
+from xstage_dit.models.generation import read_mp4, to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from tests.helpers.server import live_server, one_torch_thread, start_worker, tiny
@@ -39,25 +39,6 @@ def server():
     with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=60) as client:
         yield client, worker
     worker.stop()
-
-
-def decode_mp4(data: bytes) -> np.ndarray:
-    import os
-    import tempfile
-
-    import imageio_ffmpeg
-
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    try:
-        reader = imageio_ffmpeg.read_frames(path)
-        meta = reader.__next__()
-        width, height = meta["size"]
-        frames = [np.frombuffer(buf, np.uint8).reshape(height, width, 3) for buf in reader]
-    finally:
-        os.unlink(path)
-    return np.stack(frames)
 
 
 def reference_frames(seed: int, prompt: str, size: int, frames: int, steps: int) -> np.ndarray:
@@ -91,7 +72,7 @@ def test_video_job_progress_and_mp4_content(server):
     assert status["timings"]["run_s"] > 0
     content = client.get(f"/v1/videos/{job['id']}/content")
     assert content.status_code == 200 and content.headers["content-type"] == "video/mp4"
-    frames = decode_mp4(content.content)
+    frames = read_mp4(content.content)
     assert frames.shape == (5, 32, 32, 3)
     want, other = reference_frames(4, "a cat walking", 32, 5, 3), reference_frames(5, "a cat walking", 32, 5, 3)
     err_want = np.abs(frames.astype(float) - want).mean()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import base64
 import importlib.metadata
 import io
-import os
-import tempfile
 import time
 from types import SimpleNamespace
 
@@ -217,7 +215,9 @@ class _EncodedOutput:
     def _decode(self) -> np.ndarray:
         if self._pixels is None:
             if self.kind == "video":
-                self._pixels = np.stack(list(_mp4_frames(self.data))).astype(np.float32)[None] / 255.0
+                from xstage_dit.models.generation import read_mp4
+
+                self._pixels = read_mp4(self.data).astype(np.float32)[None] / 255.0
             else:
                 from PIL import Image
 
@@ -232,23 +232,6 @@ class _EncodedOutput:
     @property
     def frames(self):
         return self._decode() if self.kind == "video" else None
-
-
-def _mp4_frames(data: bytes):
-    """(H, W, 3) uint8 frames of an MP4 (the ffmpeg binary of imageio-ffmpeg)."""
-    import imageio_ffmpeg
-
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        reader = imageio_ffmpeg.read_frames(path)
-        meta = next(reader)
-        width, height = meta["size"]
-        for frame in reader:
-            yield np.frombuffer(frame, dtype=np.uint8).reshape(height, width, 3)
-    finally:
-        os.unlink(path)
 
 
 def _give_flash_attn_a_version() -> None:

@@ -209,6 +209,26 @@ def image_grid(frames: list[Image.Image], columns: int | None = None) -> Image.I
     return grid
 
 
+def read_mp4(data: bytes) -> np.ndarray:
+    """The frames of an MP4 (bytes) as (num_frames, height, width, 3) uint8, through imageio-ffmpeg's ffmpeg:
+    what a client of ``/v1/videos`` gets back, decoded (tests, the served benchmark contender)."""
+    import os
+    import tempfile
+
+    import imageio_ffmpeg
+
+    fd, path = tempfile.mkstemp(suffix=".mp4")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        reader = imageio_ffmpeg.read_frames(path)
+        width, height = next(reader)["size"]
+        frames = [np.frombuffer(buf, dtype=np.uint8).reshape(height, width, 3) for buf in reader]
+    finally:
+        os.unlink(path)
+    return np.stack(frames)
+
+
 def save_output(frames: list[Image.Image], path: str | Path, *, kind: str, fps: int = 16) -> Path:
     """Write an image (PNG/JPEG/WebP), a video (MP4) or, for a video to an image suffix, a grid of frames."""
     path = Path(path)
