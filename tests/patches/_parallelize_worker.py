@@ -106,14 +106,9 @@ class _TransformerCase:
 
 
 def _hunyuan(padded: bool = True):
-    from diffusers import HunyuanVideoTransformer3DModel
+    from tests.helpers.tiny_transformers import hunyuan_video_transformer
 
-    from xstage_dit.models.build import build_module
-
-    model = build_module(lambda: HunyuanVideoTransformer3DModel(
-        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1, num_single_layers=1,
-        num_refiner_layers=1, text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6),
-    ), seed=1, device="cpu", dtype=torch.float32)
+    model = hunyuan_video_transformer()
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(1, 12)
     if padded:

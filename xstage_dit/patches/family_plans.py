@@ -22,6 +22,11 @@ from xstage_dit.patches import sharding
 from xstage_dit.patches.sequence_parallel import SequenceParallelSpec, SequenceState
 
 
+def _rope_split(cpi, split_dim: int, expected_dims: int) -> dict:
+    """The plan entry of a rotary-embedding module returning (cos, sin): both outputs split along split_dim."""
+    return {i: cpi(split_dim=split_dim, expected_dims=expected_dims, split_output=True) for i in (0, 1)}
+
+
 def _blocks(model: torch.nn.Module, name: str) -> int:
     blocks = getattr(model, name, None)
     if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
@@ -109,7 +114,7 @@ def z_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
 def wan_vace_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     cpi, cpo = private.cp_types()
     _blocks(model, "vace_blocks")
-    rope = {0: cpi(split_dim=1, expected_dims=4, split_output=True), 1: cpi(split_dim=1, expected_dims=4, split_output=True)}
+    rope = _rope_split(cpi, 1, 4)
     return SequenceParallelSpec(
         cp_plan={
             "": {"timestep": cpi(split_dim=1, expected_dims=2)},  # per-token timesteps (Wan 2.2 TI2V style)
@@ -129,7 +134,7 @@ def wan_vace_sp(model: torch.nn.Module) -> SequenceParallelSpec:
 def skyreels_v2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     cpi, cpo = private.cp_types()
     last = _blocks(model, "blocks") - 1
-    rope = {0: cpi(split_dim=1, expected_dims=4, split_output=True), 1: cpi(split_dim=1, expected_dims=4, split_output=True)}
+    rope = _rope_split(cpi, 1, 4)
     return SequenceParallelSpec(
         cp_plan={
             "rope": rope,
@@ -160,8 +165,7 @@ def ltx2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         raise ValueError(f"expected LTX-2's _cp_plan to split at the root and gather at proj_out, got {sorted(shipped)}")
     split_rope = getattr(model.config, "rope_type", "interleaved") == "split"
     dim, dims = (2, 4) if split_rope else (1, 3)
-    rope = {0: cpi(split_dim=dim, expected_dims=dims, split_output=True),
-            1: cpi(split_dim=dim, expected_dims=dims, split_output=True)}
+    rope = _rope_split(cpi, dim, dims)
     plan = {"": shipped[""], "rope": rope, "cross_attn_rope": dict(rope), "proj_out": shipped["proj_out"]}
     return SequenceParallelSpec(
         cp_plan=plan,
@@ -209,7 +213,7 @@ class _ShardedJointMask(ModelHook):
 def hunyuan_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     cpi, cpo = private.cp_types()
     _blocks(model, "transformer_blocks")
-    rope = {0: cpi(split_dim=0, expected_dims=2, split_output=True), 1: cpi(split_dim=0, expected_dims=2, split_output=True)}
+    rope = _rope_split(cpi, 0, 2)
     extra = [("x_embedder", _ImageTokens), ("transformer_blocks.*", _ShardedJointMask)]
     if len(getattr(model, "single_transformer_blocks", ())):
         extra.append(("single_transformer_blocks.*", _ShardedJointMask))
@@ -233,7 +237,7 @@ def hunyuan_image_sp(model: torch.nn.Module) -> SequenceParallelSpec:
 def hunyuan_video15_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     cpi, cpo = private.cp_types()
     _blocks(model, "transformer_blocks")
-    rope = {0: cpi(split_dim=0, expected_dims=2, split_output=True), 1: cpi(split_dim=0, expected_dims=2, split_output=True)}
+    rope = _rope_split(cpi, 0, 2)
     return SequenceParallelSpec(
         cp_plan={
             "rope": rope,  # (cos, sin), (S_video, d)
