@@ -20,6 +20,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import struct
+import threading
 import zlib
 
 import numpy as np
@@ -32,14 +33,16 @@ _SUB = 1  # PNG filter type "Sub": each byte minus the byte one pixel to its lef
 _COLOR_TYPE = {1: 0, 2: 4, 3: 2, 4: 6}  # channels -> PNG colour type (grey, grey+alpha, RGB, RGBA)
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()  # the server encodes on two threads: one pool for both, made once
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
     global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
-                                                      thread_name_prefix="xstage-png")
-    return _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1),
+                                                          thread_name_prefix="xstage-png")
+        return _POOL
 
 
 def _chunk(tag: bytes, data: bytes) -> bytes:
