@@ -5,6 +5,7 @@ timeouts, auth, metrics."""
 
 from __future__ import annotations
 
+import base64
 import json
 import socket
 import time
@@ -89,6 +90,28 @@ def test_image_equals_the_pipeline_output_for_its_seed(server, reference):
     # A different seed is a different image (the comparison above can fail).
     other = reference_image(pipe, served, "a red cat", 9, 32, 48, 2)
     assert abs(decode_png(body["data"][0]["b64_json"]).astype(int) - other.astype(int)).max() > 1
+
+
+def test_png_answer_is_the_same_image_as_the_json_one(server, reference):
+    """response_format 'png': the body is the PNG the JSON answer carries in base64, byte for byte, with the
+    seed, job id and timings in headers; it takes one image and no stream."""
+    client, _ = server
+    body = {"prompt": "a red cat", "size": "32x48", "seed": 11, "num_inference_steps": 2}
+    as_json = client.post("/v1/images/generations", json=body)
+    as_png = client.post("/v1/images/generations", json={**body, "response_format": "png"})
+    assert as_json.status_code == 200 and as_png.status_code == 200, (as_json.text, as_png.text[:200])
+    assert as_png.headers["content-type"] == "image/png" and as_png.headers["x-seed"] == "11"
+    assert as_png.content == base64.b64decode(as_json.json()["data"][0]["b64_json"])
+    timings = json.loads(as_png.headers["x-timings"])
+    assert timings["total_s"] > 0 and timings["encode_s"] is not None, timings
+    assert as_png.headers["x-job-id"] != as_json.headers["x-job-id"]
+    pipe, served = reference
+    assert_same_image(decode_png(base64.b64encode(as_png.content).decode()),
+                      reference_image(pipe, served, "a red cat", 11, 32, 48, 2), "png answer")
+    for extra, got in (({"n": 2}, "n=2"), ({"stream": True}, "stream=true")):
+        r = client.post("/v1/images/generations", json={**body, "response_format": "png", **extra})
+        error = r.json()["error"]
+        assert r.status_code == 422 and error["param"] == "response_format" and got in error["message"], r.text
 
 
 @pytest.mark.parametrize("body, param", [

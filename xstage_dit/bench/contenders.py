@@ -3,7 +3,7 @@ any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_c
 
 from __future__ import annotations
 
-import base64
+import json
 import importlib.metadata
 import io
 import time
@@ -166,11 +166,12 @@ class XStageServed(XStage):
         if b.spec.kind == "video":
             data, timings = self._video(self._body(b, kwargs))
         else:
-            r = self.client.post("/v1/images/generations", json=self._body(b, kwargs))
-            if r.status_code != 200:
-                raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
-            payload = r.json()
-            data, timings = base64.b64decode(payload["data"][0]["b64_json"]), payload.get("timings") or {}
+            # The binary answer: what a client that wants the image (not OpenAI's JSON) asks for.
+            r = self.client.post("/v1/images/generations", json={**self._body(b, kwargs), "response_format": "png"})
+            if r.status_code != 200 or r.headers.get("content-type") != "image/png":
+                raise RuntimeError(f"expected 200 image/png from the served request, got {r.status_code} "
+                                   f"{r.headers.get('content-type')}: {r.text[:300]}")
+            data, timings = r.content, json.loads(r.headers.get("x-timings") or "{}")
         # Where a served request's time goes (server: queue, pipeline call, encoding; then HTTP), one entry per
         # call: the overhead over the bare call, located.
         self.info.setdefault("served_timings", []).append({

@@ -43,7 +43,10 @@ class ImageGenerationRequest(_Strict):
     model: str | None = Field(None, description="Must be the served model's name when given.")
     n: int = Field(1, description="Number of images (seeds seed, seed+1, ...).")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels, e.g. '64x64'; default: the model's.")
-    response_format: Literal["b64_json"] = Field("b64_json", description="Only base64 PNGs are returned.")
+    response_format: Literal["b64_json", "png"] = Field(
+        "b64_json", description="'b64_json': JSON with base64 PNGs (OpenAI's form). 'png': the PNG itself as the "
+                                "body (image/png; n = 1, no stream), its seed, job id and timings in X- headers: "
+                                "no base64 or JSON on a multi-megabyte image.")
     user: str | None = Field(None, description="OpenAI field; accepted and ignored.")
     num_inference_steps: int | None = Field(None, description="Denoising steps; default: the model's.")
     guidance_scale: float | None = Field(None, description="Guidance scale; default: the model's.")
@@ -213,6 +216,10 @@ def image_params(req: ImageGenerationRequest, served: ServedModel, config: Serve
         raise RequestError("n", f"expected an integer in [1, {config.max_n}], got {req.n}")
     if common["seed"] + req.n - 1 > MAX_SEED:
         raise RequestError("seed", f"expected seed + n - 1 <= 2**63-1, got seed {common['seed']} with n {req.n}")
+    if req.response_format == "png" and (req.n != 1 or req.stream):
+        what = f"n={req.n}" if req.n != 1 else "stream=true"
+        raise RequestError("response_format", f"expected n=1 and no stream with response_format 'png' (one image "
+                                              f"per body), got {what}")
     true_cfg = req.true_cfg_scale
     if true_cfg is not None and not (math.isfinite(true_cfg) and 0 <= true_cfg <= 100):
         raise RequestError("true_cfg_scale", f"expected a number in [0, 100], got {true_cfg}")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.http_layer import error_response
@@ -32,12 +33,20 @@ def image_payload(worker: Worker, job: Job) -> dict:
         timings=Timings(**job.timings())).model_dump()
 
 
+def png_response(job: Job) -> Response:
+    """A completed one-image job as its PNG body; seed, job id, batch size and timings (JSON) in headers."""
+    return Response(job.results[0], media_type="image/png", headers={
+        "X-Job-Id": job.id, "X-Seed": str(job.items[0].seed), "X-Batch-Size": str(job.batch_size),
+        "X-Timings": json.dumps(Timings(**job.timings()).model_dump(), separators=(",", ":"))})
+
+
 @router.post("/v1/images/generations", response_model=ImageGenerationResponse,
-             responses={200: {"content": {"text/event-stream": {}}}})
+             responses={200: {"content": {"text/event-stream": {}, "image/png": {}}}})
 async def generate_images(req: ImageGenerationRequest, request: Request, worker: Worker = Depends(worker_of),
                           config: ServerConfig = Depends(config_of)):
     """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`
-    after every step, then `completed` with this endpoint's usual JSON (or `error`)."""
+    after every step, then `completed` with this endpoint's usual JSON (or `error`). With
+    `"response_format": "png"` the body is the one image's PNG (`image/png`)."""
     job = submit(worker, config, image_params(req, served(worker), config))
     if req.stream:
         return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True), job)
@@ -59,4 +68,6 @@ async def generate_images(req: ImageGenerationRequest, request: Request, worker:
         job.unsubscribe(q)
     if job.status != COMPLETED:
         return failure(job)
+    if req.response_format == "png":
+        return png_response(job)
     return JSONResponse(image_payload(worker, job), headers={"X-Job-Id": job.id})
