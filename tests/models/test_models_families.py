@@ -31,6 +31,8 @@ TINY_ONLY_CLASSES = {
     "qwenimage21": "QwenImage21Pipeline",
     "ltx2": "LTX2Pipeline",
     "hunyuanvideo": "HunyuanVideoPipeline",
+    "hunyuanvideo15": "HunyuanVideo15Pipeline",
+    "hunyuanimage": "HunyuanImagePipeline",
 }
 
 
@@ -178,3 +180,31 @@ def test_hunyuan_video_template_crops_exactly_its_own_tokens():
     prefix = tok(PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids
     full = tok(PROMPT_TEMPLATE["template"].format("a red fox")).input_ids
     assert PROMPT_TEMPLATE["crop_start"] == len(prefix) and full[:len(prefix)] == prefix
+
+
+@pytest.mark.parametrize("name", ["tiny-hunyuanvideo15", "tiny-hunyuanimage"])
+def test_hunyuan_template_crop_is_counted_for_the_in_code_tokenizer(name):
+    """The pipeline crops its prompt template's first ``prompt_template_encode_start_idx`` tokens (a literal for
+    the real tokenizer, counted in code for the tiny model): the whole system prefix and nothing of the prompt."""
+    pipe = load_pipeline(name)
+    tok, crop = pipe.tokenizer, pipe.prompt_template_encode_start_idx
+    if name == "tiny-hunyuanvideo15":
+        def ids(prompt):
+            messages = [{"role": "system", "content": pipe.system_message}, {"role": "user", "content": prompt}]
+            return tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=True)["input_ids"]
+    else:
+        def ids(prompt):
+            return tok(pipe.prompt_template_encode.format(prompt)).input_ids
+    first, second = ids("a red fox"), ids("photo of a cat")
+    assert crop > 34 and first[:crop] == second[:crop]  # the same prefix whatever the prompt ...
+    assert first[crop] != second[crop]  # ... and the first token after it is the prompt's own
+    assert tok.decode(first[crop:]).startswith("a red fox")
+
+
+def test_hunyuan_glyph_text_reaches_the_byt5_encoder():
+    """A quoted text in the prompt becomes valid ByT5 tokens (the glyph stream); a prompt without one, none."""
+    pipe = load_pipeline("tiny-hunyuanimage")
+    _, _, embeds_2, mask_2 = pipe.encode_prompt(['a sign that says "open"', "a red fox"], device="cpu", batch_size=2)
+    assert mask_2.shape == (2, pipe.tokenizer_2_max_length)
+    assert mask_2[0].sum() == len('Text "open". ') + 1 and mask_2[1].sum() == 0  # the bytes + </s>; nothing
+    assert embeds_2[0].abs().sum() > 0 and embeds_2[1].abs().sum() == 0

@@ -69,6 +69,17 @@ def _pipe(name):
     return load_pipeline(name, seed=0, dtype=DTYPE, device=DEVICE)
 
 
+def _hunyuan_image_distilled_pipe():
+    from xstage_dit.models import hunyuan_image
+
+    pipe = hunyuan_image.build("tiny", dtype=DTYPE, device=DEVICE, seed=0, distilled=True)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+GLYPH_PROMPT = 'a shop sign that says "open"'  # quoted text: the ByT5 glyph tokens of the Hunyuan pipelines
+
+
 # name -> (build, call kwargs). Sizes give token counts that do not divide by 4 where the family allows
 # (the gather-KV path), and the masks, CFG batches and conditioning the pipelines really pass.
 PIPELINES = {
@@ -130,6 +141,23 @@ PIPELINES = {
     "chronoedit": (_chronoedit_pipe, dict(image=_video(1, 48, 48)[0], prompt=PROMPT, negative_prompt="blurry", height=48,
                                           width=48, num_frames=5, num_inference_steps=2, guidance_scale=5.0,
                                           max_sequence_length=16)),
+    # HunyuanVideo 1.5: 28x28x9 -> 3 latent frames x 7x7 = 147 video tokens (odd: uneven at 2 and 4); per prompt
+    # [9 zero-masked image, 16 ByT5, 24 Qwen2.5-VL] = 49 text tokens reordered valid-first with one (batch, text)
+    # mask; CFG by the pipeline's guider, two calls per step: the prompt quotes text (valid ByT5 tokens), the
+    # negative one does not (an all-zero ByT5 mask). One video: diffusers 0.42.1's HunyuanVideo 1.5 VAE cannot
+    # decode a batch of 2 (its mid-block attention mask, (batch, S, S), broadcasts to (batch, batch, S, S))
+    "hunyuanvideo15": (lambda: _pipe("tiny-hunyuanvideo15"), dict(prompt=GLYPH_PROMPT, negative_prompt="blurry",
+                                                                  height=28, width=28, num_frames=9,
+                                                                  num_inference_steps=2)),
+    # HunyuanImage 2.1: 40x56 -> 10x14 = 140 image tokens, [16 ByT5, 25 Qwen2.5-VL] = 41 text tokens (uneven at 2
+    # and 4) with the (batch, 1, 1, keys) mask; a glyph prompt and a plain one: the ocr guider (APG), two calls
+    "hunyuanimage": (lambda: _pipe("tiny-hunyuanimage"), dict(prompt=[GLYPH_PROMPT, PROMPT], negative_prompt=["blurry", "dark"],
+                                                              height=40, width=56, num_inference_steps=2)),
+    # the distilled variant: guidance and MeanFlow timestep_r embedded, no guider (one call per step); 40x40 ->
+    # 100 image tokens
+    "hunyuanimage-distilled": (_hunyuan_image_distilled_pipe, dict(prompt=GLYPH_PROMPT, height=40, width=40,
+                                                                   num_inference_steps=2,
+                                                                   distilled_guidance_scale=3.25)),
     # causal blocks of 2 latent frames: a (1, 1, seq, seq) block-causal mask whose query rows follow the shards
     "skyreels-v2-causal": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=13,
                                                                    num_inference_steps=2, guidance_scale=1.0,
@@ -278,10 +306,13 @@ def _hunyuan_video15():
                        image_embeds=torch.zeros(2, 3, 16), return_dict=False)
 
 
-# Transformers whose pipelines need text encoders too large to build here, called on pipeline-shaped inputs.
-TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios, "ltx2": _ltx2,
-                "flux2-9": _flux2, "chronoedit": _chronoedit, "hunyuanimage": _hunyuan_image,
-                "hunyuanvideo15": _hunyuan_video15}
+# Transformers called on pipeline-shaped inputs the pipeline cases do not reach (tests/patches/test_families.py).
+# Named apart from PIPELINES (by their token counts): `main` looks a name up in PIPELINES first.
+TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios,
+                "ltx2-12": _ltx2, "flux2-9": _flux2, "chronoedit-18": _chronoedit, "hunyuanimage-9": _hunyuan_image,
+                "hunyuanvideo15-18": _hunyuan_video15}
+if set(TRANSFORMERS) & set(PIPELINES):
+    raise ValueError(f"expected case names unique to one table, got {sorted(set(TRANSFORMERS) & set(PIPELINES))} in both")
 
 
 def transformer_equivalence(name: str, world: int) -> dict:

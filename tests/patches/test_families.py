@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "patches" / "_families_worker.py")
 TOL = 1e-4  # fp32 pipelines, pixels in [0, 1]: the parallel output differs by float reassociation only
 FAMILIES = ["ltx", "cogvideox", "sd3", "z-image", "wan-vace", "skyreels-v2", "skyreels-v2-causal", "qwenimage",
-            "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache", "hunyuanvideo"]
+            "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache", "hunyuanvideo",
+            "hunyuanvideo15", "hunyuanimage", "hunyuanimage-distilled"]
 # the registry's transformer class of each family case (the README's pipeline-test column comes from it)
 FAMILY_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel", "cogvideox": "CogVideoXTransformer3DModel", "sd3": "SD3Transformer2DModel",
@@ -35,6 +36,8 @@ FAMILY_CLASSES = {
     "chronoedit": "ChronoEditTransformer3DModel", "flux2": "Flux2Transformer2DModel",
     "ltx2": "LTX2VideoTransformer3DModel", "qwenimage21": "QwenImage21Transformer2DModel",
     "qwenimage21-nocache": "QwenImage21Transformer2DModel", "hunyuanvideo": "HunyuanVideoTransformer3DModel",
+    "hunyuanvideo15": "HunyuanVideo15Transformer3DModel", "hunyuanimage": "HunyuanImageTransformer2DModel",
+    "hunyuanimage-distilled": "HunyuanImageTransformer2DModel",
 }
 
 
@@ -50,18 +53,20 @@ def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
 
-# transformer level, on the inputs their pipelines make (their text encoders are too large to build here):
-# 9 image tokens (3, 2, 2, 2 at world 4: the shard that used to be empty, and crashed rotary embedding
-# on that rank alone) and Helios with 3 blocks (diffusers' own plan names exactly 40)
-# and LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens), ChronoEdit, HunyuanImage 2.1 (padded
-# prompt), HunyuanVideo 1.5 (its valid_q & valid_k self-attention mask)
-TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2", "flux2-9", "chronoedit", "hunyuanimage",
-                "hunyuanvideo15"]
+# transformer level, on pipeline-shaped inputs the pipeline cases above do not reach: 9 image tokens (3, 2, 2, 2
+# at world 4: the shard that used to be empty, and crashed rotary embedding on that rank alone), Helios with 3
+# blocks (diffusers' own plan names exactly 40), LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens),
+# ChronoEdit, and batches of 2 prompts padded differently: HunyuanImage 2.1, HunyuanVideo 1.5 (its valid_q &
+# valid_k self-attention mask; its pipeline's VAE cannot decode a batch of 2)
+TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2-12", "flux2-9", "chronoedit-18", "hunyuanimage-9",
+                "hunyuanvideo15-18"]
 
 
 # world 4 runs ~40 s on the 2-core CI machine (every family, 4 ranks on 2 cores)
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_family_pipelines_match_single_process(world, tmp_path):
+    # one name, one case: a transformer-level name equal to a pipeline one would run the pipeline twice instead
+    assert not set(FAMILIES) & set(TRANSFORMERS), set(FAMILIES) & set(TRANSFORMERS)
     ranks = _launch(world, FAMILIES + TRANSFORMERS + ["subclass"], tmp_path)
     results = ranks[0]
     for name in TRANSFORMERS:

@@ -31,7 +31,8 @@ _EXPERT_KEYS = {"nucleusmoe": "num_experts", "hidream": "num_routed_experts"}
 #: families whose pipeline runs CFG as a second branch (cfg=2 needs guidance on), all but FLUX.1's.
 _CFG_NEEDS_GUIDANCE = ("wan", "nucleusmoe", "hidream")
 #: families whose plan has no CFG parallelism (`xstage_dit.patches.plans`: cfg=None).
-_NO_CFG_PARALLEL = ("sd3", "cogvideox", "z-image", "wan-vace", "skyreels-v2", "ltx", "ltx2", "qwenimage21")
+_NO_CFG_PARALLEL = ("sd3", "cogvideox", "z-image", "wan-vace", "skyreels-v2", "ltx", "ltx2", "qwenimage21",
+                    "hunyuanvideo15", "hunyuanimage")
 #: config key of the head count where it is not ``num_attention_heads`` (Z-Image).
 _HEADS_KEYS = {"z-image": "n_heads"}
 

@@ -35,23 +35,38 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
     return build_module(lambda: QwenImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+def qwen25vl_text_encoder(text_config: dict, vision_config: dict | None, *, seed: int, device, dtype: torch.dtype):
+    """(the in-code Qwen tokenizer with the vision tokens, a Qwen2.5-VL text encoder of these configs with random
+    weights): ``Qwen2_5_VLForConditionalGeneration`` (language model and vision tower, as Qwen-Image and
+    HunyuanImage 2.1 load it), or with ``vision_config=None`` the language model alone (``Qwen2_5_VLTextModel``,
+    as HunyuanVideo 1.5 loads it)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
     tokenizer = qwen_tokenizer(4096, extra_special_tokens=VISION_TOKENS)
-    check_vocab(tokenizer, TEXT[size]["vocab_size"], "Qwen2.5-VL")
+    check_vocab(tokenizer, text_config["vocab_size"], "Qwen2.5-VL")
+    # bos/eos in the in-code vocabulary (the config's defaults are the real one's 151643/151645)
+    text_config = dict(text_config, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    if vision_config is None:
+        config = Qwen2_5_VLTextConfig(**text_config)
+        return tokenizer, build_module(lambda: Qwen2_5_VLTextModel(config), seed=seed, device=device, dtype=dtype)
     config = Qwen2_5_VLConfig(
-        text_config=TEXT[size], vision_config=VISION[size],
+        text_config=text_config, vision_config=vision_config,
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
     )
+    return tokenizer, build_module(lambda: Qwen2_5_VLForConditionalGeneration(config), seed=seed, device=device,
+                                   dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    tokenizer, text_encoder = qwen25vl_text_encoder(TEXT[size], VISION[size], seed=seed + 1, device=device, dtype=dtype)
     return QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False),
         vae=build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
-        text_encoder=build_module(lambda: Qwen2_5_VLForConditionalGeneration(config), seed=seed + 1, device=device,
-                                  dtype=dtype),
+        text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
     )

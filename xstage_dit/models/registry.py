@@ -27,6 +27,8 @@ FAMILY_MODULES = {
     "qwenimage21": "xstage_dit.models.qwenimage21",
     "ltx2": "xstage_dit.models.ltx2",
     "hunyuanvideo": "xstage_dit.models.hunyuan_video",
+    "hunyuanvideo15": "xstage_dit.models.hunyuan_video15",
+    "hunyuanimage": "xstage_dit.models.hunyuan_image",
 }
 
 # diffusers pipeline class (model_index.json "_class_name") -> family, for local folders.
@@ -146,6 +148,19 @@ def _specs() -> dict[str, ModelSpec]:
             steps=2, guidance=6.0, max_sequence_length=16, fps=24,
             call_kwargs={"prompt_template": HUNYUAN_VIDEO_TEMPLATE},  # its crop_start counts the in-code tokenizer
             description="HunyuanVideo architecture, 1+1 blocks, 4 heads x 16, Llama + CLIP text encoders, random weights",
+        ),
+        ModelSpec(
+            name="tiny-hunyuanvideo15", family="hunyuanvideo15", size="tiny", kind="video",
+            pipeline_class="HunyuanVideo15Pipeline", patch_multiple=4, height=32, width=32, frames=5, frame_multiple=4,
+            steps=2, guidance=1.0, fps=24,  # CFG is its guider's (scale 6), not a call argument
+            description="HunyuanVideo 1.5 architecture, 2 blocks, 4 heads x 16, Qwen2.5-VL + ByT5 text encoders, "
+            "random weights",
+        ),
+        ModelSpec(
+            name="tiny-hunyuanimage", family="hunyuanimage", size="tiny", kind="image", pipeline_class="HunyuanImagePipeline",
+            patch_multiple=8, height=64, width=64, steps=2, guidance=1.0,  # guidance: its APG guiders (scale 3.5)
+            description="HunyuanImage 2.1 architecture, 1+1 blocks, 4 heads x 16, Qwen2.5-VL + ByT5 text encoders, "
+            "random weights",
         ),
         ModelSpec(
             name="tiny-flux2", family="flux2", size="tiny", kind="image", pipeline_class="Flux2Pipeline",

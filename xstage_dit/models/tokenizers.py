@@ -194,6 +194,16 @@ def max_token_id(tokenizer) -> int:
     return max(tokenizer.get_vocab().values())
 
 
+
+def template_prefix_tokens(tokenizer, template: str) -> int:
+    """How many tokens `tokenizer` makes of `template` before its ``{}`` (where the prompt goes): the count a
+    pipeline crops off its prompt template, whose literal (HunyuanImage's 34, HunyuanVideo 1.5's 108) counts
+    the real tokenizer's tokens, not the in-code one's. ValueError if `template` has no ``{}``."""
+    prefix, marker, _ = template.partition("{}")
+    if not marker:
+        raise ValueError(f"expected a prompt template with a '{{}}' where the prompt goes, got {template!r}")
+    return len(tokenizer(prefix).input_ids)
+
 # diffusers' pipelines: "... truncated because CLIP can only handle sequences up to 77 tokens: [<text>]"
 # and "... because `max_sequence_length` is set to  512 tokens: [<text>]".
 _TRUNCATED = re.compile(r"The following part of your input was truncated because (?P<why>.*?)"

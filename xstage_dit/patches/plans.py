@@ -249,9 +249,9 @@ _PLANS: dict[str, ModelPlan] = {
         ModelPlan("WanVACETransformer3DModel", "Wan-VACE", "xstage", fam.wan_vace_sp, cfg=None, tested=True,
                   pipeline_worlds=_PW),
         ModelPlan("HunyuanVideo15Transformer3DModel", "HunyuanVideo 1.5", "xstage", fam.hunyuan_video15_sp, cfg=None,
-                  tested=True),
+                  tested=True, pipeline_worlds=_PW),
         ModelPlan("HunyuanImageTransformer2DModel", "HunyuanImage 2.1", "xstage", fam.hunyuan_image_sp, cfg=None,
-                  tested=True),
+                  tested=True, pipeline_worlds=_PW),
         ModelPlan("SkyReelsV2Transformer3DModel", "SkyReels-V2", "xstage", fam.skyreels_v2_sp, cfg=None, tested=True,
                   pipeline_worlds=_PW),
         ModelPlan(
