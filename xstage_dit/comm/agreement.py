@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RanksDisagree", "RankFailed", "check_agreement", "fail_together", "publish_failure", "wait",
-           "fingerprint"]
+           "fingerprint", "make_failure", "published_failure"]
 
 _KEY = "xstage/failure"
 
@@ -62,8 +62,12 @@ def _failure_type(name: str) -> type:
     return type(f"RankFailed{name}", (RankFailed, builtin), {"__module__": __name__})
 
 
-def _failure(kind: str, message: str) -> RankFailed:
+def make_failure(kind: str, message: str) -> RankFailed:
+    """The `RankFailed` every rank raises for a first failure of builtin type name `kind` (see `RankFailed`)."""
     return _failure_type(kind)(message)
+
+
+_failure = make_failure
 
 
 def _world(group) -> tuple[int, int]:

@@ -24,6 +24,8 @@ from typing import MutableMapping, Sequence
 import torch
 import torch.distributed as dist
 
+from xstage_dit.comm.barrier import free_group_barriers, group_barrier
+
 log = logging.getLogger(__name__)
 
 # NVLink multicast can take a shared host's GPUs out of service: keep it off everywhere we start.
@@ -130,10 +132,18 @@ class SymmetricBuffer:
     world_size: int
     handle: object | None = None
     signal_table: torch.Tensor | None = None
+    group_barrier: object | None = None
 
     def barrier(self) -> None:
-        """Block until every rank reaches this point (device-side for symmetric memory)."""
-        if self.handle is not None:
+        """Every rank's earlier work on this stream is visible before anyone's later work (device-side).
+
+        The group's abortable barrier (`xstage_dit.comm.barrier`): it raises the published `RankFailed`
+        once the watchdog has seen a failure, and a pending one completes when a peer fails. torch's
+        barrier where that one cannot run; nothing for a local (world 1) buffer.
+        """
+        if self.group_barrier is not None:
+            self.group_barrier()
+        elif self.handle is not None:
             self.handle.barrier()
 
 
@@ -169,7 +179,8 @@ def symmetric_buffer(
         handle = symm_mem.rendezvous(tensor, group if group is not None else dist.group.WORLD)
         ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
         sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
-        buf = SymmetricBuffer(tensor, ptrs, handle.rank, handle.world_size, handle, sigs)
+        buf = SymmetricBuffer(tensor, ptrs, handle.rank, handle.world_size, handle, sigs,
+                              group_barrier(group, device))
     _BUFFERS[key] = buf
     return buf
 
@@ -190,3 +201,4 @@ def free_symmetric_buffers() -> None:
     for callback in _BEFORE_FREE:
         callback()
     _BUFFERS.clear()
+    free_group_barriers()

@@ -9,7 +9,10 @@ Built on `xstage_dit.comm.agreement`:
   group, so ranks whose generators were seeded differently fail on every rank with `RanksDisagree`
   instead of silently returning an image that matches no single-process one (eager only: a
   ``torch.compile``'d forward skips it). An exception inside the forward is published to the peers
-  (`agreement.publish_failure`), which stop waiting in their collectives and raise the same error.
+  (`agreement.publish_failure`), which stop waiting in their collectives and raise the same error. The
+  peers' GPUs, which may sit in a device barrier of a fused op, are released by the barrier watchdog
+  (`xstage_dit.comm.watchdog`); the hook raises the failure that watchdog has seen (a peer's, or a barrier
+  timeout) before the input check and at the forward's end: a flag read, no CUDA sync, no store round trip.
 - `check_dispatching(processor, where)`: refuses a processor whose ``__call__`` was written outside
   diffusers and xstage (a subclass of ``FluxAttnProcessor`` calling SDPA itself would attend only its
   own shard): it names the class. A processor that does route through ``dispatch_attention_fn``
@@ -25,7 +28,7 @@ from typing import Any
 import torch
 from diffusers.hooks import ModelHook
 
-from xstage_dit.comm import agreement
+from xstage_dit.comm import agreement, watchdog
 
 DISPATCHES_ATTR = "_xstage_dispatches"
 _TRUSTED_MODULES = ("diffusers.", "xstage_dit.")
@@ -80,9 +83,17 @@ class CollectiveSafetyHook(ModelHook):
             named = dict(zip(self.names, args))
             named.update({k: v for k, v in kwargs.items() if k != "return_dict"})
             facts = {f"inputs ({name})": fp for name, fp in agreement.fingerprint(named).items()}
+            # The fingerprint's host sync waited for this rank's GPU, which a peer's failure released: raise it
+            # here, before a blocking all-gather the failed peer never joins.
+            watchdog.raise_if_failed()
             agreement.check_agreement(facts, self.group, what=f"{self.what} forward")
+        else:
+            watchdog.raise_if_failed()
         try:
-            return forward(*args, **kwargs)
+            out = forward(*args, **kwargs)
+            # A peer failed while this rank's fused ops ran (their barriers were released: the output is garbage).
+            watchdog.raise_if_failed()
+            return out
         except (agreement.RankFailed, agreement.RanksDisagree):
             raise
         except Exception as exc:
