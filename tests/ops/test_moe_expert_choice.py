@@ -142,3 +142,15 @@ def test_fused_world1_layer_matches_diffusers_under_interpreter(interp_results, 
 
 def test_rows_op_passes_opcheck(interp_results):
     assert interp_results["opcheck"] == "ok"
+
+
+def test_kernel_config_travels_through_the_op_schema_as_ints():
+    from xstage_dit.ops.moe import MoEKernelConfig
+    from xstage_dit.ops.moe.config import config_from_ints, config_to_ints
+
+    for cfg in (MoEKernelConfig(), MoEKernelConfig(16, 32, 64, 16, 4, 1, num_programs=3, lead=2, wave_blocks=5,
+                                                   ticket=False, use_desc=True)):
+        assert config_from_ints(config_to_ints(cfg)) == cfg
+    assert config_to_ints(None) == [] and config_from_ints([]) is None
+    with pytest.raises(ValueError, match="expected 11 config ints"):
+        config_from_ints([16, 16])
