@@ -11,6 +11,8 @@
 #   calibration  burst-kernel build, calibration GPU tests, bench_calibration.py (local + host targets)
 #   attention    bench_attention_a2a.py (ATTN_ARGS adds options)
 #   moe          bench_moe_combine.py at the NucleusMoE and HiDream shapes (MOE_ARGS adds options)
+#   moe-world1   test_ep_world1.py's GPU tests, then bench_moe_world1.py: NucleusMoE's full-size MoE layer at
+#                world 1, diffusers' layer vs the EP world-1 fused path, eager and compiled (MOE_WORLD1_ARGS)
 #   parallelize  bench_parallelize_flux.py (FLUX step, world 1 vs 2 ranks sharing the GPU)
 #   flux-step    bench_flux_step.py (plain diffusers FLUX step, tiny and full size)
 #   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
@@ -114,6 +116,12 @@ step_moe() {
   timeout "$(limit moe 200)" "$py" benchmarks/bench_moe_combine.py --out "$1/moe" ${MOE_ARGS:-}
 }
 
+step_moe_world1() {
+  timeout "$(limit moe-world1 400)" bash -c "
+    '$py' -m pytest -q -s -rs --tb=short -p no:cacheprovider -o addopts='' tests/patches/test_ep_world1.py -m gpu;
+    '$py' benchmarks/bench_moe_world1.py --out-dir '$1' --commit '$XSTAGE_GIT_COMMIT' ${MOE_WORLD1_ARGS:-}"
+}
+
 step_parallelize() {
   timeout "$(limit parallelize 200)" "$py" benchmarks/bench_parallelize_flux.py --out "$1"
 }
@@ -175,7 +183,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe parallelize flux-step regime e2e serving compile-variants)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

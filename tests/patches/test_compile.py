@@ -73,14 +73,14 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
 
 
 def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
-    """NucleusMoE's EP layer at world 1 (what ``world1_path`` asks for; "auto" keeps diffusers' layer): its
-    routing plan is data-dependent (bincount, nonzero, .tolist) and graph-breaks under dynamo, which must cost
-    speed only, never correctness. The swap is forced here (the CPU keeps diffusers' layer)."""
+    """NucleusMoE's EP layer at world 1 (what "auto" picks on a GPU): its expert-choice path has static
+    offsets and traces without a graph break (tests/ops/test_moe_expert_choice.py); compiled it must give
+    the eager images exactly. The swap is forced here (the CPU keeps diffusers' layer)."""
     import xstage_dit.patches.expert_parallel as expert_parallel
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs
 
-    monkeypatch.setattr(expert_parallel, "_world1_keeps", lambda child, where, seen, requested: False)
+    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: "reference")
     with one_torch_thread():
         pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
         spec = model_spec("tiny-nucleusmoe")

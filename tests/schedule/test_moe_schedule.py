@@ -97,12 +97,20 @@ def test_scheduler_decides_once_per_shape_and_logs_once(caplog):
     assert len(lines) == 2 and all("fused" in line for line in lines), lines
 
 
-def test_world1_keeps_diffusers_layer_unless_a_path_is_requested():
+def test_world1_choice_by_layer_kind_unless_a_path_is_requested():
+    """Expert choice on a GPU: the fused world-1 path, for the measured reason; top-k and the CPU keep
+    diffusers' layer; an explicit path is honoured for either kind."""
     from xstage_dit.schedule.moe import choose_moe_world1
 
-    assert choose_moe_world1(CPU, num_experts=128).name == "diffusers"
-    gpu = choose_moe_world1(H200, num_experts=128)
-    assert gpu.name == "diffusers" and "2.2x" in gpu.reason  # the measured reason, not a guess
-    assert choose_moe_world1(H200, num_experts=128, requested="fused").name == "fused"
+    assert choose_moe_world1(CPU, num_experts=64, routing="expert_choice").name == "diffusers"
+    nucleus = choose_moe_world1(H200, num_experts=64, routing="expert_choice")
+    assert nucleus.name == "fused" and "1.30x" in nucleus.reason and "no host plan" in nucleus.reason, nucleus
+    assert choose_moe_world1(H200, num_experts=4, routing="expert_choice").name == "diffusers"  # kernel slower
+    hidream = choose_moe_world1(H200, num_experts=4, routing="top_k")
+    assert hidream.name == "diffusers" and "2.2x" in hidream.reason and "top-k" in hidream.reason  # measured
+    assert choose_moe_world1(H200, num_experts=128, routing="top_k", requested="fused").name == "fused"
+    assert choose_moe_world1(H200, num_experts=64, routing="expert_choice", requested="serial").name == "serial"
     with pytest.raises(ValueError, match="fast"):
-        choose_moe_world1(H200, num_experts=128, requested="fast")
+        choose_moe_world1(H200, num_experts=128, routing="top_k", requested="fast")
+    with pytest.raises(ValueError, match="expected routing in .* got 'topk'"):
+        choose_moe_world1(H200, num_experts=128, routing="topk")

@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     from xstage_dit.patches import parallelize
     from xstage_dit.patches.compile import apply_compile
 
-    # World 1 too: the measured attention kernel; MoE layers stay diffusers' (`choose_moe_world1`).
+    # World 1 too: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
     try:
         parallelize(pipe, parallel)
     except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2

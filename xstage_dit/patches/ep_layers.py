@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from xstage_dit.comm.distributed import world_of
 from xstage_dit.comm.staged import all_gather_list
-from xstage_dit.ops.moe import MoEKernelConfig, ep_moe_forward
+from xstage_dit.ops.moe import MoEKernelConfig, ep_moe_forward, expert_choice_moe
 from xstage_dit.ops.moe.config import default_config
 from xstage_dit.schedule.facts import DeviceFacts
 from xstage_dit.schedule.moe import MoESchedule, MoEScheduler, check_moe_path
@@ -75,17 +75,35 @@ class _ShardBinding:
         self._loaded_scheduler = self.scheduler  # what unbind() goes back to
         self.schedule_choice = None  # the decision of the last forward (path, lead, reason)
 
-    def _schedule(self, x: torch.Tensor, *, hidden: int, intermediate: int, rows_per_expert: int) -> MoESchedule:
-        """The path and lead for this call's shape, from the scheduler (decided and logged once per shape)."""
+        # Closures (a bound method cannot carry Dynamo's mark): under torch.compile Dynamo runs the decision at
+        # trace time with plain values and bakes the path and lead into the graph, so the scheduler's dicts,
+        # DeviceFacts and the log line cause no graph break; eager calls run the same function.
+        def path_of(device, dtype_bytes, hidden, intermediate, rows_per_expert):
+            return self._decide(device, dtype_bytes, hidden, intermediate, rows_per_expert).path
+
+        def lead_of(device, dtype_bytes, hidden, intermediate, rows_per_expert):
+            return self._decide(device, dtype_bytes, hidden, intermediate, rows_per_expert).lead
+
+        self._path_of = torch.compiler.assume_constant_result(path_of)
+        self._lead_of = torch.compiler.assume_constant_result(lead_of)
+
+    def _decide(self, device: torch.device, dtype_bytes: int, hidden: int, intermediate: int,
+                rows_per_expert: int) -> MoESchedule:
         cfg = self.config or default_config()
         choice = self.scheduler.choose(
-            DeviceFacts.from_device(x.device), requested=self.path, lead=cfg.lead, hidden=hidden,
+            DeviceFacts.from_device(device), requested=self.path, lead=cfg.lead, hidden=hidden,
             intermediate=intermediate, rows_per_expert=max(1, rows_per_expert),
-            num_experts_per_rank=self.num_experts_per_rank, dtype_bytes=x.element_size(), block_m=cfg.block_m,
+            num_experts_per_rank=self.num_experts_per_rank, dtype_bytes=dtype_bytes, block_m=cfg.block_m,
             block_n1=cfg.block_n1, block_n2=cfg.block_n2, num_producers=cfg.num_programs,
         )  # fmt: skip
         self.schedule_choice = choice
         return choice
+
+    def _schedule(self, x: torch.Tensor, *, hidden: int, intermediate: int, rows_per_expert: int) -> tuple[str, int]:
+        """(path, lead) for this call's shape, from the scheduler (decided and logged once per shape; the
+        decision is ``schedule_choice``)."""
+        shape = (x.device, x.element_size(), int(hidden), int(intermediate), int(rows_per_expert))
+        return self._path_of(*shape), self._lead_of(*shape)
 
     def bind(self, group, scheduler: MoEScheduler | None = None) -> None:
         """Run over ``group`` from now on (with ``scheduler``, if given, until ``unbind``); ValueError unless
@@ -175,7 +193,14 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
 
     A rank that loads only its experts builds the layer with `from_shard` instead (see
     `xstage_dit.models.experts`); the forward is the same.
+
+    World 1 (shard ``(0, 1)``): the expert-choice path (``ops.moe.expert_choice_moe``): every expert takes
+    ``batch * capacity`` rows, so the expert offsets are shapes and nothing is planned on the host (no sync,
+    no graph break under torch.compile); the scheduler's path picks the MLP (fused kernel, grouped matmul or
+    the fp32 reference).
     """
+
+    routing = "expert_choice"  # read by patches.expert_parallel (the world-1 choice turns on it)
 
     def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
                  router: str = "exact", shard: tuple[int, int] | None = None,
@@ -286,6 +311,8 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
             raise ValueError(
                 f"expected hidden_states_unmodulated of shape {(bs, s_loc, dim)}, got {tuple(hidden_states_unmodulated.shape)}"
             )
+        if self.shard[1] == 1:
+            return self._forward_world1(hidden_states, hidden_states_unmodulated, timestep)
         if self.router == "exact":
             # The router GEMM over the whole sequence, as the unsharded layer runs it: bit-identical scores.
             full, lens = self._gather_seq(hidden_states_unmodulated.contiguous(), 1)
@@ -304,14 +331,30 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
         token_idx = (b * s_loc + pos - start)[own]
         out = self.shared_expert(hidden_states).reshape(bs * s_loc, dim)
         # Expert choice: every expert takes `capacity` tokens of each batch row, wherever they live.
-        schedule = self._schedule(hidden_states, hidden=dim, intermediate=self.moe_intermediate_dim,
-                                  rows_per_expert=bs * capacity)
+        path, lead = self._schedule(hidden_states, hidden=dim, intermediate=self.moe_intermediate_dim,
+                                    rows_per_expert=bs * capacity)
         routed = ep_moe_forward(
             hidden_states.reshape(bs * s_loc, dim), token_idx, expert_of_pair[own], gating_flat[own].float(),
             self.gate_up_proj, self.down_proj, out, num_experts=self.num_experts, group=self.group,
-            path=schedule.path, lead=schedule.lead, config=self.config,
+            path=path, lead=lead, config=self.config,
         )  # fmt: skip
         return routed.reshape(bs, s_loc, dim)
+
+    def _forward_world1(self, hidden_states: torch.Tensor, hidden_states_unmodulated: torch.Tensor,
+                        timestep: torch.Tensor | None) -> torch.Tensor:
+        """World 1: diffusers' routing, then ``expert_choice_moe`` on the static expert-major layout (pairs in
+        the routing's order: expert-major, then batch, then choice)."""
+        bs, slen, dim = hidden_states.shape
+        affinity = self._scores(hidden_states_unmodulated, timestep).transpose(1, 2)
+        token_idx, gating_flat, capacity = nucleus_routing(affinity, self.capacity_factor, self.route_scale)
+        shared = self.shared_expert(hidden_states).reshape(bs * slen, dim)
+        path, lead = self._schedule(hidden_states, hidden=dim, intermediate=self.moe_intermediate_dim,
+                                    rows_per_expert=bs * capacity)
+        out = expert_choice_moe(
+            hidden_states.reshape(bs * slen, dim), token_idx, gating_flat, self.gate_up_proj, self.down_proj, shared,
+            rows_per_expert=bs * capacity, path=path, lead=lead, config=self.config,
+        )  # fmt: skip
+        return out.reshape(bs, slen, dim)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -327,6 +370,8 @@ class HiDreamMoEEPLayer(_ShardBinding, nn.Module):
     their w1/w3 packed as ``gate_up: (El, hidden, 2*inter)`` and w2 as ``down: (El, inter, hidden)``.
     `from_shard` builds it from this rank's experts only (a pipeline loaded with ``expert_shard``).
     """
+
+    routing = "top_k"  # data-dependent counts: the general EP plan at any world (patches.expert_parallel)
 
     def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
                  shard: tuple[int, int] | None = None,
@@ -422,11 +467,11 @@ class HiDreamMoEEPLayer(_ShardBinding, nn.Module):
         # Token choice: an expert's rows depend on the routing; plan for the even share of the group's pairs
         # (a shape, not a routing outcome, so the decision is made once per token count).
         _, world = world_of(self.group)
-        schedule = self._schedule(x, hidden=dim, intermediate=self._dims[1],
-                                  rows_per_expert=-(-tokens * world * k // self.num_experts))
+        path, lead = self._schedule(x, hidden=dim, intermediate=self._dims[1],
+                                    rows_per_expert=-(-tokens * world * k // self.num_experts))
         out = ep_moe_forward(
             x.reshape(tokens, dim), token_idx, topk_idx.reshape(-1).long(), topk_weight.reshape(-1).float(),
             self.gate_up, self.down, shared, num_experts=self.num_experts, group=self.group,
-            path=schedule.path, lead=schedule.lead, config=self.config,
+            path=path, lead=lead, config=self.config,
         )  # fmt: skip
         return out.reshape(bs, s_loc, dim)

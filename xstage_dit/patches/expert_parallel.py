@@ -8,9 +8,11 @@ Every EP layer of a model shares one ``MoEScheduler`` fed the X-Stage params ``p
 (``xparams``): the path and lead are chosen once per layer shape, logged once, and readable on each
 layer as ``layer.schedule_choice``.
 
-World 1 (a group of one rank): diffusers' own layer stays (`schedule.moe.choose_moe_world1`: measured faster
-end to end on the H200 for NucleusMoE, whose EP layer's host-side routing plan outweighs its faster kernel
-there), and the reason is logged; ``apply_expert_parallel(world1_path="fused")`` swaps the EP layer in anyway.
+World 1 (a group of one rank): `schedule.moe.choose_moe_world1` decides per layer kind, on the EP class's
+``routing`` fact, and the reason is logged. Expert choice (NucleusMoE) on a GPU takes the EP layer's world-1
+path (static expert offsets: the fused kernel with no host plan or sync); top-k (HiDream) keeps diffusers'
+layer (its counts would need the general EP plan, whose host sync outweighed the faster kernel on the H200).
+``apply_expert_parallel(world1_path=...)`` forces an EP path ("fused", "serial", "reference") either way.
 
 A pipeline loaded with ``load_pipeline(..., expert_shard=(rank, ep))`` already holds EP layers with only
 this rank's experts: they are not swapped but bound to the group (their shard must be the group's
@@ -53,18 +55,20 @@ def _num_experts(layer: torch.nn.Module) -> int:
     return int(num) if num is not None else len(layer.experts)
 
 
-def _world1_keeps(child: torch.nn.Module, where: str, seen: set, requested: str) -> bool:
-    """World 1: True (keep diffusers' layer) unless `choose_moe_world1` picks an EP layer path."""
+def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> str | None:
+    """World 1: the EP layer path `choose_moe_world1` picks for `child`, or None (keep diffusers' layer).
+
+    routing: the EP class's ``routing`` ("expert_choice" | "top_k"), the fact the choice turns on."""
     facts = DeviceFacts.from_device(_device_of(child))
     experts = _num_experts(child)
-    choice = choose_moe_world1(facts, num_experts=experts, requested=requested)
+    choice = choose_moe_world1(facts, num_experts=experts, routing=routing, requested=requested)
     key = (type(child).__name__, experts, facts)
     if key not in seen:  # one line per layer shape, not per layer
         seen.add(key)
         action = "diffusers' layer kept" if choice.name == "diffusers" else "EP layer (world 1)"
         log.info("expert parallel at world 1: %s with %d experts (first at %s): %s -> %s (%s)",
                  type(child).__name__, experts, where, choice.name, action, choice.reason)
-    return choice.name == "diffusers"
+    return None if choice.name == "diffusers" else choice.name
 
 
 def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None,
@@ -73,8 +77,9 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
 
     moe_layers: ((diffusers class name, "module:EPClass"), ...). xparams: the calibrated X-Stage params of
     the group's target (``params_for(...).params``) or None; they feed the layers' shared ``MoEScheduler``.
-    At world 1 diffusers' layers stay unless ``world1_path`` asks for an EP path ("fused", "serial",
-    "reference"; "auto" keeps them: measured faster end to end, `schedule.moe.choose_moe_world1`).
+    At world 1 ``world1_path`` "auto" lets `schedule.moe.choose_moe_world1` decide per layer kind (expert
+    choice on a GPU: the EP layer on "fused"; otherwise diffusers' layer stays); "fused", "serial" or
+    "reference" swaps in the EP layer on that path.
     Returns (undo, number replaced or bound).
     """
     classes = {name: path for name, path in moe_layers}
@@ -99,9 +104,14 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
                 path = classes.get(type(child).__name__)
                 if path is None:
                     continue
-                if world == 1 and _world1_keeps(child, f"{parent_name}.{child_name}", kept, world1_path):
-                    continue
-                ep_layer = _ep_class(path).from_layer(child, group, scheduler=scheduler)
+                ep_cls = _ep_class(path)
+                kwargs = {}
+                if world == 1:
+                    ep_path = _world1_path(child, ep_cls.routing, f"{parent_name}.{child_name}", kept, world1_path)
+                    if ep_path is None:
+                        continue
+                    kwargs["path"] = ep_path
+                ep_layer = ep_cls.from_layer(child, group, scheduler=scheduler, **kwargs)
                 device = _device_of(child)
                 setattr(parent, child_name, ep_layer)
                 if device.type != "cpu":

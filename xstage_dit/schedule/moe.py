@@ -28,7 +28,7 @@ from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EP_PATHS", "FUSED_AUTO_MIN_LOCAL_EXPERTS", "MoESchedule", "MoEScheduler", "check_moe_path",
+__all__ = ["EP_PATHS", "FUSED_AUTO_MIN_LOCAL_EXPERTS", "MOE_ROUTINGS", "MoESchedule", "MoEScheduler", "check_moe_path",
            "choose_moe_path", "choose_moe_lead", "choose_moe_schedule"]
 
 EP_PATHS = ("auto", "fused", "serial", "reference")
@@ -86,26 +86,49 @@ def choose_moe_path(facts: DeviceFacts, *, num_experts_per_rank: int, requested:
 
 
 # Measured on one H200 (2026-12-03, benchmarks/results/e2e/nucleusmoe-1xh200-9ba8745.*): NucleusMoE 1024²,
-# 4 steps, world 1: diffusers' own layer 134 ms a step, the EP layer with the fused kernel 285-370 ms. The
-# kernel alone is faster than grouped matmul (benchmarks/results/moe), but the EP layer plans its rows on the
-# host behind a sync every layer (~5 ms a layer for 32K routed rows), and at world 1 nothing hides it.
+# 4 steps, world 1: diffusers' own layer 134 ms a step, the EP layer with the fused kernel on the general EP
+# plan 285-370 ms. The kernel alone is faster than grouped matmul (benchmarks/results/moe), but the general
+# plan reads the routed counts on the host behind a sync every layer (~5 ms a layer for 32K routed rows), and
+# at world 1 nothing hides it. A top-k layer (HiDream) has data-dependent counts, so it would need that plan.
 WORLD1_MEASURED = ("measured on the H200 for NucleusMoE at world 1: the EP layer's step 2.2x diffusers' own "
                    "(its host-side routing plan, ~5 ms a layer behind a sync, outweighs the faster kernel)")
+# Expert choice needs no such plan: every expert takes batch x capacity rows, the offsets are shapes, and the
+# world-1 path (`ops.moe.expert_choice`) runs the fused kernel with no host sync. The kernel against torch's
+# grouped-matmul MLP at the NucleusMoE shape, same run (benchmarks/results/moe/tma-configs-h200-9124f31.md).
+WORLD1_FUSED_MEASURED = ("the fused expert kernel measured 1.30x torch's grouped-matmul MLP at the NucleusMoE "
+                         "shape on the H200 (benchmarks/results/moe/tma-configs-h200-9124f31.md)")
+
+MOE_ROUTINGS = ("expert_choice", "top_k")
 
 
-def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, requested: str = "auto") -> ScheduleChoice:
+def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, requested: str = "auto") -> ScheduleChoice:
     """World 1 (no experts to exchange): "diffusers" (keep diffusers' MoE layer) or an EP layer path.
 
-    requested: "auto" keeps diffusers' layer (measured faster end to end, ``WORLD1_MEASURED``); an explicit
+    routing: "expert_choice" (NucleusMoE: static expert offsets, so the EP layer takes its world-1 path with
+    no host plan) or "top_k" (HiDream: data-dependent counts, the general EP plan with its host sync).
+    requested: "auto" picks "fused" for expert choice on CUDA with >= ``FUSED_AUTO_MIN_LOCAL_EXPERTS``
+    experts (``WORLD1_FUSED_MEASURED``) and keeps diffusers' layer otherwise (top-k: ``WORLD1_MEASURED``;
+    fewer experts: the kernel is slower than the grouped matmul diffusers' layer runs); an explicit
     "fused" | "serial" | "reference" swaps in the EP layer on that path (`choose_moe_path` rules).
     """
     check_moe_path(requested)
     _check_ints(num_experts=num_experts)
+    if routing not in MOE_ROUTINGS:
+        raise ValueError(f"expected routing in {MOE_ROUTINGS}, got {routing!r}")
     if requested != "auto":
         return choose_moe_path(facts, num_experts_per_rank=num_experts, requested=requested)
     if not facts.is_cuda:
         return ScheduleChoice("diffusers", f"no GPU ({facts.name}): diffusers' layer", {})
-    return ScheduleChoice("diffusers", f"{num_experts} experts on {facts.name}: {WORLD1_MEASURED}", {})
+    if routing == "top_k":
+        return ScheduleChoice("diffusers", f"{num_experts} experts, top-k routing on {facts.name}: the counts are "
+                              f"data-dependent, so the EP layer needs its host-side plan; {WORLD1_MEASURED}", {})
+    if num_experts < FUSED_AUTO_MIN_LOCAL_EXPERTS:
+        return ScheduleChoice("diffusers", f"{num_experts} experts < {FUSED_AUTO_MIN_LOCAL_EXPERTS} on {facts.name}: "
+                              "the fused kernel was measured slower than the grouped matmul diffusers' layer runs", {})
+    return ScheduleChoice(
+        "fused", f"{num_experts} experts, expert-choice routing on {facts.name}: static expert offsets, so the "
+        f"world-1 EP path runs the fused kernel with no host plan and no sync; {WORLD1_FUSED_MEASURED}",
+        {"dataflow": "expert_choice_static"})
 
 
 def choose_moe_lead(

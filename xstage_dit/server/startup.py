@@ -1,6 +1,6 @@
 """What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: torch
-SDPA, or FA4 where the kernel sweep measured it faster; MoE layers stay diffusers' at world 1, measured faster
-there: `schedule.moe.choose_moe_world1`), compile it, and (rank 0)
+SDPA, or FA4 where the kernel sweep measured it faster; MoE layers per kind at world 1, NucleusMoE's on the
+fused expert-choice path, HiDream's diffusers' own: `schedule.moe.choose_moe_world1`), compile it, and (rank 0)
 collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up (the
 schedules and attention kernels as of the request: each shape is decided, with its reasons, at its first call)."""
 
@@ -95,7 +95,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         expert_shard = parallel.expert_shard(ctx.rank)
         pipe = load_pipeline(model, dtype=want, device=device, seed=weights_seed, expert_shard=expert_shard)
         report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size}
-        # World 1 as well: the measured attention kernel; MoE layers stay diffusers' (`choose_moe_world1`).
+        # World 1 as well: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
         handle = parallelize(pipe, parallel)
         report_parallel["mode"] = "parallelized"
         report_parallel["moe_layers_swapped"] = handle.num_moe_layers

@@ -9,6 +9,7 @@
 - ``fused``: the Triton launchers (``expert_mlp_combine``, ``push_rows``, ``combine_reduce``) and the
   grouped-matmul baseline (``expert_mlp_combine_grouped``); ``kernel``: the device code;
 - ``forward``: ``ep_moe_forward`` (one rank's EP MoE on the path and lead it is handed);
+- ``expert_choice``: ``expert_choice_moe`` (an expert-choice layer at world 1: static offsets, no host sync);
 - ``custom_ops``: the torch custom ops, registered on import of this package.
 
 The diffusers layers that use them live in ``xstage_dit.patches.ep_layers``; the path and lead are
@@ -17,9 +18,17 @@ chosen by ``xstage_dit.schedule.moe``.
 
 from xstage_dit.ops.moe import custom_ops  # noqa: F401  (registers torch.ops.xstage_dit.moe_*)
 from xstage_dit.ops.moe.config import MoEKernelConfig
-from xstage_dit.ops.moe.custom_ops import moe_combine_reduce_op, moe_expert_mlp_combine_op
+from xstage_dit.ops.moe.custom_ops import moe_combine_reduce_op, moe_expert_mlp_combine_op, moe_expert_mlp_rows_op
+from xstage_dit.ops.moe.expert_choice import EXPERT_CHOICE_PATHS, expert_choice_moe
 from xstage_dit.ops.moe.forward import EP_RUN_PATHS, ep_moe_forward
-from xstage_dit.ops.moe.fused import combine_reduce, expert_mlp_combine, expert_mlp_combine_grouped, push_rows
+from xstage_dit.ops.moe.fused import (
+    combine_reduce,
+    expert_mlp_combine,
+    expert_mlp_combine_grouped,
+    expert_mlp_rows,
+    expert_mlp_rows_grouped,
+    push_rows,
+)
 from xstage_dit.ops.moe.plan import EPPlan, build_ep_plan
 from xstage_dit.ops.moe.reference import (
     combine_reduce_reference,
@@ -44,4 +53,9 @@ __all__ = [
     "EP_RUN_PATHS",
     "moe_combine_reduce_op",
     "moe_expert_mlp_combine_op",
+    "moe_expert_mlp_rows_op",
+    "expert_mlp_rows",
+    "expert_mlp_rows_grouped",
+    "expert_choice_moe",
+    "EXPERT_CHOICE_PATHS",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["MoEKernelConfig", "interpreting", "default_config"]
+__all__ = ["MoEKernelConfig", "interpreting", "default_config", "config_to_ints", "config_from_ints"]
 
 
 @dataclass(frozen=True)
@@ -61,3 +61,27 @@ def interpreting() -> bool:
 def default_config() -> MoEKernelConfig:
     """The config used when none is given: the H200 default, or 16-wide tiles the interpreter runs quickly."""
     return MoEKernelConfig(16, 16, 16, 16, 4, 1) if interpreting() else MoEKernelConfig()
+
+
+# Field order of ``config_to_ints``: a custom op's schema takes ints, not a dataclass.
+_CONFIG_FIELDS = ("block_m", "block_n1", "block_n2", "block_k", "num_warps", "num_stages", "num_programs", "lead",
+                  "wave_blocks", "ticket", "use_desc")
+
+
+def config_to_ints(config: MoEKernelConfig | None) -> list[int]:
+    """``config`` as ints for a custom op's schema (None -> -1, bools -> 0 / 1); ``[]`` for None (the default)."""
+    if config is None:
+        return []
+    return [-1 if v is None else int(v) for v in (getattr(config, f) for f in _CONFIG_FIELDS)]
+
+
+def config_from_ints(values: list[int]) -> MoEKernelConfig | None:
+    """Inverse of ``config_to_ints``: ``[]`` -> None; ValueError on a list of another length."""
+    if not values:
+        return None
+    if len(values) != len(_CONFIG_FIELDS):
+        raise ValueError(f"expected {len(_CONFIG_FIELDS)} config ints ({', '.join(_CONFIG_FIELDS)}), got {len(values)}")
+    kw = {f: (None if v == -1 else v) for f, v in zip(_CONFIG_FIELDS, values)}
+    kw["ticket"] = bool(kw["ticket"])
+    kw["use_desc"] = None if kw["use_desc"] is None else bool(kw["use_desc"])
+    return MoEKernelConfig(**kw)

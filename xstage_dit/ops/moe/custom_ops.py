@@ -4,8 +4,9 @@ Registered here, so that ``torch.compile`` traces them as single ops and CUDA gr
 
 ``xstage_dit::moe_combine_reduce(buf, slot_offsets, slots, shared) -> (tokens, hidden)`` and
 ``xstage_dit::moe_expert_mlp_combine(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row,
-combine_table, combine_buffer, lead) -> ()``; arguments as ``fused.combine_reduce`` and
-``fused.expert_mlp_combine``. Imported by ``xstage_dit.ops.moe`` (the package), so the ops exist as soon
+combine_table, combine_buffer, lead) -> ()`` and ``xstage_dit::moe_expert_mlp_rows(x, gate_up, down,
+rows_per_expert, row_weight, lead, config) -> (rows, hidden)``; arguments as ``fused.combine_reduce``,
+``fused.expert_mlp_combine`` and ``fused.expert_mlp_rows`` (``config`` as ``config_to_ints``). Imported by ``xstage_dit.ops.moe`` (the package), so the ops exist as soon
 as the MoE fast path does.
 """
 
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.ops.moe.fused import combine_reduce, expert_mlp_combine
+from xstage_dit.ops.moe.config import MoEKernelConfig, config_from_ints, config_to_ints
+from xstage_dit.ops.moe.fused import combine_reduce, expert_mlp_combine, expert_mlp_rows
 
-__all__ = ["NAMESPACE", "moe_combine_reduce_op", "moe_expert_mlp_combine_op"]
+__all__ = ["NAMESPACE", "moe_combine_reduce_op", "moe_expert_mlp_combine_op", "moe_expert_mlp_rows_op"]
 
 NAMESPACE = "xstage_dit"
 
@@ -45,6 +47,17 @@ def _(x, gate_up, down, expert_offsets, row_weight, dest_rank, dest_row, combine
     return None
 
 
+@torch.library.custom_op(f"{NAMESPACE}::moe_expert_mlp_rows", mutates_args=())
+def _moe_expert_mlp_rows(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows_per_expert: int,
+                         row_weight: torch.Tensor, lead: int, config: list[int]) -> torch.Tensor:
+    return expert_mlp_rows(x, gate_up, down, rows_per_expert, row_weight, lead=lead, config=config_from_ints(config))
+
+
+@_moe_expert_mlp_rows.register_fake
+def _(x, gate_up, down, rows_per_expert, row_weight, lead, config):
+    return x.new_empty(x.shape[0], x.shape[1])
+
+
 def moe_combine_reduce_op(buf, slot_offsets, slots, shared=None) -> torch.Tensor:
     """``torch.ops.xstage_dit.moe_combine_reduce``: buf (>= slots, hidden), slot_offsets int32 (tokens + 1,),
     slots int32 (slots,), shared (tokens, hidden) or None -> (tokens, hidden) in buf.dtype."""
@@ -59,3 +72,13 @@ def moe_expert_mlp_combine_op(x, gate_up, down, expert_offsets, row_weight, dest
         raise ValueError(f"expected lead an int >= 0 (0 = wave-by-wave), got {lead!r}")
     torch.ops.xstage_dit.moe_expert_mlp_combine(x, gate_up, down, [int(v) for v in expert_offsets], row_weight,
                                                 dest_rank, dest_row, combine_table, combine_buffer, lead)
+
+
+def moe_expert_mlp_rows_op(x, gate_up, down, rows_per_expert: int, row_weight, *, lead: int,
+                           config: MoEKernelConfig | None = None) -> torch.Tensor:
+    """``torch.ops.xstage_dit.moe_expert_mlp_rows``: x (E_local * rows_per_expert, hidden) expert-major, row_weight
+    fp32 (rows,) -> (rows, hidden) weighted expert rows in x.dtype (``fused.expert_mlp_rows``); ``lead`` >= 0."""
+    if isinstance(lead, bool) or not isinstance(lead, int) or lead < 0:
+        raise ValueError(f"expected lead an int >= 0 (0 = wave-by-wave), got {lead!r}")
+    return torch.ops.xstage_dit.moe_expert_mlp_rows(x, gate_up, down, int(rows_per_expert), row_weight, lead,
+                                                    config_to_ints(config))

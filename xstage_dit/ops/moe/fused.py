@@ -23,6 +23,9 @@ from xstage_dit.schedule.moe_tiles import TileSchedule, build_schedule
 __all__ = [
     "expert_mlp_combine",
     "expert_mlp_combine_grouped",
+    "expert_mlp_rows",
+    "expert_mlp_rows_grouped",
+    "equal_expert_offsets",
     "combine_reduce",
     "push_rows",
     "num_programs_for",
@@ -154,6 +157,63 @@ def expert_mlp_combine(
         num_warps=cfg.num_warps, num_stages=num_stages,
     )  # fmt: skip
     return schedule
+
+
+def equal_expert_offsets(num_experts: int, rows_per_expert: int) -> tuple[int, ...]:
+    """``(0, R, 2R, ..., E*R)``: the expert offsets of an expert-choice layout (every expert takes R rows)."""
+    if num_experts < 1 or rows_per_expert < 1:
+        raise ValueError(f"expected num_experts >= 1 and rows_per_expert >= 1, got {num_experts} and {rows_per_expert}")
+    return tuple(range(0, (num_experts + 1) * rows_per_expert, rows_per_expert))
+
+
+def expert_mlp_rows(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    rows_per_expert: int,
+    row_weight: torch.Tensor,
+    *,
+    lead: int,
+    config: MoEKernelConfig | None = None,
+) -> torch.Tensor:
+    """The fused expert MLP for equal-size experts, weighted rows into one local tensor (world 1).
+
+    x: (E_local * rows_per_expert, hidden) expert-major, contiguous; gate_up: (E_local, hidden, 2*inter);
+    down: (E_local, inter, hidden); row_weight: fp32 (rows,). Returns (rows, hidden) in x.dtype,
+    ``out[i] = (expert_mlp(x[i]) * row_weight[i]).to(x.dtype)`` (``expert_mlp_combine_reference`` with one
+    buffer and ``dest_row = i``). No host sync: the offsets follow from the shapes, the tile table is built
+    once per shape and cached on the device (``_schedule_for``), and the destination table is filled on the
+    device from the output's address (capturable in a CUDA graph: the address is the graph pool's).
+    """
+    rows = x.shape[0]
+    El = gate_up.shape[0] if gate_up.dim() == 3 else 0
+    if rows_per_expert < 1 or rows != El * rows_per_expert:
+        raise ValueError(
+            f"expected x with E_local * rows_per_expert = {El} x {rows_per_expert} rows, got {tuple(x.shape)}"
+        )
+    out = torch.empty(rows, x.shape[1], dtype=x.dtype, device=x.device)
+    table = torch.full((1,), out.data_ptr(), dtype=torch.int64, device=x.device)
+    dest_rank = torch.zeros(rows, dtype=torch.int32, device=x.device)
+    dest_row = torch.arange(rows, dtype=torch.int32, device=x.device)
+    expert_mlp_combine(x, gate_up, down, equal_expert_offsets(El, rows_per_expert), row_weight, dest_rank, dest_row,
+                       table, config=config, lead=lead)  # fmt: skip
+    return out
+
+
+def expert_mlp_rows_grouped(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows_per_expert: int, row_weight: torch.Tensor
+) -> torch.Tensor:
+    """Unfused ``expert_mlp_rows`` (the baseline): ``F.grouped_mm`` on CUDA with offsets made on the device
+    (no host copy, so no sync), per-expert matmuls elsewhere; rows weighted in the activation dtype."""
+    El, H, I = check_expert_inputs(x, gate_up, down, equal_expert_offsets(gate_up.shape[0], rows_per_expert))
+    if x.device.type == "cuda" and hasattr(F, "grouped_mm"):
+        offs = torch.arange(1, El + 1, dtype=torch.int32, device=x.device) * rows_per_expert
+        gu = F.grouped_mm(x, gate_up, offs=offs)
+        y = F.grouped_mm(F.silu(gu[:, :I]) * gu[:, I:], down, offs=offs)
+    else:
+        gu = torch.bmm(x.view(El, rows_per_expert, H), gate_up)
+        y = torch.bmm(F.silu(gu[..., :I]) * gu[..., I:], down).reshape(-1, H)
+    return y * row_weight[:, None].to(y.dtype)
 
 
 def _resolve_use_desc(use_desc: bool | None, x, gate_up, down, h_buffer, H: int, I: int) -> bool:

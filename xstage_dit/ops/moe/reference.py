@@ -118,7 +118,8 @@ def combine_reduce_reference(
             raise ValueError(f"expected shared of shape {(tokens, buf.shape[1])}, got {tuple(shared.shape)}")
         out += shared.float()
     counts = (slot_offsets[1:] - slot_offsets[:-1]).long()
-    tok_of_slot = torch.repeat_interleave(torch.arange(tokens, device=buf.device), counts)
+    # output_size: the slots' count is a shape, so no host read of the counts (no sync, traceable).
+    tok_of_slot = torch.repeat_interleave(torch.arange(tokens, device=buf.device), counts, output_size=slots.shape[0])
     out.index_add_(0, tok_of_slot, buf[slots.long()].float())
     return out.to(out_dtype or buf.dtype)
 
