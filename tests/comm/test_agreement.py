@@ -34,3 +34,24 @@ def test_fingerprint_tells_inputs_apart_and_is_deterministic():
     y[0, 0, 0] += 1e-3
     assert agreement.fingerprint({"hidden_states": y})["hidden_states"] != a["hidden_states"]
     assert agreement.fingerprint({"freqs": torch.polar(torch.ones(3), torch.arange(3.0))})["freqs"][1] == "complex64"
+
+
+def test_fingerprint_of_each_tensor_is_its_own_whatever_its_neighbours():
+    """Stats are gathered per device and put back by index: each name keeps its own digest."""
+    g = torch.Generator().manual_seed(1)
+    named = {"a": torch.randn(3, 4, generator=g), "b": torch.randn(5, generator=g), "c": torch.zeros(0),
+             "d": torch.arange(6)}
+    together = agreement.fingerprint(named)
+    assert together == {k: agreement.fingerprint({k: v})[k] for k, v in named.items()}
+    assert len({together[k][2] for k in "abd"}) == 3
+
+
+@pytest.mark.gpu
+def test_fingerprint_takes_inputs_on_several_devices():
+    """Helios passes CUDA latents beside CPU frame indices (the H200 family run, 2026-12-03, failed here)."""
+    if not torch.cuda.is_available():
+        pytest.skip("gpu: needs a CUDA GPU, found none")
+    x, idx = torch.randn(2, 8, device="cuda"), torch.arange(4)
+    mixed = agreement.fingerprint({"hidden_states": x, "indices": idx})
+    assert mixed == {"hidden_states": agreement.fingerprint({"hidden_states": x})["hidden_states"],
+                     "indices": agreement.fingerprint({"indices": idx})["indices"]}

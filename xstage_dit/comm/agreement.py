@@ -188,13 +188,20 @@ def wait(work, group=None, *, poll_s: float = 0.002) -> None:
 def fingerprint(named: dict[str, Any]) -> dict[str, Any]:
     """A cheap summary of named tensors to compare across ranks: shape, dtype and a short hash of the
     float64 sum and sum of squares of each (equal inputs give equal sums on every rank: same kernels,
-    same order). Non-tensor values are kept as they are when small and simple. One host sync."""
+    same order). Non-tensor values are kept as they are when small and simple. One host sync per device
+    the tensors live on."""
     tensors = {k: v.detach() for k, v in named.items() if isinstance(v, torch.Tensor)}
     stats = []
     for x in tensors.values():
         x = torch.view_as_real(x).double() if x.is_complex() else x.double()
         stats.append(torch.stack([x.sum(), x.square().sum()]) if x.numel() else x.new_zeros(2))
-    values = torch.stack(stats).cpu().tolist() if stats else []
+    # Inputs may live on several devices (Helios passes CUDA latents beside CPU frame indices): stats are
+    # moved to the host per device, one sync per device in use.
+    values: list = [None] * len(stats)
+    for device in {s.device for s in stats}:
+        where = [i for i, s in enumerate(stats) if s.device == device]
+        for i, pair in zip(where, torch.stack([stats[i] for i in where]).cpu().tolist()):
+            values[i] = pair
     out: dict[str, Any] = {}
     for (name, x), pair in zip(tensors.items(), values):
         digest = hashlib.sha1(repr(pair).encode()).hexdigest()[:12]
