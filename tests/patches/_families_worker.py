@@ -69,6 +69,14 @@ def _pipe(name):
     return load_pipeline(name, seed=0, dtype=DTYPE, device=DEVICE)
 
 
+def _minimax_h3_pipe():
+    from xstage_dit.models import minimax_h3
+
+    pipe = minimax_h3.build("tiny", dtype=DTYPE, device=DEVICE, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def _hunyuan_image_distilled_pipe():
     from xstage_dit.models import hunyuan_image
 
@@ -158,6 +166,12 @@ PIPELINES = {
     "hunyuanimage-distilled": (_hunyuan_image_distilled_pipe, dict(prompt=GLYPH_PROMPT, height=40, width=40,
                                                                    num_inference_steps=2,
                                                                    distilled_guidance_scale=3.25)),
+    # MiniMax-H3 (modular pipeline, t2va): 16x24 x 124 frames (the shortest video it makes: 5 s at 24 fps) -> one
+    # packed sequence of 7 text + 414 stereo audio rows (207 latents x 2) + 37 latent frames x 2x3 = 222 video rows
+    # = 643 rows (odd: uneven at 2 and 4); 3 sigma points = 2 calls, one per step, batch 1 (guidance-distilled: no
+    # CFG); the pixels and the stereo waveform are compared
+    "minimax-h3": (_minimax_h3_pipe, dict(prompt=PROMPT, height=16, width=24, num_frames=124, num_inference_steps=3,
+                                          output=["videos", "audio"])),
     # causal blocks of 2 latent frames: a (1, 1, seq, seq) block-causal mask whose query rows follow the shards
     "skyreels-v2-causal": (lambda: _pipe("tiny-skyreels-v2"), dict(prompt=PROMPT, height=48, width=48, num_frames=13,
                                                                    num_inference_steps=2, guidance_scale=1.0,
@@ -306,11 +320,38 @@ def _hunyuan_video15():
                        image_embeds=torch.zeros(2, 3, 16), return_dict=False)
 
 
+def _minimax_h3():
+    """MiniMax-H3 on the fl2va layout its layout step builds (`build_packed_sequence`): 7 text rows, one "first"
+    keyframe's 2x3 conditioning rows, 5 audio latents x 2 channels and 2 latent frames x 2x3 video rows = 35
+    rows (uneven at 2 and 4), three distinct timesteps (keyframe, audio, video), batch 2 (the batch axis
+    replicates the layout)."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    from xstage_dit.models.minimax_h3 import build_transformer
+
+    model = build_transformer("tiny", dtype=torch.float32, device="cpu", seed=1)
+    tags = torch.full((7,), 1, dtype=torch.long)
+    position_ids, token_tags, video_idx, audio_idx, text_idx, cond_rows, _ = \
+        MiniMaxH3PrepareLayoutStep.build_packed_sequence(tags, num_latent_frames=2, latent_height=4, latent_width=6,
+                                                         num_audio_latents=5, patch_size=(1, 2, 2), audio_channels=2,
+                                                         audio_tag=2, video_tag=0, keyframe_anchors=("first",))
+    timestep_indices = torch.zeros(position_ids.shape[0], dtype=torch.long)  # text and the keyframe: t = 0.999
+    timestep_indices[audio_idx] = 1
+    timestep_indices[video_idx[cond_rows:]] = 2
+    g = torch.Generator().manual_seed(0)
+    return model, dict(hidden_states=torch.randn(2, len(video_idx), 16, generator=g),
+                       audio_hidden_states=torch.randn(2, len(audio_idx), 4, generator=g),
+                       encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+                       timestep=torch.tensor([0.999, 0.6, 0.3]), timestep_indices=timestep_indices, token_tags=token_tags,
+                       position_ids=position_ids, video_indices=video_idx, audio_indices=audio_idx,
+                       text_indices=text_idx, return_dict=False)
+
+
 # Transformers called on pipeline-shaped inputs the pipeline cases do not reach (tests/patches/test_families.py).
 # Named apart from PIPELINES (by their token counts): `main` looks a name up in PIPELINES first.
 TRANSFORMERS = {"qwenimage-9": _qwenimage, "hunyuanvideo-9": _hunyuan_video, "helios-3-blocks": _helios,
                 "ltx2-12": _ltx2, "flux2-9": _flux2, "chronoedit-18": _chronoedit, "hunyuanimage-9": _hunyuan_image,
-                "hunyuanvideo15-18": _hunyuan_video15}
+                "hunyuanvideo15-18": _hunyuan_video15, "minimax-h3-35": _minimax_h3}
 if set(TRANSFORMERS) & set(PIPELINES):
     raise ValueError(f"expected case names unique to one table, got {sorted(set(TRANSFORMERS) & set(PIPELINES))} in both")
 
@@ -331,10 +372,17 @@ def transformer_equivalence(name: str, world: int) -> dict:
 
 
 def _output(pipe, kwargs, generator=None) -> np.ndarray:
-    """The pixels (and, for LTX-2, the waveform after them), flattened when there is audio."""
+    """The pixels (and, for LTX-2 and MiniMax-H3, the waveform after them), flattened when there is audio.
+    A modular pipeline (MiniMax-H3), called with ``output=[...]``, returns a plain dict of those outputs (a
+    classic pipeline's BaseOutput is a dict too, with ``.images`` / ``.frames``)."""
     out = pipe(**kwargs, generator=generator or _gen(), output_type="np")
-    arr = np.asarray(out.frames if hasattr(out, "frames") else out.images, dtype=np.float32)
-    audio = getattr(out, "audio", None)
+    if type(out) is dict:
+        arr, audio = np.asarray(out["videos"], dtype=np.float32), out.get("audio")
+    else:
+        arr = np.asarray(out.frames if hasattr(out, "frames") else out.images, dtype=np.float32)
+        audio = getattr(out, "audio", None)
+    if isinstance(audio, torch.Tensor):  # MiniMax-H3 returns the waveform as a tensor on the pipeline's device
+        audio = audio.float().cpu().numpy()
     if audio is not None:
         return np.concatenate([arr.ravel(), np.asarray(audio, dtype=np.float32).ravel()])
     return arr

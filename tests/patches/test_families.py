@@ -26,7 +26,7 @@ WORKER = str(ROOT / "tests" / "patches" / "_families_worker.py")
 TOL = 1e-4  # fp32 pipelines, pixels in [0, 1]: the parallel output differs by float reassociation only
 FAMILIES = ["ltx", "cogvideox", "sd3", "z-image", "wan-vace", "skyreels-v2", "skyreels-v2-causal", "qwenimage",
             "helios", "chronoedit", "flux2", "ltx2", "qwenimage21", "qwenimage21-nocache", "hunyuanvideo",
-            "hunyuanvideo15", "hunyuanimage", "hunyuanimage-distilled"]
+            "hunyuanvideo15", "hunyuanimage", "hunyuanimage-distilled", "minimax-h3"]
 # the registry's transformer class of each family case (the README's pipeline-test column comes from it)
 FAMILY_CLASSES = {
     "ltx": "LTXVideoTransformer3DModel", "cogvideox": "CogVideoXTransformer3DModel", "sd3": "SD3Transformer2DModel",
@@ -37,7 +37,7 @@ FAMILY_CLASSES = {
     "ltx2": "LTX2VideoTransformer3DModel", "qwenimage21": "QwenImage21Transformer2DModel",
     "qwenimage21-nocache": "QwenImage21Transformer2DModel", "hunyuanvideo": "HunyuanVideoTransformer3DModel",
     "hunyuanvideo15": "HunyuanVideo15Transformer3DModel", "hunyuanimage": "HunyuanImageTransformer2DModel",
-    "hunyuanimage-distilled": "HunyuanImageTransformer2DModel",
+    "hunyuanimage-distilled": "HunyuanImageTransformer2DModel", "minimax-h3": "MiniMaxH3Transformer3DModel",
 }
 
 
@@ -57,9 +57,10 @@ def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400
 # at world 4: the shard that used to be empty, and crashed rotary embedding on that rank alone), Helios with 3
 # blocks (diffusers' own plan names exactly 40), LTX-2 (video + audio streams, text masks), FLUX.2 (9 tokens),
 # ChronoEdit, and batches of 2 prompts padded differently: HunyuanImage 2.1, HunyuanVideo 1.5 (its valid_q &
-# valid_k self-attention mask; its pipeline's VAE cannot decode a batch of 2)
+# valid_k self-attention mask; its pipeline's VAE cannot decode a batch of 2), MiniMax-H3 (the fl2va layout: keyframe
+# rows at their own timestep, batch 2; its pipeline runs t2va at batch 1)
 TRANSFORMERS = ["qwenimage-9", "hunyuanvideo-9", "helios-3-blocks", "ltx2-12", "flux2-9", "chronoedit-18", "hunyuanimage-9",
-                "hunyuanvideo15-18"]
+                "hunyuanvideo15-18", "minimax-h3-35"]
 
 
 # world 4 runs ~40 s on the 2-core CI machine (every family, 4 ranks on 2 cores)
@@ -98,7 +99,7 @@ def test_readme_pipeline_column_is_what_this_file_tests():
     transformer_level = {"QwenImageTransformer2DModel", "HunyuanVideoTransformer3DModel", "HeliosTransformer3DModel",
                          "LTX2VideoTransformer3DModel", "Flux2Transformer2DModel",
                          "ChronoEditTransformer3DModel", "HunyuanImageTransformer2DModel",
-                         "HunyuanVideo15Transformer3DModel"}  # TRANSFORMERS below
+                         "HunyuanVideo15Transformer3DModel", "MiniMaxH3Transformer3DModel"}  # TRANSFORMERS above
     assert {p.class_name for p in supported_models() if p.tested} == claimed | transformer_level
 
 
@@ -204,3 +205,52 @@ def test_qwenimage21_refuses_the_flex_processor_and_needs_the_prefix_fact():
     ctx.state.named["kv_head"] = 2
     with pytest.raises(ValueError, match="expected keys = 2 replicated \\+ the queries' 3 sharded, got 4 keys"):
         xstage_attention(q, torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8), _parallel_config=ctx)
+
+
+def test_minimax_h3_plan_keeps_the_token_refiner_local():
+    """The token refiner attends the whole prompt before the split: its attention is left local (diffusers'
+    plan would route it through the sequence-parallel backend); every block attention is sharded; a shipped
+    plan of another shape is refused by name."""
+    import fnmatch
+    from unittest import mock
+
+    import torch
+
+    from xstage_dit.models.minimax_h3 import build_transformer
+    from xstage_dit.patches import _diffusers_private as private
+    from xstage_dit.patches import family_plans
+    from xstage_dit.patches.plans import plan_for
+    from xstage_dit.patches.sequence_parallel import attention_modules
+
+    model = build_transformer("tiny", dtype=torch.float32, device="meta")
+    spec = plan_for(model).build_sp(model)
+    local = {n for n, _ in attention_modules(model) if any(fnmatch.fnmatchcase(n, p) for p in spec.local_attention)}
+    assert local == {"token_refiner.refiner_blocks.0.attn"}
+    assert {n for n, _ in attention_modules(model)} - local == {"transformer_blocks.0.attn", "transformer_blocks.1.attn"}
+    assert spec.cp_plan == dict(private.shipped_cp_plan(type(model)))
+    broken = {k: v for k, v in private.shipped_cp_plan(type(model)).items() if k != "norm_out"}
+    with mock.patch.object(private, "shipped_cp_plan", lambda cls: broken):
+        with pytest.raises(ValueError, match="expected MiniMax-H3's _cp_plan to name .*got"):
+            family_plans.minimax_h3_sp(model)
+
+
+def test_parallelize_takes_the_minimax_h3_modular_pipeline_and_its_ref2va_partition():
+    """A ModularPipeline is taken like a DiffusionPipeline (its components are attributes); where only the
+    ref2va partition (``transformer_ref``) is loaded, that one is patched (world 1: the attention is routed)."""
+    import torch
+
+    from xstage_dit.models.minimax_h3 import build
+    from xstage_dit.patches import parallelize
+
+    pipe = build("tiny", dtype=torch.float32, device="cpu", seed=0)
+    t2va = pipe.transformer
+    with parallelize(pipe, sp=1) as handle:
+        assert handle.transformers == [t2va]
+    pipe.update_components(transformer_ref=t2va, transformer=None)
+    assert pipe.transformer is None and pipe.transformer_ref is t2va
+    before = {n: type(m.processor) for n, m in t2va.named_modules() if hasattr(m, "processor")}
+    with parallelize(pipe, sp=1) as handle:
+        assert handle.transformers == [t2va] and handle.transformer is t2va
+        assert t2va.transformer_blocks[0].attn.processor._parallel_config is not None
+    assert {n: type(m.processor) for n, m in t2va.named_modules() if hasattr(m, "processor")} == before
+    assert t2va.transformer_blocks[0].attn.processor._parallel_config is None

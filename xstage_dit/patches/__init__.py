@@ -63,7 +63,7 @@ class ParallelHandle:
 
     config: ParallelConfig
     groups: ParallelGroups
-    transformer: torch.nn.Module  # pipe.transformer
+    transformer: torch.nn.Module  # pipe.transformer (pipe.transformer_ref where only that one is loaded)
     transformers: list = field(default_factory=list)  # every patched one (Wan 2.2 A14B: + transformer_2)
     calibration: ChosenParams | None = None
     schedule_choices: dict = field(default_factory=dict)
@@ -108,15 +108,22 @@ def supported_models():
     return _supported()
 
 
+# The components a pipeline's denoise loop calls: pipe.transformer; pipe.transformer_2, a second expert (Wan 2.2
+# A14B); pipe.transformer_ref, the ref2va checkpoint partition of MiniMax-H3's modular pipeline (one repository,
+# two transformers; a workflow loads only its own, so either may be None).
+_DENOISERS = ("transformer", "transformer_2", "transformer_ref")
+
+
 def _transformers_of(pipe: Any) -> list[torch.nn.Module]:
-    """pipe.transformer, and pipe.transformer_2 where the pipeline has a second expert (Wan 2.2 A14B)."""
-    transformer = getattr(pipe, "transformer", None)
-    if transformer is None and isinstance(pipe, torch.nn.Module):
+    """Every denoiser component of `pipe` that is loaded (`_DENOISERS`, in that order), or [pipe] for a bare
+    transformer. A diffusers ModularPipeline exposes its components as attributes, so it is taken like a
+    DiffusionPipeline."""
+    found = [m for m in (getattr(pipe, name, None) for name in _DENOISERS) if isinstance(m, torch.nn.Module)]
+    if found:
+        return found
+    if isinstance(pipe, torch.nn.Module):
         return [pipe]  # a bare transformer
-    if transformer is None:
-        raise ValueError(f"expected a diffusers pipeline with a .transformer (a DiT pipeline), got {type(pipe).__name__}")
-    second = getattr(pipe, "transformer_2", None)
-    return [transformer] + ([second] if isinstance(second, torch.nn.Module) else [])
+    raise ValueError(f"expected a diffusers pipeline with a .transformer (a DiT pipeline), got {type(pipe).__name__}")
 
 
 def _modules_of(pipe: Any) -> list[torch.nn.Module]:
@@ -164,7 +171,9 @@ def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
 
 
 def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any) -> ParallelHandle:
-    """Make `pipe` (a diffusers DiT pipeline, or a bare transformer) run on `sp * cfg` ranks.
+    """Make `pipe` (a diffusers DiT pipeline, a ModularPipeline such as MiniMax-H3's, or a bare transformer)
+    run on `sp * cfg` ranks. Every loaded denoiser component is patched: ``pipe.transformer``, and
+    ``pipe.transformer_2`` (Wan 2.2 A14B) or ``pipe.transformer_ref`` (MiniMax-H3's ref2va partition) where present.
 
     config: a ParallelConfig, or its fields as keyword arguments (``parallelize(pipe, sp=4)``).
     Call on every rank after loading the same weights (torchrun, or ``xstage-dit generate --sp N``).

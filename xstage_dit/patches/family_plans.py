@@ -354,3 +354,20 @@ def qwenimage21_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         processor_swaps={"QwenImage21AttnProcessor": qwenimage21_processor},
         extra_hooks=[("", _Qwen21Layout), *[(f"transformer_blocks.{i}", block_hook(i)) for i in range(count)]],
     )
+
+
+# ---- MiniMax-H3: diffusers' plan on the packed sequence; the token refiner runs before the split -------------
+
+def minimax_h3_sp(model: torch.nn.Module) -> SequenceParallelSpec:
+    """diffusers' MiniMax-H3 plan (the packed ``[text | keyframes | audio | video]`` sequence is split at the
+    first block, with the per-row rotary table, AdaLN rows and ``norm_out`` timestep rows; both output heads
+    gather), completed: the token refiner attends the whole prompt inside the forward, before that split, so
+    its attention is local. Routed through the sequence-parallel backend it would take every rank's copy of
+    the same prompt as a shard of a world-times longer one: the same numbers (every key duplicated alike) for
+    a collective and world times the attention work per refiner layer."""
+    shipped = private.shipped_cp_plan(type(model)) or {}
+    expected = {"rope", "transformer_blocks.0", "transformer_blocks.*", "norm_out", "proj_out", "audio_proj_out"}
+    if set(shipped) != expected:
+        raise ValueError(f"expected MiniMax-H3's _cp_plan to name {sorted(expected)}, got {sorted(shipped)}")
+    _blocks(model, "transformer_blocks")
+    return SequenceParallelSpec(cp_plan=dict(shipped), local_attention=("token_refiner.*",))

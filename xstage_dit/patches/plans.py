@@ -237,7 +237,9 @@ _PLANS: dict[str, ModelPlan] = {
                   pipeline_worlds=_PW),
         ModelPlan("LTX2VideoTransformer3DModel", "LTX-2", "diffusers (completed: cross-modal rotary, audio local)",
                   fam.ltx2_sp, cfg=None, tested=True, pipeline_worlds=_PW),
-        ModelPlan("MiniMaxH3Transformer3DModel", "MiniMax-H3", "diffusers", _shipped()),
+        # guidance-distilled: one call per step (batch 1), no CFG to parallelize; a modular pipeline (no DiffusionPipeline)
+        ModelPlan("MiniMaxH3Transformer3DModel", "MiniMax-H3", "diffusers (completed: token refiner local)",
+                  fam.minimax_h3_sp, cfg=None, tested=True, pipeline_worlds=_PW),
         ModelPlan("HunyuanVideoTransformer3DModel", "HunyuanVideo", "xstage", _hunyuan_sp, tested=True,
                   pipeline_worlds=_PW),
         ModelPlan("SD3Transformer2DModel", "SD3 / SD3.5", "xstage", fam.sd3_sp, cfg=None, tested=True,
