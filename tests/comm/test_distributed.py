@@ -64,3 +64,35 @@ def test_launcher_gives_its_ranks_the_safe_env(monkeypatch):
     env = rank_env(1, 2, 12345)
     assert {k: env[k] for k in distributed.SAFE_ENV} == distributed.SAFE_ENV
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["MASTER_PORT"]) == ("1", "2", "1", "12345")
+
+
+_EXIT_WORKER = r"""
+import atexit, json, os, sys
+import torch.distributed as dist
+from xstage_dit.comm.distributed import init_distributed
+info = init_distributed(backend="gloo", timeout_s=30)
+got = [None] * info.world_size
+dist.all_gather_object(got, info.rank)   # leaves gloo work behind, as every worker does
+atexit._run_exitfuncs()                  # what the interpreter runs first at exit
+with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
+    json.dump({"gathered": got, "initialized_after_exit_funcs": dist.is_initialized()}, f)
+"""
+
+
+def test_a_gloo_rank_tears_its_group_down_at_exit(tmp_path):
+    """init_distributed registers the gloo group's teardown with atexit: a rank that returns without
+    destroy_process_group must not leave gloo's threads to interpreter finalization (exit 134 in CI)."""
+    import json
+    import os
+    import sys
+
+    from xstage_dit.comm.launcher import launch
+
+    script = tmp_path / "worker.py"
+    script.write_text(_EXIT_WORKER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    assert launch(2, [sys.executable, str(script), str(tmp_path)], timeout_s=120, env=env) == 0
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result == {"gathered": [0, 1], "initialized_after_exit_funcs": False}
