@@ -151,10 +151,17 @@ def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
     latents = torch.randn((1, vae.config.latent_channels, args.height // 8, args.width // 8), generator=gen)
     latents = latents.to(device, dtype)
     reference, eager_ms = None, None
-    for name in ("eager", "channels_last", "compiled", "compiled+channels_last"):
+    for name in args.vae_variants:
         channels_last = "channels_last" in name
         vae.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-        decode = torch.compile(vae.decode, dynamic=False, backend=args.backend) if "compiled" in name else vae.decode
+        # cudnn_benchmark: cuDNN times its conv algorithms once per shape (a server decodes few shapes)
+        torch.backends.cudnn.benchmark = "cudnn_benchmark" in name
+        if "compiled_decoder" in name:
+            # the decoder module alone: compiling vae.decode traced diffusers' lru_cache'd version checks
+            decoder = vae.decoder
+            vae.decoder = torch.compile(decoder, dynamic=False, backend=args.backend)
+        decode = torch.compile(vae.decode, dynamic=False, backend=args.backend) if "compiled+" in name or name == "compiled" \
+            else vae.decode
 
         @torch.inference_mode()
         def call(decode=decode):
@@ -176,7 +183,10 @@ def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
         print(f"vae {name:22s} {stats['median_ms']:9.3f} ms first call {first_s:.1f} s, max|diff| {diff:.3g}",
               flush=True)
         save()
+        if "compiled_decoder" in name:
+            vae.decoder = decoder
         torch._dynamo.reset()
+    torch.backends.cudnn.benchmark = False
     return rows
 
 
@@ -186,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="full", choices=("tiny", "full"))
     p.add_argument("--variants", default="eager,regional,full,regional+tuned,regional+qkv,full+tuned")
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode variants")
+    p.add_argument("--vae-variants", default="eager,channels_last,compiled,compiled+channels_last",
+                   help="with --vae: any of eager, channels_last, compiled, compiled+channels_last, cudnn_benchmark, "
+                        "channels_last+cudnn_benchmark, compiled_decoder, compiled_decoder+cudnn_benchmark")
     p.add_argument("--height", type=int, default=None, help="default: 1024 (flux), 480 (wan)")
     p.add_argument("--width", type=int, default=None, help="default: 1024 (flux), 832 (wan)")
     p.add_argument("--frames", type=int, default=81, help="wan: video frames (default: %(default)s)")
@@ -197,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="benchmarks/results/compile")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.vae_variants = [v.strip() for v in args.vae_variants.split(",") if v.strip()]
+    vae_known = {"eager", "channels_last", "compiled", "compiled+channels_last", "cudnn_benchmark",
+                 "channels_last+cudnn_benchmark", "compiled_decoder", "compiled_decoder+cudnn_benchmark"}
+    if set(args.vae_variants) - vae_known:
+        p.error(f"expected --vae-variants from {sorted(vae_known)}, got {sorted(set(args.vae_variants) - vae_known)}")
     for v in variants:
         try:
             parse_variant(v)
@@ -220,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                    "fastest_transformer_ms": best and best["median_ms"]}
         return write_results(out, "compile-variants", rows, summary, COLUMNS, notes=notes, env=env)
 
-    measure_transformer(args, variants, device, dtype, rows, save)
+    if variants:  # --variants '' with --vae: the VAE rows alone
+        measure_transformer(args, variants, device, dtype, rows, save)
     if args.vae:
         measure_vae(args, device, dtype, rows, save)
     json_path, md_path = save()

@@ -51,20 +51,25 @@ def build(capacity_factor: float, dtype=torch.bfloat16):
 def run_factor(cf: float, *, rounds: int, reps: int, compile_: bool, log) -> list[dict]:
     layer, ep, args = build(cf)
     fns = {"diffusers": lambda: layer(*args), "ep-world1/fused": lambda: ep(*args)}
+    failed: dict[str, str] = {}  # variant -> why it could not run (recorded as a row, never dropped)
     with torch.no_grad():
         ref, out = layer(*args), ep(*args)
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
         if compile_:
             torch._dynamo.reset()
-            c_layer = torch.compile(layer, dynamic=False)
-            c_ep = torch.compile(ep, dynamic=False)
-            fns["diffusers compiled"] = lambda: c_layer(*args)
-            fns["ep-world1/fused compiled"] = lambda: c_ep(*args)
-            for name in ("diffusers compiled", "ep-world1/fused compiled"):
-                fns[name]()  # compile outside the timed rounds
+            for name, module in (("diffusers compiled", layer), ("ep-world1/fused compiled", ep)):
+                compiled = torch.compile(module, dynamic=False)
+                try:
+                    compiled(*args)  # compile outside the timed rounds
+                except Exception as e:  # noqa: BLE001 - e.g. diffusers' grouped_mm with int64 offsets under Inductor
+                    failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                    log(f"cf {cf}: {name} failed: {failed[name]}")
+                    continue
+                fns[name] = lambda c=compiled: c(*args)
         rounds_ms = interleaved_times(fns, lambda fn: time_ms(fn, warmup=3, reps=reps)["median_ms"], rounds=rounds)
     base = statistics.median(rounds_ms["diffusers"])
-    rows = []
+    rows = [{"capacity_factor": cf, "variant": name, "ms": None, "min_round_ms": None, "max_round_ms": None,
+             "vs_diffusers_eager": None, "rel_err_vs_diffusers": None, "failed": why} for name, why in failed.items()]
     for name, ms in rounds_ms.items():
         med = statistics.median(ms)
         rows.append({"capacity_factor": cf, "variant": name, "ms": med, "min_round_ms": min(ms), "max_round_ms": max(ms),
@@ -94,14 +99,15 @@ def main(argv=None) -> int:
     for cf in (float(v) for v in args.capacity_factors.split(",")):
         rows += run_factor(cf, rounds=args.rounds, reps=args.reps, compile_=not args.no_compile,
                            log=lambda m: print(m, flush=True))
-    summary = {f"cf{r['capacity_factor']}/{r['variant']}": round(r["vs_diffusers_eager"], 3) for r in rows}
+    summary = {f"cf{r['capacity_factor']}/{r['variant']}": (round(r["vs_diffusers_eager"], 3) if r["ms"] else "failed")
+               for r in rows}
     tag = (env.get("git_commit") or "unknown")[:7]
     stem = Path(args.out_dir) / f"world1-nucleusmoe-h200-{tag}"
     notes = ("Per-layer time, NucleusMoE full-size MoE layer at world 1 (hidden 2048, 64 experts x 1344, 2 x 4096 "
              "tokens, bf16). Baseline column: diffusers' NucleusMoELayer eager, same run, interleaved rounds.")
     write_results(stem, "moe-world1", rows, summary,
                   ["capacity_factor", "variant", "ms", "min_round_ms", "max_round_ms", "vs_diffusers_eager",
-                   "rel_err_vs_diffusers"], notes=notes, env=env)  # fmt: skip
+                   "rel_err_vs_diffusers", "failed"], notes=notes, env=env)  # fmt: skip
     print(f"wrote {stem}.json / .md")
     return 0
 

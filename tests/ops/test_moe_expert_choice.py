@@ -154,3 +154,24 @@ def test_kernel_config_travels_through_the_op_schema_as_ints():
     assert config_to_ints(None) == [] and config_from_ints([]) is None
     with pytest.raises(ValueError, match="expected 11 config ints"):
         config_from_ints([16, 16])
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}s{}e{}cf{}".format(*s))
+def test_token_score_sums_table_form_equals_diffusers_scatter_add(shape):
+    """The fixed-order form CUDA uses (a dense (B, E, S) table summed over experts, since the scatter-add is
+    atomic there and changed the last bit of a gate between two H200 runs) against diffusers' scatter-add,
+    both run here; the scatter-add is what the CPU keeps (bit-equal to the unsharded layer)."""
+    from xstage_dit.patches.ep_layers import token_score_sums_of
+
+    B, S, E, cf = shape
+    capacity = max(1, math.ceil(cf * S / E))
+    affinity = torch.rand(B, E, S, generator=torch.Generator().manual_seed(S), dtype=torch.float64)
+    top = torch.topk(affinity, k=capacity, dim=-1).indices
+    gating = affinity.gather(-1, top)
+    table = token_score_sums_of(gating, top, S, dense=True)
+    scatter = token_score_sums_of(gating, top, S, dense=False)
+    assert token_score_sums_of(gating, top, S).equal(scatter)  # the CPU default is diffusers' own form
+    torch.testing.assert_close(table, scatter, rtol=1e-12, atol=1e-12)
+    # the sums are real: every token's sum is the sum of the gates of the experts that picked it
+    picked = torch.zeros(B, E, S, dtype=torch.float64).scatter_(-1, top, gating)
+    torch.testing.assert_close(scatter.view(B, S), picked.sum(1), rtol=1e-12, atol=1e-12)

@@ -151,6 +151,28 @@ def _all_gather_expert_shards(t: torch.Tensor, group) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 
 
+def token_score_sums_of(gating: torch.Tensor, top_indices: torch.Tensor, slen: int, *,
+                        dense: bool | None = None) -> torch.Tensor:
+    """Each token's sum of the gating scores of the experts that chose it: (B * S,) in gating.dtype.
+
+    gating, top_indices: (B, E, C), expert e's top-C tokens of batch row b (distinct within a row).
+    On the CPU, diffusers' own ``scatter_add_`` (one add at a time in pair order, expert-major: bit-equal to
+    the unsharded layer). On CUDA that scatter-add is atomic, so its fp order, and the last bit of a gate,
+    changes from run to run (seen on the H200: two calls of the fused world-1 layer differed); there the
+    scores go into a dense (B, E, S) table with a plain scatter (indices are distinct per row, so no two
+    writes meet) and are summed over experts, a fixed-order reduction: every run and every rank agree.
+    dense: force the table form (True) or the scatter-add (False); None picks by device as above.
+    """
+    bs, _, _ = gating.shape
+    if not (gating.device.type == "cuda" if dense is None else dense):
+        batch_offsets = torch.arange(bs, device=gating.device, dtype=torch.long).view(bs, 1, 1) * slen
+        flat_idx = (batch_offsets + top_indices).transpose(0, 1).reshape(-1)
+        sums = torch.zeros(bs * slen, device=gating.device, dtype=gating.dtype)
+        return sums.scatter_add_(0, flat_idx, gating.transpose(0, 1).reshape(-1))
+    dense = gating.new_zeros(bs, gating.shape[1], slen).scatter_(-1, top_indices, gating)
+    return dense.sum(dim=1).reshape(-1)
+
+
 def nucleus_routing(affinity: torch.Tensor, capacity_factor: float, route_scale: float):
     """diffusers' NucleusMoELayer expert-choice routing on the full-sequence affinity (same ops, same order).
 
@@ -165,8 +187,7 @@ def nucleus_routing(affinity: torch.Tensor, capacity_factor: float, route_scale:
     batch_offsets = torch.arange(bs, device=affinity.device, dtype=torch.long).view(bs, 1, 1) * slen
     global_token_indices = (batch_offsets + top_indices).transpose(0, 1).reshape(E, -1).reshape(-1)
     gating_flat = gating.transpose(0, 1).reshape(E, -1).reshape(-1)
-    token_score_sums = torch.zeros(bs * slen, device=affinity.device, dtype=gating_flat.dtype)
-    token_score_sums.scatter_add_(0, global_token_indices, gating_flat)
+    token_score_sums = token_score_sums_of(gating, top_indices, slen)
     gating_flat = gating_flat / (token_score_sums[global_token_indices] + 1e-12)
     gating_flat = gating_flat * route_scale
     return global_token_indices, gating_flat, capacity
