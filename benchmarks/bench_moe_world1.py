@@ -6,7 +6,9 @@ Shape (``xstage_dit/models/nucleusmoe.py`` "full"): hidden 2048, 64 experts x 13
 of its MoE blocks (4.0 in two blocks, 2.0 in 27); 1024^2 -> 4096 image tokens, batch 2 (CFG). Random
 weights (timing does not depend on their values), bf16. Rows, per capacity factor: ``diffusers`` (eager,
 the baseline column), ``ep-world1/fused`` (eager), and both under ``torch.compile`` (Inductor,
-``dynamic=False``, as the server's regional compile of a block). Each time is the median over interleaved
+``dynamic=False``, as the server's regional compile of a block), diffusers' layer compiled twice: stock (fails
+with torch 2.11: int64 grouped-matmul offsets) and with ``patches.compile_fixes`` (what parallelize gives a
+layer it keeps). Each time is the median over interleaved
 rounds of medians of CUDA-event timings after warm-up (``_common.time_ms``, ``_common.interleaved_times``).
 Also recorded: the relative error of the EP output against diffusers' layer and the schedule's reason.
 
@@ -16,6 +18,7 @@ Usage: ``python benchmarks/bench_moe_world1.py --out-dir benchmarks/results/moe`
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
 from xstage_dit.models.nucleusmoe import TRANSFORMER  # noqa: E402
+from xstage_dit.patches.compile_fixes import fix_grouped_mm_offsets  # noqa: E402
 from xstage_dit.patches.ep_layers import NucleusMoEEPLayer  # noqa: E402
 
 BATCH = 2  # classifier-free guidance: the conditional and unconditional rows in one call
@@ -57,7 +61,12 @@ def run_factor(cf: float, *, rounds: int, reps: int, compile_: bool, log) -> lis
         rel = float((out.float() - ref.float()).norm() / ref.float().norm())
         if compile_:
             torch._dynamo.reset()
-            for name, module in (("diffusers compiled", layer), ("ep-world1/fused compiled", ep)):
+            # What parallelize gives a layer it keeps (patches.compile_fixes), on a copy so that the eager
+            # baseline stays stock diffusers (stock diffusers fails to compile here).
+            fixed = copy.deepcopy(layer)
+            fix_grouped_mm_offsets(fixed)
+            for name, module in (("diffusers compiled", layer), ("diffusers compiled (int32 offsets)", fixed),
+                                 ("ep-world1/fused compiled", ep)):
                 compiled = torch.compile(module, dynamic=False)
                 try:
                     compiled(*args)  # compile outside the timed rounds

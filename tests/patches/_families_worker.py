@@ -587,4 +587,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from xstage_dit.comm.distributed import close_distributed
+
+    code = main()
+    close_distributed()  # only after a normal return: a failing rank keeps its exit code first
+    sys.exit(code)

@@ -208,7 +208,11 @@ def main() -> int:
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
+        from xstage_dit.comm.distributed import close_distributed
+
+        close_distributed()  # only after a normal return: a failing rank keeps its exit code first
+        sys.exit(code)
     except Exception:
         traceback.print_exc()
         sys.exit(1)

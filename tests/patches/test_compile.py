@@ -80,7 +80,7 @@ def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs
 
-    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: "reference")
+    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: {"path": "reference"})
     with one_torch_thread():
         pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
         spec = model_spec("tiny-nucleusmoe")

@@ -168,6 +168,9 @@ def test_world1_fused_layer_matches_diffusers_on_the_gpu():
         try:
             eps = _moe_layers(model, "NucleusMoEEPLayer")
             assert num == len(eps) >= 1
+            for _, ep in eps:  # these few rows per expert are under the eager floor: run the fused path as a
+                assert ep.eager_min_rows_per_expert is not None  # compiled graph does
+                ep.eager_min_rows_per_expert = None
             out = model(**kw)[0]
             assert all(ep.schedule_choice is not None and ep.schedule_choice.path == "fused" for _, ep in eps)
         finally:
@@ -263,3 +266,77 @@ def test_bind_hands_a_loaded_shard_the_models_scheduler_and_unbind_takes_it_back
     assert ep.bound and ep.scheduler is shared
     ep.unbind()
     assert not ep.bound and ep.scheduler is loaded
+
+
+def test_world1_eager_floor_rule_and_its_bad_values():
+    from xstage_dit.schedule.moe import WORLD1_EAGER_MIN_ROWS_PER_EXPERT, world1_eager_runs_diffusers
+
+    assert WORLD1_EAGER_MIN_ROWS_PER_EXPERT == 512  # the H200 measurement the reason quotes
+    assert world1_eager_runs_diffusers(256, compiling=False)  # capacity factor 2 at 1024^2, CFG: 0.75x eager
+    assert not world1_eager_runs_diffusers(512, compiling=False)  # capacity factor 4: 1.35x eager
+    assert not world1_eager_runs_diffusers(256, compiling=True)  # compiled: never slower
+    assert world1_eager_runs_diffusers(7, compiling=False, eager_min_rows_per_expert=8)
+    with pytest.raises(ValueError, match="rows_per_expert"):
+        world1_eager_runs_diffusers(0, compiling=False)
+    with pytest.raises(ValueError, match="eager_min_rows_per_expert"):
+        world1_eager_runs_diffusers(4, compiling=False, eager_min_rows_per_expert=-1)
+
+
+def test_world1_auto_shares_diffusers_expert_tensors_and_hands_down_the_eager_floor(monkeypatch):
+    """"auto" at world 1 (GPU facts): the EP layer runs on diffusers' own expert storage (no copy: the full
+    NucleusMoE's experts are ~30 GB) and carries the measured eager floor; restore gives the same tensors."""
+    from xstage_dit.patches import expert_parallel
+    from xstage_dit.patches.plans import plan_for
+    from xstage_dit.schedule.moe import WORLD1_EAGER_MIN_ROWS_PER_EXPERT
+
+    monkeypatch.setattr(expert_parallel.DeviceFacts, "from_device", staticmethod(lambda device=None: H200))
+    model = _nucleus_transformer(num_experts=16)
+    before = {n: (m.experts.gate_up_proj.data_ptr(), m.experts.down_proj.data_ptr())
+              for n, m in _moe_layers(model, "NucleusMoELayer")}
+    undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None)
+    eps = dict(_moe_layers(model, "NucleusMoEEPLayer"))
+    assert num == len(eps) == len(before) >= 1
+    for name, ep in eps.items():
+        assert (ep.gate_up_proj.data_ptr(), ep.down_proj.data_ptr()) == before[name]
+        assert ep.eager_min_rows_per_expert == WORLD1_EAGER_MIN_ROWS_PER_EXPERT
+        assert ep._diffusers_layer is not None and "_diffusers_layer" not in dict(ep.named_children())
+    # the original is not a submodule: its parameters are not listed twice
+    assert all(sum(1 for _ in ep.parameters()) == 2 + sum(1 for _ in ep.gate.parameters())
+               + sum(1 for _ in ep.shared_expert.parameters()) for ep in eps.values())
+    undo()
+    after = {n: (m.experts.gate_up_proj.data_ptr(), m.experts.down_proj.data_ptr())
+             for n, m in _moe_layers(model, "NucleusMoELayer")}
+    assert after == before
+
+
+def test_world1_eager_calls_below_the_floor_run_diffusers_layer_and_compiled_ones_the_ep_path(monkeypatch):
+    """Below the eager floor an eager call is diffusers' own layer (bit-equal, the EP path never entered);
+    while compiling (Dynamo folds is_compiling to True) the same call takes the EP path."""
+    from xstage_dit.patches import ep_layers
+
+    model = _nucleus_transformer(num_experts=16)
+    (_, layer), *_ = _moe_layers(model, "NucleusMoELayer")
+    g = torch.Generator().manual_seed(1)
+    x, u = torch.randn(2, 24, layer.hidden_size, generator=g), torch.randn(2, 24, layer.hidden_size, generator=g)
+    t = torch.randn(2, layer.hidden_size, generator=g)
+    calls = []
+    real = ep_layers.expert_choice_moe
+    monkeypatch.setattr(ep_layers, "expert_choice_moe", lambda *a, **k: calls.append(k["path"]) or real(*a, **k))
+    ep = ep_layers.NucleusMoEEPLayer.from_layer(layer, None, path="reference", eager_min_rows_per_expert=10**6)
+    with torch.no_grad():
+        want = layer(x, u, t)
+        got = ep(x, u, t)
+    assert torch.equal(got, want) and calls == []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        compiled_path = ep(x, u, t)
+    assert calls == ["reference"]
+    torch.testing.assert_close(compiled_path, want, atol=1e-5, rtol=1e-5)
+    # no floor (an explicit path): always the EP path, eager too
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    plain = ep_layers.NucleusMoEEPLayer.from_layer(layer, None, path="reference")
+    with torch.no_grad():
+        plain(x, u, t)
+    assert calls == ["reference", "reference"]
+    with pytest.raises(ValueError, match="eager_min_rows_per_expert"):
+        ep_layers.NucleusMoEEPLayer.from_layer(layer, None, eager_min_rows_per_expert=0)

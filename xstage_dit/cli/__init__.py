@@ -53,9 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
     except UsageError as exc:
         parser.exit(2, f"xstage-dit: error: {exc}\n")
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    # A rank of `generate` / `serve` / `bench` that got here ended normally: leave its process group now,
+    # not to interpreter finalization (comm.distributed.close_distributed says why).
+    from xstage_dit.comm.distributed import close_distributed
+
+    close_distributed()
+    return code

@@ -15,7 +15,6 @@ the ops stay free of process-group plumbing:
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import logging
 import os
@@ -96,24 +95,21 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Ra
             device_id=device if backend == "nccl" else None,
         )
         log.info("rank %d/%d joined with %s on %s", rank, world_size, backend, device)
-        if backend == "gloo":
-            atexit.register(_destroy_gloo_group_at_exit)
     return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def _destroy_gloo_group_at_exit() -> None:
-    """Tear the gloo group down while the interpreter is still whole (registered by `init_distributed`).
+def close_distributed() -> None:
+    """Destroy the process group `init_distributed` joined (no-op without one): the last call of a rank that
+    ends normally.
 
-    A process that ends without ``destroy_process_group`` leaves gloo's worker threads holding finished
-    works whose tensors are freed during interpreter finalization; that sometimes aborts the rank with
-    "terminate called without an active exception" (exit 134, seen in CI on a rank that had returned 0;
-    pytorch/pytorch#190489). A no-op when the program destroyed the group itself.
+    A rank that returns without it leaves gloo's worker threads holding finished works whose tensors are
+    freed during interpreter finalization; that sometimes aborts the process with "terminate called
+    without an active exception" (exit 134 in CI on a rank whose work had succeeded;
+    pytorch/pytorch#190489). Not an atexit hook: a rank that fails must not tear its connections down
+    before the launcher has seen its own exit code (the peers would then fail first, with a reset socket).
     """
     if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway: say why, never mask the exit status
-            log.warning("destroying the process group at exit failed: %s: %s", type(exc).__name__, exc)
+        dist.destroy_process_group()
 
 
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:

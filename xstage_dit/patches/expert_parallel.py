@@ -55,8 +55,9 @@ def _num_experts(layer: torch.nn.Module) -> int:
     return int(num) if num is not None else len(layer.experts)
 
 
-def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> str | None:
-    """World 1: the EP layer path `choose_moe_world1` picks for `child`, or None (keep diffusers' layer).
+def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> dict | None:
+    """World 1: the EP layer's keyword arguments for the path `choose_moe_world1` picks for `child` (``path``,
+    and where "auto" chose it, the eager floor ``eager_min_rows_per_expert``), or None (keep diffusers' layer).
 
     routing: the EP class's ``routing`` ("expert_choice" | "top_k"), the fact the choice turns on."""
     facts = DeviceFacts.from_device(_device_of(child))
@@ -68,7 +69,12 @@ def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, re
         action = "diffusers' layer kept" if choice.name == "diffusers" else "EP layer (world 1)"
         log.info("expert parallel at world 1: %s with %d experts (first at %s): %s -> %s (%s)",
                  type(child).__name__, experts, where, choice.name, action, choice.reason)
-    return None if choice.name == "diffusers" else choice.name
+    if choice.name == "diffusers":
+        return None
+    kwargs = {"path": choice.name}
+    if "eager_min_rows_per_expert" in choice.params:
+        kwargs["eager_min_rows_per_expert"] = choice.params["eager_min_rows_per_expert"]
+    return kwargs
 
 
 def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None,
@@ -107,10 +113,10 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
                 ep_cls = _ep_class(path)
                 kwargs = {}
                 if world == 1:
-                    ep_path = _world1_path(child, ep_cls.routing, f"{parent_name}.{child_name}", kept, world1_path)
-                    if ep_path is None:
+                    world1 = _world1_path(child, ep_cls.routing, f"{parent_name}.{child_name}", kept, world1_path)
+                    if world1 is None:
                         continue
-                    kwargs["path"] = ep_path
+                    kwargs.update(world1)
                 ep_layer = ep_cls.from_layer(child, group, scheduler=scheduler, **kwargs)
                 device = _device_of(child)
                 setattr(parent, child_name, ep_layer)
@@ -151,13 +157,15 @@ def _offload_unshared(original: torch.nn.Module, ep_layer: torch.nn.Module) -> N
     """Move the original layer's tensors to the CPU while it waits for `undo`, except those the EP layer
     shares with it (the router and the shared expert run on, in place): moving the whole module would take
     them off the GPU under the EP layer's feet."""
-    shared = {id(t) for t in (*ep_layer.parameters(), *ep_layer.buffers())}
+    # Shared by storage, not by object: at world 1 the EP layer wraps the original's expert tensors in
+    # Parameters of its own (patches.ep_layers), and moving those would copy ~30 GB to the host for nothing.
+    shared = {t.untyped_storage().data_ptr() for t in (*ep_layer.parameters(), *ep_layer.buffers())}
     for module in original.modules():
         for name, param in module.named_parameters(recurse=False):
-            if id(param) not in shared:
+            if param.untyped_storage().data_ptr() not in shared:
                 param.data = param.data.to("cpu")
         for name, buf in module.named_buffers(recurse=False):
-            if id(buf) not in shared:
+            if buf.untyped_storage().data_ptr() not in shared:
                 module._buffers[name] = buf.to("cpu")
 
 

@@ -29,7 +29,7 @@ from xstage_dit.schedule.facts import DeviceFacts
 log = logging.getLogger(__name__)
 
 __all__ = ["EP_PATHS", "FUSED_AUTO_MIN_LOCAL_EXPERTS", "MOE_ROUTINGS", "MoESchedule", "MoEScheduler", "check_moe_path",
-           "choose_moe_path", "choose_moe_lead", "choose_moe_schedule"]
+           "choose_moe_path", "choose_moe_lead", "choose_moe_schedule", "world1_eager_runs_diffusers"]
 
 EP_PATHS = ("auto", "fused", "serial", "reference")
 
@@ -100,6 +100,25 @@ WORLD1_FUSED_MEASURED = ("the fused expert kernel measured 1.30x torch's grouped
 
 MOE_ROUTINGS = ("expert_choice", "top_k")
 
+# Measured on one H200 (2026-12-04, benchmarks/results/moe/world1-nucleusmoe-h200-177d33e.*): NucleusMoE's
+# full-size layer, 2 x 4096 tokens, 64 experts, per call, diffusers' layer eager = 1.00x:
+#   capacity factor 2 (256 rows per expert, 27 of the 29 MoE blocks): fused eager 0.75x, compiled 1.02x;
+#   capacity factor 4 (512 rows per expert, 2 blocks): fused eager 1.35x, compiled 1.53x.
+# Eager, the fused path's routing and launch work on the host (a CUDA graph of the same call took 1.18 ms
+# against 1.73 eager) outweighs its faster kernel below ~512 rows per expert; compiled, it is never slower.
+WORLD1_EAGER_MIN_ROWS_PER_EXPERT = 512
+WORLD1_EAGER_MEASURED = ("eager, the fused path measured 0.75x diffusers' layer at 256 rows per expert and 1.35x at "
+                         "512 (compiled 1.02x and 1.53x) on the H200 for NucleusMoE")
+
+
+def world1_eager_runs_diffusers(rows_per_expert: int, *, compiling: bool,
+                                eager_min_rows_per_expert: int = WORLD1_EAGER_MIN_ROWS_PER_EXPERT) -> bool:
+    """At world 1 on the fused path: whether one call runs diffusers' own layer instead. Compiled calls never
+    do (the fused path was measured no slower there); eager calls below `eager_min_rows_per_expert` rows per
+    expert do (``WORLD1_EAGER_MEASURED``)."""
+    _check_ints(rows_per_expert=rows_per_expert, eager_min_rows_per_expert=eager_min_rows_per_expert)
+    return not compiling and rows_per_expert < eager_min_rows_per_expert
+
 
 def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, requested: str = "auto") -> ScheduleChoice:
     """World 1 (no experts to exchange): "diffusers" (keep diffusers' MoE layer) or an EP layer path.
@@ -127,8 +146,10 @@ def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, req
                               "the fused kernel was measured slower than the grouped matmul diffusers' layer runs", {})
     return ScheduleChoice(
         "fused", f"{num_experts} experts, expert-choice routing on {facts.name}: static expert offsets, so the "
-        f"world-1 EP path runs the fused kernel with no host plan and no sync; {WORLD1_FUSED_MEASURED}",
-        {"dataflow": "expert_choice_static"})
+        f"world-1 EP path runs the fused kernel with no host plan and no sync; {WORLD1_FUSED_MEASURED}; eager calls "
+        f"with fewer than {WORLD1_EAGER_MIN_ROWS_PER_EXPERT} rows per expert run diffusers' layer "
+        f"({WORLD1_EAGER_MEASURED})",
+        {"dataflow": "expert_choice_static", "eager_min_rows_per_expert": WORLD1_EAGER_MIN_ROWS_PER_EXPERT})
 
 
 def choose_moe_lead(
