@@ -52,6 +52,8 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
             assert handle.how.startswith("regional: 2 ") and "FluxTransformerBlock" in handle.how
         else:
             assert handle.how.startswith("full: whole FluxTransformer2DModel")
+        # the image VAE's decoder compiles too (84.6 -> 35.0 ms for FLUX 1024² on the H200)
+        assert handle.how.endswith("; the AutoencoderKL decoder") and "_compiled_call_impl" in vars(pipe.vae.decoder)
         with caplog.at_level(logging.WARNING, logger="xstage_dit.patches.compile"):
             got32 = _image(pipe, served, 32)
             got64 = _image(pipe, served, 64)   # a second shape: past the bound of 1, eager
@@ -68,8 +70,25 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
         handle.restore()
     assert "forward" not in vars(pipe.transformer)
     assert not any("_compiled_call_impl" in vars(m) for m in pipe.transformer.modules())
+    assert "_compiled_call_impl" not in vars(pipe.vae.decoder)
     assert torch._dynamo.config.recompile_limit == limit
     handle.restore()  # idempotent
+
+
+def test_only_the_image_vae_decoder_compiles():
+    """AutoencoderKL's decoder is the one VAE measured faster compiled; a video VAE (frame caches between
+    chunks) or a pipeline without a VAE is left eager."""
+    from types import SimpleNamespace
+
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    from xstage_dit.patches.compile import _image_vae_decoder
+
+    image = AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=4)
+    assert _image_vae_decoder(SimpleNamespace(vae=image)) is image.decoder
+    video = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1], num_res_blocks=1, temperal_downsample=[])
+    assert _image_vae_decoder(SimpleNamespace(vae=video)) is None
+    assert _image_vae_decoder(SimpleNamespace()) is None
 
 
 def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):

@@ -1,8 +1,9 @@
 """`parallelize` at world 1 on a MoE transformer (issue 15): `schedule.moe.choose_moe_world1` decides per layer
-kind and logs why. NucleusMoE (expert choice) on a GPU takes the EP layer's world-1 path (static expert
-offsets: the fused kernel, no host plan, no sync); HiDream (top-k) and the CPU keep diffusers' layer (on the
-H200 the general EP plan's host sync made NucleusMoE 2.2x slower end to end); an explicit ``world1_path``
-forces an EP path, and restore() gives back the original layers exactly."""
+kind and logs why. "auto" keeps diffusers' layer: for NucleusMoE (expert choice) diffusers' layer compiled with
+the int32-offsets fix beat the EP world-1 fused path on the H200, for HiDream (top-k) the general EP plan's host
+sync made the step 2.2x slower; an explicit ``world1_path`` forces an EP path (static expert offsets: the fused
+kernel, no host plan, no sync), which runs on diffusers' own expert tensors, and restore() gives back the
+original layers exactly."""
 
 from __future__ import annotations
 
@@ -74,9 +75,9 @@ def test_world1_on_the_cpu_keeps_diffusers_layer_and_says_why(caplog):
         handle.restore()
 
 
-def test_world1_on_a_gpu_takes_the_fused_path_for_expert_choice(monkeypatch, caplog):
-    """With the facts of a GPU (read as an H200) "auto" swaps NucleusMoE's layers for the EP layer on "fused"
-    (expert choice: static offsets) and says why, with the measured kernel ratio; restore() puts them back."""
+def test_world1_on_a_gpu_keeps_diffusers_layer_for_expert_choice_with_the_measured_reason(monkeypatch, caplog):
+    """With the facts of a GPU (read as an H200) "auto" keeps NucleusMoE's layers (diffusers' layer compiled with
+    the offsets fix measured faster than the fused EP path) and says why, with the measured times."""
     from xstage_dit.patches import expert_parallel
     from xstage_dit.patches.plans import plan_for
 
@@ -85,11 +86,10 @@ def test_world1_on_a_gpu_takes_the_fused_path_for_expert_choice(monkeypatch, cap
     before = _moe_layers(model, "NucleusMoELayer")
     with caplog.at_level(logging.INFO, logger="xstage_dit.patches.expert_parallel"):
         undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None)
-    eps = _moe_layers(model, "NucleusMoEEPLayer")
-    assert num == len(before) == len(eps) >= 1 and all(ep.path == "fused" for _, ep in eps)
+    assert num == 0 and _moe_layers(model, "NucleusMoELayer") == before
     lines = _world1_lines(caplog)
-    assert len(lines) == 1 and "fused -> EP layer (world 1)" in lines[0], lines
-    assert "expert-choice" in lines[0] and "no host plan" in lines[0] and "1.30x" in lines[0], lines
+    assert len(lines) == 1 and "diffusers -> diffusers' layer kept" in lines[0], lines
+    assert "expert-choice" in lines[0] and "0.90 / 1.38 ms" in lines[0] and "1.38 / 1.69 ms" in lines[0], lines
     undo()
     assert _moe_layers(model, "NucleusMoELayer") == before
 
@@ -155,7 +155,7 @@ def test_world1_swaps_where_asked_and_restores_exactly(monkeypatch, caplog):
 
 @pytest.mark.gpu
 def test_world1_fused_layer_matches_diffusers_on_the_gpu():
-    """"auto" at world 1 on the GPU: the EP layers run the fused expert-choice path; the transformer's output
+    """world1_path="fused" on the GPU: the EP layers run the fused expert-choice path; the transformer's output
     matches diffusers' within bf16 noise, and restore() puts diffusers' layers back."""
     from xstage_dit.patches import expert_parallel
     from xstage_dit.patches.plans import plan_for
@@ -164,13 +164,10 @@ def test_world1_fused_layer_matches_diffusers_on_the_gpu():
     kw = _inputs("cuda", torch.bfloat16, h=16, w=16)
     with torch.no_grad():
         ref = model(**kw)[0]
-        undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None)
+        undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None, world1_path="fused")
         try:
             eps = _moe_layers(model, "NucleusMoEEPLayer")
             assert num == len(eps) >= 1
-            for _, ep in eps:  # these few rows per expert are under the eager floor: run the fused path as a
-                assert ep.eager_min_rows_per_expert is not None  # compiled graph does
-                ep.eager_min_rows_per_expert = None
             out = model(**kw)[0]
             assert all(ep.schedule_choice is not None and ep.schedule_choice.path == "fused" for _, ep in eps)
         finally:
@@ -268,75 +265,46 @@ def test_bind_hands_a_loaded_shard_the_models_scheduler_and_unbind_takes_it_back
     assert not ep.bound and ep.scheduler is loaded
 
 
-def test_world1_eager_floor_rule_and_its_bad_values():
-    from xstage_dit.schedule.moe import WORLD1_EAGER_MIN_ROWS_PER_EXPERT, world1_eager_runs_diffusers
-
-    assert WORLD1_EAGER_MIN_ROWS_PER_EXPERT == 512  # the H200 measurement the reason quotes
-    assert world1_eager_runs_diffusers(256, compiling=False)  # capacity factor 2 at 1024^2, CFG: 0.75x eager
-    assert not world1_eager_runs_diffusers(512, compiling=False)  # capacity factor 4: 1.35x eager
-    assert not world1_eager_runs_diffusers(256, compiling=True)  # compiled: never slower
-    assert world1_eager_runs_diffusers(7, compiling=False, eager_min_rows_per_expert=8)
-    with pytest.raises(ValueError, match="rows_per_expert"):
-        world1_eager_runs_diffusers(0, compiling=False)
-    with pytest.raises(ValueError, match="eager_min_rows_per_expert"):
-        world1_eager_runs_diffusers(4, compiling=False, eager_min_rows_per_expert=-1)
-
-
-def test_world1_auto_shares_diffusers_expert_tensors_and_hands_down_the_eager_floor(monkeypatch):
-    """"auto" at world 1 (GPU facts): the EP layer runs on diffusers' own expert storage (no copy: the full
-    NucleusMoE's experts are ~30 GB) and carries the measured eager floor; restore gives the same tensors."""
+def test_world1_ep_layer_shares_diffusers_expert_tensors(monkeypatch):
+    """An EP layer at world 1 runs on diffusers' own expert storage (no copy: the full NucleusMoE's experts are
+    ~30 GB, and a copy per parallelize ran the H200 bench out of memory on its third apply/restore); restore
+    gives back the layers with the same tensors."""
     from xstage_dit.patches import expert_parallel
     from xstage_dit.patches.plans import plan_for
-    from xstage_dit.schedule.moe import WORLD1_EAGER_MIN_ROWS_PER_EXPERT
 
     monkeypatch.setattr(expert_parallel.DeviceFacts, "from_device", staticmethod(lambda device=None: H200))
     model = _nucleus_transformer(num_experts=16)
-    before = {n: (m.experts.gate_up_proj.data_ptr(), m.experts.down_proj.data_ptr())
-              for n, m in _moe_layers(model, "NucleusMoELayer")}
-    undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None)
+    ptrs = lambda m: (m.experts.gate_up_proj.data_ptr(), m.experts.down_proj.data_ptr())  # noqa: E731
+    before = {n: ptrs(m) for n, m in _moe_layers(model, "NucleusMoELayer")}
+    undo, num = expert_parallel.apply_expert_parallel(model, plan_for(model).moe_layers, None, world1_path="fused")
     eps = dict(_moe_layers(model, "NucleusMoEEPLayer"))
     assert num == len(eps) == len(before) >= 1
     for name, ep in eps.items():
         assert (ep.gate_up_proj.data_ptr(), ep.down_proj.data_ptr()) == before[name]
-        assert ep.eager_min_rows_per_expert == WORLD1_EAGER_MIN_ROWS_PER_EXPERT
-        assert ep._diffusers_layer is not None and "_diffusers_layer" not in dict(ep.named_children())
-    # the original is not a submodule: its parameters are not listed twice
-    assert all(sum(1 for _ in ep.parameters()) == 2 + sum(1 for _ in ep.gate.parameters())
-               + sum(1 for _ in ep.shared_expert.parameters()) for ep in eps.values())
     undo()
-    after = {n: (m.experts.gate_up_proj.data_ptr(), m.experts.down_proj.data_ptr())
-             for n, m in _moe_layers(model, "NucleusMoELayer")}
-    assert after == before
+    assert {n: ptrs(m) for n, m in _moe_layers(model, "NucleusMoELayer")} == before
 
 
-def test_world1_eager_calls_below_the_floor_run_diffusers_layer_and_compiled_ones_the_ep_path(monkeypatch):
-    """Below the eager floor an eager call is diffusers' own layer (bit-equal, the EP path never entered);
-    while compiling (Dynamo folds is_compiling to True) the same call takes the EP path."""
-    from xstage_dit.patches import ep_layers
+def test_offloading_the_original_keeps_what_the_ep_layer_shares_by_storage():
+    """`_offload_unshared` (a GPU swap moves the original's own tensors to the host) compares storage, not
+    Parameter objects: tensors the EP layer wraps in Parameters of its own stay where they are."""
+    from xstage_dit.patches.expert_parallel import _offload_unshared
 
-    model = _nucleus_transformer(num_experts=16)
-    (_, layer), *_ = _moe_layers(model, "NucleusMoELayer")
-    g = torch.Generator().manual_seed(1)
-    x, u = torch.randn(2, 24, layer.hidden_size, generator=g), torch.randn(2, 24, layer.hidden_size, generator=g)
-    t = torch.randn(2, layer.hidden_size, generator=g)
-    calls = []
-    real = ep_layers.expert_choice_moe
-    monkeypatch.setattr(ep_layers, "expert_choice_moe", lambda *a, **k: calls.append(k["path"]) or real(*a, **k))
-    ep = ep_layers.NucleusMoEEPLayer.from_layer(layer, None, path="reference", eager_min_rows_per_expert=10**6)
-    with torch.no_grad():
-        want = layer(x, u, t)
-        got = ep(x, u, t)
-    assert torch.equal(got, want) and calls == []
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    with torch.no_grad():
-        compiled_path = ep(x, u, t)
-    assert calls == ["reference"]
-    torch.testing.assert_close(compiled_path, want, atol=1e-5, rtol=1e-5)
-    # no floor (an explicit path): always the EP path, eager too
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    plain = ep_layers.NucleusMoEEPLayer.from_layer(layer, None, path="reference")
-    with torch.no_grad():
-        plain(x, u, t)
-    assert calls == ["reference", "reference"]
-    with pytest.raises(ValueError, match="eager_min_rows_per_expert"):
-        ep_layers.NucleusMoEEPLayer.from_layer(layer, None, eager_min_rows_per_expert=0)
+    original = torch.nn.Linear(4, 4)
+    own = torch.nn.Parameter(torch.zeros(3))
+    original.register_parameter("own", own)
+    ep = torch.nn.Module()
+    ep.weight = torch.nn.Parameter(original.weight.detach(), requires_grad=False)  # shared storage, new object
+    moved = []
+    real_to = torch.Tensor.to
+
+    def spy(self, *args, **kwargs):
+        moved.append(self.data_ptr())
+        return real_to(self, *args, **kwargs)
+
+    torch.Tensor.to = spy
+    try:
+        _offload_unshared(original, ep)
+    finally:
+        torch.Tensor.to = real_to
+    assert original.weight.data_ptr() not in moved and own.data_ptr() in moved and original.bias.data_ptr() in moved

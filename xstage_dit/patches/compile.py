@@ -8,6 +8,11 @@ Modes:
   speed); the whole transformer where it has none. The default on a GPU.
 - ``full``: ``torch.compile`` of the whole transformer forward.
 
+Both compiling modes also compile the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage use),
+one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
+against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). Video VAEs keep running eager (their
+decoders cache frames between chunks: not measured compiled).
+
 Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
 shape, no slower symbolic-shape graph). The first ``max_shapes`` signatures compile; a later one runs the
@@ -146,10 +151,24 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             hows.append(f"{mode}: {what} {type(module).__name__} forward")
         module.forward = _guard(handle, eager, compiled)
         handle._undo.append(functools.partial(vars(module).pop, "forward", None))
+    decoder = _image_vae_decoder(pipe)
+    if decoder is not None:
+        decoder.compile(dynamic=False, backend=backend, **extra)
+        handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
+        hows.append(f"the {type(pipe.vae).__name__} decoder")
     handle.how = "; ".join(hows)
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
     return handle
+
+
+def _image_vae_decoder(pipe: Any) -> torch.nn.Module | None:
+    """The decoder of the pipeline's image VAE (``AutoencoderKL``), the one VAE measured faster compiled."""
+    vae = getattr(pipe, "vae", None)
+    decoder = getattr(vae, "decoder", None)
+    if type(vae).__name__ != "AutoencoderKL" or not isinstance(decoder, torch.nn.Module):
+        return None
+    return decoder
 
 
 def _uncompile_regions(regions: list) -> None:

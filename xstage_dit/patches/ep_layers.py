@@ -22,7 +22,7 @@ from xstage_dit.comm.staged import all_gather_list
 from xstage_dit.ops.moe import MoEKernelConfig, ep_moe_forward, expert_choice_moe
 from xstage_dit.ops.moe.config import default_config
 from xstage_dit.schedule.facts import DeviceFacts
-from xstage_dit.schedule.moe import MoESchedule, MoEScheduler, check_moe_path, world1_eager_runs_diffusers
+from xstage_dit.schedule.moe import MoESchedule, MoEScheduler, check_moe_path
 
 __all__ = ["NucleusMoEEPLayer", "HiDreamMoEEPLayer", "nucleus_routing"]
 
@@ -218,9 +218,7 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
     World 1 (shard ``(0, 1)``): the expert-choice path (``ops.moe.expert_choice_moe``): every expert takes
     ``batch * capacity`` rows, so the expert offsets are shapes and nothing is planned on the host (no sync,
     no graph break under torch.compile); the scheduler's path picks the MLP (fused kernel, grouped matmul or
-    the fp32 reference). Built from the full layer it runs on that layer's expert tensors (no copy), and with
-    ``eager_min_rows_per_expert`` (handed down where "auto" chose the fused path) an eager call with fewer
-    rows per expert runs diffusers' layer itself, where that was measured faster (``schedule.moe``).
+    the fp32 reference). Built from the full layer it runs on that layer's expert tensors (no copy).
     """
 
     routing = "expert_choice"  # read by patches.expert_parallel (the world-1 choice turns on it)
@@ -228,10 +226,8 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
     def __init__(self, layer: nn.Module, group=None, *, path: str = "auto", config: MoEKernelConfig | None = None,
                  router: str = "exact", shard: tuple[int, int] | None = None,
                  local_experts: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 scheduler: MoEScheduler | None = None, eager_min_rows_per_expert: int | None = None):
+                 scheduler: MoEScheduler | None = None):
         super().__init__()
-        if eager_min_rows_per_expert is not None and eager_min_rows_per_expert < 1:
-            raise ValueError(f"expected eager_min_rows_per_expert >= 1 or None, got {eager_min_rows_per_expert!r}")
         if shard is None:
             rank, world, El = _check_sharding(layer.num_experts, group)
         else:
@@ -254,10 +250,7 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
         self.shared_expert = layer.shared_expert
         # World 1, built from the full layer: the EP layer runs on diffusers' own expert tensors (shared, not
         # copied: a copy doubled the experts' GPU memory while patched, ~30 GB for the full NucleusMoE, and
-        # moving the original's to the host and back cost seconds per parallelize/restore). It also keeps
-        # the layer itself, out of the module tree, for the eager calls it leaves to diffusers (below).
-        self.eager_min_rows_per_expert = eager_min_rows_per_expert
-        self.__dict__["_diffusers_layer"] = layer if (world == 1 and local_experts is None) else None
+        # moving the original's to the host and back cost seconds per parallelize/restore).
         if local_experts is None and world == 1:
             gate_up = layer.experts.gate_up_proj.detach()
             down = layer.experts.down_proj.detach()
@@ -379,9 +372,6 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
         """World 1: diffusers' routing, then ``expert_choice_moe`` on the static expert-major layout (pairs in
         the routing's order: expert-major, then batch, then choice)."""
         bs, slen, dim = hidden_states.shape
-        rows_per_expert = bs * max(1, math.ceil(self.capacity_factor * slen / self.num_experts))
-        if self._eager_runs_diffusers(rows_per_expert):
-            return self._diffusers_layer(hidden_states, hidden_states_unmodulated, timestep)
         affinity = self._scores(hidden_states_unmodulated, timestep).transpose(1, 2)
         token_idx, gating_flat, capacity = nucleus_routing(affinity, self.capacity_factor, self.route_scale)
         shared = self.shared_expert(hidden_states).reshape(bs * slen, dim)
@@ -392,15 +382,6 @@ class NucleusMoEEPLayer(_ShardBinding, nn.Module):
             rows_per_expert=bs * capacity, path=path, lead=lead, config=self.config,
         )  # fmt: skip
         return out.reshape(bs, slen, dim)
-
-    def _eager_runs_diffusers(self, rows_per_expert: int) -> bool:
-        """Whether this world-1 call runs diffusers' own layer: only outside torch.compile (Dynamo folds
-        ``is_compiling`` to True, so a compiled graph always holds the fused path) and below the eager floor
-        the world-1 chooser handed down (``schedule.moe.world1_eager_runs_diffusers``; None: never)."""
-        if self._diffusers_layer is None or self.eager_min_rows_per_expert is None:
-            return False
-        return world1_eager_runs_diffusers(rows_per_expert, compiling=torch.compiler.is_compiling(),
-                                           eager_min_rows_per_expert=self.eager_min_rows_per_expert)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,9 +9,10 @@ Every EP layer of a model shares one ``MoEScheduler`` fed the X-Stage params ``p
 layer as ``layer.schedule_choice``.
 
 World 1 (a group of one rank): `schedule.moe.choose_moe_world1` decides per layer kind, on the EP class's
-``routing`` fact, and the reason is logged. Expert choice (NucleusMoE) on a GPU takes the EP layer's world-1
-path (static expert offsets: the fused kernel with no host plan or sync); top-k (HiDream) keeps diffusers'
-layer (its counts would need the general EP plan, whose host sync outweighed the faster kernel on the H200).
+``routing`` fact, and the reason is logged. "auto" keeps diffusers' layer for both kinds, as measured on the
+H200: expert choice (NucleusMoE), whose EP world-1 path runs the fused kernel with no host plan, lost to
+diffusers' layer compiled with `compile_fixes` at both of its shapes; top-k (HiDream) would need the general
+EP plan, whose host sync outweighed the faster kernel.
 ``apply_expert_parallel(world1_path=...)`` forces an EP path ("fused", "serial", "reference") either way.
 
 A pipeline loaded with ``load_pipeline(..., expert_shard=(rank, ep))`` already holds EP layers with only
@@ -56,8 +57,8 @@ def _num_experts(layer: torch.nn.Module) -> int:
 
 
 def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> dict | None:
-    """World 1: the EP layer's keyword arguments for the path `choose_moe_world1` picks for `child` (``path``,
-    and where "auto" chose it, the eager floor ``eager_min_rows_per_expert``), or None (keep diffusers' layer).
+    """World 1: the EP layer's keyword arguments (``path``) for what `choose_moe_world1` picks for `child`, or
+    None (keep diffusers' layer).
 
     routing: the EP class's ``routing`` ("expert_choice" | "top_k"), the fact the choice turns on."""
     facts = DeviceFacts.from_device(_device_of(child))
@@ -71,10 +72,7 @@ def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, re
                  type(child).__name__, experts, where, choice.name, action, choice.reason)
     if choice.name == "diffusers":
         return None
-    kwargs = {"path": choice.name}
-    if "eager_min_rows_per_expert" in choice.params:
-        kwargs["eager_min_rows_per_expert"] = choice.params["eager_min_rows_per_expert"]
-    return kwargs
+    return {"path": choice.name}
 
 
 def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None,
@@ -83,9 +81,8 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
 
     moe_layers: ((diffusers class name, "module:EPClass"), ...). xparams: the calibrated X-Stage params of
     the group's target (``params_for(...).params``) or None; they feed the layers' shared ``MoEScheduler``.
-    At world 1 ``world1_path`` "auto" lets `schedule.moe.choose_moe_world1` decide per layer kind (expert
-    choice on a GPU: the EP layer on "fused"; otherwise diffusers' layer stays); "fused", "serial" or
-    "reference" swaps in the EP layer on that path.
+    At world 1 ``world1_path`` "auto" lets `schedule.moe.choose_moe_world1` decide per layer kind (today:
+    diffusers' layer stays, as measured); "fused", "serial" or "reference" swaps in the EP layer on that path.
     Returns (undo, number replaced or bound).
     """
     classes = {name: path for name, path in moe_layers}

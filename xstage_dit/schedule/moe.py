@@ -29,7 +29,7 @@ from xstage_dit.schedule.facts import DeviceFacts
 log = logging.getLogger(__name__)
 
 __all__ = ["EP_PATHS", "FUSED_AUTO_MIN_LOCAL_EXPERTS", "MOE_ROUTINGS", "MoESchedule", "MoEScheduler", "check_moe_path",
-           "choose_moe_path", "choose_moe_lead", "choose_moe_schedule", "world1_eager_runs_diffusers"]
+           "choose_moe_path", "choose_moe_lead", "choose_moe_schedule"]
 
 EP_PATHS = ("auto", "fused", "serial", "reference")
 
@@ -92,43 +92,28 @@ def choose_moe_path(facts: DeviceFacts, *, num_experts_per_rank: int, requested:
 # at world 1 nothing hides it. A top-k layer (HiDream) has data-dependent counts, so it would need that plan.
 WORLD1_MEASURED = ("measured on the H200 for NucleusMoE at world 1: the EP layer's step 2.2x diffusers' own "
                    "(its host-side routing plan, ~5 ms a layer behind a sync, outweighs the faster kernel)")
-# Expert choice needs no such plan: every expert takes batch x capacity rows, the offsets are shapes, and the
-# world-1 path (`ops.moe.expert_choice`) runs the fused kernel with no host sync. The kernel against torch's
-# grouped-matmul MLP at the NucleusMoE shape, same run (benchmarks/results/moe/tma-configs-h200-9124f31.md).
-WORLD1_FUSED_MEASURED = ("the fused expert kernel measured 1.30x torch's grouped-matmul MLP at the NucleusMoE "
-                         "shape on the H200 (benchmarks/results/moe/tma-configs-h200-9124f31.md)")
-
 MOE_ROUTINGS = ("expert_choice", "top_k")
 
-# Measured on one H200 (2026-12-04, benchmarks/results/moe/world1-nucleusmoe-h200-177d33e.*): NucleusMoE's
-# full-size layer, 2 x 4096 tokens, 64 experts, per call, diffusers' layer eager = 1.00x:
-#   capacity factor 2 (256 rows per expert, 27 of the 29 MoE blocks): fused eager 0.75x, compiled 1.02x;
-#   capacity factor 4 (512 rows per expert, 2 blocks): fused eager 1.35x, compiled 1.53x.
-# Eager, the fused path's routing and launch work on the host (a CUDA graph of the same call took 1.18 ms
-# against 1.73 eager) outweighs its faster kernel below ~512 rows per expert; compiled, it is never slower.
-WORLD1_EAGER_MIN_ROWS_PER_EXPERT = 512
-WORLD1_EAGER_MEASURED = ("eager, the fused path measured 0.75x diffusers' layer at 256 rows per expert and 1.35x at "
-                         "512 (compiled 1.02x and 1.53x) on the H200 for NucleusMoE")
-
-
-def world1_eager_runs_diffusers(rows_per_expert: int, *, compiling: bool,
-                                eager_min_rows_per_expert: int = WORLD1_EAGER_MIN_ROWS_PER_EXPERT) -> bool:
-    """At world 1 on the fused path: whether one call runs diffusers' own layer instead. Compiled calls never
-    do (the fused path was measured no slower there); eager calls below `eager_min_rows_per_expert` rows per
-    expert do (``WORLD1_EAGER_MEASURED``)."""
-    _check_ints(rows_per_expert=rows_per_expert, eager_min_rows_per_expert=eager_min_rows_per_expert)
-    return not compiling and rows_per_expert < eager_min_rows_per_expert
-
+# Measured on one H200 (2026-12-04, benchmarks/results/moe/world1-nucleusmoe-h200-{177d33e,dab03c9}.*): NucleusMoE's
+# full-size layer, 2 x 4096 tokens, 64 experts, per call (ms): capacity factor 2 (256 rows per expert, 27 of
+# its 29 MoE blocks) / capacity factor 4 (512 rows, 2 blocks):
+#   diffusers' layer eager 1.51 / 2.46; EP world-1 fused eager 1.52-2.02 / 1.80;
+#   compiled: diffusers' layer with patches.compile_fixes 0.90 / 1.38, EP world-1 fused 1.38-1.49 / 1.58-1.69.
+# Compiled (the server's default on a GPU), diffusers' grouped matmul fused by Inductor beats the fused kernel
+# at both shapes; eager, the fused path wins only on the two capacity-4 blocks.
+WORLD1_EXPERT_CHOICE_MEASURED = (
+    "measured on the H200 for NucleusMoE at world 1, per layer: compiled, diffusers' layer (int32-offsets fix) "
+    "0.90 / 1.38 ms against the fused EP path's 1.38 / 1.69 ms at 256 / 512 rows per expert; eager, the fused "
+    "path 1.00x / 1.36x diffusers' layer")
 
 def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, requested: str = "auto") -> ScheduleChoice:
     """World 1 (no experts to exchange): "diffusers" (keep diffusers' MoE layer) or an EP layer path.
 
-    routing: "expert_choice" (NucleusMoE: static expert offsets, so the EP layer takes its world-1 path with
-    no host plan) or "top_k" (HiDream: data-dependent counts, the general EP plan with its host sync).
-    requested: "auto" picks "fused" for expert choice on CUDA with >= ``FUSED_AUTO_MIN_LOCAL_EXPERTS``
-    experts (``WORLD1_FUSED_MEASURED``) and keeps diffusers' layer otherwise (top-k: ``WORLD1_MEASURED``;
-    fewer experts: the kernel is slower than the grouped matmul diffusers' layer runs); an explicit
-    "fused" | "serial" | "reference" swaps in the EP layer on that path (`choose_moe_path` rules).
+    routing: "expert_choice" (NucleusMoE: static expert offsets, the EP layer's world-1 path has no host plan)
+    or "top_k" (HiDream: data-dependent counts, the general EP plan with its host sync).
+    requested: "auto" keeps diffusers' layer (measured faster on the H200 in both cases:
+    ``WORLD1_EXPERT_CHOICE_MEASURED``, ``WORLD1_MEASURED``); an explicit "fused" | "serial" | "reference" swaps
+    in the EP layer on that path (`choose_moe_path` rules).
     """
     check_moe_path(requested)
     _check_ints(num_experts=num_experts)
@@ -141,15 +126,8 @@ def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, req
     if routing == "top_k":
         return ScheduleChoice("diffusers", f"{num_experts} experts, top-k routing on {facts.name}: the counts are "
                               f"data-dependent, so the EP layer needs its host-side plan; {WORLD1_MEASURED}", {})
-    if num_experts < FUSED_AUTO_MIN_LOCAL_EXPERTS:
-        return ScheduleChoice("diffusers", f"{num_experts} experts < {FUSED_AUTO_MIN_LOCAL_EXPERTS} on {facts.name}: "
-                              "the fused kernel was measured slower than the grouped matmul diffusers' layer runs", {})
-    return ScheduleChoice(
-        "fused", f"{num_experts} experts, expert-choice routing on {facts.name}: static expert offsets, so the "
-        f"world-1 EP path runs the fused kernel with no host plan and no sync; {WORLD1_FUSED_MEASURED}; eager calls "
-        f"with fewer than {WORLD1_EAGER_MIN_ROWS_PER_EXPERT} rows per expert run diffusers' layer "
-        f"({WORLD1_EAGER_MEASURED})",
-        {"dataflow": "expert_choice_static", "eager_min_rows_per_expert": WORLD1_EAGER_MIN_ROWS_PER_EXPERT})
+    return ScheduleChoice("diffusers", f"{num_experts} experts, expert-choice routing on {facts.name}: "
+                          f"{WORLD1_EXPERT_CHOICE_MEASURED}", {})
 
 
 def choose_moe_lead(
