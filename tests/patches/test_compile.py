@@ -170,3 +170,13 @@ def test_inductor_options_reach_every_compiled_graph(flux, mode, monkeypatch):
     seen.clear()
     apply_compile(pipe, mode, backend="eager").restore()
     assert seen and all(o is None for o in seen), seen
+
+
+def test_vae_false_leaves_the_decoder_eager(flux):
+    """The benchmark's plain-diffusers baseline compiles the transformer alone (what its users do)."""
+    pipe, _ = flux
+    handle = apply_compile(pipe, "regional", backend="eager", vae=False)
+    try:
+        assert "decoder" not in handle.how and "_compiled_call_impl" not in vars(pipe.vae.decoder)
+    finally:
+        handle.restore()

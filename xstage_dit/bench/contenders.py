@@ -32,6 +32,7 @@ def _version(dist_name: str) -> str | None:
 class Contender:
     family = ""
     irreversible = False  # no way to undo it: runs after every reversible contender, marks the pipeline dirty
+    compile_vae = True  # compiled variant: also the image VAE's decoder (what `serve` / `generate` compile)
 
     def __init__(self, compile: bool):
         self.compile = compile
@@ -50,7 +51,7 @@ class Contender:
 
     def apply(self, b: Bench) -> None:
         if self.compile:
-            self.info["compile_mode"] = b.compile_transformer()
+            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae)
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)
@@ -63,6 +64,7 @@ class PlainDiffusers(Contender):
     """The unmodified diffusers pipeline; at a GPU count > 1 every rank runs it alone on its GPU."""
 
     family = "diffusers"
+    compile_vae = False  # what a diffusers user compiles: the transformer's repeated blocks alone
 
 
 class PlainDiffusersRepeat(PlainDiffusers):
@@ -320,6 +322,7 @@ class DiffusersCP(Contender):
 
     family = "diffusers-cp"
     irreversible = True
+    compile_vae = False  # diffusers' own stack: its users compile the transformer alone
 
     def accepts(self, dirty: str | None) -> bool:
         return dirty in (None, self.family)  # the compiled variant reuses the eager variant's sharding

@@ -104,12 +104,13 @@ class Bench:
             return math.inf
         return self.args.time_budget_s - (time.perf_counter() - self.t_start)
 
-    def compile_transformer(self) -> str:
+    def compile_transformer(self, vae: bool = True) -> str:
         """``apply_compile`` of the current transformer in the --compile mode (regional: diffusers'
-        ``compile_repeated_blocks``; full: the whole forward); returns how."""
+        ``compile_repeated_blocks``; full: the whole forward), with the image VAE's decoder where `vae`;
+        returns how."""
         from xstage_dit.patches.compile import apply_compile
 
-        self.compiled = apply_compile(self.pipe, self.args.compile)
+        self.compiled = apply_compile(self.pipe, self.args.compile, vae=vae)
         return self.compiled.how
 
     def uncompile(self) -> None:

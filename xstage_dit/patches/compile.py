@@ -106,13 +106,15 @@ def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callab
 
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
-                  backend: str = "inductor", options: dict | None = None) -> CompileHandle:
+                  backend: str = "inductor", options: dict | None = None, vae: bool = True) -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode` (see the module docstring).
 
     max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
     backend: the torch.compile backend ("inductor"; tests use "eager" to check the wiring fast).
     options: Inductor options for these graphs only (``torch.compile(options=...)``), e.g.
         ``{"coordinate_descent_tuning": True}``; None = Inductor's defaults.
+    vae: also compile an image VAE's decoder (``AutoencoderKL``; the benchmark's plain-diffusers baseline
+        passes False: users compile the transformer alone).
     Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
     check_compile_mode(mode)
@@ -151,7 +153,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             hows.append(f"{mode}: {what} {type(module).__name__} forward")
         module.forward = _guard(handle, eager, compiled)
         handle._undo.append(functools.partial(vars(module).pop, "forward", None))
-    decoder = _image_vae_decoder(pipe)
+    decoder = _image_vae_decoder(pipe) if vae else None
     if decoder is not None:
         decoder.compile(dynamic=False, backend=backend, **extra)
         handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
