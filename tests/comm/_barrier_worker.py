@@ -162,8 +162,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    from xstage_dit.comm.distributed import close_distributed
-
-    code = main()
-    close_distributed()  # only after a normal return: a failing rank keeps its exit code first
-    sys.exit(code)
+    sys.exit(main())

@@ -107,9 +107,17 @@ def close_distributed() -> None:
     without an active exception" (exit 134 in CI on a rank whose work had succeeded;
     pytorch/pytorch#190489). Not an atexit hook: a rank that fails must not tear its connections down
     before the launcher has seen its own exit code (the peers would then fail first, with a reset socket).
+    A barrier first: rank 0 hosts the group's store, and a peer still finishing its last collective or
+    store read must not find it gone. Call it on every rank, only when every rank ended normally.
     """
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001 - a peer that already left: nothing to wait for, still close ours
+        log.warning("the closing barrier failed (%s: %s): a peer has left; closing this rank's group anyway",
+                    type(exc).__name__, exc)
+    dist.destroy_process_group()
 
 
 def world_of(group: dist.ProcessGroup | None) -> tuple[int, int]:
