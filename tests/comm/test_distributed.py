@@ -67,22 +67,32 @@ def test_launcher_gives_its_ranks_the_safe_env(monkeypatch):
 
 
 _EXIT_WORKER = r"""
-import json, os, sys
+import json, os, sys, time
 import torch.distributed as dist
 from xstage_dit.comm.distributed import close_distributed, init_distributed
 info = init_distributed(backend="gloo", timeout_s=30)
 got = [None] * info.world_size
 dist.all_gather_object(got, info.rank)   # leaves gloo work behind, as every worker does
-close_distributed()
-close_distributed()                      # a second call (nothing left to close) is a no-op
+absent = sys.argv[2] == "absent" and info.rank == 1
+t0 = time.monotonic()
+if absent:
+    time.sleep(4)                        # never leaves: rank 0 closes after its timeout all the same
+else:
+    close_distributed(timeout_s=2)
+    close_distributed()                  # a second call (nothing left to close) is a no-op
 with open(os.path.join(sys.argv[1], f"rank{info.rank}.json"), "w") as f:
-    json.dump({"gathered": got, "initialized_after_close": dist.is_initialized()}, f)
+    json.dump({"gathered": got, "initialized_after_close": dist.is_initialized() and not absent,
+               "close_s": time.monotonic() - t0}, f)
+if absent:
+    os._exit(0)                          # its store host (rank 0) is gone: skip the interpreter's teardown
 """
 
 
-def test_close_distributed_leaves_the_group_and_the_ranks_exit_cleanly(tmp_path):
-    """close_distributed is the normal end of a rank: the group is gone before interpreter finalization (a gloo
-    rank left to finalization was aborted in CI, exit 134) and every rank exits 0."""
+@pytest.mark.parametrize("case", ["together", "absent"])
+def test_close_distributed_leaves_the_group_and_the_ranks_exit_cleanly(case, tmp_path):
+    """close_distributed is the last call of every rank: the ranks meet on the store, then each destroys its
+    group before interpreter finalization (a gloo rank left to finalization was aborted in CI, exit 134), and
+    every rank exits 0. A rank that never comes costs the others the timeout, then they close anyway."""
     import json
     import os
     import sys
@@ -93,7 +103,10 @@ def test_close_distributed_leaves_the_group_and_the_ranks_exit_cleanly(tmp_path)
     script.write_text(_EXIT_WORKER)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    assert launch(2, [sys.executable, str(script), str(tmp_path)], timeout_s=120, env=env) == 0
-    for rank in range(2):
-        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert result == {"gathered": [0, 1], "initialized_after_close": False}
+    assert launch(2, [sys.executable, str(script), str(tmp_path), case], timeout_s=120, env=env) == 0
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert all(r["gathered"] == [0, 1] and r["initialized_after_close"] is False for r in results), results
+    if case == "absent":
+        assert 1.5 < results[0]["close_s"] < 10, results  # waited out its 2 s, no longer
+    else:
+        assert all(r["close_s"] < 10 for r in results), results

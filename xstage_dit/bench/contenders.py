@@ -15,6 +15,7 @@ import torch
 from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.jsonable import to_jsonable
+from xstage_dit.models.generation import run_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
 
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
@@ -105,6 +106,9 @@ class XStage(Contender):
             "params": to_jsonable(getattr(calibration, "params", None)),
         }
         super().apply(b)
+
+    def call(self, b: Bench, kwargs: dict):
+        return run_pipeline(b.pipe, **kwargs)  # as `serve` and `generate` run it (inference mode)
 
     def restore(self, b: Bench) -> None:
         super().restore(b)

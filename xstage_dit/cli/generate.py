@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     rank = 0 if rank_info is None else rank_info.rank
 
     from xstage_dit.models import load_pipeline
-    from xstage_dit.models.generation import fixed_kwargs, pipeline_kwargs, save_output, to_pil_frames
+    from xstage_dit.models.generation import fixed_kwargs, pipeline_kwargs, run_pipeline, save_output, to_pil_frames
 
     t0 = time.perf_counter()
     # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
@@ -205,10 +205,10 @@ def run(args: argparse.Namespace) -> int:
         for width, height in ((request.width, request.height),) + warmup_sizes:
             # Its own generators: the timed call's must start from the seed.
             warm = replace(request, width=width, height=height, steps=1)
-            pipe(**pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec)))
+            run_pipeline(pipe, **pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec)))
         t_warm = time.perf_counter() - t0
     t1 = time.perf_counter()
-    result = pipe(**kwargs)
+    result = run_pipeline(pipe, **kwargs)
     if device.type == "cuda":
         import torch
 

@@ -35,9 +35,10 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["RanksDisagree", "RankFailed", "check_agreement", "fail_together", "publish_failure", "wait",
-           "fingerprint", "make_failure", "published_failure"]
+           "fingerprint", "leave_together", "make_failure", "published_failure"]
 
 _KEY = "xstage/failure"
+_LEAVE = "xstage/leave"  # leave_together's counters
 
 
 class RanksDisagree(ValueError):
@@ -135,6 +136,34 @@ def _store():
     if store is None:  # pragma: no cover - present in every torch this project supports
         raise RuntimeError("expected torch.distributed's default store (_get_default_store), got none")
     return store()
+
+
+def leave_together(timeout_s: float = 30.0, *, poll_s: float = 0.01) -> bool:
+    """Wait, on the default store only, until every rank of the world is leaving; True when all arrived within
+    `timeout_s`. The store works when the process group does not (after a failed collective), which is why a
+    failing rank can leave this way too.
+
+    Two counters: every rank arrives, then waits for all arrivals and departs; rank 0, which hosts the store
+    under our launcher, also waits until everyone has departed, so no peer is still reading when its process
+    takes the store down (seen as a peer aborting at exit, or failing with a reset socket)."""
+    if not dist.is_initialized():
+        return True
+    store, world = _store(), dist.get_world_size()
+    deadline = time.monotonic() + timeout_s
+
+    def wait_for(key: str) -> bool:
+        while store.add(key, 0) < world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    store.add(_LEAVE + "/arrived", 1)
+    arrived = wait_for(_LEAVE + "/arrived")
+    store.add(_LEAVE + "/departed", 1)
+    if dist.get_rank() == 0:
+        return wait_for(_LEAVE + "/departed") and arrived
+    return arrived
 
 
 def publish_failure(exc: BaseException, group=None, *, what: str = "forward") -> RankFailed:

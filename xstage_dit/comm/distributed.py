@@ -24,6 +24,7 @@ from typing import MutableMapping, Sequence
 import torch
 import torch.distributed as dist
 
+from xstage_dit.comm import agreement
 from xstage_dit.comm.barrier import free_group_barriers, group_barrier
 
 log = logging.getLogger(__name__)
@@ -98,25 +99,23 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Ra
     return RankInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def close_distributed() -> None:
-    """Destroy the process group `init_distributed` joined (no-op without one): the last call of a rank that
-    ends normally.
+def close_distributed(timeout_s: float = 30.0) -> None:
+    """Leave the process group `init_distributed` joined (no-op without one): the last call of every rank,
+    after its work succeeded or failed alike.
 
-    A rank that returns without it leaves gloo's worker threads holding finished works whose tensors are
-    freed during interpreter finalization; that sometimes aborts the process with "terminate called
-    without an active exception" (exit 134 in CI on a rank whose work had succeeded;
-    pytorch/pytorch#190489). Not an atexit hook: a rank that fails must not tear its connections down
-    before the launcher has seen its own exit code (the peers would then fail first, with a reset socket).
-    A barrier first: rank 0 hosts the group's store, and a peer still finishing its last collective or
-    store read must not find it gone. Call it on every rank, only when every rank ended normally.
+    A rank that exits with its gloo group still alive leaves gloo's worker threads holding works whose tensors
+    are freed during interpreter finalization; that sometimes aborts the process with "terminate called
+    without an active exception" (exit 134 in CI, on ranks that had succeeded and on ranks that had recorded
+    an expected failure; pytorch/pytorch#190489). The ranks first meet on the store
+    (`agreement.leave_together`, which works when the group itself is broken), so rank 0, which hosts the
+    store under our launcher, does not take it down under a peer still reading; a peer that never comes (it
+    died) costs `timeout_s`, then this rank closes anyway. Not an atexit hook: a rank whose exception escapes
+    must exit at once with its own code, before its peers notice.
     """
     if not dist.is_initialized():
         return
-    try:
-        dist.barrier()
-    except Exception as exc:  # noqa: BLE001 - a peer that already left: nothing to wait for, still close ours
-        log.warning("the closing barrier failed (%s: %s): a peer has left; closing this rank's group anyway",
-                    type(exc).__name__, exc)
+    if not agreement.leave_together(timeout_s):
+        log.warning("closing the process group: not every rank arrived within %.0f s (a peer has left)", timeout_s)
     dist.destroy_process_group()
 
 

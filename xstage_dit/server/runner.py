@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from xstage_dit.models.generation import GenerationRequest, pipeline_kwargs
+from xstage_dit.models.generation import GenerationRequest, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
 
 log = logging.getLogger(__name__)
@@ -123,8 +123,7 @@ class BatchRunner:
             return {}
 
         kwargs["callback_on_step_end"] = callback
-        with torch.inference_mode():
-            out = self.pipe(**kwargs)
+        out = run_pipeline(self.pipe, **kwargs)
         pixels = out.frames if items[0].kind == "video" else out.images
         if isinstance(pixels, torch.Tensor):
             pixels = pixels.float().cpu().numpy()
