@@ -186,3 +186,24 @@ def test_full_flux_transformer_step_on_gpu_bf16():
     out = model(**inputs, return_dict=False)[0]
     assert out.shape == inputs["hidden_states"].shape == (1, 4096, 64)
     assert torch.isfinite(out).all() and out.float().std() > 0
+
+
+def test_every_xstage_generation_runs_under_inference_mode(tiny_flux, monkeypatch):
+    """run_pipeline is how the server, `generate` and the bench's xstage contenders call a pipeline: inference
+    mode (diffusers' own call only disables grad), with the same image as the plain call."""
+    from xstage_dit.bench import contenders
+    from xstage_dit.models.generation import run_pipeline
+    from xstage_dit.server import runner
+
+    seen = []
+
+    class Probe:
+        def __call__(self, **kwargs):
+            seen.append(torch.is_inference_mode_enabled())
+            return kwargs
+
+    assert run_pipeline(Probe(), x=1) == {"x": 1} and seen == [True]
+    assert runner.run_pipeline is run_pipeline and contenders.run_pipeline is run_pipeline
+    spec = model_spec("tiny-flux")
+    kwargs = lambda: call_kwargs(tiny_flux, spec, prompt="a fox", seed=3, steps=2, height=32, width=32)  # noqa: E731
+    np.testing.assert_array_equal(run_pipeline(tiny_flux, **kwargs()).images, tiny_flux(**kwargs()).images)
