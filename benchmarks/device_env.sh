@@ -3,6 +3,16 @@
 # ../shared/tools/device-bigwheel.sh in /tmp/bigwheel) into /tmp/site in ONE pip call (the CuTe DSL's wheels
 # share a top-level folder, so split installs break it), and exports the environment every GPU run uses: the
 # checkout first on PYTHONPATH, then the wheels; unbuffered output; NVLink multicast off (KINDS.md).
+#
+# What the device lacks (2026-12-04), fetched here into .whl (12.6 MB, under the 64 MiB a call carries):
+#   ../shared/tools/device-wheels.sh diffusers==0.42.1 transformers==5.17.0 fastapi==0.165.0 uvicorn==0.55.0 \
+#       ftfy prometheus-client==0.26.0 fastapi-offline==1.7.7 zlib-ng==1.1.0 && rm -f .whl/nvidia_*
+#   plus, with pip download --no-deps: xfuser==0.7.0 beautifulsoup4 soupsieve distvae yunchang (the bench's peer).
+# FlashAttention-4 (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl{,-libs-base,-libs-core,-libs-cu13}==4.8.1,
+# apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels==0.6.5) travels in two calls: split the 92 MB cu13 wheel
+# with ../shared/tools/device-bigwheel.sh, carry [.whl-a, .whl] for `device.sh fa4-stash ...`, then at once
+# [.whl-b, .whl-fe] (the small FA4 wheels in .whl-fe) for `device.sh fa4-install ...`; nvidia-cudnn-frontend
+# (11.6 MB) in a third call's WHEEL_DIRS. Never carry one wheel in two dirs: pip refuses the duplicate.
 _wheels=()
 for _d in ${WHEEL_DIRS:-.whl .whl-e2e} /tmp/bigwheel; do
   for _w in "$_d"/*.whl; do [ -f "$_w" ] && _wheels+=("$_w"); done
