@@ -188,7 +188,7 @@ def test_full_flux_transformer_step_on_gpu_bf16():
     assert torch.isfinite(out).all() and out.float().std() > 0
 
 
-def test_every_xstage_generation_runs_under_inference_mode(tiny_flux, monkeypatch):
+def test_every_xstage_generation_runs_under_inference_mode(tiny_flux):
     """run_pipeline is how the server, `generate` and the bench's xstage contenders call a pipeline: inference
     mode (diffusers' own call only disables grad), with the same image as the plain call."""
     from xstage_dit.bench import contenders

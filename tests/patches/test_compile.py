@@ -92,14 +92,14 @@ def test_only_the_image_vae_decoder_compiles():
 
 
 def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
-    """NucleusMoE's EP layer at world 1 (what "auto" picks on a GPU): its expert-choice path has static
+    """NucleusMoE's EP layer at world 1 (what world1_path="fused" runs on a GPU): its expert-choice path has static
     offsets and traces without a graph break (tests/ops/test_moe_expert_choice.py); compiled it must give
     the eager images exactly. The swap is forced here (the CPU keeps diffusers' layer)."""
     import xstage_dit.patches.expert_parallel as expert_parallel
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs
 
-    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: {"path": "reference"})
+    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: "reference")
     with one_torch_thread():
         pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
         spec = model_spec("tiny-nucleusmoe")

@@ -285,7 +285,7 @@ def test_world1_ep_layer_shares_diffusers_expert_tensors(monkeypatch):
     assert {n: ptrs(m) for n, m in _moe_layers(model, "NucleusMoELayer")} == before
 
 
-def test_offloading_the_original_keeps_what_the_ep_layer_shares_by_storage():
+def test_offloading_the_original_keeps_what_the_ep_layer_shares_by_storage(monkeypatch):
     """`_offload_unshared` (a GPU swap moves the original's own tensors to the host) compares storage, not
     Parameter objects: tensors the EP layer wraps in Parameters of its own stay where they are."""
     from xstage_dit.patches.expert_parallel import _offload_unshared
@@ -302,9 +302,7 @@ def test_offloading_the_original_keeps_what_the_ep_layer_shares_by_storage():
         moved.append(self.data_ptr())
         return real_to(self, *args, **kwargs)
 
-    torch.Tensor.to = spy
-    try:
-        _offload_unshared(original, ep)
-    finally:
-        torch.Tensor.to = real_to
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    _offload_unshared(original, ep)
+    monkeypatch.undo()
     assert original.weight.data_ptr() not in moved and own.data_ptr() in moved and original.bias.data_ptr() in moved

@@ -107,7 +107,8 @@ def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callab
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
                   backend: str = "inductor", options: dict | None = None, vae: bool = True) -> CompileHandle:
-    """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode` (see the module docstring).
+    """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
+    unless `vae` is False (see the module docstring).
 
     max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
     backend: the torch.compile backend ("inductor"; tests use "eager" to check the wiring fast).

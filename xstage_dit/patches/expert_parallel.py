@@ -56,9 +56,8 @@ def _num_experts(layer: torch.nn.Module) -> int:
     return int(num) if num is not None else len(layer.experts)
 
 
-def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> dict | None:
-    """World 1: the EP layer's keyword arguments (``path``) for what `choose_moe_world1` picks for `child`, or
-    None (keep diffusers' layer).
+def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, requested: str) -> str | None:
+    """World 1: the EP layer path `choose_moe_world1` picks for `child`, or None (keep diffusers' layer).
 
     routing: the EP class's ``routing`` ("expert_choice" | "top_k"), the fact the choice turns on."""
     facts = DeviceFacts.from_device(_device_of(child))
@@ -70,9 +69,7 @@ def _world1_path(child: torch.nn.Module, routing: str, where: str, seen: set, re
         action = "diffusers' layer kept" if choice.name == "diffusers" else "EP layer (world 1)"
         log.info("expert parallel at world 1: %s with %d experts (first at %s): %s -> %s (%s)",
                  type(child).__name__, experts, where, choice.name, action, choice.reason)
-    if choice.name == "diffusers":
-        return None
-    return {"path": choice.name}
+    return None if choice.name == "diffusers" else choice.name
 
 
 def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=None,
@@ -110,10 +107,10 @@ def apply_expert_parallel(model: torch.nn.Module, moe_layers, group, *, xparams=
                 ep_cls = _ep_class(path)
                 kwargs = {}
                 if world == 1:
-                    world1 = _world1_path(child, ep_cls.routing, f"{parent_name}.{child_name}", kept, world1_path)
-                    if world1 is None:
+                    ep_path = _world1_path(child, ep_cls.routing, f"{parent_name}.{child_name}", kept, world1_path)
+                    if ep_path is None:
                         continue
-                    kwargs.update(world1)
+                    kwargs["path"] = ep_path
                 ep_layer = ep_cls.from_layer(child, group, scheduler=scheduler, **kwargs)
                 device = _device_of(child)
                 setattr(parent, child_name, ep_layer)

@@ -106,6 +106,7 @@ WORLD1_EXPERT_CHOICE_MEASURED = (
     "0.90 / 1.38 ms against the fused EP path's 1.38 / 1.69 ms at 256 / 512 rows per expert; eager, the fused "
     "path 1.00x / 1.36x diffusers' layer")
 
+
 def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, requested: str = "auto") -> ScheduleChoice:
     """World 1 (no experts to exchange): "diffusers" (keep diffusers' MoE layer) or an EP layer path.
 
