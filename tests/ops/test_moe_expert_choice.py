@@ -19,7 +19,8 @@ import torch
 from tests.helpers.host_syncs import count_host_syncs
 from xstage_dit.ops.moe import EXPERT_CHOICE_PATHS, expert_choice_moe, ep_moe_forward
 from xstage_dit.ops.moe.expert_choice import expert_choice_slots
-from xstage_dit.patches.ep_layers import NucleusMoEEPLayer, nucleus_routing
+from xstage_dit.patches.ep_layers import NucleusMoEEPLayer
+from xstage_dit.patches.nucleus_routing import nucleus_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,16 +162,18 @@ def test_token_score_sums_table_form_equals_diffusers_scatter_add(shape):
     """The fixed-order form CUDA uses (a dense (B, E, S) table summed over experts, since the scatter-add is
     atomic there and changed the last bit of a gate between two H200 runs) against diffusers' scatter-add,
     both run here; the scatter-add is what the CPU keeps (bit-equal to the unsharded layer)."""
-    from xstage_dit.patches.ep_layers import token_score_sums_of
+    from xstage_dit.patches.nucleus_routing import token_score_sums
 
     B, S, E, cf = shape
     capacity = max(1, math.ceil(cf * S / E))
     affinity = torch.rand(B, E, S, generator=torch.Generator().manual_seed(S), dtype=torch.float64)
     top = torch.topk(affinity, k=capacity, dim=-1).indices
     gating = affinity.gather(-1, top)
-    table = token_score_sums_of(gating, top, S, dense=True)
-    scatter = token_score_sums_of(gating, top, S, dense=False)
-    assert token_score_sums_of(gating, top, S).equal(scatter)  # the CPU default is diffusers' own form
+    flat_idx = (torch.arange(B).view(B, 1, 1) * S + top).transpose(0, 1).reshape(-1)
+    flat = (gating, top, flat_idx, gating.transpose(0, 1).reshape(-1), S)
+    table = token_score_sums(*flat, dense=True)
+    scatter = token_score_sums(*flat, dense=False)
+    assert token_score_sums(*flat).equal(scatter)  # the CPU default is diffusers' own form
     torch.testing.assert_close(table, scatter, rtol=1e-12, atol=1e-12)
     # the sums are real: every token's sum is the sum of the gates of the experts that picked it
     picked = torch.zeros(B, E, S, dtype=torch.float64).scatter_(-1, top, gating)

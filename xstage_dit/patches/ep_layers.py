@@ -11,8 +11,6 @@ scheduler fed the params ``parallelize`` was given.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,10 +19,11 @@ from xstage_dit.comm.distributed import world_of
 from xstage_dit.comm.staged import all_gather_list
 from xstage_dit.ops.moe import MoEKernelConfig, ep_moe_forward, expert_choice_moe
 from xstage_dit.ops.moe.config import default_config
+from xstage_dit.patches.nucleus_routing import nucleus_routing
 from xstage_dit.schedule.facts import DeviceFacts
 from xstage_dit.schedule.moe import MoESchedule, MoEScheduler, check_moe_path
 
-__all__ = ["NucleusMoEEPLayer", "HiDreamMoEEPLayer", "nucleus_routing"]
+__all__ = ["NucleusMoEEPLayer", "HiDreamMoEEPLayer"]
 
 
 def _check_sharding(num_experts: int, group) -> tuple[int, int, int]:
@@ -149,48 +148,6 @@ def _all_gather_expert_shards(t: torch.Tensor, group) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------------
 # NucleusMoE
 # --------------------------------------------------------------------------------------------------
-
-
-def token_score_sums_of(gating: torch.Tensor, top_indices: torch.Tensor, slen: int, *,
-                        dense: bool | None = None) -> torch.Tensor:
-    """Each token's sum of the gating scores of the experts that chose it: (B * S,) in gating.dtype.
-
-    gating, top_indices: (B, E, C), expert e's top-C tokens of batch row b (distinct within a row).
-    On the CPU, diffusers' own ``scatter_add_`` (one add at a time in pair order, expert-major: bit-equal to
-    the unsharded layer). On CUDA that scatter-add is atomic, so its fp order, and the last bit of a gate,
-    changes from run to run (seen on the H200: two calls of the fused world-1 layer differed); there the
-    scores go into a dense (B, E, S) table with a plain scatter (indices are distinct per row, so no two
-    writes meet) and are summed over experts, a fixed-order reduction: every run and every rank agree.
-    dense: force the table form (True) or the scatter-add (False); None picks by device as above.
-    """
-    bs, _, _ = gating.shape
-    if not (gating.device.type == "cuda" if dense is None else dense):
-        batch_offsets = torch.arange(bs, device=gating.device, dtype=torch.long).view(bs, 1, 1) * slen
-        flat_idx = (batch_offsets + top_indices).transpose(0, 1).reshape(-1)
-        sums = torch.zeros(bs * slen, device=gating.device, dtype=gating.dtype)
-        return sums.scatter_add_(0, flat_idx, gating.transpose(0, 1).reshape(-1))
-    dense = gating.new_zeros(bs, gating.shape[1], slen).scatter_(-1, top_indices, gating)
-    return dense.sum(dim=1).reshape(-1)
-
-
-def nucleus_routing(affinity: torch.Tensor, capacity_factor: float, route_scale: float):
-    """diffusers' NucleusMoELayer expert-choice routing on the full-sequence affinity (same ops, same order).
-
-    affinity: (B, E, S) scores. Returns (global_token_indices int64[E*B*C], gating_flat [E*B*C] in
-    affinity.dtype, capacity C); pair order is expert-major, then batch, then choice.
-    """
-    bs, E, slen = affinity.shape
-    capacity = max(1, math.ceil(capacity_factor * slen / E))
-    topk = torch.topk(affinity, k=capacity, dim=-1)
-    top_indices = topk.indices
-    gating = affinity.gather(dim=-1, index=top_indices)
-    batch_offsets = torch.arange(bs, device=affinity.device, dtype=torch.long).view(bs, 1, 1) * slen
-    global_token_indices = (batch_offsets + top_indices).transpose(0, 1).reshape(E, -1).reshape(-1)
-    gating_flat = gating.transpose(0, 1).reshape(E, -1).reshape(-1)
-    token_score_sums = token_score_sums_of(gating, top_indices, slen)
-    gating_flat = gating_flat / (token_score_sums[global_token_indices] + 1e-12)
-    gating_flat = gating_flat * route_scale
-    return global_token_indices, gating_flat, capacity
 
 
 class NucleusMoEEPLayer(_ShardBinding, nn.Module):
