@@ -139,6 +139,28 @@ def test_validation_errors_name_the_field(server, body, param):
     assert error["param"] == param and error["message"].startswith(param), error
 
 
+def test_a_streamed_request_listens_before_its_job_is_queued(server, monkeypatch):
+    """The stream subscribes to its job before the job is queued, so a first step that runs at once is still
+    an event its client gets (a stream on a loaded 2-core CI machine once began at step 3 of 4)."""
+    from xstage_dit.server.routes import images
+
+    client, _ = server
+    listening = []
+    real = images.enqueue
+
+    def spy(worker, job):
+        listening.append(len(job._subscribers))
+        return real(worker, job)
+
+    monkeypatch.setattr(images, "enqueue", spy)
+    with client.stream("POST", "/v1/images/generations",
+                       json={"prompt": "a cat", "size": "32x32", "num_inference_steps": 2, "stream": True}) as r:
+        events = list(sse_events(r))
+    assert listening == [1] and events[-1][0] == "completed"
+    progress = [e["steps_done"] for n, e in events if n == "progress" and e["status"] == "in_progress"]
+    assert progress == [0, 1, 2], events
+
+
 def test_malformed_json_oversized_body_and_non_object(server):
     client, _ = server
     r = client.post("/v1/images/generations", content=b'{"prompt": "x",', headers={"content-type": "application/json"})

@@ -44,8 +44,18 @@ def served(worker: Worker) -> ServedModel:
 
 def submit(worker: Worker, config: ServerConfig, items) -> Job:
     """Queues one job of `items` (all image or one video); 429 when the queue is full, 503 when closed."""
-    job = Job(id=new_job_id("img" if items[0].kind == "image" else "video"), items=items,
-              deadline=time.time() + config.request_timeout_s)
+    return enqueue(worker, new_job(config, items))
+
+
+def new_job(config: ServerConfig, items) -> Job:
+    """A job of `items` (all image or one video), not queued yet: a streamed request subscribes to it first,
+    so that no step's event happens before its client listens."""
+    return Job(id=new_job_id("img" if items[0].kind == "image" else "video"), items=items,
+               deadline=time.time() + config.request_timeout_s)
+
+
+def enqueue(worker: Worker, job: Job) -> Job:
+    """Queues `job`; 429 when the queue is full, 503 when closed."""
     try:
         return worker.queue.submit(job)
     except QueueFull as exc:

@@ -19,10 +19,12 @@ def _sse(event: str, data: dict) -> bytes:
 
 
 async def events(worker: Worker, job: Job, final: Callable[[Job], dict] | None,
-                 cancel_on_disconnect: bool) -> AsyncIterator[bytes]:
+                 cancel_on_disconnect: bool, q: asyncio.Queue | None = None) -> AsyncIterator[bytes]:
     """The event stream of `job`; `final(job)` is the `completed` payload (the last progress event when
-    None). With `cancel_on_disconnect`, a client that goes away before the end cancels the job."""
-    q = job.subscribe()
+    None). With `cancel_on_disconnect`, a client that goes away before the end cancels the job. `q`: the
+    job's subscription when the caller made it before queueing the job (else it subscribes here, starting
+    from the job's current state)."""
+    q = job.subscribe() if q is None else q
     try:
         while True:
             try:

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.http_layer import error_response
 from xstage_dit.server.jobs import COMPLETED, Job
-from xstage_dit.server.routes.deps import config_of, failure, require_key, served, submit, worker_of
+from xstage_dit.server.routes.deps import config_of, enqueue, failure, new_job, require_key, served, worker_of
 from xstage_dit.server.routes.events import events, sse_response
 from xstage_dit.server.schemas import (ImageData, ImageGenerationRequest, ImageGenerationResponse, Timings,
                                        error_responses, image_params)
@@ -47,10 +47,14 @@ async def generate_images(req: ImageGenerationRequest, request: Request, worker:
     """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`
     after every step, then `completed` with this endpoint's usual JSON (or `error`). With
     `"response_format": "png"` the body is the one image's PNG (`image/png`)."""
-    job = submit(worker, config, image_params(req, served(worker), config))
-    if req.stream:
-        return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True), job)
+    job = new_job(config, image_params(req, served(worker), config))
+    # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
+    # loaded 2-core CI machine began at step 3 of 4).
     q = job.subscribe()
+    enqueue(worker, job)
+    if req.stream:
+        return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True, q=q),
+                            job)
     try:
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while not job.done:
