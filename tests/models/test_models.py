@@ -207,3 +207,53 @@ def test_every_xstage_generation_runs_under_inference_mode(tiny_flux):
     spec = model_spec("tiny-flux")
     kwargs = lambda: call_kwargs(tiny_flux, spec, prompt="a fox", seed=3, steps=2, height=32, width=32)  # noqa: E731
     np.testing.assert_array_equal(run_pipeline(tiny_flux, **kwargs()).images, tiny_flux(**kwargs()).images)
+
+
+def test_pixels_rounded_as_tensors_equal_the_numpy_rule():
+    """The server and `generate` round the decoded tensor where it is (output_type "pt"); the bytes must be those
+    of the numpy rule on diffusers' "np" floats, at the rounding boundaries too, from float32 and bf16."""
+    from xstage_dit.models.generation import to_uint8, to_uint8_tensor
+
+    k = torch.arange(256, dtype=torch.float32)
+    edges = (k + 0.5) / 255.0
+    values = torch.cat([edges, torch.nextafter(edges, torch.zeros(())), torch.nextafter(edges, torch.ones(())),
+                        k / 255.0, torch.tensor([-1.0, -0.0, 0.0, 1.0, 1.5, 255.0]), torch.rand(100_000) * 1.2 - 0.1])
+    assert np.array_equal(to_uint8_tensor(values).numpy(), to_uint8(values.numpy()))
+    half = values.bfloat16()
+    assert np.array_equal(to_uint8_tensor(half).numpy(), to_uint8(half.float().numpy()))
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_output_pixels_of_pt_and_np_outputs_agree(kind):
+    from types import SimpleNamespace
+
+    from xstage_dit.models.generation import output_pixels
+
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, 3, 5, 7) if kind == "image" else (2, 4, 3, 5, 7)  # channels first, as diffusers' "pt"
+    pt = torch.rand(shape, generator=gen) * 1.1 - 0.05
+    channels_last = (0, 2, 3, 1) if kind == "image" else (0, 1, 3, 4, 2)
+    as_np = pt.permute(*channels_last).numpy()
+    out = lambda data: SimpleNamespace(images=data, frames=data)  # noqa: E731
+    got = output_pixels(out(pt), kind)
+    assert got.dtype == np.uint8 and got.shape == as_np.shape
+    assert np.array_equal(got, output_pixels(out(as_np), kind))
+    bad = pt.clone()
+    bad.view(-1)[3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        output_pixels(out(bad), kind)
+    with pytest.raises(ValueError, match="channels first"):
+        output_pixels(out(pt[0]), kind)
+
+
+def test_tiny_flux_pt_output_gives_the_np_images(tiny_flux):
+    """A real pipeline's "pt" output, rounded as a tensor, is the "np" output's image byte for byte."""
+    from xstage_dit.models.generation import output_pixels, pipeline_kwargs, request_for, to_uint8
+
+    spec = model_spec("tiny-flux")
+    request = request_for(spec, prompt="a fox", seed=5, steps=2, height=32, width=48)
+    got = {t: tiny_flux(**pipeline_kwargs(tiny_flux, [request], kind="image", output_type=t)) for t in ("pt", "np")}
+    assert isinstance(got["pt"].images, torch.Tensor)
+    assert np.array_equal(output_pixels(got["pt"], "image"), to_uint8(np.asarray(got["np"].images)))
+    with pytest.raises(ValueError, match="output_type"):
+        pipeline_kwargs(tiny_flux, [request], kind="image", output_type="pil")

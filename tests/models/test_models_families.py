@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xstage_dit.models import MODELS, load_pipeline, model_spec
-from xstage_dit.models.generation import call_kwargs, to_pil_frames
+from xstage_dit.models.generation import call_kwargs, output_pixels, to_pil_frames
 
 TINY = [name for name, spec in MODELS.items() if spec.size == "tiny"]
 PIPELINE_CLASSES = {
@@ -54,8 +54,12 @@ def test_tiny_pipeline_runs_end_to_end(name):
     assert type(pipe) is getattr(diffusers, classes[spec.family]) is getattr(diffusers, spec.pipeline_class)
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}
-    out = pipe(**call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small))
+    kwargs = lambda: call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small)  # noqa: E731
+    out = pipe(**kwargs())
     frames = to_pil_frames(out, spec.kind)  # raises on NaN/inf
+    # The server's and `generate`'s path: output_type "pt", rounded as a tensor: the same bytes as "np".
+    as_tensor = pipe(**{**kwargs(), "output_type": "pt"})
+    assert np.array_equal(output_pixels(as_tensor, spec.kind), output_pixels(out, spec.kind))
     if spec.kind == "image":
         assert len(frames) == 1
     elif spec.family in PIPELINE_CLASSES:

@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     mode = compile_mode(args, device)
     compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes)
     try:
-        kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))
+        kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
         flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
         raise UsageError(f"{flag}: {exc}") from None
@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
         for width, height in ((request.width, request.height),) + warmup_sizes:
             # Its own generators: the timed call's must start from the seed.
             warm = replace(request, width=width, height=height, steps=1)
-            run_pipeline(pipe, **pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec)))
+            run_pipeline(pipe, **pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec),
+                                                  output_type="pt"))
         t_warm = time.perf_counter() - t0
     t1 = time.perf_counter()
     result = run_pipeline(pipe, **kwargs)

@@ -117,13 +117,18 @@ def generators_for(request: GenerationRequest) -> list[torch.Generator]:
     return [torch.Generator("cpu").manual_seed(request.seed + i) for i in range(request.n)]
 
 
-def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, fixed: Mapping = ()) -> dict:
+def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, fixed: Mapping = (),
+                    output_type: str = "np") -> dict:
     """Keyword arguments of one ``pipe(**kwargs)`` call making every image of `requests` (equal batch_key):
     lists of prompts and generators, one per image (plain values for a single image).
 
-    fixed: the model's fixed arguments (`fixed_kwargs(spec)`). Raises ValueError naming any argument the
-    pipeline does not take (a negative prompt for a pipeline without one, ...).
+    fixed: the model's fixed arguments (`fixed_kwargs(spec)`). output_type: "np" (float pixels on the host, what
+    a diffusers user gets; the benchmarks' bare calls) or "pt" (the decoded tensor where the VAE left it: the
+    server and ``generate`` round it there, `output_pixels`). Raises ValueError naming any argument the pipeline
+    does not take (a negative prompt for a pipeline without one, ...).
     """
+    if output_type not in ("np", "pt"):
+        raise ValueError(f"expected output_type 'np' or 'pt', got {output_type!r}")
     if not requests:
         raise ValueError("expected at least one request, got none")
     keys = {r.batch_key for r in requests}
@@ -140,7 +145,7 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
         width=first.width,
         num_inference_steps=first.steps,
         generator=[g for r in requests for g in generators_for(r)],
-        output_type="np",
+        output_type=output_type,
     )
     if "guidance_scale" in params:
         kwargs["guidance_scale"] = first.guidance
@@ -193,17 +198,53 @@ def to_uint8(pixels: np.ndarray) -> np.ndarray:
     return (np.clip(pixels, 0.0, 1.0) * 255.0 + 0.5).astype(np.uint8)
 
 
+def to_uint8_tensor(pixels: torch.Tensor) -> torch.Tensor:
+    """`to_uint8` on a tensor, on its device: the same bytes (float32 clip, * 255, + 0.5, truncate, each its own
+    IEEE-rounded op as numpy does them; a bf16 VAE output widens to float32 exactly as diffusers' "np" path)."""
+    if pixels.dtype == torch.uint8:
+        return pixels
+    return pixels.float().clamp(0.0, 1.0).mul(255.0).add(0.5).to(torch.uint8)
+
+
+def output_pixels(output, kind: str) -> np.ndarray:
+    """A pipeline output's pixels as host uint8: (batch, H, W, C) images or (batch, frames, H, W, C) videos.
+
+    output: the pipeline's return value (``.images`` or ``.frames``), made with output_type "pt" (a tensor,
+    channels first: (B, C, H, W) / (B, F, C, H, W), rounded on its device, so a GPU hands the host one byte a
+    channel instead of a float and the host does no per-pixel work) or "np" (channels last, rounded here).
+    Raises ValueError on NaN/inf pixels or a shape that is not (B[, F], H, W, C) with C in 1, 3, 4.
+    """
+    data = output.frames if kind == "video" else output.images
+    if isinstance(data, (list, tuple)) and data and isinstance(data[0], torch.Tensor):
+        data = torch.stack(list(data))
+    if isinstance(data, torch.Tensor):
+        want = 5 if kind == "video" else 4
+        if data.ndim != want:
+            raise ValueError(f"expected a {kind} tensor of {want} dims (channels first), got shape {tuple(data.shape)}")
+        if data.is_floating_point() and not bool(torch.isfinite(data).all()):
+            raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")
+        last = (0, 2, 3, 1) if kind == "image" else (0, 1, 3, 4, 2)
+        pixels = to_uint8_tensor(data).permute(*last).contiguous().cpu().numpy()
+    else:
+        pixels = np.asarray(data)
+        if pixels.ndim == 5 and pixels.shape[2] in (1, 3) and pixels.shape[-1] not in (1, 3):
+            pixels = pixels.transpose(0, 1, 3, 4, 2)  # a video pipeline's (B, F, C, H, W) frames
+        if pixels.dtype != np.uint8 and not np.isfinite(pixels).all():
+            raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")
+        pixels = to_uint8(pixels)
+    want = 5 if kind == "video" else 4
+    if pixels.ndim != want or pixels.shape[-1] not in (1, 3, 4):  # 4: RGBA (Qwen-Image 2.1's VAE)
+        raise ValueError(f"expected {kind} pixels of shape (batch{', frames' if kind == 'video' else ''}, H, W, "
+                         f"1|3|4), got {pixels.shape}")
+    return pixels
+
+
 def to_pil_frames(output, kind: str) -> list[Image.Image]:
-    """The first sample of a pipeline output as PIL images: one for an image model, every frame for video."""
-    array = output.frames if kind == "video" else output.images
-    array = np.asarray(array[0])  # first sample: (H, W, C) or (frames, H, W, C), floats in [0, 1]
+    """The first sample of a pipeline output (output_type "np" or "pt") as PIL images: one for an image model,
+    every frame for video."""
+    pixels = output_pixels(output, kind)[0]
     if kind == "image":
-        array = array[None]
-    if array.ndim != 4 or array.shape[-1] not in (1, 3, 4):  # 4: RGBA (Qwen-Image 2.1's VAE)
-        raise ValueError(f"expected (frames, H, W, C) pixel data, got shape {array.shape}")
-    if not np.isfinite(array).all():
-        raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")
-    pixels = to_uint8(array)
+        pixels = pixels[None]
     return [Image.fromarray(frame.squeeze(-1) if frame.shape[-1] == 1 else frame) for frame in pixels]
 
 

@@ -12,7 +12,8 @@ Measured on a 2-core machine for a smooth 1024² RGB image: 0.02 s and 1.67 MB, 
 1.42 MB. The deflate is zlib-ng's (``zlib-ng``, the zlib API over zlib-ng, pinned): per 128-row stripe of a
 1024-wide RGB image 2.8 ms instead of stdlib zlib's 5.7 ms on noise (what random weights make; a 1024² FLUX
 answer spent 36-44 ms encoding on the H200 host) and 0.36 instead of 1.6 ms on a smooth image, for ~5 % more
-bytes (same 2-core machine).
+bytes (same 2-core machine). Its SIMD CRC-32 and Adler-32 take 0.05 ms each over those 3 MB, against the
+stdlib's 0.5-0.7 ms.
 
 The bytes depend only on the pixels (the stripe size is fixed, not the thread count), so ``xstage-dit
 generate`` and the server write the same file for the same image. Any PNG decoder reads them; the tests
@@ -25,7 +26,6 @@ import concurrent.futures
 import os
 import struct
 import threading
-import zlib
 
 import numpy as np
 from zlib_ng import zlib_ng
@@ -51,7 +51,7 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
 
 
 def _chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(tag)))
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib_ng.crc32(data, zlib_ng.crc32(tag)))
 
 
 def _filtered_rows(pixels: np.ndarray) -> np.ndarray:
@@ -92,6 +92,6 @@ def encode_png(pixels: np.ndarray) -> bytes:
     else:
         pieces = list(_pool().map(_deflate, stripes, lasts))
     # zlib stream: header (deflate, 32K window, fastest), the concatenated stripes, Adler-32 of all raw bytes.
-    stream = b"\x78\x01" + b"".join(pieces) + struct.pack(">I", zlib.adler32(flat))
+    stream = b"\x78\x01" + b"".join(pieces) + struct.pack(">I", zlib_ng.adler32(flat))
     header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPE[channels], 0, 0, 0)
     return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from xstage_dit.models.generation import GenerationRequest, pipeline_kwargs, run_pipeline
+from xstage_dit.models.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class StepClock:
 
 @dataclass
 class RunResult:
-    """pixels: floats in [0, 1], (batch, H, W, 3) images or (batch, frames, H, W, 3) videos.
+    """pixels: uint8, (batch, H, W, C) images or (batch, frames, H, W, C) videos (`generation.output_pixels`).
     step_times: seconds of every step after the first of each pipeline call (GPU time on a GPU)."""
 
     pixels: np.ndarray
@@ -108,7 +108,8 @@ class BatchRunner:
         return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
 
     def _call(self, items: list[GenerationRequest], on_step) -> RunResult:
-        kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs)
+        kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs,
+                                 output_type="pt")
         total = items[0].steps
         clock = StepClock(self.device)
         step_times: list[float] = []
@@ -124,16 +125,10 @@ class BatchRunner:
 
         kwargs["callback_on_step_end"] = callback
         out = run_pipeline(self.pipe, **kwargs)
-        pixels = out.frames if items[0].kind == "video" else out.images
-        if isinstance(pixels, torch.Tensor):
-            pixels = pixels.float().cpu().numpy()
+        # uint8 on the host, rounded on the GPU (output_type "pt"): the one copy after the last step waits for it.
+        pixels = output_pixels(out, items[0].kind)
         step_times.extend(clock.poll())  # the output is on the host: every step event has completed
-        pixels = np.asarray(pixels)
-        if pixels.ndim == 5 and pixels.shape[2] in (1, 3) and pixels.shape[-1] not in (1, 3):
-            pixels = pixels.transpose(0, 1, 3, 4, 2)  # (B, F, C, H, W) -> (B, F, H, W, C)
-        want = 5 if items[0].kind == "video" else 4
         count = sum(item.n for item in items)
-        if pixels.ndim != want or pixels.shape[0] != count:
-            raise RuntimeError(f"expected pipeline output of {want} dims with batch {count}, got "
-                               f"{tuple(pixels.shape)}")
+        if pixels.shape[0] != count:
+            raise RuntimeError(f"expected pipeline output with batch {count}, got {tuple(pixels.shape)}")
         return RunResult(pixels, step_times)
