@@ -12,6 +12,7 @@ in turn, restoring between them:
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
                           faster than torch's SDPA)
+    @none                 no ``parallelize`` at all: diffusers' own processors (what xfuser compiles at degree 1)
 
 With ``--vae`` it also times the image VAE's decode of one latent: eager, channels_last, compiled, compiled +
 channels_last. Every variant's output is compared with the eager one (max abs difference) before it is timed.
@@ -44,11 +45,12 @@ COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_ca
 
 
 def parse_variant(name: str) -> tuple[str, bool, bool, str]:
-    """"regional+tuned+qkv@auto" -> ("regional", tuned=True, qkv=True, "auto"); ValueError naming a bad part."""
+    """"regional+tuned+qkv@auto" -> ("regional", tuned=True, qkv=True, "auto"); ValueError naming a bad part.
+    The schedule "none" means no ``parallelize``."""
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
     if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv") for e in extras) or \
-            schedule not in ("", "auto", "serial"):
+            schedule not in ("", "auto", "serial", "none"):
         raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, eager@auto; got {name!r}")
     return mode, "tuned" in extras, "qkv" in extras, schedule or "serial"
 
@@ -89,7 +91,8 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     try:
         for name in variants:
             mode, tuned, qkv, schedule = parse_variant(name)
-            handle = parallelize(transformer, ParallelConfig(schedule=schedule, calibrate=schedule == "auto"))
+            handle = None if schedule == "none" else parallelize(
+                transformer, ParallelConfig(schedule=schedule, calibrate=schedule == "auto"))
             if qkv:
                 transformer.fuse_qkv_projections()
             compiled = None if mode == "eager" else apply_compile(
@@ -124,7 +127,8 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                     compiled.restore()
                 if qkv:
                     transformer.unfuse_qkv_projections()
-                handle.restore()
+                if handle is not None:
+                    handle.restore()
     finally:
         del transformer, inputs
         gc.collect()

@@ -29,8 +29,9 @@ from xstage_dit.calibration.cache import _driver_strings, _key_hash, default_cac
 log = logging.getLogger(__name__)
 
 # 2: world-1 families time torch SDPA ("sdpa", diffusers' call) against FA4 plain; world > 1 families add
-# "sdpa" (the serial schedule's local attention) as the reference of each kernel's speed.
-SWEEP_VERSION = 2
+# "sdpa" (the serial schedule's local attention) as the reference of each kernel's speed. 3: world-1 families
+# also time torch's cuDNN SDPA backend ("cudnn").
+SWEEP_VERSION = 3
 
 
 def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:

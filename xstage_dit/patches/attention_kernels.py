@@ -6,11 +6,11 @@ cached beside the calibration: ``calibration.kernel_sweep``) read by ``schedule.
                             device=torch.device("cuda", 0))          # KernelChoice("fa4", "fastest measured ...")
 
 Candidates (``ops.attention.window_path.problem_refusals``): at world 1 torch SDPA as diffusers calls it
-("sdpa", the baseline: kept unless FA4 plain measured faster at the same shape) and FA4 plain; at world > 1
-the kernels that write the post-A2A through the peer window (FA4, cuDNN-frontend, our Triton kernel). The
-sweep runs only where two or more candidates take the shape on a CUDA device: without a GPU or without
-flash-attn-4 (and cudnn-frontend) nothing is timed and the choice is what it was before the sweep existed
-(torch SDPA at world 1, our Triton kernel with the design test's assumed speed at world > 1).
+("sdpa", the baseline: kept unless another kernel measured faster at the same shape), FA4 plain and cuDNN's
+kernel through torch's cuDNN backend; at world > 1 the kernels that write the post-A2A through the peer window
+(FA4, cuDNN-frontend, our Triton kernel). The sweep runs only where two or more candidates take the shape on a
+CUDA device: without a GPU nothing is timed, and at world > 1 without flash-attn-4 and cudnn-frontend the
+choice is what it was before the sweep existed (our Triton kernel with the design test's assumed speed).
 
 When it measures: at the first decision of a shape (``AttentionSchedules`` asks once per shape), which is
 either the first eager call or, when the first call is compiled, Dynamo's trace-time call of the

@@ -10,9 +10,11 @@
 then decides fused vs serial for the chosen kernel (``ops.attention.auto.resolve_attention_decision``
 combines both into one ``AttentionDecision``).
 
-World size 1 compares FA4 plain (all heads, no window) with torch's SDPA exactly as diffusers calls it (the
-``BASELINE``, "sdpa"): ``choose_attention_kernel(timings, {"sdpa": None, "fa4": None}, WORLD1_ORDER,
-baseline="sdpa")`` names FA4 only where both were measured and FA4 was faster.
+World size 1 compares FA4 plain (all heads, no window) and cuDNN's SDPA kernel (torch's cuDNN backend,
+"cudnn") with torch's SDPA exactly as diffusers calls it (the ``BASELINE``, "sdpa": torch's default backend
+order, FlashAttention-2 on Hopper): ``choose_attention_kernel(timings, {"sdpa": None, "fa4": None, "cudnn":
+None}, WORLD1_ORDER, baseline="sdpa")`` names another kernel only where it and the baseline were measured
+and it was faster.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ DEFAULT_ORDER = ("fa4", "cudnn", "triton")
 # The call that runs when no kernel is chosen: torch SDPA (diffusers' own call at world 1; the serial
 # schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).
 BASELINE = "sdpa"
-WORLD1_ORDER = (BASELINE, "fa4")
+WORLD1_ORDER = (BASELINE, "fa4", "cudnn")
 
 
 def _seq_bucket(seq_len: int) -> int:

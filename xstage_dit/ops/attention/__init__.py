@@ -63,13 +63,16 @@ def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len
     """A stock kernel (FA4, cuDNN) writing the post-A2A through the peer window; at world size 1 the same
     kernel writes a plain output (a one-GPU user gets its speed too)."""
     from xstage_dit.ops.attention.kernels import make_kernel
-    from xstage_dit.ops.attention.window_path import (fa4_plain_attention, fused_window_attention,
-                                                       plain_kernel_attention)
+    from xstage_dit.ops.attention.window_path import (cudnn_plain_attention, fa4_plain_attention,
+                                                       fused_window_attention, plain_kernel_attention)
 
     if world_of(group)[1] == 1 and kernel_name == "fa4":
         # FA4 plain on (B, S, H, D): no window view, no owner table to upload, no copy (the world-1 schedule
         # "fused:fa4" that parallelize picks where FA4 measured faster than torch SDPA).
         return fa4_plain_attention(q, k, v, scale=scale)
+    if world_of(group)[1] == 1 and kernel_name == "cudnn":
+        # cuDNN's kernel through torch's backend: no window to write, so no cudnn-frontend graph per call.
+        return cudnn_plain_attention(q, k, v, scale=scale)
     kernel = make_kernel(kernel_name)
     if world_of(group)[1] == 1:
         return plain_kernel_attention(q, k, v, kernel, scale=scale)

@@ -211,6 +211,41 @@ def fa4_plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sc
     return _fa4_plain().run_plain(q, k, v, _scale(scale, head_dim))
 
 
+def cudnn_plain_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+                          ) -> torch.Tensor:
+    """World size 1 with "cudnn" chosen: cuDNN's SDPA kernel through torch's cuDNN backend on (B, S, H, D) q, k,
+    v -> a fresh contiguous (B, S, H, D) output (torch lays cuDNN's output out like q: the transpose back is free).
+
+    Torch's backend rather than cudnn-frontend's graph here: the same cuDNN kernel, without a Python graph per
+    call and without the extra package, where no window has to be written. Raises ValueError naming the reason
+    where cuDNN refuses the problem.
+    """
+    batch, seq_len, heads, head_dim = q.shape
+    reason = cudnn_sdpa_supports(q.dtype, head_dim, q.device)
+    if reason:
+        raise ValueError(f"kernel cudnn refuses this problem: {reason}")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                               scale=_scale(scale, head_dim))
+    return out.transpose(1, 2).contiguous()
+
+
+def cudnn_sdpa_supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
+    """Why torch's cuDNN SDPA backend cannot take the problem, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"cuDNN SDPA needs a CUDA device, got {device}"
+    if not torch.backends.cudnn.is_available():
+        return "torch was built without cuDNN"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"cuDNN SDPA takes float16/bfloat16, got {dtype}"
+    if head_dim % 8 or head_dim > 128:
+        return f"cuDNN SDPA takes head_dim a multiple of 8 up to 128, got {head_dim}"
+    return None
+
+
 @functools.cache
 def _fa4_plain():
     from xstage_dit.ops.attention.fa4 import FA4WindowKernel
@@ -237,20 +272,22 @@ def problem_family(*, batch: int, seq_len: int, heads: int, head_dim: int, world
 def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, dtype: torch.dtype,
                      device: torch.device) -> dict[str, str | None]:
     """Every candidate's answer for q of (batch, seq_len / world_size, heads, head_dim) per rank: None (takes it)
-    or why not. World size 1: torch SDPA ("sdpa", always) and FA4 plain ("fa4"); else the window kernels."""
+    or why not. World size 1: torch SDPA ("sdpa", always), FA4 plain ("fa4") and torch's cuDNN SDPA backend
+    ("cudnn"); else the window kernels."""
     from xstage_dit.ops.attention.kernels import DEFAULT_ORDER, make_kernel, refusals
 
     device = torch.device(device)
     length = -(-seq_len // world_size)
     geom = WindowGeometry(world_size, batch, seq_len, heads, head_dim, length * heads * head_dim)
     if world_size == 1:
-        return {"sdpa": None, "fa4": make_kernel("fa4").supports(geom, dtype, device, True)}
+        return {"sdpa": None, "fa4": make_kernel("fa4").supports(geom, dtype, device, True),
+                "cudnn": cudnn_sdpa_supports(dtype, head_dim, device)}
     return refusals(geom, dtype, device, True, DEFAULT_ORDER)
 
 
 def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
-    """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain, at the
-    real (B, S, H, D) shape."""
+    """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain and torch's
+    cuDNN backend, at the real (B, S, H, D) shape."""
     import torch.nn.functional as F
 
     q, k, v = (torch.randn((b, s, h, d), dtype=dtype, device=device) for _ in range(3))
@@ -270,6 +307,8 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
                 impl.run_plain(q, k, v, scale)
 
             fns["fa4"] = plain
+    if "cudnn" in kernel_names and cudnn_sdpa_supports(dtype, d, device) is None:
+        fns["cudnn"] = lambda q=q, k=k, v=v: cudnn_plain_attention(q, k, v, scale=scale)
     return fns
 
 
@@ -279,7 +318,7 @@ def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
     World size > 1: each kernel that takes the problem running one rank's launch (the last rank: its head
     offset is not 0) through a local peer window, and "sdpa": the serial schedule's local attention
     (``serial.sdpa``) at the same heads, the reference of the kernel's speed. World size 1: "sdpa" (torch SDPA
-    as diffusers calls it) and "fa4" (FA4 plain on all heads) at the real shape.
+    as diffusers calls it), "fa4" (FA4 plain on all heads) and "cudnn" (torch's cuDNN backend) at the real shape.
 
     problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype) and device.
     The closures hold their windows and tensors; dropping the dict releases them.
