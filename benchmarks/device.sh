@@ -26,6 +26,8 @@
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
+#   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
+#                setting (what lets the server batch images and keep them byte-identical)
 #   serving      (a) bench e2e FLUX.1-dev 1024^2 28 steps: diffusers, xstage bare and served (eager and
 #                compiled, interleaved rounds for the eager ones), xfuser (compiled); (b) bench_serving.py:
 #                4 and 16 concurrent FLUX requests at 1024^2 and 512^2, FIFO vs batched, and the batcher's
@@ -173,6 +175,10 @@ step_serving() {
   [ "$rc_e2e" -eq 0 ] && [ "$rc_load" -eq 0 ]
 }
 
+step_batch_invariance() {
+  timeout -k 10 "$(limit batch-invariance 120)" "$py" benchmarks/probe_batch_invariance.py --out-dir "$1"
+}
+
 step_compile_variants() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit compile-variants 300)" "$py" benchmarks/bench_compile_variants.py --out-dir "$1" \
@@ -183,7 +189,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants batch-invariance)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
