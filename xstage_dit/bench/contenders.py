@@ -83,6 +83,7 @@ class XStage(Contender):
         self.schedule = schedule
         self.family = "xstage-serial" if schedule == "serial" else "xstage-calibrated"
         self.handle = None
+        self.invariance = None
 
     def _config(self, b: Bench) -> ParallelConfig:
         ep = b.world_size if b.spec.family in MOE_FAMILIES else 1
@@ -99,6 +100,10 @@ class XStage(Contender):
 
     def apply(self, b: Bench) -> None:
         self.handle = parallelize(b.pipe, self._config(b))
+        if b.spec.kind == "image":  # the pipeline `serve` and `generate` run: a batch computed as its images alone
+            from xstage_dit.patches.batch_invariance import batch_invariant
+
+            self.invariance = batch_invariant(b.pipe)
         calibration = getattr(self.handle, "calibration", None)
         self.info["calibration"] = None if calibration is None else {
             "source": getattr(calibration, "source", None),
@@ -112,6 +117,9 @@ class XStage(Contender):
 
     def restore(self, b: Bench) -> None:
         super().restore(b)
+        invariance, self.invariance = self.invariance, None
+        if invariance is not None:
+            invariance.restore()
         handle, self.handle = self.handle, None
         if handle is None:
             return

@@ -207,6 +207,17 @@ class Worker:
         sizes += [size for size in self.config.warmup_sizes if size not in sizes]
         return sizes
 
+    def _runner(self) -> BatchRunner:
+        """The loaded pipeline's runner. An image pipeline computes a batch as each image alone
+        (`patches.batch_invariance`), whatever the batching policy: batching can then keep the README's promise
+        (the warm-up probe checks it per size), and ``xstage-dit generate``, which applies the same patch, writes
+        the server's bytes. Same on every rank."""
+        if self.model.served.kind == "image":
+            from xstage_dit.patches.batch_invariance import batch_invariant
+
+            self.model.report["batch_invariance"] = batch_invariant(self.model.pipe).describe()
+        return BatchRunner(self.model.pipe, self.model.served)
+
     def _warmup(self, runner: BatchRunner) -> None:
         """Every rank: two steps at the default size and at each warm-up size, so the first request pays no
         first-call cost (torch.compile of that shape, kernel builds, allocator growth) and the schedules are
@@ -286,7 +297,7 @@ class Worker:
             self.metrics.world_size.set(self.ctx.world_size)
             started = time.perf_counter()
             self.model = self.load(self.ctx)
-            runner = BatchRunner(self.model.pipe, self.model.served)
+            runner = self._runner()
             self._warmup(runner)
             self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
                              "load_s": round(time.perf_counter() - started, 3)}
@@ -456,7 +467,7 @@ class Worker:
         store = _store(self.ctx, port, is_master=False)
         started = time.perf_counter()
         self.model = self.load(self.ctx)
-        runner = BatchRunner(self.model.pipe, self.model.served)
+        runner = self._runner()
         self._warmup(runner)
         store.set(f"ready/{self.ctx.rank}", json.dumps({
             "rank": self.ctx.rank, "pid": os.getpid(), "host": socket.gethostname(),

@@ -1,0 +1,63 @@
+"""patches.batch_invariance: a batch of images computed as each image alone (what lets the server batch and
+keep every image byte-identical), and undone exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xstage_dit.models import load_pipeline, model_spec
+from xstage_dit.models.generation import output_pixels, pipeline_kwargs, request_for
+from xstage_dit.patches.batch_invariance import SMALL_ROWS, _padded_linear, _per_prompt, batch_invariant
+
+
+@pytest.fixture(scope="module")
+def tiny_flux():
+    pipe = load_pipeline("tiny-flux", seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _images(pipe, n: int, seed: int) -> np.ndarray:
+    request = request_for(model_spec("tiny-flux"), prompt="a fox", seed=seed, steps=2, height=32, width=32, n=n)
+    return output_pixels(pipe(**pipeline_kwargs(pipe, [request], kind="image", output_type="pt")), "image")
+
+
+def test_batched_images_equal_single_ones_and_restore_undoes_it(tiny_flux):
+    linears = [m for m in tiny_flux.transformer.modules() if type(m) is torch.nn.Linear]
+    handle = batch_invariant(tiny_flux)
+    try:
+        info = handle.describe()
+        assert info["small_row_linears"] == len(linears) > 0 and info["vae_one_image_at_a_time"]
+        assert set(info["per_prompt_encoders"]) == {"text_encoder", "text_encoder_2"}
+        batch = _images(tiny_flux, 3, seed=11)
+        singles = np.concatenate([_images(tiny_flux, 1, seed=11 + i) for i in range(3)])
+        assert batch.shape == (3, 32, 32, 3) and np.array_equal(batch, singles)
+    finally:
+        handle.restore()
+    handle.restore()  # idempotent
+    assert all("forward" not in vars(m) for m in linears)
+    assert "forward" not in vars(tiny_flux.text_encoder) and not tiny_flux.vae.use_slicing
+
+
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (SMALL_ROWS, 24), (40, 24)])
+def test_padded_linear_is_the_linear(shape):
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(24, 7)
+    x = torch.randn(shape, generator=gen)
+    got = _padded_linear(layer, x)
+    assert got.shape == (*shape[:-1], 7)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_per_prompt_encoder_merges_model_outputs(tiny_flux):
+    encoder = tiny_flux.text_encoder  # CLIP: last_hidden_state, pooler_output, hidden states on request
+    ids = torch.randint(0, encoder.config.vocab_size, (3, 77), generator=torch.Generator().manual_seed(1))
+    whole = encoder(ids, output_hidden_states=True)
+    split = _per_prompt(encoder.forward)(ids, output_hidden_states=True)
+    assert type(split) is type(whole) and split.keys() == whole.keys()
+    torch.testing.assert_close(split.pooler_output, whole.pooler_output)
+    torch.testing.assert_close(split.last_hidden_state, whole.last_hidden_state)
+    assert len(split.hidden_states) == len(whole.hidden_states)
+    torch.testing.assert_close(split.hidden_states[-2], whole.hidden_states[-2])

@@ -1,0 +1,142 @@
+"""Make a batched pipeline call give each image the bytes it gets alone (the server batches only then).
+
+    handle = batch_invariant(pipe)      # before the server's warm-up probe compares batched with single images
+    ...
+    handle.restore()
+
+Where a batch of n images can differ from n single calls on a GPU, and what this does about each:
+
+- **Linear layers whose input has a few rows** (AdaLN modulation, time/guidance embeddings, pooled text
+  projections: M = batch). cuBLAS picks another kernel for M = 1 than for M = 4 (a GEMV-like kernel against a
+  GEMM tile), which sums in another order. Here such a layer always runs at ``SMALL_ROWS`` rows (zero-padded,
+  sliced back): one kernel for every batch up to ``SMALL_ROWS``, each row's sum independent of the others.
+  The padded GEMM reads the same weights, which is what these memory-bound GEMMs cost.
+- **Token GEMMs** (M = n * tokens): measured row-for-row identical across batch sizes for FLUX's shapes at
+  512^2 and 1024^2 on the H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
+  ``benchmarks/results/serving/batch-invariance-h200-*.md``): left as they are.
+- **Text encoders**: run one prompt at a time (their GEMMs see M = 77 or 512 rows whatever the batch); a
+  prompt costs milliseconds against seconds of denoising.
+- **VAE decode**: one image at a time (``enable_slicing``): cuDNN may pick another convolution algorithm for
+  another batch size.
+
+Attention, norms and elementwise ops are per sample already. The server still checks the result at warm-up
+(`server.batcher`): a size whose batched images differ from its single ones runs first come, first served.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["SMALL_ROWS", "BatchInvarianceHandle", "batch_invariant"]
+
+SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+
+
+class BatchInvarianceHandle:
+    """What `batch_invariant` changed; ``restore()`` puts every module back (idempotent)."""
+
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+        self.linears = 0
+        self.encoders: list[str] = []
+        self.vae_sliced = False
+
+    def describe(self) -> dict:
+        return {"small_row_linears": self.linears, "per_prompt_encoders": list(self.encoders),
+                "vae_one_image_at_a_time": self.vae_sliced}
+
+    def restore(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // module.in_features if module.in_features else 0
+    if not 0 < rows < SMALL_ROWS:
+        return F.linear(x, module.weight, module.bias)
+    flat = x.reshape(rows, module.in_features)
+    padded = F.pad(flat, (0, 0, 0, SMALL_ROWS - rows))
+    return F.linear(padded, module.weight, module.bias)[:rows].reshape(*x.shape[:-1], module.out_features)
+
+
+def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
+    had_own = "forward" in vars(module)
+    previous = vars(module).get("forward")
+    module.forward = forward
+
+    def undo() -> None:
+        if had_own:
+            module.forward = previous
+        else:
+            del module.forward
+
+    handle._undo.append(undo)
+
+
+def _split(value: Any, batch: int, i: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == batch:
+        return value[i:i + 1]
+    return value
+
+
+def _merge(parts: list[Any]) -> Any:
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(parts, dim=0) if first.dim() > 0 else first
+    if isinstance(first, (tuple, list)) and not hasattr(first, "keys"):
+        merged = [_merge([p[j] for p in parts]) for j in range(len(first))]
+        return type(first)(merged) if isinstance(first, list) else tuple(merged)
+    if hasattr(first, "keys"):  # transformers' ModelOutput (an ordered dict): rebuilt field by field
+        return type(first)(**{k: _merge([p[k] for p in parts]) for k in first.keys()})
+    return first
+
+
+def _per_prompt(forward: Callable) -> Callable:
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        ids = args[0] if args else kwargs.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() == 0 or ids.shape[0] <= 1:
+            return forward(*args, **kwargs)
+        batch = ids.shape[0]
+        parts = [forward(*(_split(a, batch, i) for a in args), **{k: _split(v, batch, i) for k, v in kwargs.items()})
+                 for i in range(batch)]
+        return _merge(parts)
+
+    return run
+
+
+def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
+    """Patch `pipe` (a diffusers pipeline) so a batch of images is computed as each image alone is (see the
+    module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, text encoders one
+    prompt at a time, the VAE decoding one image at a time. Returns the handle that undoes it."""
+    handle = BatchInvarianceHandle()
+    try:
+        for name in ("transformer", "transformer_2"):
+            model = getattr(pipe, name, None)
+            if not isinstance(model, torch.nn.Module):
+                continue
+            for module in model.modules():
+                # Subclasses (quantized, LoRA) and layers whose forward another patch replaced (sequence-parallel
+                # gathers) keep theirs.
+                if type(module) is torch.nn.Linear and "forward" not in vars(module):
+                    _patch_forward(module, functools.partial(_padded_linear, module), handle)
+                    handle.linears += 1
+        for name in _TEXT_ENCODERS:
+            encoder = getattr(pipe, name, None)
+            if isinstance(encoder, torch.nn.Module):
+                _patch_forward(encoder, _per_prompt(encoder.forward), handle)
+                handle.encoders.append(name)
+        vae = getattr(pipe, "vae", None)
+        if vae is not None and hasattr(vae, "enable_slicing") and not getattr(vae, "use_slicing", False):
+            vae.enable_slicing()
+            handle._undo.append(vae.disable_slicing)
+            handle.vae_sliced = True
+    except Exception:
+        handle.restore()
+        raise
+    return handle
