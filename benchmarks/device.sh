@@ -28,6 +28,7 @@
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
 #                setting (what lets the server batch images and keep them byte-identical)
+#   worker-thread  probe_worker_thread.py: a pipeline call from the main thread vs a worker thread (the server's)
 #   serving      (a) bench e2e FLUX.1-dev 1024^2 28 steps: diffusers, xstage bare and served (eager and
 #                compiled, interleaved rounds for the eager ones), xfuser (compiled); (b) bench_serving.py:
 #                4 and 16 concurrent FLUX requests at 1024^2 and 512^2, FIFO vs batched, and the batcher's
@@ -179,6 +180,11 @@ step_batch_invariance() {
   timeout -k 10 "$(limit batch-invariance 120)" "$py" benchmarks/probe_batch_invariance.py --out-dir "$1"
 }
 
+step_worker_thread() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit worker-thread 120)" "$py" benchmarks/probe_worker_thread.py --out-dir "$1" ${WORKER_THREAD_ARGS:-}
+}
+
 step_compile_variants() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit compile-variants 300)" "$py" benchmarks/bench_compile_variants.py --out-dir "$1" \
@@ -189,7 +195,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants batch-invariance)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants batch-invariance worker-thread)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
