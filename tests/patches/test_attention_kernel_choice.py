@@ -77,6 +77,24 @@ def test_world1_keeps_torch_sdpa_unless_fa4_measured_faster():
     assert never.calls == []
 
 
+def test_world1_one_kernel_for_every_batch_size():
+    """A batch of images attends with the kernel one image gets: the family timed is the one-image shape's."""
+    class PerBatch(FakeSweep):  # a sweep whose timings would pick another kernel for batch 4
+        def __call__(self, problem, family, measure):
+            self.calls.append((family, measure))
+            timings = {"sdpa": 9.0, "fa4": 8.0} if "-b1-" in family else {"sdpa": 7.0, "fa4": 8.0}
+            return KernelSweep({}, {family: timings}, "fake")
+
+    sweep = PerBatch()
+    k1 = chooser(1, sweep, takes("sdpa", "fa4")).choose(**dict(WAN, device=CPU))
+    k4 = chooser(1, sweep, takes("sdpa", "fa4")).choose(**dict(WAN, batch=4, device=CPU))
+    assert k1.name == k4.name == "fa4" and all("-b1-" in family for family, _ in sweep.calls)
+    # world > 1 keeps the batch in the family: the window kernels' geometry depends on it
+    sweep4 = PerBatch()
+    chooser(4, sweep4, takes("fa4", "triton")).choose(**dict(WAN, batch=2, device=CPU))
+    assert all("-b2-" in family for family, _ in sweep4.calls)
+
+
 def test_real_refusals_on_the_cpu_measure_nothing_and_choose_what_ran_before():
     never = FakeSweep(fail="must not be called")
     at1 = KernelChooser(world=1, allow_measure=True, sweep=never).choose(**WAN, device=CPU)

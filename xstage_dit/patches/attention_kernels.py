@@ -97,6 +97,11 @@ class KernelChooser:
         return value
 
     def _choose_here(self, problem: dict) -> KernelChoice:
+        if self.world == 1:
+            # One kernel for every batch size of a shape: a batch of images must attend as each image alone does
+            # (the server batches only where a batched image is byte-identical to its single run), and a kernel
+            # picked per batch size would break that. The one-image shape is timed and decides for all.
+            problem = {**problem, "batch": 1}
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
         refusals = (self._refusals or problem_refusals)(**args, device=problem["device"])
         takers = [k for k, r in refusals.items() if r is None]
