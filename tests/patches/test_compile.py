@@ -180,3 +180,43 @@ def test_vae_false_leaves_the_decoder_eager(flux):
         assert "decoder" not in handle.how and "_compiled_call_impl" not in vars(pipe.vae.decoder)
     finally:
         handle.restore()
+
+
+def test_regional_layers_with_different_attributes_never_fall_back_to_eager(caplog):
+    """Layers of one block class whose guarded attributes differ (NucleusMoE: dense and MoE layers, capacity
+    factors) need a graph each per shape. Dynamo's default limit of 8 per code object silently ran the later
+    ones eager on the H200; the limit is raised to layers x shapes, and restored."""
+    limits = (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit)
+    with one_torch_thread():
+        from xstage_dit.models import load_pipeline, model_spec
+        from xstage_dit.server.config import ServedModel
+
+        # bf16: Dynamo's fake grouped_mm takes bf16 only (the eager CPU kernel takes fp32 too)
+        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cpu", seed=0)
+        served = ServedModel.from_spec("tiny-nucleusmoe", model_spec("tiny-nucleusmoe"))
+        patched = parallelize(pipe, ParallelConfig())  # world 1, as the server runs it (compile goes after)
+        # Every layer its own capacity factor: a guard failure, hence a graph, per layer and shape.
+        moe = [m for m in pipe.transformer.modules() if hasattr(m, "capacity_factor")]
+        assert moe, "expected NucleusMoE MoE layers with a capacity_factor"
+        for i, m in enumerate(moe):
+            m.capacity_factor = 2.0 + i
+        dense = [b for b in pipe.transformer.transformer_blocks if not any(hasattr(m, "capacity_factor")
+                                                                           for m in b.modules())]
+        for i, block in enumerate(dense):  # a distinct guarded value per dense layer too
+            block.xstage_test_layer = i
+        handle = apply_compile(pipe, "regional", max_shapes=3, backend="eager")
+        try:
+            regions = len(pipe.transformer.transformer_blocks)
+            assert torch._dynamo.config.recompile_limit >= 3 * regions
+            torch._dynamo.utils.counters.clear()
+            with caplog.at_level(logging.WARNING):
+                for size in (64, 96, 128):
+                    pipe("a fox", height=size, width=size, num_inference_steps=1, output_type="np",
+                         generator=torch.Generator("cpu").manual_seed(0), **served.pipeline_kwargs)
+            hit = [r.getMessage() for r in caplog.records if "recompile_limit" in r.getMessage()]
+            assert not hit, hit
+            assert not handle.eager_shapes
+        finally:
+            handle.restore()
+            patched.restore()
+    assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == limits

@@ -18,7 +18,8 @@ tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: o
 shape, no slower symbolic-shape graph). The first ``max_shapes`` signatures compile; a later one runs the
 eager transformer (``torch.compiler.set_stance("force_eager")``), logged once per signature, so a
 client asking for an odd size costs itself an eager call instead of every user a recompile. Dynamo's own
-``recompile_limit`` is raised to the bound while compiled (restored by `CompileHandle.restore`), so it
+``recompile_limit`` is raised while compiled (restored by `CompileHandle.restore`) to the bound times the
+layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
 
 Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
@@ -131,17 +132,24 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     targets = [transformer] + [m for m in [getattr(pipe, "transformer_2", None)] if isinstance(m, torch.nn.Module)]
     handle = CompileHandle(mode, "", max_shapes)
     dynamo = torch._dynamo.config
-    saved_limit = dynamo.recompile_limit
-    # Regional blocks are shared by every layer: one code object per block class sees every served shape.
-    dynamo.recompile_limit = max(saved_limit, max_shapes)
+    saved_limits = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
     handle._undo.append(torch._dynamo.reset)
-    handle._undo.append(lambda: setattr(dynamo, "recompile_limit", saved_limit))
+    handle._undo.append(lambda: (setattr(dynamo, "recompile_limit", saved_limits[0]),
+                                 setattr(dynamo, "accumulated_recompile_limit", saved_limits[1])))
     extra = {} if options is None else {"options": dict(options)}
     hows = []
+    per_code_object = max_shapes
     for module in targets:
         eager = module.forward
         blocks = set(getattr(module, "_repeated_blocks", None) or ())
         regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
+        # Every layer of a block class runs one code object, and layers whose guarded attributes differ (a MoE
+        # layer's capacity factor, a dense layer among MoE ones) each need their own graph per shape: up to
+        # (layers x shapes) graphs. Dynamo's default limit of 8 per code object made NucleusMoE's later
+        # layer/shape pairs fall back to eager silently (H200, 2026-12-04: "hit config.recompile_limit (8)",
+        # guard "img_mlp.capacity_factor == 4.0"), more of them in the server, whose warm-up prompt adds shapes.
+        # The bound on served shapes is `_guard`'s, per transformer signature, not Dynamo's.
+        per_code_object = max(per_code_object, max_shapes * max(1, len(regions)))
         if regions:
             for region in regions:
                 region.compile(dynamic=False, backend=backend, **extra)
@@ -154,6 +162,8 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             hows.append(f"{mode}: {what} {type(module).__name__} forward")
         module.forward = _guard(handle, eager, compiled)
         handle._undo.append(functools.partial(vars(module).pop, "forward", None))
+    dynamo.recompile_limit = max(saved_limits[0], per_code_object)
+    dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
     decoder = _image_vae_decoder(pipe) if vae else None
     if decoder is not None:
         decoder.compile(dynamic=False, backend=backend, **extra)
