@@ -38,48 +38,41 @@ def _rel(out, ref):
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", SHAPES)
-def test_world1_fa4_chosen_shape_equals_torch_sdpa(shape):
+def _chosen_and_run(shape, timings: dict, kernel: str):
+    """The world-1 backend with faked sweep timings that make `kernel` the choice; everything after the choice
+    is real. Returns (out, q, k, v, ctx) after checking the decision and the output against torch SDPA."""
     from xstage_dit.calibration.kernel_sweep import KernelSweep
     from xstage_dit.patches.attention_backend import xstage_attention
     from xstage_dit.patches.attention_kernels import KernelChooser
 
-    _fa4_or_skip()
-    # Timings faked so that FA4 is the choice at every shape; everything after the choice is real.
     chooser = KernelChooser(world=1, allow_measure=False, sweep=lambda problem, family, measure: KernelSweep(
-        {}, {family: {"sdpa": 2.0, "fa4": 1.0}}, "fake"))
+        {}, {family: dict(timings)}, "fake"))
     ctx, book = _context(chooser)
     torch.manual_seed(0)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = xstage_attention(q, k, v, _parallel_config=ctx)
     (decision,) = book.choices.values()
-    assert decision.name == "fused:fa4" and decision.kernel == "fa4", decision
+    assert decision.name == f"fused:{kernel}" and decision.kernel == kernel, decision
     ref = _diffusers_sdpa(q, k, v)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
-    assert not torch.isnan(out).any()
-    assert _rel(out, ref) < BF16_TOL
+    assert not torch.isnan(out).any() and _rel(out, ref) < BF16_TOL
+    return out, q, k, v, ctx
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_world1_fa4_chosen_shape_equals_torch_sdpa(shape):
+    _fa4_or_skip()
+    _chosen_and_run(shape, {"sdpa": 2.0, "fa4": 1.0}, "fa4")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_world1_cudnn_chosen_shape_equals_torch_sdpa(shape):
     """cuDNN through torch's backend (no extra package): the world-1 "fused:cudnn" path, eager and compiled."""
-    from xstage_dit.calibration.kernel_sweep import KernelSweep
     from xstage_dit.patches.attention_backend import xstage_attention
-    from xstage_dit.patches.attention_kernels import KernelChooser
 
-    chooser = KernelChooser(world=1, allow_measure=False, sweep=lambda problem, family, measure: KernelSweep(
-        {}, {family: {"sdpa": 2.0, "fa4": 3.0, "cudnn": 1.0}}, "fake"))
-    ctx, book = _context(chooser)
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    out = xstage_attention(q, k, v, _parallel_config=ctx)
-    (decision,) = book.choices.values()
-    assert decision.name == "fused:cudnn" and decision.kernel == "cudnn", decision
-    ref = _diffusers_sdpa(q, k, v)
-    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
-    assert not torch.isnan(out).any() and _rel(out, ref) < BF16_TOL
+    out, q, k, v, ctx = _chosen_and_run(shape, {"sdpa": 2.0, "fa4": 3.0, "cudnn": 1.0}, "cudnn")
     torch._dynamo.reset()
     try:
         compiled = torch.compile(lambda q, k, v: xstage_attention(q, k, v, _parallel_config=ctx), fullgraph=True)
