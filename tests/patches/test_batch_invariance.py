@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xstage_dit.models import load_pipeline, model_spec
-from xstage_dit.models.generation import output_pixels, pipeline_kwargs, request_for
+from xstage_dit.models.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
 from xstage_dit.patches.batch_invariance import SMALL_ROWS, _padded_linear, _per_prompt, batch_invariant
 
 
@@ -28,6 +28,10 @@ def test_batched_images_equal_single_ones_and_restore_undoes_it(tiny_flux):
     linears = [m for m in tiny_flux.transformer.modules() if type(m) is torch.nn.Linear]
     handle = batch_invariant(tiny_flux)
     try:
+        again = batch_invariant(tiny_flux)  # a second caller (the server over the bench's pipeline) shares it
+        assert again.describe() == handle.describe()
+        again.restore()
+        assert "forward" in vars(tiny_flux.text_encoder)  # the first handle still owns the patches
         info = handle.describe()
         assert info["small_row_linears"] == len(linears) > 0 and info["vae_one_image_at_a_time"]
         assert set(info["per_prompt_encoders"]) == {"text_encoder", "text_encoder_2"}
@@ -39,6 +43,7 @@ def test_batched_images_equal_single_ones_and_restore_undoes_it(tiny_flux):
     handle.restore()  # idempotent
     assert all("forward" not in vars(m) for m in linears)
     assert "forward" not in vars(tiny_flux.text_encoder) and not tiny_flux.vae.use_slicing
+    assert not hasattr(tiny_flux, "_xstage_batch_invariance")
 
 
 @pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (SMALL_ROWS, 24), (40, 24)])
@@ -61,3 +66,32 @@ def test_per_prompt_encoder_merges_model_outputs(tiny_flux):
     torch.testing.assert_close(split.last_hidden_state, whole.last_hidden_state)
     assert len(split.hidden_states) == len(whole.hidden_states)
     torch.testing.assert_close(split.hidden_states[-2], whole.hidden_states[-2])
+
+
+# tiny-flux2 differed by one level in one channel without the patch (CPU, fp32) and is identical with it.
+IMAGE_FAMILIES = ["tiny-nucleusmoe", "tiny-hidream", "tiny-sd3", "tiny-z-image", "tiny-qwenimage", "tiny-qwenimage21",
+                  "tiny-flux2",
+                  pytest.param("tiny-hunyuanimage", marks=pytest.mark.xfail(
+                      strict=True, reason="one channel of one pixel differs by 1 level with and without the patch "
+                      "(CPU, fp32; not located): the server's warm-up probe keeps such a size first come, first "
+                      "served"))]
+
+
+@pytest.mark.parametrize("name", IMAGE_FAMILIES)
+def test_other_image_families_batch_as_their_images_alone(name):
+    """The per-prompt text encoders take every image family's encoder calls (CLIP, T5, Llama with hidden states
+    and attentions, Qwen): a batch of 2 gives each image's own bytes."""
+    pipe = load_pipeline(name, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    spec = model_spec(name)
+    handle = batch_invariant(pipe)
+    try:
+        def images(n, seed):
+            request = request_for(spec, prompt="a fox", seed=seed, steps=2, n=n)
+            return output_pixels(pipe(**pipeline_kwargs(pipe, [request], kind="image", output_type="pt",
+                                                         fixed=fixed_kwargs(spec))), "image")
+
+        batch = images(2, 3)
+        assert np.array_equal(batch, np.concatenate([images(1, 3), images(1, 4)]))
+    finally:
+        handle.restore()
