@@ -9,7 +9,7 @@ import torch
 
 from xstage_dit.models import load_pipeline, model_spec
 from xstage_dit.models.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
-from xstage_dit.patches.batch_invariance import SMALL_ROWS, _padded_linear, _per_prompt, batch_invariant
+from xstage_dit.patches.batch_invariance import SMALL_ROWS, SPLIT_ROWS, _padded_linear, _per_prompt, batch_invariant
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,8 @@ def test_batched_images_equal_single_ones_and_restore_undoes_it(tiny_flux):
     assert not hasattr(tiny_flux, "_xstage_batch_invariance")
 
 
-@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (SMALL_ROWS, 24), (40, 24)])
+@pytest.mark.parametrize("shape", [(1, 24), (3, 24), (2, 5, 24), (SMALL_ROWS, 24), (40, 24), (3, 40, 24),
+                                   (2, SPLIT_ROWS, 24), (1, 7, 24)])
 def test_padded_linear_is_the_linear(shape):
     gen = torch.Generator().manual_seed(0)
     layer = torch.nn.Linear(24, 7)
@@ -54,6 +55,10 @@ def test_padded_linear_is_the_linear(shape):
     got = _padded_linear(layer, x)
     assert got.shape == (*shape[:-1], 7)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    if len(shape) == 3 and shape[0] > 1 and shape[1] < SPLIT_ROWS:
+        # a short stream: each sample's rows are bit for bit its single call's
+        for i in range(shape[0]):
+            assert torch.equal(got[i:i + 1], _padded_linear(layer, x[i:i + 1]))
 
 
 def test_per_prompt_encoder_merges_model_outputs(tiny_flux):

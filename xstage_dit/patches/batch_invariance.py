@@ -11,9 +11,13 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
   GEMM tile), which sums in another order. Here such a layer always runs at ``SMALL_ROWS`` rows (zero-padded,
   sliced back): one kernel for every batch up to ``SMALL_ROWS``, each row's sum independent of the others.
   The padded GEMM reads the same weights, which is what these memory-bound GEMMs cost.
-- **Token GEMMs** (M = n * tokens): measured row-for-row identical across batch sizes for FLUX's shapes at
-  512^2 and 1024^2 on the H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
-  ``benchmarks/results/serving/batch-invariance-h200-*.md``): left as they are.
+- **Token GEMMs of short streams** (M = n * tokens with fewer than ``SPLIT_ROWS`` tokens a sample, e.g. FLUX's
+  512 text tokens in its double-stream blocks): few output tiles, where cuBLAS may split K for one sample and
+  not for n; run one sample at a time, each at its single-image shape.
+- **Token GEMMs of long streams** (M = n * tokens, ``SPLIT_ROWS`` or more a sample): measured row-for-row
+  identical across batch sizes for FLUX's shapes (1024-4608 tokens a sample, K x N up to 15360 x 3072) on the
+  H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
+  ``benchmarks/results/serving/batch-invariance-h200-*.md``): left batched.
 - **Text encoders**: run one prompt at a time (their GEMMs see M = 77 or 512 rows whatever the batch); a
   prompt costs milliseconds against seconds of denoising.
 - **VAE decode**: one image at a time (``enable_slicing``): cuDNN may pick another convolution algorithm for
@@ -31,9 +35,10 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SMALL_ROWS", "BatchInvarianceHandle", "batch_invariant"]
+__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "BatchInvarianceHandle", "batch_invariant"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
+SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
@@ -57,6 +62,9 @@ class BatchInvarianceHandle:
 
 def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // module.in_features if module.in_features else 0
+    if x.dim() >= 3 and x.shape[0] > 1 and rows // x.shape[0] < SPLIT_ROWS:
+        # One sample at a time, each at the shape its single-image call has (the few-row rule below included).
+        return torch.cat([_padded_linear(module, x[i:i + 1]) for i in range(x.shape[0])])
     if not 0 < rows < SMALL_ROWS:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, module.in_features)
@@ -112,8 +120,9 @@ def _per_prompt(forward: Callable) -> Callable:
 
 def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
     """Patch `pipe` (a diffusers pipeline) so a batch of images is computed as each image alone is (see the
-    module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, text encoders one
-    prompt at a time, the VAE decoding one image at a time. Returns the handle that undoes it."""
+    module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, short token streams
+    one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a time. Returns the
+    handle that undoes it."""
     active = getattr(pipe, "_xstage_batch_invariance", None)
     if active is not None and active._undo:
         # Already patched (the bench's contender, then the server it starts over the same pipeline): the first
