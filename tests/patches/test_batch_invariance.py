@@ -75,11 +75,10 @@ def test_per_prompt_encoder_merges_model_outputs(tiny_flux):
 
 # tiny-flux2 differed by one level in one channel without the patch (CPU, fp32) and is identical with it.
 IMAGE_FAMILIES = ["tiny-nucleusmoe", "tiny-hidream", "tiny-sd3", "tiny-z-image", "tiny-qwenimage", "tiny-qwenimage21",
-                  "tiny-flux2",
-                  pytest.param("tiny-hunyuanimage", marks=pytest.mark.xfail(
-                      strict=True, reason="one channel of one pixel differs by 1 level with and without the patch "
-                      "(CPU, fp32; not located): the server's warm-up probe keeps such a size first come, first "
-                      "served"))]
+                  "tiny-flux2", "tiny-hunyuanimage"]
+# HunyuanImage: one channel of one pixel differed by one level with and without the patch (CPU, fp32; not
+# located). Held to that bound; the server's warm-up probe keeps such a size first come, first served.
+NEAR_ONLY = {"tiny-hunyuanimage": 1e-3}  # share of values allowed to differ, by at most one level
 
 
 @pytest.mark.parametrize("name", IMAGE_FAMILIES)
@@ -96,7 +95,11 @@ def test_other_image_families_batch_as_their_images_alone(name):
             return output_pixels(pipe(**pipeline_kwargs(pipe, [request], kind="image", output_type="pt",
                                                          fixed=fixed_kwargs(spec))), "image")
 
-        batch = images(2, 3)
-        assert np.array_equal(batch, np.concatenate([images(1, 3), images(1, 4)]))
+        batch = images(2, 3).astype(int)
+        singles = np.concatenate([images(1, 3), images(1, 4)]).astype(int)
+        if name not in NEAR_ONLY:
+            assert np.array_equal(batch, singles)
+        else:
+            assert np.abs(batch - singles).max() <= 1 and (batch != singles).mean() <= NEAR_ONLY[name]
     finally:
         handle.restore()
