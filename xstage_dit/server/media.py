@@ -49,3 +49,13 @@ def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
             return f.read()
     finally:
         os.unlink(path)
+
+
+def encode_batch(pixels: np.ndarray, items) -> list[bytes]:
+    """A batch's outputs for HTTP: one PNG per image, or one MP4 per video at its item's fps.
+
+    pixels: (n, H, W, C) images or (n, frames, H, W, 3) videos, uint8 or floats in [0, 1]; items: the batch's
+    n `GenerationRequest` items, in the same order."""
+    if items[0].kind == "video":
+        return [mp4_bytes(frames, item.fps) for frames, item in zip(pixels, items)]
+    return [png_bytes(image) for image in pixels]

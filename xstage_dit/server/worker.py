@@ -42,7 +42,7 @@ from xstage_dit.server.batching import Batcher, Probe
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
 from xstage_dit.server.jobs import Batch, JobQueue
-from xstage_dit.server.media import mp4_bytes, png_bytes
+from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.runner import BatchRunner, BatchStopped
 
@@ -129,12 +129,6 @@ def _store(ctx: RankContext, port: int, is_master: bool):
                          wait_for_workers=False)
 
 
-def _encode(pixels: np.ndarray, batch: Batch) -> list[bytes]:
-    if batch.items[0].kind == "video":
-        return [mp4_bytes(frames, item.fps) for frames, item in zip(pixels, batch.items)]
-    return [png_bytes(image) for image in pixels]
-
-
 class Worker:
     """Runs on every rank. Rank 0: `start()` a thread that loads, then serves the queue. Others:
     `run_follower()` in the main thread until rank 0 says stop or disappears.
@@ -208,13 +202,10 @@ class Worker:
         return sizes
 
     def _runner(self) -> BatchRunner:
-        """The loaded pipeline's runner. An image pipeline computes a batch as each image alone
-        (`patches.batch_invariance`), whatever the batching policy: batching can then keep the README's promise
-        (the warm-up probe checks it per size), and ``xstage-dit generate``, which applies the same patch, writes
-        the server's bytes. Same on every rank."""
+        """The runner; an image pipeline computes a batch as its images alone (`patches.batch_invariance`, as
+        `generate` does: the same bytes), so batching can keep the README's promise. Same on every rank."""
         if self.model.served.kind == "image":
             from xstage_dit.patches.batch_invariance import batch_invariant
-
             self.model.report["batch_invariance"] = batch_invariant(self.model.pipe).describe()
         return BatchRunner(self.model.pipe, self.model.served)
 
@@ -398,7 +389,7 @@ class Worker:
         m = self.metrics
         try:
             started = time.perf_counter()
-            outputs = _encode(pixels, batch)
+            outputs = encode_batch(pixels, batch.items)
             encode_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             m.errors.labels("pipeline").inc()
