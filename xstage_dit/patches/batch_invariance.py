@@ -18,6 +18,9 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
   identical across batch sizes for FLUX's shapes (1024-4608 tokens a sample, K x N up to 15360 x 3072) on the
   H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
   ``benchmarks/results/serving/batch-invariance-h200-*.md``): left batched.
+- **Convolutions inside the transformer** (patch embeddings: HunyuanImage's Conv2d): one sample at a time, as
+  the VAE (the convolution library may pick another algorithm for another batch size; on the CPU a batch of 2
+  of tiny HunyuanImage differed by one level in one channel without this, and not with it).
 - **Text encoders**: run one prompt at a time (their GEMMs see M = 77 or 512 rows whatever the batch); a
   prompt costs milliseconds against seconds of denoising.
 - **VAE decode**: one image at a time (``enable_slicing``): cuDNN may pick another convolution algorithm for
@@ -48,11 +51,13 @@ class BatchInvarianceHandle:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
         self.linears = 0
+        self.convs = 0
         self.encoders: list[str] = []
         self.vae_sliced = False
 
     def describe(self) -> dict:
-        return {"small_row_linears": self.linears, "per_prompt_encoders": list(self.encoders),
+        return {"small_row_linears": self.linears, "per_sample_convs": self.convs,
+                "per_prompt_encoders": list(self.encoders),
                 "vae_one_image_at_a_time": self.vae_sliced}
 
     def restore(self) -> None:
@@ -70,6 +75,16 @@ def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(rows, module.in_features)
     padded = F.pad(flat, (0, 0, 0, SMALL_ROWS - rows))
     return F.linear(padded, module.weight, module.bias)[:rows].reshape(*x.shape[:-1], module.out_features)
+
+
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def _per_sample_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    forward = type(module).forward
+    if x.dim() < 3 or x.shape[0] <= 1:
+        return forward(module, x)
+    return torch.cat([forward(module, x[i:i + 1]) for i in range(x.shape[0])])
 
 
 def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
@@ -121,14 +136,15 @@ def _per_prompt(forward: Callable) -> Callable:
 def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
     """Patch `pipe` (a diffusers pipeline) so a batch of images is computed as each image alone is (see the
     module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, short token streams
-    one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a time. Returns the
-    handle that undoes it."""
+    and convolutions one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a
+    time. Returns the handle that undoes it."""
     active = getattr(pipe, "_xstage_batch_invariance", None)
     if active is not None and active._undo:
         # Already patched (the bench's contender, then the server it starts over the same pipeline): the first
         # handle owns the patches; this one reports them and restores nothing.
         shared = BatchInvarianceHandle()
-        shared.linears, shared.encoders, shared.vae_sliced = active.linears, list(active.encoders), active.vae_sliced
+        shared.linears, shared.convs, shared.encoders = active.linears, active.convs, list(active.encoders)
+        shared.vae_sliced = active.vae_sliced
         return shared
     handle = BatchInvarianceHandle()
     try:
@@ -139,9 +155,14 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
             for module in model.modules():
                 # Subclasses (quantized, LoRA) and layers whose forward another patch replaced (sequence-parallel
                 # gathers) keep theirs.
-                if type(module) is torch.nn.Linear and "forward" not in vars(module):
+                if "forward" in vars(module):
+                    continue
+                if type(module) is torch.nn.Linear:
                     _patch_forward(module, functools.partial(_padded_linear, module), handle)
                     handle.linears += 1
+                elif type(module) in _CONVS:
+                    _patch_forward(module, functools.partial(_per_sample_conv, module), handle)
+                    handle.convs += 1
         for name in _TEXT_ENCODERS:
             encoder = getattr(pipe, name, None)
             if isinstance(encoder, torch.nn.Module):
