@@ -215,10 +215,10 @@ def output_pixels(output, kind: str) -> np.ndarray:
     Raises ValueError on NaN/inf pixels or a shape that is not (B[, F], H, W, C) with C in 1, 3, 4.
     """
     data = output.frames if kind == "video" else output.images
+    want = 5 if kind == "video" else 4
     if isinstance(data, (list, tuple)) and data and isinstance(data[0], torch.Tensor):
         data = torch.stack(list(data))
     if isinstance(data, torch.Tensor):
-        want = 5 if kind == "video" else 4
         if data.ndim != want:
             raise ValueError(f"expected a {kind} tensor of {want} dims (channels first), got shape {tuple(data.shape)}")
         if data.is_floating_point() and not bool(torch.isfinite(data).all()):
@@ -232,7 +232,6 @@ def output_pixels(output, kind: str) -> np.ndarray:
         if pixels.dtype != np.uint8 and not np.isfinite(pixels).all():
             raise ValueError("expected finite pixel values, got NaN or inf from the pipeline")
         pixels = to_uint8(pixels)
-    want = 5 if kind == "video" else 4
     if pixels.ndim != want or pixels.shape[-1] not in (1, 3, 4):  # 4: RGBA (Qwen-Image 2.1's VAE)
         raise ValueError(f"expected {kind} pixels of shape (batch{', frames' if kind == 'video' else ''}, H, W, "
                          f"1|3|4), got {pixels.shape}")

@@ -66,15 +66,16 @@ def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len
     from xstage_dit.ops.attention.window_path import (cudnn_plain_attention, fa4_plain_attention,
                                                        fused_window_attention, plain_kernel_attention)
 
-    if world_of(group)[1] == 1 and kernel_name == "fa4":
+    world_size = world_of(group)[1]
+    if world_size == 1 and kernel_name == "fa4":
         # FA4 plain on (B, S, H, D): no window view, no owner table to upload, no copy (the world-1 schedule
         # "fused:fa4" that parallelize picks where FA4 measured faster than torch SDPA).
         return fa4_plain_attention(q, k, v, scale=scale)
-    if world_of(group)[1] == 1 and kernel_name == "cudnn":
+    if world_size == 1 and kernel_name == "cudnn":
         # cuDNN's kernel through torch's backend: no window to write, so no cudnn-frontend graph per call.
         return cudnn_plain_attention(q, k, v, scale=scale)
     kernel = make_kernel(kernel_name)
-    if world_of(group)[1] == 1:
+    if world_size == 1:
         return plain_kernel_attention(q, k, v, kernel, scale=scale)
     return fused_window_attention(q, k, v, group=group, kernel=kernel, scale=scale, seq_len=seq_len)
 
