@@ -65,11 +65,16 @@ class BatchInvarianceHandle:
             self._undo.pop()()
 
 
+def _one_sample_at_a_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn on each sample of x (dim 0) alone, at the shape its single-image call has; the results concatenated."""
+    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+
+
 def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // module.in_features if module.in_features else 0
     if x.dim() >= 3 and x.shape[0] > 1 and rows // x.shape[0] < SPLIT_ROWS:
-        # One sample at a time, each at the shape its single-image call has (the few-row rule below included).
-        return torch.cat([_padded_linear(module, x[i:i + 1]) for i in range(x.shape[0])])
+        # each sample through the few-row rule below too, as its single-image call goes
+        return _one_sample_at_a_time(functools.partial(_padded_linear, module), x)
     if not 0 < rows < SMALL_ROWS:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, module.in_features)
@@ -81,10 +86,10 @@ _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
 def _per_sample_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    forward = type(module).forward
+    forward = functools.partial(type(module).forward, module)
     if x.dim() < 3 or x.shape[0] <= 1:
-        return forward(module, x)
-    return torch.cat([forward(module, x[i:i + 1]) for i in range(x.shape[0])])
+        return forward(x)
+    return _one_sample_at_a_time(forward, x)
 
 
 def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
