@@ -7,7 +7,8 @@ For every (S, H, P) two scopes, each timed in interleaved rounds in one process 
 - ``all``: all H heads in one launch (the P ranks' work together) through the same window.
 
 Columns (ms, and ratio to cuDNN = t_cudnn / t): ``cudnn`` (torch's cuDNN SDPA, same heads, local output),
-``fa4`` (FA4 plain, local), ``fa4_window``, ``cudnn_window`` (cudnn-frontend with the window as O) and its
+``fa4`` (FA4 plain, local), ``fa4_window``, ``fa4m64`` / ``fa4m64_window`` (FA4 on 64-row tiles, only where
+the window slots end in a half tile), ``cudnn_window`` (cudnn-frontend with the window as O) and its
 local twin ``cudnnfe_local``, ``triton_window`` (our kernel through the window's table) and ``triton_local``;
 ``serial`` = the best local kernel + a copy of its output into the owners' buffers (the post-A2A's bytes on
 one GPU; NCCL refuses virtual ranks on one GPU). Residual of a kernel = t_window - t_local of that kernel.
@@ -65,6 +66,10 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool
     if fa4.supports(geom, dtype, dev, True) is None:
         fns["fa4"] = lambda: fa4._impl.run_plain(qs, ks, vs, scale, out=out_local)
         fns["fa4_window"] = lambda: fa4.run(q, k, v, target, geom, scale)
+    half = make_kernel("fa4-m64")  # FA4 on 64-row tiles: only where the slots end in a half tile
+    if half.supports(geom, dtype, dev, True) is None:
+        fns["fa4m64"] = lambda: half._impl.run_plain(qs, ks, vs, scale, out=out_local)
+        fns["fa4m64_window"] = lambda: half.run(q, k, v, target, geom, scale)
     triton = make_kernel("triton")
     local_geom = WindowGeometry(1, 1, seq, hr, d, seq * hr * d)
     local_target = OutTarget(None, torch.tensor([out_local.data_ptr()], dtype=torch.int64, device=dev),
@@ -92,7 +97,7 @@ def _check(fns, state) -> dict:
     rows = geom.owner_rows()
     ref = attention_reference(qs[:, :2048], ks, vs)
     errs = {}
-    for name in ("fa4_window", "cudnn_window", "triton_window"):
+    for name in ("fa4_window", "fa4m64_window", "cudnn_window", "triton_window"):
         if name not in fns:
             continue
         view.fill_(float("nan"))
@@ -130,13 +135,14 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                     if name != "a2a_copy":
                         row[f"x_{name}"] = row["ms_cudnn"] / row[f"ms_{name}"]
                         row[f"tflops_{name}"] = flops / row[f"ms_{name}"] / 1e9
-                for kern, local in (("fa4", "fa4"), ("triton", "triton_local"), ("cudnn", "cudnnfe_local")):
+                for kern, local in (("fa4", "fa4"), ("fa4m64", "fa4m64"), ("triton", "triton_local"),
+                                    ("cudnn", "cudnnfe_local")):
                     if f"ms_{kern}_window" in row and f"ms_{local}" in row:
                         row[f"residual_{kern}_pct"] = 100.0 * (row[f"ms_{kern}_window"] / row[f"ms_{local}"] - 1)
-                locals_ = [row[f"ms_{n}"] for n in ("cudnn", "fa4", "triton_local") if f"ms_{n}" in row]
+                locals_ = [row[f"ms_{n}"] for n in ("cudnn", "fa4", "fa4m64", "triton_local") if f"ms_{n}" in row]
                 row["ms_serial"] = min(locals_) + row["ms_a2a_copy"]
                 row["x_serial"] = row["ms_cudnn"] / row["ms_serial"]
-                fused = {n: row[f"ms_{n}"] for n in ("fa4_window", "cudnn_window", "triton_window")
+                fused = {n: row[f"ms_{n}"] for n in ("fa4_window", "fa4m64_window", "cudnn_window", "triton_window")
                          if f"ms_{n}" in row and math.isfinite(row["rel_err"].get(n, float("nan")))
                          and row["rel_err"][n] < 2e-2}
                 if fused:
@@ -146,8 +152,8 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                 rows.append(row)
                 state[6].close()
                 print(f"S={seq:6d} H={heads} P={world} {scope:4s} Hr={hr:2d}: cudnn {row['ms_cudnn']:.3f} ms | "
-                      + " ".join(f"{n} x{row[f'x_{n}']:.3f}" for n in ("fa4", "fa4_window", "cudnn_window",
-                                                                       "triton_window", "serial")
+                      + " ".join(f"{n} x{row[f'x_{n}']:.3f}" for n in ("fa4", "fa4_window", "fa4m64_window",
+                                                                       "cudnn_window", "triton_window", "serial")
                                  if f"x_{n}" in row)
                       + f" | best {row.get('best_window')} | err {row['rel_err']}", flush=True)
                 if checkpoint is not None:
@@ -180,5 +186,7 @@ def window_summary(rows) -> dict:
 
 
 WINDOW_COLUMNS = ["seq_len", "heads", "world", "scope", "heads_launched", "ms_cudnn", "x_fa4", "x_fa4_window",
-                  "x_cudnnfe_local", "x_cudnn_window", "x_triton_local", "x_triton_window", "x_serial", "x_fused",
-                  "best_window", "residual_fa4_pct", "residual_cudnn_pct", "residual_triton_pct"]
+                  "x_fa4m64", "x_fa4m64_window", "x_cudnnfe_local", "x_cudnn_window", "x_triton_local",
+                  "x_triton_window", "x_serial", "x_fused",
+                  "best_window", "residual_fa4_pct", "residual_fa4m64_pct", "residual_cudnn_pct",
+                  "residual_triton_pct"]

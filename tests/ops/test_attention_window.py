@@ -183,3 +183,19 @@ def test_schedule_names_a_kernel_or_fails_clearly():
     for bad in ("fused:flash", "serial:fa4", "fastest"):
         with pytest.raises(ValueError, match="fused:<kernel>"):
             _split_schedule(bad)
+
+
+@pytest.mark.parametrize("seq_len, world, takes", [(4608, 8, True), (4607, 8, True), (70, 8, True),
+                                                    (4608, 4, False), (1000, 8, False), (8192, 2, False)])
+def test_half_tile_fa4_takes_only_slots_ending_in_a_half_tile(seq_len, world, takes):
+    from xstage_dit.ops.attention.kernels import make_kernel
+
+    length = -(-seq_len // world)
+    geom = WindowGeometry(world, 1, seq_len, 24, 128, length * 24 * 128)
+    reason = make_kernel("fa4-m64").supports(geom, torch.bfloat16, torch.device("cpu"), True)
+    if takes:  # past the tile rule, the next refusal is FA4's own (no CUDA device here)
+        assert "CUDA device" in reason, reason
+    else:
+        assert f"L = {length} ends in" in reason, reason
+    assert make_kernel("fa4-m64")._impl._tiles == {"tile_mn": (64, 128)}
+    assert make_kernel("fa4")._impl._tiles == {}

@@ -85,12 +85,18 @@ def supports(geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has
 
 
 class FA4WindowKernel:
-    """``run(q, k, v, out, geom, scale)``; caches the small int32 tensors (seqused, page table) per shape."""
+    """``run(q, k, v, out, geom, scale)``; caches the small int32 tensors (seqused, page table) per shape.
+
+    tile_mn: FA4's (tile_m, tile_n) override, or None for its own heuristic (128 x 128 on Hopper at
+    head_dim <= 128). (64, 128) runs one MMA warpgroup per CTA on 64-row tiles: for window slots whose
+    L ends in a half tile (FLUX 1024² at P = 8: L = 576 = 4.5 x 128) it launches no half-empty tiles.
+    """
 
     name = "fa4"
 
-    def __init__(self):
+    def __init__(self, tile_mn: tuple[int, int] | None = None):
         self._aux: dict[tuple, dict[str, torch.Tensor]] = {}
+        self._tiles = {} if tile_mn is None else {"tile_mn": tuple(tile_mn)}
 
     def supports(self, geom, dtype, device, has_window) -> str | None:
         return supports(geom, dtype, device, has_window)
@@ -139,7 +145,7 @@ class FA4WindowKernel:
             k_pages = k.as_strided((npages, PAGE_SIZE, hr, d), kv_strides, k.storage_offset())
             v_pages = v.as_strided((npages, PAGE_SIZE, hr, d), kv_strides, v.storage_offset())
             fwd(q_ob, k_pages, v_pages, page_table=aux["page_table"], seqused_k=aux["seqused_k"],
-                seqused_q=aux.get("seqused_q"), softmax_scale=scale, out=out)
+                seqused_q=aux.get("seqused_q"), softmax_scale=scale, out=out, **self._tiles)
             return
         block = (length * q.stride(1), q.stride(1), q.stride(2), 1)
         seqused = aux.get("seqused_q")
@@ -149,9 +155,9 @@ class FA4WindowKernel:
             kb = k[b, :s].unsqueeze(0).expand(p, s, hr, d)
             vb = v[b, :s].unsqueeze(0).expand(p, s, hr, d)
             fwd(q_ob, kb, vb, seqused_q=None if seqused is None else seqused[b * p:(b + 1) * p],
-                softmax_scale=scale, out=out[b * p:(b + 1) * p])
+                softmax_scale=scale, out=out[b * p:(b + 1) * p], **self._tiles)
 
     def run_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Plain FA4 on (B, S, H, D) tensors, writing a local (B, S, H, D) output (the benchmark's column)."""
-        return _fwd()(q, k, v, softmax_scale=scale, out=out)[0]
+        return _fwd()(q, k, v, softmax_scale=scale, out=out, **self._tiles)[0]

@@ -9,7 +9,8 @@ q, k, v: (B, rows_in >= P*L, Hr, D), rows [0, S) the whole sequence in token ord
 target: an ``OutTarget``: the window view (B*P, L, Hr, D) at the rank's head offset when a peer window
 exists, and always the pointer table (owner addresses and element strides) for the Triton kernel.
 
-Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``cudnn`` (cuDNN through cudnn-frontend's graph with an
+Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``fa4-m64`` (FA4 on 64-row tiles, for slots that end in a
+half tile), ``cudnn`` (cuDNN through cudnn-frontend's graph with an
 explicit O stride), ``triton`` (our kernel through its pointer table: takes what the others refuse, runs
 in the CPU interpreter, and is the reference fast path). Which one runs for a shape is chosen by
 ``xstage_dit.schedule.attention_kernel`` from a measured sweep and handed to the op; nothing here
@@ -71,14 +72,15 @@ class TritonTableKernel:
 
 
 class FA4Kernel:
-    """FlashAttention-4 writing the window view (``fa4.py``)."""
+    """FlashAttention-4 writing the window view (``fa4.py``), with FA4's own tile heuristic."""
 
     name = "fa4"
+    tile_mn: tuple[int, int] | None = None
 
     def __init__(self, kv_mode: str = "auto"):
         from xstage_dit.ops.attention.fa4 import FA4WindowKernel
 
-        self._impl = FA4WindowKernel()
+        self._impl = FA4WindowKernel(self.tile_mn)
         self.kv_mode = kv_mode
 
     def supports(self, geom, dtype, device, has_window) -> str | None:
@@ -86,6 +88,27 @@ class FA4Kernel:
 
     def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
         self._impl.run(q, k, v, target.view, geom, scale, kv_mode=self.kv_mode)
+
+
+class FA4HalfTileKernel(FA4Kernel):
+    """FA4 on 64-row tiles, for window slots whose L ends in at most half a 128-row tile.
+
+    With 128-row tiles each slot of L = 128 k + r rows (0 < r <= 64) runs a last tile at most half full:
+    at FLUX 1024², P = 8 (L = 576) all heads in one launch make 24 x 8 x 5 = 960 tiles for the work of 864,
+    one more wave of 132 SMs. 64-row tiles launch no empty rows there; whether the smaller tile's lower
+    throughput costs more than the wave it saves is what the sweep measures. Elsewhere it has nothing to
+    save, and refuses (so the sweep does not spend a compile on it).
+    """
+
+    name = "fa4-m64"
+    tile_mn = (64, 128)
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        rest = geom.rows_per_owner % 128
+        if not 0 < rest <= 64:
+            return (f"64-row tiles only help slots ending in a half tile; L = {geom.rows_per_owner} ends in "
+                    f"{rest or 128} rows of a 128-row tile")
+        return super().supports(geom, dtype, device, has_window)
 
 
 class CudnnKernel:
@@ -105,13 +128,13 @@ class CudnnKernel:
         self._impl.run(q, k, v, target.view, geom, scale)
 
 
-KERNELS = {"fa4": FA4Kernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
+KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
 # Order of preference where nothing was measured: the stock kernels first, ours takes the rest.
-DEFAULT_ORDER = ("fa4", "cudnn", "triton")
+DEFAULT_ORDER = ("fa4", "cudnn", "fa4-m64", "triton")
 
 
 def make_kernel(name: str, **kwargs):
-    """A fresh kernel object by name (``fa4``, ``cudnn``, ``triton``)."""
+    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``cudnn``, ``triton``)."""
     if name not in KERNELS:
         raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name](**kwargs)
