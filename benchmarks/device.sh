@@ -26,6 +26,7 @@
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
+#   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
 #                setting (what lets the server batch images and keep them byte-identical)
 #   worker-thread  probe_worker_thread.py: a pipeline call from the main thread vs a worker thread (the server's)
@@ -176,6 +177,14 @@ step_serving() {
   [ "$rc_e2e" -eq 0 ] && [ "$rc_load" -eq 0 ]
 }
 
+step_load() {
+  # The load test alone (the serving step's part (b)): LOAD_ARGS override, LOAD_S its time limit.
+  local args="--model full-flux --sizes 512x512,1024x1024 --concurrency 4,16 --steps 8 --compile off"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit load 240)" "$py" benchmarks/bench_serving.py ${LOAD_ARGS:-$args} --device cuda \
+    --time-budget-s "$(( $(limit load 240) - 40 ))" --out "$1" 2>&1 | grep -v "^ *$"
+}
+
 step_batch_invariance() {
   timeout -k 10 "$(limit batch-invariance 120)" "$py" benchmarks/probe_batch_invariance.py --out-dir "$1"
 }
@@ -195,7 +204,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving compile-variants batch-invariance worker-thread)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load compile-variants batch-invariance worker-thread)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
