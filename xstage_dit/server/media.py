@@ -22,8 +22,17 @@ def png_bytes(image: np.ndarray) -> bytes:
     return encode_png(to_uint8(image))
 
 
+# x264 at CRF 10 (imageio's quality 8, kept) with the veryfast preset instead of x264's default medium: the
+# encode sits on every video request's critical path, after the GPU is done. Wan 480p x 81 frames took 1.83 s
+# to encode on the H200 host at preset medium, 11 % of a 2-step request; on 2 cores, 27 frames of 832x480 encode
+# 2.5x (noise) to 3.1x (smooth content) faster at veryfast, files of the same size or smaller.
+X264_CRF = 10
+X264_PRESET = "veryfast"
+
+
 def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
-    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes."""
+    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (yuv420p, CRF
+    ``X264_CRF``, preset ``X264_PRESET``)."""
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
     import imageio_ffmpeg  # the ffmpeg binary ships inside this wheel
@@ -39,7 +48,8 @@ def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
     try:
         writer = imageio_ffmpeg.write_frames(
             path, (frames.shape[2], frames.shape[1]), fps=fps, codec="libx264", pix_fmt_in="rgb24",
-            pix_fmt_out="yuv420p", macro_block_size=1, quality=8, output_params=["-movflags", "+faststart"],
+            pix_fmt_out="yuv420p", macro_block_size=1, quality=None,
+            output_params=["-crf", str(X264_CRF), "-preset", X264_PRESET, "-movflags", "+faststart"],
             ffmpeg_log_level="error")
         writer.send(None)
         for frame in frames:

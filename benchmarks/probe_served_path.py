@@ -1,0 +1,151 @@
+"""Where does a served request lose time against the bare pipeline call? (issue 15: NucleusMoE's served +
+compiled call measured 1.15-1.20x the bare one on the H200, its transformer steps 119 vs 105 ms, while FLUX's
+served call is 1.011x)
+
+One patched (and optionally compiled) pipeline, timed five ways in interleaved rounds:
+
+- ``bare``: ``run_pipeline`` from the main thread, as the bench's ``xstage-calibrated`` contender calls it;
+- ``runner``: the server's ``BatchRunner`` (step callback with CUDA events, ``output_type="pt"``, pixels
+  rounded on the GPU) from the main thread;
+- ``runner-thread``: the same from a fresh thread (the server's worker runs on one);
+- ``served``: one ``POST /v1/images/generations`` to the in-process server (worker thread, uvicorn, PNG);
+- ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone).
+
+Each call is synchronized; the runner modes also report their mean step time (CUDA events).
+
+    python benchmarks/probe_served_path.py --model full-nucleusmoe --steps 4 --compile regional
+
+Writes <out-dir>/served-path-<model>.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
+
+from benchmarks._common import environment, write_results  # noqa: E402
+
+PROMPT = "a red fox in the snow"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="full-nucleusmoe")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--compile", default="regional", choices=("off", "regional", "full"))
+    p.add_argument("--reps", type=int, default=3, help="calls per mode and round")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out-dir", default="benchmarks/results/serving")
+    args = p.parse_args(argv)
+    import httpx
+
+    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.models.generation import call_kwargs, request_for, run_pipeline
+    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.patches.batch_invariance import batch_invariant
+    from xstage_dit.patches.compile import apply_compile
+    from xstage_dit.server.config import ServedModel
+    from xstage_dit.server.inprocess import serve_pipeline
+    from xstage_dit.server.runner import BatchRunner
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    spec = model_spec(args.model)
+    if spec.kind != "image":
+        raise SystemExit(f"expected an image model (the served mode posts /v1/images/generations), got {spec.kind}")
+    pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
+    invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
+    compiled = apply_compile(pipe, args.compile)
+    kwargs = call_kwargs(pipe, spec, prompt=PROMPT, seed=1, steps=args.steps)
+    item = request_for(spec, prompt=PROMPT, seed=1, steps=args.steps)
+    runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))
+    never = lambda *_: True  # noqa: E731
+    step_ms: dict[str, list[float]] = {}
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def bare():
+        run_pipeline(pipe, **kwargs)
+
+    def run_runner(label):
+        result = runner.run([item], never)
+        if result.step_times:
+            step_ms.setdefault(label, []).append(1e3 * statistics.mean(result.step_times))
+
+    def in_thread(fn):
+        box = {}
+
+        def body():
+            try:
+                fn()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+                box["error"] = exc
+
+        t = threading.Thread(target=body)
+        t.start()
+        t.join()
+        if "error" in box:
+            raise box["error"]
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    modes = {"bare": bare, "runner": lambda: run_runner("runner"),
+             "runner-thread": lambda: in_thread(lambda: run_runner("runner-thread"))}
+    for fn in modes.values():
+        fn()  # compile and first-touch costs, outside the timings
+    times: dict[str, list[float]] = {}
+    with serve_pipeline(pipe, args.model, spec, batching="never", max_batch_size=1,
+                        warmup_sizes=((item.width, item.height),), request_timeout_s=3600.0) as (url, _worker):
+        client = httpx.Client(base_url=url, timeout=3600.0)
+        body = {"prompt": PROMPT, "size": f"{item.width}x{item.height}", "seed": 1, "num_inference_steps": args.steps,
+                "guidance_scale": item.guidance, "response_format": "png"}
+
+        def served():
+            r = client.post("/v1/images/generations", json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
+
+        served()
+        modes = {**modes, "served": served, "bare, server up": bare}
+        for _ in range(args.rounds):
+            for name, fn in modes.items():
+                times.setdefault(name, []).extend(timed(fn) for _ in range(args.reps))
+                print(name, [round(t, 4) for t in times[name][-args.reps:]], flush=True)
+        client.close()
+    compiled.restore()
+    invariance.restore()
+    handle.restore()
+    base = statistics.median(times["bare"])
+    rows = [{"how": name, "median_s": round(statistics.median(s), 4), "min_s": round(min(s), 4),
+             "max_s": round(max(s), 4), "over_bare": round(statistics.median(s) / base, 4),
+             "step_ms": round(statistics.median(step_ms[name]), 2) if name in step_ms else None, "calls": len(s)}
+            for name, s in times.items()]
+    summary = {"model": args.model, "steps": args.steps, "compile": args.compile, "prompt": PROMPT,
+               "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe()}
+    out = Path(args.out_dir) / f"served-path-{args.model}"
+    write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
+                                                      "calls"),
+                  notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
+                        "steps; step_ms: the runner's mean step (CUDA events).", env=environment())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
