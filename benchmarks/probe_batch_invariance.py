@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 from benchmarks._common import environment, time_ms, write_results  # noqa: E402
 
 # (K, N) of FLUX.1-dev's linear layers: q/k/v/out (3072 -> 3072), MLP up (3072 -> 12288), MLP down
-# (12288 -> 3072), the single block's fused proj_out (15360 -> 3072), AdaLN modulation rows are M = 1.
-GEMMS = [(3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072)]
+# (12288 -> 3072), the single block's fused proj_out (15360 -> 3072), AdaLN modulation rows are M = 1; the
+# narrow ends of the transformer: x_embedder (64 -> 3072) and the final proj_out (3072 -> 64: few output tiles).
+GEMMS = [(3072, 3072), (3072, 12288), (12288, 3072), (15360, 3072), (64, 3072), (3072, 64)]
 TOKENS = [(1536, "512^2 (1024 image + 512 text)"), (1024, "512^2 image stream"), (4608, "1024^2"),
           (4096, "1024^2 image stream")]
 COLUMNS = ("setting", "tokens", "k", "n_out", "batch", "identical", "max_abs_diff", "ms_one", "ms_batch",

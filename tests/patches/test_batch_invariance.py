@@ -9,7 +9,8 @@ import torch
 
 from xstage_dit.models import load_pipeline, model_spec
 from xstage_dit.models.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
-from xstage_dit.patches.batch_invariance import SMALL_ROWS, SPLIT_ROWS, _padded_linear, _per_prompt, batch_invariant
+from xstage_dit.patches.batch_invariance import (NARROW_FEATURES, SMALL_ROWS, SPLIT_ROWS, _padded_linear, _per_prompt,
+                                                 batch_invariant)
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +58,24 @@ def test_padded_linear_is_the_linear(shape):
     got = _padded_linear(layer, x)
     assert got.shape == (*shape[:-1], 7)
     torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
-    if len(shape) == 3 and shape[0] > 1 and shape[1] < SPLIT_ROWS:
-        # a short stream: each sample's rows are bit for bit its single call's
+    if len(shape) == 3 and shape[0] > 1:
+        # a short stream or a narrow layer (7 outputs): each sample's rows are bit for bit its single call's
         for i in range(shape[0]):
             assert torch.equal(got[i:i + 1], _padded_linear(layer, x[i:i + 1]))
+
+
+@pytest.mark.parametrize("out_features, calls", [(NARROW_FEATURES - 1, 3), (NARROW_FEATURES, 1)])
+def test_narrow_linears_run_one_sample_at_a_time(monkeypatch, out_features, calls):
+    # FLUX's final proj_out (3072 -> 64) at 512² has 1024 tokens a sample: long, but few output tiles.
+    layer = torch.nn.Linear(16, out_features)
+    x = torch.randn((3, SPLIT_ROWS, 16), generator=torch.Generator().manual_seed(2))
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, *rest: seen.append(a.shape[0]) or linear(a, *rest))
+    got = _padded_linear(layer, x)
+    assert seen == [1] * calls if calls > 1 else seen == [3], seen
+    torch.testing.assert_close(got, want)
 
 
 def test_per_prompt_encoder_merges_model_outputs(tiny_flux):

@@ -14,6 +14,9 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
 - **Token GEMMs of short streams** (M = n * tokens with fewer than ``SPLIT_ROWS`` tokens a sample, e.g. FLUX's
   512 text tokens in its double-stream blocks): few output tiles, where cuBLAS may split K for one sample and
   not for n; run one sample at a time, each at its single-image shape.
+- **Narrow token GEMMs** (fewer than ``NARROW_FEATURES`` outputs, e.g. FLUX's final ``proj_out``, 3072 -> 64):
+  few output tiles at any batch, so cuBLAS may split K for one sample and not for n, as above; run one sample
+  at a time. (FLUX at 512², 2026-12-04 H200: batched images still differed with only the two rules above.)
 - **Token GEMMs of long streams** (M = n * tokens, ``SPLIT_ROWS`` or more a sample): measured row-for-row
   identical across batch sizes for FLUX's shapes (1024-4608 tokens a sample, K x N up to 15360 x 3072) on the
   H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
@@ -38,10 +41,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "BatchInvarianceHandle", "batch_invariant"]
+__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
+NARROW_FEATURES = 256  # a linear layer with fewer outputs runs one sample at a time (few output tiles)
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
@@ -72,7 +76,8 @@ def _one_sample_at_a_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.T
 
 def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // module.in_features if module.in_features else 0
-    if x.dim() >= 3 and x.shape[0] > 1 and rows // x.shape[0] < SPLIT_ROWS:
+    per_sample = rows // max(x.shape[0], 1) < SPLIT_ROWS or module.out_features < NARROW_FEATURES
+    if x.dim() >= 3 and x.shape[0] > 1 and per_sample:
         # each sample through the few-row rule below too, as its single-image call goes
         return _one_sample_at_a_time(functools.partial(_padded_linear, module), x)
     if not 0 < rows < SMALL_ROWS:
@@ -140,8 +145,8 @@ def _per_prompt(forward: Callable) -> Callable:
 
 def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
     """Patch `pipe` (a diffusers pipeline) so a batch of images is computed as each image alone is (see the
-    module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, short token streams
-    and convolutions one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a
+    module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, short token streams,
+    narrow linear layers and convolutions one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a
     time. Returns the handle that undoes it."""
     active = getattr(pipe, "_xstage_batch_invariance", None)
     if active is not None and active._undo:
