@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DEFAULT_ORDER = ("fa4", "cudnn", "fa4-m64", "triton")
+DEFAULT_ORDER = ("fa4", "cudnn", "triton")
 # The call that runs when no kernel is chosen: torch SDPA (diffusers' own call at world 1; the serial
 # schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).
 BASELINE = "sdpa"

@@ -312,7 +312,7 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
     return fns
 
 
-def sweep_cases(problems, kernel_names=("fa4", "cudnn", "fa4-m64", "triton")) -> dict:
+def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
     """Timing closures for the kernel sweep: {family: {kernel: fn}} (``problem_family`` names the family).
 
     World size > 1: each kernel that takes the problem running one rank's launch (the last rank: its head
