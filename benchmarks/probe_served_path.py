@@ -7,11 +7,14 @@ One patched (and optionally compiled) pipeline, timed five ways in interleaved r
 - ``bare``: ``run_pipeline`` from the main thread, as the bench's ``xstage-calibrated`` contender calls it;
 - ``runner``: the server's ``BatchRunner`` (step callback with CUDA events, ``output_type="pt"``, pixels
   rounded on the GPU) from the main thread;
-- ``runner-thread``: the same from a fresh thread (the server's worker runs on one);
+- ``runner-thread``: the same from a fresh thread for every call;
+- ``runner-worker``: the same on one long-lived thread that ran a warm call first (as the server's worker);
 - ``served``: one ``POST /v1/images/generations`` to the in-process server (worker thread, uvicorn, PNG);
 - ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone).
 
-Each call is synchronized; the runner modes also report their mean step time (CUDA events).
+Each call is synchronized; the runner modes also report their mean step time (CUDA events). ``--profile``
+then records one ``bare`` and one ``runner-worker`` call with torch's profiler (inside the thread that runs
+it) and writes the top host operations of each, so a slower mode shows which section grew.
 
     python benchmarks/probe_served_path.py --model full-nucleusmoe --steps 4 --compile regional
 
@@ -43,8 +46,11 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="regional", choices=("off", "regional", "full"))
     p.add_argument("--reps", type=int, default=3, help="calls per mode and round")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="also profile one bare and one runner-worker call")
     p.add_argument("--out-dir", default="benchmarks/results/serving")
     args = p.parse_args(argv)
+    import concurrent.futures
+
     import httpx
 
     from xstage_dit.models import load_pipeline, model_spec
@@ -106,8 +112,14 @@ def main(argv=None) -> int:
         sync()
         return time.perf_counter() - t0
 
+    worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-worker")
+
+    def on_worker(fn):
+        return worker.submit(fn).result()
+
     modes = {"bare": bare, "runner": lambda: run_runner("runner"),
-             "runner-thread": lambda: in_thread(lambda: run_runner("runner-thread"))}
+             "runner-thread": lambda: in_thread(lambda: run_runner("runner-thread")),
+             "runner-worker": lambda: on_worker(lambda: run_runner("runner-worker"))}
     for fn in modes.values():
         fn()  # compile and first-touch costs, outside the timings
     times: dict[str, list[float]] = {}
@@ -129,6 +141,15 @@ def main(argv=None) -> int:
                 times.setdefault(name, []).extend(timed(fn) for _ in range(args.reps))
                 print(name, [round(t, 4) for t in times[name][-args.reps:]], flush=True)
         client.close()
+    out = Path(args.out_dir) / f"served-path-{args.model}"
+    if args.profile:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        for name, fn in (("bare", bare), ("runner-worker", lambda: on_worker(lambda: _profiled(run_runner, "prof")))):
+            text = _profiled(fn) if name == "bare" else fn()
+            path = out.with_name(f"{out.name}-profile-{name}.txt")
+            path.write_text(text)
+            print(f"wrote {path}", flush=True)
+    worker.shutdown()
     compiled.restore()
     invariance.restore()
     handle.restore()
@@ -139,12 +160,28 @@ def main(argv=None) -> int:
             for name, s in times.items()]
     summary = {"model": args.model, "steps": args.steps, "compile": args.compile, "prompt": PROMPT,
                "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe()}
-    out = Path(args.out_dir) / f"served-path-{args.model}"
     write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
                                                       "calls"),
                   notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
                         "steps; step_ms: the runner's mean step (CUDA events).", env=environment())
     return 0
+
+
+def _profiled(fn, *fn_args) -> str:
+    """One call of fn(*fn_args) under torch's profiler in the calling thread: the top host operations by self CPU
+    time, then by total CUDA time (text tables)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        fn(*fn_args)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    averages = prof.key_averages()
+    text = averages.table(sort_by="self_cpu_time_total", row_limit=30)
+    if torch.cuda.is_available():
+        text += "\n\n" + averages.table(sort_by="cuda_time_total", row_limit=20)
+    return text
 
 
 if __name__ == "__main__":

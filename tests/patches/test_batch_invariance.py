@@ -10,7 +10,7 @@ import torch
 from xstage_dit.models import load_pipeline, model_spec
 from xstage_dit.models.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
 from xstage_dit.patches.batch_invariance import (NARROW_FEATURES, SMALL_ROWS, SPLIT_ROWS, _padded_linear, _per_prompt,
-                                                 batch_invariant)
+                                                 batch_invariant, batch_invariant_for)
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,12 @@ def test_other_image_families_batch_as_their_images_alone(name):
         assert np.array_equal(batch, np.concatenate([images(1, 3), images(1, 4)]))
     finally:
         handle.restore()
+
+
+def test_batch_invariant_for_patches_images_only(tiny_flux):
+    assert batch_invariant_for(tiny_flux, "video") is None and not hasattr(tiny_flux, "_xstage_batch_invariance")
+    handle = batch_invariant_for(tiny_flux, "image")
+    assert handle is not None and handle.linears > 0 and tiny_flux.vae.use_slicing
+    handle.restore()
+    with pytest.raises(ValueError, match="'audio'"):
+        batch_invariant_for(tiny_flux, "audio")

@@ -100,10 +100,10 @@ class XStage(Contender):
 
     def apply(self, b: Bench) -> None:
         self.handle = parallelize(b.pipe, self._config(b))
-        if b.spec.kind == "image":  # the pipeline `serve` and `generate` run: a batch computed as its images alone
-            from xstage_dit.patches.batch_invariance import batch_invariant
+        from xstage_dit.patches.batch_invariance import batch_invariant_for
 
-            self.invariance = batch_invariant(b.pipe)
+        # the pipeline `serve` and `generate` run: a batch of images computed as its images alone
+        self.invariance = batch_invariant_for(b.pipe, b.spec.kind)
         calibration = getattr(self.handle, "calibration", None)
         self.info["calibration"] = None if calibration is None else {
             "source": getattr(calibration, "source", None),

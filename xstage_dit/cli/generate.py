@@ -189,10 +189,9 @@ def run(args: argparse.Namespace) -> int:
         parallelize(pipe, parallel)
     except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
         raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
-    if spec.kind == "image":
-        from xstage_dit.patches.batch_invariance import batch_invariant
+    from xstage_dit.patches.batch_invariance import batch_invariant_for
 
-        batch_invariant(pipe)  # as the server runs it: the same bytes for the same request
+    batch_invariant_for(pipe, spec.kind)  # as the server runs it: the same bytes for the same request
     mode = compile_mode(args, device)
     compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes)
     try:

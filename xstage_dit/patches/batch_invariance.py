@@ -41,7 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant"]
+__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant",
+           "batch_invariant_for"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
@@ -141,6 +142,14 @@ def _per_prompt(forward: Callable) -> Callable:
         return _merge(parts)
 
     return run
+
+
+def batch_invariant_for(pipe: Any, kind: str) -> BatchInvarianceHandle | None:
+    """`batch_invariant(pipe)` for an image pipeline (kind "image"), as `serve`, `generate` and the bench's xstage
+    contenders run it; None for a video pipeline (videos run one per call: nothing to keep apart)."""
+    if kind not in ("image", "video"):
+        raise ValueError(f"expected kind 'image' or 'video', got {kind!r}")
+    return batch_invariant(pipe) if kind == "image" else None
 
 
 def batch_invariant(pipe: Any) -> BatchInvarianceHandle:

@@ -204,9 +204,11 @@ class Worker:
     def _runner(self) -> BatchRunner:
         """The runner; an image pipeline computes a batch as its images alone (`patches.batch_invariance`, as
         `generate` does: the same bytes), so batching can keep the README's promise. Same on every rank."""
-        if self.model.served.kind == "image":
-            from xstage_dit.patches.batch_invariance import batch_invariant
-            self.model.report["batch_invariance"] = batch_invariant(self.model.pipe).describe()
+        from xstage_dit.patches.batch_invariance import batch_invariant_for
+
+        handle = batch_invariant_for(self.model.pipe, self.model.served.kind)
+        if handle is not None:
+            self.model.report["batch_invariance"] = handle.describe()
         return BatchRunner(self.model.pipe, self.model.served)
 
     def _warmup(self, runner: BatchRunner) -> None:

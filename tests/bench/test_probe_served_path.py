@@ -1,0 +1,31 @@
+"""benchmarks/probe_served_path.py on the CPU with the tiny NucleusMoE: every mode runs, the table and the
+profiles are written (the GPU numbers are in benchmarks/results/serving/)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+@pytest.mark.slow
+def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
+    from benchmarks.probe_served_path import main
+
+    assert main(["--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "off", "--reps", "1", "--rounds", "1",
+                 "--profile", "--out-dir", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "served-path-tiny-nucleusmoe.json").read_text())
+    rows = {r["how"]: r for r in data["rows"]}
+    assert set(rows) == {"bare", "runner", "runner-thread", "runner-worker", "served", "bare, server up"}
+    assert rows["bare"]["over_bare"] == 1 and all(r["median_s"] > 0 and r["calls"] == 1 for r in rows.values())
+    assert rows["runner-worker"]["step_ms"] > 0  # the runner modes time their steps
+    for name in ("bare", "runner-worker"):
+        text = (tmp_path / f"served-path-tiny-nucleusmoe-profile-{name}.txt").read_text()
+        assert "Self CPU" in text and "aten::" in text
+
+
+def test_served_path_probe_refuses_a_video_model(tmp_path):
+    from benchmarks.probe_served_path import main
+
+    with pytest.raises(SystemExit, match="expected an image model"):
+        main(["--model", "tiny-wan", "--out-dir", str(tmp_path)])
