@@ -30,6 +30,7 @@ WINDOW_SHAPES = [(4608, 24, "FLUX 1024^2"), (4608, 40, "4608 tokens, 40 heads"),
                  (16384, 24, "16K"), (16384, 40, "16K, Wan heads"), (32768, 24, "32K"), (32768, 40, "32K, Wan heads"),
                  (65536, 24, "64K"), (65536, 40, "64K, Wan heads")]
 WORLDS = (1, 2, 4, 8)
+WINDOW_FNS = ("fa4_window", "fa4m64_window", "cudnn_window", "triton_window")  # the kernels writing through it
 
 
 def _cudnn_sdpa(q, k, v):
@@ -97,7 +98,7 @@ def _check(fns, state) -> dict:
     rows = geom.owner_rows()
     ref = attention_reference(qs[:, :2048], ks, vs)
     errs = {}
-    for name in ("fa4_window", "fa4m64_window", "cudnn_window", "triton_window"):
+    for name in WINDOW_FNS:
         if name not in fns:
             continue
         view.fill_(float("nan"))
@@ -142,7 +143,7 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                 locals_ = [row[f"ms_{n}"] for n in ("cudnn", "fa4", "fa4m64", "triton_local") if f"ms_{n}" in row]
                 row["ms_serial"] = min(locals_) + row["ms_a2a_copy"]
                 row["x_serial"] = row["ms_cudnn"] / row["ms_serial"]
-                fused = {n: row[f"ms_{n}"] for n in ("fa4_window", "fa4m64_window", "cudnn_window", "triton_window")
+                fused = {n: row[f"ms_{n}"] for n in WINDOW_FNS
                          if f"ms_{n}" in row and math.isfinite(row["rel_err"].get(n, float("nan")))
                          and row["rel_err"][n] < 2e-2}
                 if fused:

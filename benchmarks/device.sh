@@ -169,22 +169,25 @@ step_serving() {
     --time-budget-s "$(( e2e_s - 25 ))" --out-dir "$1" 2>&1 | grep -v "^ *$"
   local rc_e2e=${PIPESTATUS[0]}
   [ "$load_s" -eq 0 ] && return "$rc_e2e"  # SERVING_LOAD_S=0: the e2e part alone
-  # Eager: compile moves FIFO and batched alike, and its minutes are better spent on requests.
-  local load_args="--model full-flux --sizes 1024x1024,512x512 --concurrency 4,16 --steps 8 --compile off"
-  echo "[device.sh] serving load: ${SERVING_LOAD_ARGS:-$load_args}"
-  # shellcheck disable=SC2086
-  timeout -k 10 "$load_s" "$py" benchmarks/bench_serving.py ${SERVING_LOAD_ARGS:-$load_args} --device cuda \
-    --time-budget-s "$(( load_s - 40 ))" --out "$1" 2>&1 | grep -v "^ *$"
-  local rc_load=${PIPESTATUS[0]}
+  load_test "$1" "$load_s" "${SERVING_LOAD_ARGS:-}"
+  local rc_load=$?
   [ "$rc_e2e" -eq 0 ] && [ "$rc_load" -eq 0 ]
+}
+
+load_test() {
+  # bench_serving.py into $1 within $2 seconds; $3 overrides the options. Eager: compile moves FIFO and
+  # batched alike, and its minutes are better spent on requests.
+  local args="${3:-"--model full-flux --sizes 512x512,1024x1024 --concurrency 4,16 --steps 8 --compile off"}"
+  echo "[device.sh] serving load: $args"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$2" "$py" benchmarks/bench_serving.py $args --device cuda --time-budget-s "$(( $2 - 40 ))" \
+    --out "$1" 2>&1 | grep -v "^ *$"
+  return "${PIPESTATUS[0]}"
 }
 
 step_load() {
   # The load test alone (the serving step's part (b)): LOAD_ARGS override, LOAD_S its time limit.
-  local args="--model full-flux --sizes 512x512,1024x1024 --concurrency 4,16 --steps 8 --compile off"
-  # shellcheck disable=SC2086
-  timeout -k 10 "$(limit load 240)" "$py" benchmarks/bench_serving.py ${LOAD_ARGS:-$args} --device cuda \
-    --time-budget-s "$(( $(limit load 240) - 40 ))" --out "$1" 2>&1 | grep -v "^ *$"
+  load_test "$1" "$(limit load 240)" "${LOAD_ARGS:-}"
 }
 
 step_batch_invariance() {

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -91,19 +90,8 @@ def main(argv=None) -> int:
             step_ms.setdefault(label, []).append(1e3 * statistics.mean(result.step_times))
 
     def in_thread(fn):
-        box = {}
-
-        def body():
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-                box["error"] = exc
-
-        t = threading.Thread(target=body)
-        t.start()
-        t.join()
-        if "error" in box:
-            raise box["error"]
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as fresh:  # a new thread, its errors re-raised
+            return fresh.submit(fn).result()
 
     def timed(fn) -> float:
         sync()
@@ -144,10 +132,12 @@ def main(argv=None) -> int:
     out = Path(args.out_dir) / f"served-path-{args.model}"
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
-        for name, fn in (("bare", bare), ("runner-worker", lambda: on_worker(lambda: _profiled(run_runner, "prof")))):
-            text = _profiled(fn) if name == "bare" else fn()
+        # Each profiled in the thread that runs it (torch's profiler records the thread that starts it).
+        profiles = {"bare": lambda: _profiled(bare),
+                    "runner-worker": lambda: on_worker(lambda: _profiled(run_runner, "prof"))}
+        for name, profile_one in profiles.items():
             path = out.with_name(f"{out.name}-profile-{name}.txt")
-            path.write_text(text)
+            path.write_text(profile_one())
             print(f"wrote {path}", flush=True)
     worker.shutdown()
     compiled.restore()

@@ -109,7 +109,7 @@ class FA4HalfTileKernel(FA4Kernel):
         length, rest = geom.rows_per_owner, geom.rows_per_owner % 128
         if rest == 0:
             return f"64-row tiles only help slots ending in a half tile; L = {length} fills whole 128-row tiles"
-        if rest > 64:
+        if rest > self.tile_mn[0]:
             return (f"64-row tiles only help slots ending in a half tile; L = {length} ends in {rest} rows of a "
                     "128-row tile")
         return super().supports(geom, dtype, device, has_window)
