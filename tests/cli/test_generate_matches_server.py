@@ -15,7 +15,8 @@ from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.startup import model_loader
-from xstage_dit.server.worker import RankContext, Worker
+from xstage_dit.server.ranks import RankContext
+from xstage_dit.server.worker import Worker
 from tests.helpers.server import live_server, one_torch_thread
 
 PROMPT, SEED, WIDTH, HEIGHT, STEPS, WEIGHTS_SEED = "a red fox in the snow", 7, 48, 32, 2, 3

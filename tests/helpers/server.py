@@ -19,7 +19,8 @@ import torch
 
 from xstage_dit.models.generation import to_uint8
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.worker import LoadedModel, Worker
+from xstage_dit.server.ranks import LoadedModel
+from xstage_dit.server.worker import Worker
 
 
 @contextlib.contextmanager

@@ -211,7 +211,7 @@ def test_serve_loader_loads_the_ranks_shard(monkeypatch):
     import xstage_dit.models as models
     from xstage_dit.patches.config import ParallelConfig
     from xstage_dit.server.startup import model_loader
-    from xstage_dit.server.worker import RankContext
+    from xstage_dit.server.ranks import RankContext
 
     seen = {}
 

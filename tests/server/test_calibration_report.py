@@ -42,7 +42,8 @@ def test_calibration_route_shows_each_shapes_kernel_choice(monkeypatch):
     from xstage_dit.patches.config import ParallelConfig
     from xstage_dit.server.app import create_app
     from xstage_dit.server.config import ServerConfig
-    from xstage_dit.server.worker import RankContext, Worker
+    from xstage_dit.server.ranks import RankContext
+    from xstage_dit.server.worker import Worker
     from tests.helpers.server import live_server
 
     monkeypatch.setattr(ak, "problem_refusals", lambda **problem: {"sdpa": None, "fa4": None})

@@ -8,7 +8,7 @@ from xstage_dit.models import model_spec
 from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.startup import model_loader
-from xstage_dit.server.worker import RankContext
+from xstage_dit.server.ranks import RankContext
 
 
 def test_server_config_carries_one_parallel_config():

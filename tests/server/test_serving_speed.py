@@ -16,7 +16,8 @@ from xstage_dit.server import worker as worker_module
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote
 from xstage_dit.server.runner import BatchRunner, BatchStopped, StepClock
-from xstage_dit.server.worker import RankContext, Worker
+from xstage_dit.server.ranks import RankContext
+from xstage_dit.server.worker import Worker
 
 LAG = 2  # steps the fake GPU runs behind the host
 

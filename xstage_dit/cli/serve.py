@@ -151,7 +151,8 @@ def serve_rank(args: argparse.Namespace, config) -> int:
     import torch
 
     from xstage_dit.server.startup import model_loader
-    from xstage_dit.server.worker import READY, STOPPED, RankContext, Worker
+    from xstage_dit.server.ranks import RankContext
+    from xstage_dit.server.worker import READY, STOPPED, Worker
 
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,

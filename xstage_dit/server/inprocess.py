@@ -19,7 +19,8 @@ from typing import Any, Iterator
 import torch
 
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.worker import LoadedModel, RankContext, Worker
+from xstage_dit.server.ranks import LoadedModel, RankContext
+from xstage_dit.server.worker import Worker
 
 
 @contextlib.contextmanager

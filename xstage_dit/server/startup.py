@@ -18,7 +18,7 @@ from xstage_dit.jsonable import to_jsonable
 from xstage_dit.patches import ParallelConfig, parallelize
 from xstage_dit.patches.compile import DEFAULT_MAX_SHAPES, apply_compile, check_compile_mode, default_compile_mode
 from xstage_dit.server.config import ServedModel
-from xstage_dit.server.worker import LoadedModel, RankContext
+from xstage_dit.server.ranks import LoadedModel, RankContext
 
 log = logging.getLogger(__name__)
 

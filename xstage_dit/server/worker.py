@@ -24,7 +24,6 @@ on the dead rank, so nothing hangs. Ranks > 0 exit when rank 0 (the store) disap
 from __future__ import annotations
 
 import concurrent.futures
-import datetime
 import json
 import logging
 import os
@@ -32,8 +31,8 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 
@@ -44,6 +43,7 @@ from xstage_dit.server.control import StopVote, reducer
 from xstage_dit.server.jobs import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
+from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store
 from xstage_dit.server.runner import BatchRunner, BatchStopped
 
 log = logging.getLogger(__name__)
@@ -51,82 +51,6 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 0.5
 IDLE_PING_S = 1.0
 LOADING, READY, FAILED, STOPPED = "loading", "ready", "failed", "stopped"
-
-
-@dataclass
-class LoadedModel:
-    """What a rank's factory returns: the pipeline (parallelized when world > 1), what it serves, and
-    the start-up report (calibration numbers and schedule choices) shown at `/v1/calibration`."""
-
-    pipe: Any
-    served: ServedModel
-    report: dict = field(default_factory=dict)
-    describe: Callable[[], dict] | None = None  # the report as of now (schedules are chosen per shape, lazily)
-
-    def current_report(self) -> dict:
-        return self.describe() if self.describe is not None else self.report
-
-
-@dataclass
-class RankContext:
-    """This process's place among the serving ranks. world_size 1: no groups, no store."""
-
-    rank: int = 0
-    world_size: int = 1
-    control_group: Any = None
-    store_host: str = "127.0.0.1"
-    collective_timeout_s: float = 600.0
-    device: Any = "cpu"
-
-    @classmethod
-    def join(cls, collective_timeout_s: float = 600.0) -> "RankContext":
-        """Join the ranks started by torchrun or `xstage-dit serve` (env RANK, WORLD_SIZE, MASTER_ADDR...)."""
-        from xstage_dit.comm.distributed import init_distributed
-
-        info = init_distributed(timeout_s=collective_timeout_s)
-        if info.world_size == 1:
-            return cls(device=info.device)
-        import torch.distributed as dist
-
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout_s))
-        return cls(info.rank, info.world_size, group, os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   collective_timeout_s, info.device)
-
-
-class ControlChannel:
-    """Tagged rank-0 broadcasts over the gloo control group (no-ops at world size 1)."""
-
-    def __init__(self, ctx: RankContext):
-        self.ctx = ctx
-
-    def send(self, message: tuple) -> None:
-        if self.ctx.world_size > 1:
-            import torch.distributed as dist
-
-            dist.broadcast_object_list([message], src=0, group=self.ctx.control_group)
-
-    def recv(self) -> tuple:
-        import torch.distributed as dist
-
-        box = [None]
-        dist.broadcast_object_list(box, src=0, group=self.ctx.control_group)
-        return box[0]
-
-
-class RankDesync(RuntimeError):
-    """A rank received a control message it cannot be expecting: the ranks no longer agree."""
-
-
-class ControlError(RuntimeError):
-    """A control broadcast failed: a rank is gone (gloo reports the closed connection)."""
-
-
-def _store(ctx: RankContext, port: int, is_master: bool):
-    import torch.distributed as dist
-
-    return dist.TCPStore(ctx.store_host, port, ctx.world_size if is_master else None, is_master,
-                         timeout=datetime.timedelta(seconds=ctx.collective_timeout_s),
-                         wait_for_workers=False)
 
 
 class Worker:
