@@ -10,9 +10,14 @@ One patched (and optionally compiled) pipeline, timed five ways in interleaved r
 - ``runner-thread``: the same from a fresh thread for every call;
 - ``runner-worker``: the same on one long-lived thread that ran a warm call first (as the server's worker);
 - ``served``: one ``POST /v1/images/generations`` to the in-process server (worker thread, uvicorn, PNG);
-- ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone).
+- ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone);
+- ``bare, heap unfrozen`` and ``served, heap unfrozen``: the same with the garbage collector walking the whole
+  heap again (the server freezes it after warm-up, `xstage_dit.server.gc_pauses`; these undo that for the
+  call and freeze it again after).
 
-Each call is synchronized; the runner modes also report their mean step time (CUDA events). ``--profile``
+Each call is synchronized; the runner modes and the served one also report their mean step time (CUDA
+events; the served one from the server's timings), and every mode the garbage-collection pauses inside its
+calls (any thread: a collection stops every thread's Python). ``--profile``
 then records one ``bare`` and one ``runner-worker`` call with torch's profiler (inside the thread that runs
 it) and writes the top host operations of each, so a slower mode shows which section grew.
 
@@ -24,6 +29,8 @@ Writes <out-dir>/served-path-<model>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import statistics
 import sys
 import time
@@ -58,6 +65,7 @@ def main(argv=None) -> int:
     from xstage_dit.patches.batch_invariance import batch_invariant
     from xstage_dit.patches.compile import apply_compile
     from xstage_dit.server.config import ServedModel
+    from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
     from xstage_dit.server.inprocess import serve_pipeline
     from xstage_dit.server.runner import BatchRunner
 
@@ -93,12 +101,20 @@ def main(argv=None) -> int:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as fresh:  # a new thread, its errors re-raised
             return fresh.submit(fn).result()
 
-    def timed(fn) -> float:
+    pauses = GcPauses().install()
+    gc_ms: dict[str, list[float]] = {}
+    full_collections: dict[str, int] = {}
+
+    def timed(name, fn) -> float:
         sync()
+        gc0, full0 = pauses.total_s(), pauses.collections[2]
         t0 = time.perf_counter()
         fn()
         sync()
-        return time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        gc_ms.setdefault(name, []).append(1e3 * (pauses.total_s() - gc0))
+        full_collections[name] = full_collections.get(name, 0) + pauses.collections[2] - full0
+        return elapsed
 
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-worker")
 
@@ -117,16 +133,25 @@ def main(argv=None) -> int:
         body = {"prompt": PROMPT, "size": f"{item.width}x{item.height}", "seed": 1, "num_inference_steps": args.steps,
                 "guidance_scale": item.guidance, "response_format": "png"}
 
-        def served():
+        def served(label="served"):
             r = client.post("/v1/images/generations", json=body)
             if r.status_code != 200:
                 raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
+            mean_step = json.loads(r.headers.get("x-timings") or "{}").get("mean_step_s")
+            if mean_step:
+                step_ms.setdefault(label, []).append(1e3 * mean_step)
 
         served()
-        modes = {**modes, "served": served, "bare, server up": bare}
+        modes = {**modes, "served": served, "bare, server up": bare, "bare, heap unfrozen": bare,
+                 "served, heap unfrozen": lambda: served("served, heap unfrozen")}
+        frozen_by_server = gc.get_freeze_count() > 0
         for _ in range(args.rounds):
             for name, fn in modes.items():
-                times.setdefault(name, []).extend(timed(fn) for _ in range(args.reps))
+                if "unfrozen" in name and gc.get_freeze_count():
+                    unfreeze_heap()
+                elif "unfrozen" not in name and frozen_by_server and not gc.get_freeze_count():
+                    freeze_heap()
+                times.setdefault(name, []).extend(timed(name, fn) for _ in range(args.reps))
                 print(name, [round(t, 4) for t in times[name][-args.reps:]], flush=True)
         client.close()
     out = Path(args.out_dir) / f"served-path-{args.model}"
@@ -140,20 +165,25 @@ def main(argv=None) -> int:
             path.write_text(profile_one())
             print(f"wrote {path}", flush=True)
     worker.shutdown()
+    pauses.uninstall()
     compiled.restore()
     invariance.restore()
     handle.restore()
     base = statistics.median(times["bare"])
     rows = [{"how": name, "median_s": round(statistics.median(s), 4), "min_s": round(min(s), 4),
              "max_s": round(max(s), 4), "over_bare": round(statistics.median(s) / base, 4),
-             "step_ms": round(statistics.median(step_ms[name]), 2) if name in step_ms else None, "calls": len(s)}
+             "step_ms": round(statistics.median(step_ms[name]), 2) if name in step_ms else None,
+             "gc_ms": round(statistics.median(gc_ms[name]), 2), "gc_ms_max": round(max(gc_ms[name]), 2),
+             "full_collections": full_collections[name], "calls": len(s)}
             for name, s in times.items()]
     summary = {"model": args.model, "steps": args.steps, "compile": args.compile, "prompt": PROMPT,
                "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe()}
     write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
-                                                      "calls"),
+                                                      "gc_ms", "gc_ms_max", "full_collections", "calls"),
                   notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
-                        "steps; step_ms: the runner's mean step (CUDA events).", env=environment())
+                        "steps; step_ms: the runner's (or the server's) mean step (CUDA events); gc_ms / gc_ms_max: "
+                        "garbage-collection pauses inside one call (median / largest); full_collections: generation-2 "
+                        "collections in all of the mode's calls.", env=environment())
     return 0
 
 

@@ -16,9 +16,11 @@ def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
                  "--profile", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "served-path-tiny-nucleusmoe.json").read_text())
     rows = {r["how"]: r for r in data["rows"]}
-    assert set(rows) == {"bare", "runner", "runner-thread", "runner-worker", "served", "bare, server up"}
+    assert set(rows) == {"bare", "runner", "runner-thread", "runner-worker", "served", "bare, server up",
+                         "bare, heap unfrozen", "served, heap unfrozen"}
     assert rows["bare"]["over_bare"] == 1 and all(r["median_s"] > 0 and r["calls"] == 1 for r in rows.values())
-    assert rows["runner-worker"]["step_ms"] > 0  # the runner modes time their steps
+    assert rows["runner-worker"]["step_ms"] > 0 and rows["served"]["step_ms"] > 0  # the runner modes time steps
+    assert all(r["gc_ms"] >= 0 and r["full_collections"] >= 0 for r in rows.values())
     for name in ("bare", "runner-worker"):
         text = (tmp_path / f"served-path-tiny-nucleusmoe-profile-{name}.txt").read_text()
         assert "Self CPU" in text and "aten::" in text

@@ -48,6 +48,9 @@ def test_serve_batching_options_reach_the_config(capsys):
     config = _config(args)
     assert config.warmup_sizes == ((64, 32), (128, 128)) and config.batching == "never" and config.batch_margin == 0.2
     assert "--compile" not in _argv(args)  # left to the device's default on every rank
+    assert config.gc_freeze and "--no-gc-freeze" not in _argv(args)
+    args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--no-gc-freeze"])
+    assert not _config(args).gc_freeze and "--no-gc-freeze" in _argv(args)  # every rank leaves its heap alone
     _fails(["serve", "--model", "tiny-flux", "--batching", "sometimes"], capsys, "--batching", "'sometimes'")
     _fails(["serve", "--model", "tiny-flux", "--batch-margin", "-1"], capsys, "--batch-margin", "-1")
 

@@ -189,7 +189,7 @@ class XStageServed(XStage):
         # Where a served request's time goes (server: queue, pipeline call, encoding; then HTTP), one entry per
         # call: the overhead over the bare call, located.
         self.info.setdefault("served_timings", []).append({
-            **{k: timings.get(k) for k in ("queued_s", "pipeline_s", "encode_s", "total_s")},
+            **{k: timings.get(k) for k in ("queued_s", "pipeline_s", "encode_s", "gc_s", "total_s")},
             "client_s": time.perf_counter() - t0, "bytes": len(data)})
         return _EncodedOutput(data, b.spec.kind)
 

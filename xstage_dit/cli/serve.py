@@ -62,6 +62,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="timeout of torch.distributed collectives, seconds; default: %(default)s")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the one-step warm-up at the model's default size before reporting ready")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the heap alive after warm-up to Python's garbage collector (by default it is frozen "
+                        "out of its way: a full collection of a loaded pipeline pauses every thread for a few "
+                        "hundred ms)")
     from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
 
     add_compile_option(p)
@@ -105,7 +109,8 @@ def _config(args: argparse.Namespace):
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
             exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,
-            warmup_sizes=warmup_sizes, batching=args.batching, batch_margin=args.batch_margin)
+            gc_freeze=not args.no_gc_freeze, warmup_sizes=warmup_sizes, batching=args.batching,
+            batch_margin=args.batch_margin)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None

@@ -68,6 +68,7 @@ class Job:
     step_times: list[float] = field(default_factory=list)
     pipeline_s: float | None = None  # the batch's pipeline call alone (prompt encoding to decoded pixels)
     encode_s: float | None = None  # PNG/MP4 encoding of the batch's outputs
+    gc_s: float | None = None  # Python garbage-collection pauses (any thread) during the pipeline call
     cancel_requested: bool = False
     _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -103,7 +104,7 @@ class Job:
             # One step: its only interval also holds prompt encoding and decoding, the best bound there is.
             mean_step = run / self.steps_done
         return {"queued_s": queued, "run_s": run, "total_s": total, "mean_step_s": mean_step,
-                "pipeline_s": self.pipeline_s, "encode_s": self.encode_s}
+                "pipeline_s": self.pipeline_s, "encode_s": self.encode_s, "gc_s": self.gc_s}
 
     # --- subscribers (asyncio side) ---
     def subscribe(self) -> asyncio.Queue:
@@ -328,9 +329,11 @@ class JobQueue:
                     job._publish()
         return alive
 
-    def complete(self, batch: Batch, outputs: list[bytes], run_s: float, encode_s: float | None = None) -> None:
+    def complete(self, batch: Batch, outputs: list[bytes], run_s: float, encode_s: float | None = None,
+                 gc_s: float | None = None) -> None:
         """Hand each job its outputs (`outputs[i]` for `batch.items[i]`); run_s: the pipeline call's seconds,
-        encode_s: the encoding's (both shown in the job's timings)."""
+        encode_s: the encoding's, gc_s: garbage-collection pauses during the call (all shown in the job's
+        timings)."""
         if len(outputs) != batch.size:
             raise ValueError(f"expected {batch.size} outputs for the batch, got {len(outputs)}")
         with self._cond:
@@ -341,7 +344,7 @@ class JobQueue:
                     continue
                 job.results = [out for out, owner in zip(outputs, batch.owners) if owner is job]
                 job.steps_done = job.steps_total
-                job.pipeline_s, job.encode_s = run_s, encode_s
+                job.pipeline_s, job.encode_s, job.gc_s = run_s, encode_s, gc_s
                 self._end_running_locked(job, COMPLETED, None, None)
         self._gauge()
 

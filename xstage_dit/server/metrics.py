@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the app)
+from prometheus_client.core import CounterMetricFamily
+
+from xstage_dit.server.gc_pauses import GENERATIONS, GcPauses
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, float("inf"))
 _STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, float("inf"))
@@ -48,5 +51,27 @@ class Metrics:
                                      ["size"], registry=r)
         self.items = Counter("xstage_generated_items", "Images or videos generated.", ["kind"], registry=r)
 
+    def watch_gc(self, pauses: GcPauses) -> None:
+        """Expose `pauses`' running totals: xstage_gc_collections_total and xstage_gc_pause_seconds_total by
+        generation (read at each scrape)."""
+        self.registry.register(_GcCollector(pauses))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _GcCollector:
+    """The garbage collector's pauses as Prometheus counters, read from a `GcPauses` at scrape time."""
+
+    def __init__(self, pauses: GcPauses):
+        self.pauses = pauses
+
+    def collect(self):
+        collections = CounterMetricFamily("xstage_gc_collections", "Python garbage collections by generation "
+                                          "(any thread).", labels=["generation"])
+        seconds = CounterMetricFamily("xstage_gc_pause_seconds", "Time every Python thread stood still in garbage "
+                                      "collections, by generation.", labels=["generation"])
+        for g in GENERATIONS:
+            collections.add_metric([str(g)], self.pauses.collections[g])
+            seconds.add_metric([str(g)], self.pauses.seconds[g])
+        return [collections, seconds]

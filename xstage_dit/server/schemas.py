@@ -85,6 +85,8 @@ class Timings(BaseModel):
         None, description="Mean denoising step, from the second step on (for a one-step job: run_s).")
     pipeline_s: float | None = Field(None, description="The batch's pipeline call (prompt encoding to pixels).")
     encode_s: float | None = Field(None, description="PNG/MP4 encoding of the batch's outputs.")
+    gc_s: float | None = Field(
+        None, description="Python garbage-collection pauses (any thread) during the batch's pipeline call.")
 
 
 class ImageGenerationResponse(BaseModel):

@@ -40,6 +40,7 @@ from xstage_dit.models.generation import GenerationRequest
 from xstage_dit.server.batching import Batcher, Probe
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
+from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
 from xstage_dit.server.jobs import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
@@ -84,6 +85,8 @@ class Worker:
         self._current_batch: int | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._gc, self._frozen = GcPauses(), False
+        self.metrics.watch_gc(self._gc)
         self._ready_event = threading.Event()
         self._lock = threading.Lock()
 
@@ -136,14 +139,32 @@ class Worker:
         return BatchRunner(self.model.pipe, self.model.served)
 
     def _warmup(self, runner: BatchRunner) -> None:
-        """Every rank: two steps at the default size and at each warm-up size, so the first request pays no
+        """Every rank: warm up (`_warm_sizes`), then freeze the heap alive now out of the garbage collector's
+        way (`gc_pauses`; a full collection would stop a request for a few hundred ms) and count its pauses."""
+        self._gc.install()
+        if self.config.warmup:
+            self._warm_sizes(runner)
+        if self.config.gc_freeze:
+            heap = freeze_heap()
+            self._frozen = True
+            self.model.report["gc_freeze"] = heap
+            log.info("froze %d objects after warm-up (collecting them took %.3f s): collections skip them",
+                     heap["frozen_objects"], heap["collect_s"])
+
+    def _thaw(self) -> None:
+        """On stop: the frozen objects back to the collector, the pause counting off."""
+        if self._frozen:
+            unfreeze_heap()
+            self._frozen = False
+        self._gc.uninstall()
+
+    def _warm_sizes(self, runner: BatchRunner) -> None:
+        """Two steps at the default size and at each warm-up size, so the first request pays no
         first-call cost (torch.compile of that shape, kernel builds, allocator growth) and the schedules are
         chosen (and logged) at start-up. Where the batcher measures (policy auto), a batch of
         max_batch_size follows each size: its per-step time against one image's, and its images against
         the single ones, decide whether that size batches. Same work on every rank, no control messages:
         the collectives inside match."""
-        if not self.config.warmup:
-            return
         s = self.model.served
         never = lambda *_: True  # noqa: E731
         for width, height in self.warmup_items():
@@ -186,6 +207,7 @@ class Worker:
         self._stop.set()
         if self._thread is not None and self.state != FAILED:  # a failed worker may sit in a dead collective
             self._thread.join(timeout=10)
+        self._thaw()
 
     def fail(self, reason: str) -> None:
         """Rank 0: a rank died or the ranks disagree. Everything pending ends with 503."""
@@ -275,7 +297,7 @@ class Worker:
                 m.step_time.observe(step_s)
             return self.queue.step(batch, gpu_done, total, step_times) and self.state == READY
 
-        started = time.perf_counter()
+        started, gc_before = time.perf_counter(), self._gc.total_s()
         self._current_batch = self._batch_id
         status, error, result = "ok", None, None
         try:
@@ -303,14 +325,14 @@ class Worker:
                 return
         self._current_batch = None
         if status == "ok":
-            self._encoder.submit(self._deliver, batch, result.pixels, run_s)
+            self._encoder.submit(self._deliver, batch, result.pixels, run_s, self._gc.total_s() - gc_before)
             return
         if status == "error":
             m.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: {error}", 500)
         self.queue.release(batch)
 
-    def _deliver(self, batch: Batch, pixels: np.ndarray, run_s: float) -> None:
+    def _deliver(self, batch: Batch, pixels: np.ndarray, run_s: float, gc_s: float) -> None:
         """Encoder thread: PNG/MP4 bytes to their jobs, while the worker runs the next batch."""
         m = self.metrics
         try:
@@ -321,7 +343,7 @@ class Worker:
             m.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: encoding failed: {exc}", 500)
         else:
-            self.queue.complete(batch, outputs, run_s, encode_s)
+            self.queue.complete(batch, outputs, run_s, encode_s, gc_s)
             m.batch_latency.observe(run_s)
             for job in batch.jobs:
                 if job.status == "completed":
@@ -395,6 +417,7 @@ class Worker:
             if tag == "ping":
                 continue
             if tag == "stop":
+                self._thaw()
                 return 0
             if tag != "run":
                 raise RankDesync(f"expected a 'run', 'ping' or 'stop' message from rank 0, got {tag!r}")
