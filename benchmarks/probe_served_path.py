@@ -105,15 +105,20 @@ def main(argv=None) -> int:
     gc_ms: dict[str, list[float]] = {}
     full_collections: dict[str, int] = {}
 
+    cpu_s: dict[str, dict[str, float]] = {}
+
     def timed(name, fn) -> float:
         sync()
-        gc0, full0 = pauses.total_s(), pauses.collections[2]
+        gc0, full0, cpu0 = pauses.total_s(), pauses.collections[2], _thread_cpu()
         t0 = time.perf_counter()
         fn()
         sync()
         elapsed = time.perf_counter() - t0
         gc_ms.setdefault(name, []).append(1e3 * (pauses.total_s() - gc0))
         full_collections[name] = full_collections.get(name, 0) + pauses.collections[2] - full0
+        used = cpu_s.setdefault(name, {})
+        for label, seconds in _thread_cpu().items():
+            used[label] = used.get(label, 0.0) + seconds - cpu0.get(label, 0.0)
         return elapsed
 
     worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="probe-worker")
@@ -174,17 +179,52 @@ def main(argv=None) -> int:
              "max_s": round(max(s), 4), "over_bare": round(statistics.median(s) / base, 4),
              "step_ms": round(statistics.median(step_ms[name]), 2) if name in step_ms else None,
              "gc_ms": round(statistics.median(gc_ms[name]), 2), "gc_ms_max": round(max(gc_ms[name]), 2),
-             "full_collections": full_collections[name], "calls": len(s)}
+             "full_collections": full_collections[name], "calls": len(s),
+             "cpu_s": round(sum(cpu_s[name].values()) / len(s), 3),
+             "cpu_s_by_thread": {k: round(v / len(s), 3) for k, v in sorted(cpu_s[name].items(), key=lambda kv: -kv[1])
+                                 if v / len(s) >= 0.001}}
             for name, s in times.items()]
+    for row in rows:
+        row["cpu_top"] = ", ".join(f"{k} {v}" for k, v in list(row["cpu_s_by_thread"].items())[:3])
     summary = {"model": args.model, "steps": args.steps, "compile": args.compile, "prompt": PROMPT,
                "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe()}
     write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
-                                                      "gc_ms", "gc_ms_max", "full_collections", "calls"),
+                                                      "gc_ms", "gc_ms_max", "full_collections", "cpu_s", "cpu_top",
+                                                      "calls"),
                   notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
                         "steps; step_ms: the runner's (or the server's) mean step (CUDA events); gc_ms / gc_ms_max: "
                         "garbage-collection pauses inside one call (median / largest); full_collections: generation-2 "
-                        "collections in all of the mode's calls.", env=environment())
+                        "collections in all of the mode's calls; cpu_s: CPU seconds per call of all the process's threads "
+                        "(/proc, 10 ms ticks; a fresh thread's own time leaves with it), cpu_top: the three busiest "
+                        "threads by Python name ('native': threads Python did not start: OpenMP's, CUDA's).",
+                  env=environment())
     return 0
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) every live thread of this process has used, summed by Python thread name
+    (pool suffixes dropped); threads Python did not start (OpenMP's team, CUDA's) pooled as "native". Linux
+    /proc; {} elsewhere."""
+    import os
+    import re
+    import threading
+
+    names = {t.native_id: re.sub(r"_\d+$", "", t.name) for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name: state, ppid, ...
+        except OSError:
+            continue  # the thread ended meanwhile
+        label = names.get(int(tid), "native")
+        out[label] = out.get(label, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def _profiled(fn, *fn_args) -> str:

@@ -21,6 +21,8 @@ def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
     assert rows["bare"]["over_bare"] == 1 and all(r["median_s"] > 0 and r["calls"] == 1 for r in rows.values())
     assert rows["runner-worker"]["step_ms"] > 0 and rows["served"]["step_ms"] > 0  # the runner modes time steps
     assert all(r["gc_ms"] >= 0 and r["full_collections"] >= 0 for r in rows.values())
+    assert rows["bare"]["cpu_s"] > 0 and "MainThread" in rows["bare"]["cpu_s_by_thread"]  # bare runs there
+    assert "xstage-worker" in rows["served"]["cpu_s_by_thread"]  # the server's pipeline runs on its worker
     for name in ("bare", "runner-worker"):
         text = (tmp_path / f"served-path-tiny-nucleusmoe-profile-{name}.txt").read_text()
         assert "Self CPU" in text and "aten::" in text
