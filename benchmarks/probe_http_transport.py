@@ -33,19 +33,15 @@ SIZES = (100, 46_000, 2_700_000, 8_000_000)
 
 
 def _app():
-    from fastapi import FastAPI
+    from fastapi import Body, FastAPI
     from fastapi.responses import Response
-    from pydantic import BaseModel
-
-    class Ask(BaseModel):
-        size: int
 
     blobs = {n: os.urandom(n) for n in SIZES}
     app = FastAPI()
 
     @app.post("/answer")
-    async def post(ask: Ask):
-        return Response(blobs[ask.size], media_type="application/octet-stream")
+    async def post(size: int = Body(..., embed=True)):
+        return Response(blobs[size], media_type="application/octet-stream")
 
     @app.get("/answer/{size}")
     async def get(size: int):
