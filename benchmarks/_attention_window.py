@@ -62,7 +62,7 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool
     view = window.view(dtype, (world, length, hr, d), spec.strides, h0 * d)
     target = OutTarget(view, window.owner_table(0), geom.table_strides(), h0)
     out_local = torch.empty((1, seq, hr, d), dtype=dtype, device=dev)
-    fns, outs = {"cudnn": _cudnn_sdpa(qs, ks, vs)}, {}
+    fns = {"cudnn": _cudnn_sdpa(qs, ks, vs)}
     fa4 = make_kernel("fa4")
     if fa4.supports(geom, dtype, dev, True) is None:
         fns["fa4"] = lambda: fa4._impl.run_plain(qs, ks, vs, scale, out=out_local)
@@ -121,9 +121,16 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                 hr = state[-1]
                 row = {"seq_len": seq, "heads": heads, "world": world, "scope": scope, "heads_launched": hr,
                        "head_offset": state[-2], "origin": origin, "rounds": rounds}
+                kernel_errors: dict[str, str] = {}
                 try:
                     row["rel_err"] = _check(fns, state)
-                    per_round = interleaved_times(fns, time_fn, rounds=rounds)
+                    # One kernel that fails to time (e.g. cudnn-frontend inside a CUDA-graph capture: 4608 x 40,
+                    # P = 8 at 4135c19) costs its column, not the row; cuDNN, the ratios' base, is required.
+                    per_round = interleaved_times(fns, time_fn, rounds=rounds, errors=kernel_errors,
+                                                  required=("cudnn", "a2a_copy"))
+                    if kernel_errors:
+                        torch.cuda.synchronize()  # a failure that broke the context fails the row here
+                        row["kernel_errors"] = kernel_errors
                 except Exception as exc:  # noqa: BLE001 - a failing kernel is a result; the row says which
                     row["error"] = repr(exc)[:400]
                     rows.append(row)
@@ -156,7 +163,8 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                       + " ".join(f"{n} x{row[f'x_{n}']:.3f}" for n in ("fa4", "fa4_window", "fa4m64_window",
                                                                        "cudnn_window", "triton_window", "serial")
                                  if f"x_{n}" in row)
-                      + f" | best {row.get('best_window')} | err {row['rel_err']}", flush=True)
+                      + f" | best {row.get('best_window')} | err {row['rel_err']}"
+                      + (f" | FAILED {kernel_errors}" if kernel_errors else ""), flush=True)
                 if checkpoint is not None:
                     checkpoint(rows)
                 del fns, state
@@ -180,6 +188,8 @@ def window_summary(rows) -> dict:
         "best_kernel_by_shape": {f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}": r["best_window"]
                                  for r in ok},
         "failed_rows": [f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}" for r in rows if "error" in r],
+        "failed_kernels": {f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}": r["kernel_errors"]
+                           for r in rows if r.get("kernel_errors")},
         "scope": "one GPU; min over all rows, per-rank (H/P heads at the last rank's head offset) and all-heads",
         "targets": {"from_16k": 1.0, "below_16k": 0.95, "residual_pct": 2.0},
     }

@@ -73,7 +73,8 @@ def time_ms(fn: Callable[[], Any], *, warmup: int = 3, reps: int = 10, device: s
 
 
 def interleaved_times(fns: dict[str, Callable[[], Any]], time_fn: Callable[[Callable[[], Any]], float], *,
-                      rounds: int = 3) -> dict[str, list[float]]:
+                      rounds: int = 3, errors: dict[str, str] | None = None,
+                      required: tuple[str, ...] = ()) -> dict[str, list[float]]:
     """Time several variants in ``rounds`` interleaved rounds: ``{name: [ms per round]}``.
 
     Timing variant A to completion and then variant B lets a drift of the GPU over the run (clocks,
@@ -81,6 +82,10 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], time_fn: Callable[[Call
     (``time_fn(fn)`` -> ms, e.g. a median of CUDA events), forward in even rounds and backward in odd
     ones (A B C, C B A, ...): over an even number of rounds a linear drift gives every variant the same
     median over rounds.
+
+    errors: where given, a variant whose timing raises is dropped from the rounds and from the result, its
+    error recorded here (``{name: repr}``), and the others go on; a variant in ``required`` (the baseline a
+    row is measured against) still raises. Without it, any error raises.
     """
     if rounds < 1:
         raise ValueError(f"expected rounds >= 1, got {rounds}")
@@ -88,5 +93,13 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], time_fn: Callable[[Call
     out: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
-            out[name].append(float(time_fn(fns[name])))
+            if errors is not None and name in errors:
+                continue
+            try:
+                out[name].append(float(time_fn(fns[name])))
+            except Exception as exc:
+                if errors is None or name in required:
+                    raise
+                errors[name] = repr(exc)[:400]
+                out.pop(name)
     return out

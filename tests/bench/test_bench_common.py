@@ -36,3 +36,21 @@ def test_interleaved_rounds_cancel_a_linear_drift():
 def test_interleaved_rounds_validate():
     with pytest.raises(ValueError, match="rounds >= 1"):
         interleaved_times({"a": lambda: None}, lambda fn: 1.0, rounds=0)
+
+
+def test_a_failing_variant_is_dropped_and_named_while_the_others_are_timed():
+    def timer(fn):
+        return fn()
+
+    def broken():
+        raise RuntimeError("capture failed")
+
+    fns = {"cudnn": lambda: 1.0, "fa4": lambda: 0.9, "cudnnfe": broken}
+    errors: dict = {}
+    times = interleaved_times(fns, timer, rounds=3, errors=errors, required=("cudnn",))
+    assert set(times) == {"cudnn", "fa4"} and all(len(t) == 3 for t in times.values())
+    assert set(errors) == {"cudnnfe"} and "capture failed" in errors["cudnnfe"]
+    with pytest.raises(RuntimeError, match="capture failed"):  # the baseline of the row is required
+        interleaved_times({"cudnn": broken, "fa4": lambda: 0.9}, timer, errors={}, required=("cudnn",))
+    with pytest.raises(RuntimeError, match="capture failed"):  # without `errors`, as before
+        interleaved_times(fns, timer)
