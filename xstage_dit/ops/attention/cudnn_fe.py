@@ -199,10 +199,32 @@ class CudnnWindowKernel:
             # Timing writes this call's output several times over (the same values): harmless, it is
             # written once more below.
             entry[-1] = self._autotune(graph, packs, workspace, handle, sizes)
-        for pack in packs:
-            graph.execute(pack, workspace, handle=handle)
+        try:
+            for pack in packs:
+                graph.execute(pack, workspace, handle=handle)
+        except Exception as exc:
+            if not torch.cuda.is_current_stream_capturing():
+                raise
+            # Seen once on the H200 (4608 x 40, P = 8, one rank's 5 heads): "operation not permitted when stream
+            # is capturing". Name the plan, so the engine that does not capture can be told apart.
+            raise RuntimeError(f"cuDNN plan {_plan_label(graph, entry[-1])} failed inside a CUDA-graph capture: "
+                               f"{exc}") from exc
 
     @functools.lru_cache(maxsize=64)  # noqa: B019 - a handful of shapes per kernel object
     def _seq_tensor(self, geom: WindowGeometry, device: torch.device, which: str) -> torch.Tensor:
         rows = geom.owner_rows() if which == "q" else [geom.seq_len] * geom.world_size
         return torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 1, 1, 1)
+
+
+def _plan_label(graph, index: int | None) -> str:
+    """'#index name (behavior notes)' of a built plan, for error messages; what the frontend cannot tell is left
+    out rather than raising over the error being reported."""
+    if index is None:
+        return "(the first built plan: not tuned before the capture)"
+    parts = [f"#{index}"]
+    for query in (lambda: graph.get_plan_name_at_index(index), lambda: graph.get_behavior_notes()):
+        try:
+            parts.append(str(query()))
+        except Exception:  # noqa: BLE001 - best effort inside an error path
+            pass
+    return " ".join(parts)
