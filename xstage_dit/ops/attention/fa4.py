@@ -120,9 +120,10 @@ class FA4WindowKernel:
         return aux
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, geom: WindowGeometry,
-            scale: float, *, kv_mode: str = "auto") -> None:
+            scale: float, *, kv_mode: str = "auto", rows: tuple[int, int] | None = None) -> None:
         """q, k, v: (B, rows_in >= P*L, Hr, D), rows [0, S) the whole sequence in token order, padding rows 0.
         out: (B*P, L, Hr, D) window view. kv_mode: "stride0" | "paged" | "auto" (paged where one launch can).
+        rows: (r0, r1) computes only rows [r0, r1) of every owner slot (S divisible by P), None all L rows.
         """
         fwd = _fwd()
         batch, rows_in, hr, d = q.shape
@@ -131,6 +132,13 @@ class FA4WindowKernel:
             raise ValueError(f"expected q with >= P*L = {p * length} rows, got {rows_in}")
         if out.shape != (batch * p, length, hr, d):
             raise ValueError(f"expected out of shape {(batch * p, length, hr, d)}, got {tuple(out.shape)}")
+        r0, r1 = (0, length) if rows is None else rows
+        if not 0 <= r0 < r1 <= length:
+            raise ValueError(f"expected rows (r0, r1) with 0 <= r0 < r1 <= L = {length}, got {rows}")
+        if rows is not None and s % p:
+            # Each owner's valid rows inside the range would need their own seqused_q: not taken.
+            raise ValueError(f"expected S divisible by P for a row range, got S={s}, P={p}")
+        n, skip = r1 - r0, r0 * q.stride(1)
         uniform = owner_batch_strides(q.stride(0), q.stride(1), q.stride(2), p, length, batch)
         pageable = (uniform is not None and rows_in % PAGE_SIZE == 0 and k.stride() == v.stride()
                     and k.stride(0) == rows_in * k.stride(1))
@@ -139,23 +147,23 @@ class FA4WindowKernel:
             raise ValueError("expected P*L rows in whole pages and one batch stride for the paged K/V mode")
         aux = self._aux_for(geom, rows_in, paged, q.device)
         if paged:
-            q_ob = q.as_strided((batch * p, length, hr, d), uniform, q.storage_offset())
+            q_ob = q.as_strided((batch * p, n, hr, d), uniform, q.storage_offset() + skip)
             npages = batch * rows_in // PAGE_SIZE
             kv_strides = (PAGE_SIZE * k.stride(1), k.stride(1), k.stride(2), 1)
             k_pages = k.as_strided((npages, PAGE_SIZE, hr, d), kv_strides, k.storage_offset())
             v_pages = v.as_strided((npages, PAGE_SIZE, hr, d), kv_strides, v.storage_offset())
             fwd(q_ob, k_pages, v_pages, page_table=aux["page_table"], seqused_k=aux["seqused_k"],
-                seqused_q=aux.get("seqused_q"), softmax_scale=scale, out=out, **self._tiles)
+                seqused_q=aux.get("seqused_q"), softmax_scale=scale, out=out[:, r0:r1], **self._tiles)
             return
         block = (length * q.stride(1), q.stride(1), q.stride(2), 1)
         seqused = aux.get("seqused_q")
         for b in range(batch):
             # One launch per batch element: the P owner blocks share this element's K/V as a stride-0 batch.
-            q_ob = q.as_strided((p, length, hr, d), block, q.storage_offset() + b * q.stride(0))
+            q_ob = q.as_strided((p, n, hr, d), block, q.storage_offset() + b * q.stride(0) + skip)
             kb = k[b, :s].unsqueeze(0).expand(p, s, hr, d)
             vb = v[b, :s].unsqueeze(0).expand(p, s, hr, d)
             fwd(q_ob, kb, vb, seqused_q=None if seqused is None else seqused[b * p:(b + 1) * p],
-                softmax_scale=scale, out=out[b * p:(b + 1) * p], **self._tiles)
+                softmax_scale=scale, out=out[b * p:(b + 1) * p, r0:r1], **self._tiles)
 
     def run_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:

@@ -10,11 +10,11 @@ target: an ``OutTarget``: the window view (B*P, L, Hr, D) at the rank's head off
 exists, and always the pointer table (owner addresses and element strides) for the Triton kernel.
 
 Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``fa4-m64`` (FA4 on 64-row tiles, for slots that end in a
-half tile), ``cudnn`` (cuDNN through cudnn-frontend's graph with an
-explicit O stride), ``triton`` (our kernel through its pointer table: takes what the others refuse, runs
-in the CPU interpreter, and is the reference fast path). Which one runs for a shape is chosen by
-``xstage_dit.schedule.attention_kernel`` from a measured sweep and handed to the op; nothing here
-measures or loads a cache.
+half tile), ``fa4-split`` (FA4's 128-row tiles, then the slots' half-tile tails on 64-row tiles),
+``cudnn`` (cuDNN through cudnn-frontend's graph with an explicit O stride), ``triton`` (our kernel through
+its pointer table: takes what the others refuse, runs in the CPU interpreter, and is the reference fast
+path). Which one runs for a shape is chosen by ``xstage_dit.schedule.attention_kernel`` from a measured
+sweep and handed to the op; nothing here measures or loads a cache.
 """
 
 from __future__ import annotations
@@ -115,6 +115,52 @@ class FA4HalfTileKernel(FA4Kernel):
         return super().supports(geom, dtype, device, has_window)
 
 
+class FA4SplitTileKernel(FA4Kernel):
+    """FA4 in two launches: every slot's whole 128-row tiles, then its tail rows on 64-row tiles.
+
+    Where L = 128 k + r (0 < r <= 64) and the heads fill many waves (FLUX 1024², P = 8, all heads in one
+    launch: L = 576), FA4's one launch runs a half-empty last tile per slot: 40 x 8 x 5 = 1600 tiles for the
+    work of 1440, and read 0.923x cuDNN on the H200 where FA4 on the local layout read 1.10x (4135c19). Here
+    rows [0, 128 k) of every slot run on FA4's own 128-row tiles (no empty rows) and rows [128 k, L) on
+    64-row tiles (``fa4-m64``'s configuration, full there): the tail is 1/9 of the rows at 4608 / P = 8, so
+    its slower tiles cost less than the empty halves did, if the second launch's partial wave does not eat
+    the difference. Not measured yet: out of the default sweep until it is; ask for it by name
+    (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a tile, there is
+    no whole tile, or S is not divisible by P (each owner's valid rows in the range would need their own
+    ``seqused_q``).
+    """
+
+    name = "fa4-split"
+    tail_tile_mn = (64, 128)
+
+    def __init__(self, kv_mode: str = "auto"):
+        from xstage_dit.ops.attention.fa4 import FA4WindowKernel
+
+        super().__init__(kv_mode)
+        self._tail = FA4WindowKernel(self.tail_tile_mn)
+
+    def body_rows(self, geom: WindowGeometry) -> int:
+        """Rows of each slot that fill whole 128-row tiles."""
+        return geom.rows_per_owner - geom.rows_per_owner % 128
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        length, rest = geom.rows_per_owner, geom.rows_per_owner % 128
+        if rest == 0:
+            return f"a split only helps slots ending in a part tile; L = {length} fills whole 128-row tiles"
+        if rest > self.tail_tile_mn[0]:
+            return f"a split only helps slots ending in at most half a tile; L = {length} ends in {rest} rows"
+        if length < 128:
+            return f"a split needs at least one whole 128-row tile per slot, got L = {length}"
+        if geom.seq_len % geom.world_size:
+            return f"a split takes S divisible by P, got S={geom.seq_len}, P={geom.world_size}"
+        return super().supports(geom, dtype, device, has_window)
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        body = self.body_rows(geom)
+        self._impl.run(q, k, v, target.view, geom, scale, kv_mode=self.kv_mode, rows=(0, body))
+        self._tail.run(q, k, v, target.view, geom, scale, kv_mode=self.kv_mode, rows=(body, geom.rows_per_owner))
+
+
 class CudnnKernel:
     """cuDNN SDPA through cudnn-frontend's graph API with the window as O (``cudnn_fe.py``)."""
 
@@ -132,16 +178,17 @@ class CudnnKernel:
         self._impl.run(q, k, v, target.view, geom, scale)
 
 
-KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
+KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel, "cudnn": CudnnKernel,
+           "triton": TritonTableKernel}
 # Order of preference where nothing was measured: the stock kernels first, ours takes the rest.
 # fa4-m64 is not swept by default: on the H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes,
 # below FA4's own 128-row tiles (0.92-1.12x) on every one (benchmarks/results/attention/h200-4135c19-graph.md);
-# ask for it by name ("fused:fa4-m64").
+# ask for it by name ("fused:fa4-m64"). fa4-split (FA4's tiles plus a 64-row tail launch) is not measured yet.
 DEFAULT_ORDER = ("fa4", "cudnn", "triton")
 
 
 def make_kernel(name: str, **kwargs):
-    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``cudnn``, ``triton``)."""
+    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``cudnn``, ``triton``)."""
     if name not in KERNELS:
         raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name](**kwargs)
