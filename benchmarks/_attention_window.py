@@ -12,7 +12,10 @@ the window slots end in a half tile), ``fa4split_window`` (FA4's 128-row tiles, 
 tails on 64-row tiles; residual against plain ``fa4``), ``cudnn_window`` (cudnn-frontend with the window as O) and its
 local twin ``cudnnfe_local``, ``triton_window`` (our kernel through the window's table) and ``triton_local``;
 ``serial`` = the best local kernel + a copy of its output into the owners' buffers (the post-A2A's bytes on
-one GPU; NCCL refuses virtual ranks on one GPU). Residual of a kernel = t_window - t_local of that kernel.
+one GPU; NCCL refuses virtual ranks on one GPU). Residual of a kernel = t_window - t_local of that kernel;
+FA4's is split by ``fa4_oblocal`` (the window path's launch, Q as P owner blocks and K/V a stride-0 batch,
+into a local buffer): ``residual_fa4_layout_pct`` (that launch against plain FA4) and
+``residual_fa4_stores_pct`` (the window's stores against that launch).
 """
 
 from __future__ import annotations
@@ -69,6 +72,10 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool
     if fa4.supports(geom, dtype, dev, True) is None:
         fns["fa4"] = lambda: fa4._impl.run_plain(qs, ks, vs, scale, out=out_local)
         fns["fa4_window"] = lambda: fa4.run(q, k, v, target, geom, scale)
+        # The window path's launch (Q as P owner blocks, K/V a stride-0 batch) into a local buffer: splits the
+        # residual into the launch's layout and the stores through the window.
+        ob_local = torch.empty((world, length, hr, d), dtype=dtype, device=dev)
+        fns["fa4_oblocal"] = lambda: fa4._impl.run(q, k, v, ob_local, geom, scale, kv_mode=fa4.kv_mode)
     half = make_kernel("fa4-m64")  # FA4 on 64-row tiles: only where the slots end in a half tile
     if half.supports(geom, dtype, dev, True) is None:
         fns["fa4m64"] = lambda: half._impl.run_plain(qs, ks, vs, scale, out=out_local)
@@ -152,6 +159,9 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                                     ("triton", "triton_local"), ("cudnn", "cudnnfe_local")):
                     if f"ms_{kern}_window" in row and f"ms_{local}" in row:
                         row[f"residual_{kern}_pct"] = 100.0 * (row[f"ms_{kern}_window"] / row[f"ms_{local}"] - 1)
+                if "ms_fa4_oblocal" in row:  # the FA4 residual, split: owner-batch launch, then window stores
+                    row["residual_fa4_layout_pct"] = 100.0 * (row["ms_fa4_oblocal"] / row["ms_fa4"] - 1)
+                    row["residual_fa4_stores_pct"] = 100.0 * (row["ms_fa4_window"] / row["ms_fa4_oblocal"] - 1)
                 locals_ = [row[f"ms_{n}"] for n in ("cudnn", "fa4", "fa4m64", "triton_local") if f"ms_{n}" in row]
                 row["ms_serial"] = min(locals_) + row["ms_a2a_copy"]
                 row["x_serial"] = row["ms_cudnn"] / row["ms_serial"]
@@ -206,6 +216,7 @@ WINDOW_COLUMNS = ["seq_len", "heads", "world", "scope", "heads_launched", "ms_cu
                   "x_fa4m64", "x_fa4m64_window", "x_fa4split_window", "x_cudnnfe_local", "x_cudnn_window",
                   "x_triton_local",
                   "x_triton_window", "x_serial", "x_fused",
-                  "best_window", "residual_fa4_pct", "residual_fa4m64_pct", "residual_fa4split_pct",
+                  "best_window", "residual_fa4_pct", "residual_fa4_layout_pct", "residual_fa4_stores_pct",
+                  "residual_fa4m64_pct", "residual_fa4split_pct",
                   "residual_cudnn_pct",
                   "residual_triton_pct"]
