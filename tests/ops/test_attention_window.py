@@ -181,6 +181,7 @@ def test_schedule_names_a_kernel_or_fails_clearly():
     assert _split_schedule("fused:triton") == ("fused", "triton")
     assert _split_schedule("fused:fa4-m64") == ("fused", "fa4-m64")  # by name only: not in the default sweep
     assert _split_schedule("fused:fa4-split") == ("fused", "fa4-split")  # the same, until measured
+    assert _split_schedule("fused:fa4-gqa") == ("fused", "fa4-gqa")
     assert _split_schedule("serial") == ("serial", None)
     for bad in ("fused:flash", "serial:fa4", "fastest"):
         with pytest.raises(ValueError, match="fused:<kernel>"):

@@ -165,6 +165,32 @@ class FA4WindowKernel:
             fwd(q_ob, kb, vb, seqused_q=None if seqused is None else seqused[b * p:(b + 1) * p],
                 softmax_scale=scale, out=out[b * p:(b + 1) * p, r0:r1], **self._tiles)
 
+    def run_owner_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        geom: WindowGeometry, scale: float, *, pack_gqa: bool | None = None) -> None:
+        """The same problem as `run`, launched with the P owner blocks as P query heads sharing one KV head and
+        the rank's Hr heads as the batch: Q (Hr, L, P, D), K/V (Hr, S, 1, D), out the window view permuted to
+        (Hr, L, P, D). FA4's GQA path then packs the P owners' rows into its M tiles (``pack_gqa``, its default
+        for P > 1): S / 128 tiles a head, as plain FA4 on the local layout, instead of P slots of L rows each
+        ending in a part tile, and all of one head's tiles in one stretch of the launch (its K/V hot in L2).
+        One launch per batch element. S must be divisible by P (no per-owner ``seqused_q`` in this layout)."""
+        fwd = _fwd()
+        batch, rows_in, hr, d = q.shape
+        p, length, s = geom.world_size, geom.rows_per_owner, geom.seq_len
+        if rows_in < p * length:
+            raise ValueError(f"expected q with >= P*L = {p * length} rows, got {rows_in}")
+        if out.shape != (batch * p, length, hr, d):
+            raise ValueError(f"expected out of shape {(batch * p, length, hr, d)}, got {tuple(out.shape)}")
+        if s % p:
+            raise ValueError(f"expected S divisible by P for owners as heads, got S={s}, P={p}")
+        sq_row, sq_head = q.stride(1), q.stride(2)
+        for b in range(batch):
+            qb = q.as_strided((hr, length, p, d), (sq_head, sq_row, length * sq_row, 1),
+                              q.storage_offset() + b * q.stride(0))
+            kb, vb = (t.as_strided((hr, s, 1, d), (t.stride(2), t.stride(1), d, 1),
+                                   t.storage_offset() + b * t.stride(0)) for t in (k, v))
+            fwd(qb, kb, vb, softmax_scale=scale, out=out[b * p:(b + 1) * p].permute(2, 1, 0, 3), pack_gqa=pack_gqa,
+                **self._tiles)
+
     def run_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Plain FA4 on (B, S, H, D) tensors, writing a local (B, S, H, D) output (the benchmark's column)."""

@@ -10,7 +10,8 @@ target: an ``OutTarget``: the window view (B*P, L, Hr, D) at the rank's head off
 exists, and always the pointer table (owner addresses and element strides) for the Triton kernel.
 
 Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``fa4-m64`` (FA4 on 64-row tiles, for slots that end in a
-half tile), ``fa4-split`` (FA4's 128-row tiles, then the slots' half-tile tails on 64-row tiles),
+half tile), ``fa4-split`` (FA4's 128-row tiles, then the slots' half-tile tails on 64-row tiles), ``fa4-gqa``
+(the owner blocks as GQA query heads of one KV head: FA4 packs them into full tiles),
 ``cudnn`` (cuDNN through cudnn-frontend's graph with an explicit O stride), ``triton`` (our kernel through
 its pointer table: takes what the others refuse, runs in the CPU interpreter, and is the reference fast
 path). Which one runs for a shape is chosen by ``xstage_dit.schedule.attention_kernel`` from a measured
@@ -161,6 +162,29 @@ class FA4SplitTileKernel(FA4Kernel):
         self._tail.run(q, k, v, target.view, geom, scale, kv_mode=self.kv_mode, rows=(body, geom.rows_per_owner))
 
 
+class FA4OwnerHeadsKernel(FA4Kernel):
+    """FA4 with the window's P owner blocks as P query heads of one KV head (GQA), the rank's heads as the batch.
+
+    The owner-batch launch (``fa4``) runs P slots of L rows: where L ends in a part tile every slot runs one
+    (FLUX 1024², P = 8: L = 576, 0.923x cuDNN against plain FA4's 1.10x, all heads, 4135c19), and its tile
+    order visits one head's K/V once per owner block. As GQA query heads, FA4 packs the owners' rows into its
+    M tiles (``pack_gqa``): S / 128 full tiles a head, in plain FA4's order, each tile's rows stored to their
+    owners through the same window view (permuted, no copy). Not measured yet: out of the default sweep until
+    it is (``fused:fa4-gqa`` by name). Refuses S not divisible by P (each owner's valid rows would need a
+    ``seqused_q`` per query head).
+    """
+
+    name = "fa4-gqa"
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        if geom.seq_len % geom.world_size:
+            return f"owners as query heads take S divisible by P, got S={geom.seq_len}, P={geom.world_size}"
+        return super().supports(geom, dtype, device, has_window)
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        self._impl.run_owner_heads(q, k, v, target.view, geom, scale)
+
+
 class CudnnKernel:
     """cuDNN SDPA through cudnn-frontend's graph API with the window as O (``cudnn_fe.py``)."""
 
@@ -178,17 +202,18 @@ class CudnnKernel:
         self._impl.run(q, k, v, target.view, geom, scale)
 
 
-KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel, "cudnn": CudnnKernel,
-           "triton": TritonTableKernel}
+KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel,
+           "fa4-gqa": FA4OwnerHeadsKernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
 # Order of preference where nothing was measured: the stock kernels first, ours takes the rest.
 # fa4-m64 is not swept by default: on the H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes,
 # below FA4's own 128-row tiles (0.92-1.12x) on every one (benchmarks/results/attention/h200-4135c19-graph.md);
-# ask for it by name ("fused:fa4-m64"). fa4-split (FA4's tiles plus a 64-row tail launch) is not measured yet.
+# ask for it by name ("fused:fa4-m64"). fa4-split (FA4's tiles plus a 64-row tail launch) and fa4-gqa (owners as
+# GQA query heads) are not measured yet.
 DEFAULT_ORDER = ("fa4", "cudnn", "triton")
 
 
 def make_kernel(name: str, **kwargs):
-    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``cudnn``, ``triton``)."""
+    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``fa4-gqa``, ``cudnn``, ``triton``)."""
     if name not in KERNELS:
         raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name](**kwargs)

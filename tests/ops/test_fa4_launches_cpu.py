@@ -1,8 +1,8 @@
-"""`fa4-split` on the CPU: FA4 itself needs Hopper, so a stand-in for ``_flash_attn_fwd`` (the fp32 reference
-attention, honouring the same arguments: out, page_table, seqused_k, tile_mn) checks what the split adds: the
-row-range views of Q and of the window, the two launches and their tiles, both K/V modes, and that nothing
-outside the rank's rows and heads is written. The real kernel through the window is in
-test_attention_window_gpu.py."""
+"""`fa4-split` and `fa4-gqa` on the CPU: FA4 itself needs Hopper, so a stand-in for ``_flash_attn_fwd`` (the
+fp32 reference attention, honouring the same arguments: out, page_table, seqused_k, tile_mn, and GQA: query
+head h attends KV head h // (Hq / Hkv)) checks what these launches add: the row-range and owners-as-heads
+views of Q, K/V and the window, the launches and their tiles, both K/V modes, and that nothing outside the
+rank's rows and heads is written. The real kernels through the window are in test_attention_window_gpu.py."""
 
 from __future__ import annotations
 
@@ -24,16 +24,20 @@ class _FakeFA4:
         self.calls = []
 
     def __call__(self, q, k, v, *, softmax_scale, out, page_table=None, seqused_k=None, seqused_q=None,
-                 tile_mn=None):
-        assert seqused_q is None  # the split refuses S not divisible by P
+                 tile_mn=None, pack_gqa=None):
+        assert seqused_q is None  # both launches refuse S not divisible by P
         assert out.shape == q.shape, (out.shape, q.shape)
-        self.calls.append({"rows": q.shape[1], "tile_mn": tile_mn, "paged": page_table is not None})
+        assert 0 not in out.stride() and out.stride(-1) == 1  # FA4's validate_output_layout
+        self.calls.append({"rows": q.shape[1], "tile_mn": tile_mn, "paged": page_table is not None,
+                           "heads": q.shape[2], "kv_heads": v.shape[2], "batch": q.shape[0]})
+        group = q.shape[2] // v.shape[2]
         for i in range(q.shape[0]):
             if page_table is None:
                 ki, vi = k[i], v[i]
             else:
                 ki = k[page_table[i].long()].flatten(0, 1)[: int(seqused_k[i])]
                 vi = v[page_table[i].long()].flatten(0, 1)[: int(seqused_k[i])]
+            ki, vi = (t.repeat_interleave(group, dim=1) for t in (ki, vi))  # GQA: head h reads KV head h // group
             out[i] = attention_reference(q[i][None], ki[None], vi[None], scale=softmax_scale)[0].to(out.dtype)
         return out, None
 
@@ -95,4 +99,47 @@ def test_row_range_is_checked(fake):
     odd = WindowGeometry(2, 1, 9, 2, 4, 5 * 2 * 4)
     with pytest.raises(ValueError, match="S divisible by P for a row range, got S=9, P=2"):
         impl.run(q, q, q, out, odd, 1.0, rows=(0, 2))  # q padded to P*L rows, as the op pads it
+    assert not fake.calls
+
+
+@pytest.mark.parametrize("batch, world, length", [(1, 8, 72), (2, 8, 136), (2, 4, 50), (1, 1, 40)])
+def test_owners_as_query_heads_write_every_row_of_the_rank_once(fake, batch, world, length):
+    heads, d = 16, 8
+    rank = world - 1
+    seq = world * length
+    geom = WindowGeometry(world, batch, seq, heads, d, length * heads * d + 7)
+    h0, hr = geom.heads_of(rank)
+    gen = torch.Generator().manual_seed(batch * 100 + world)
+    # q, k, v as the window path hands them: the rank's heads of the gathered sequence, here with a row stride
+    # wider than Hr*D (a view into a larger buffer), to check the views use the strides they are given.
+    buf = torch.randn(3, batch, seq, hr + 1, d, generator=gen)
+    q, k, v = buf[0, :, :, :hr], buf[1, :, :, :hr], buf[2, :, :, :hr]
+    window = torch.full((geom.num_slots * geom.slot_elems,), float("nan"))
+    spec = geom.out_view(rank)
+    view = window.as_strided(spec.shape, spec.strides, spec.offset)
+    scale = 1 / math.sqrt(d)
+    make_kernel("fa4-gqa").run(q, k, v, OutTarget(view, torch.zeros(world, dtype=torch.int64),
+                                                  geom.table_strides(), h0), geom, scale)
+
+    assert len(fake.calls) == batch  # one launch per batch element
+    assert all(c == {"rows": length, "tile_mn": None, "paged": False, "heads": world, "kv_heads": 1, "batch": hr}
+               for c in fake.calls), fake.calls
+    for b in range(batch):
+        want = attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale=scale)[0]
+        for o in range(world):
+            torch.testing.assert_close(view[geom.slot(b, o)], want[o * length:(o + 1) * length], rtol=1e-5,
+                                       atol=1e-5)
+    written = torch.zeros_like(window, dtype=torch.bool)
+    written.as_strided(spec.shape, spec.strides, spec.offset).fill_(True)
+    assert torch.isnan(window[~written]).all(), "a row, head or gap outside the rank's part was written"
+
+
+def test_owners_as_query_heads_refuse_uneven_shards(fake):
+    geom = WindowGeometry(8, 1, 4607, 24, 128, 576 * 24 * 128)
+    assert "S divisible by P" in make_kernel("fa4-gqa").supports(geom, torch.bfloat16, torch.device("cpu"), True)
+    even = WindowGeometry(8, 1, 4608, 24, 128, 576 * 24 * 128)
+    assert "CUDA device" in make_kernel("fa4-gqa").supports(even, torch.bfloat16, torch.device("cpu"), True)
+    q = torch.zeros(1, 4608, 3, 128)
+    with pytest.raises(ValueError, match="S divisible by P for owners as heads, got S=4607, P=8"):
+        make_kernel("fa4")._impl.run_owner_heads(q, q, q, torch.zeros(8, 576, 3, 128), geom, 1.0)
     assert not fake.calls
