@@ -28,6 +28,7 @@
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
 #   served-path  probe_served_path.py: bare call vs the server's runner (main thread, worker thread) vs HTTP
 #                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile)
+#   transport    probe_http_transport.py: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
 #                setting (what lets the server batch images and keep them byte-identical)
@@ -204,6 +205,10 @@ step_served_path() {
   timeout -k 10 "$(limit served-path 240)" "$py" benchmarks/probe_served_path.py --out-dir "$1" ${SERVED_PATH_ARGS:-}
 }
 
+step_transport() {
+  timeout -k 10 "$(limit transport 90)" "$py" benchmarks/probe_http_transport.py --out-dir "$1" --tag gpu-host
+}
+
 step_compile_variants() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit compile-variants 300)" "$py" benchmarks/bench_compile_variants.py --out-dir "$1" \
@@ -214,7 +219,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path compile-variants batch-invariance worker-thread)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport compile-variants batch-invariance worker-thread)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
