@@ -77,3 +77,40 @@ def test_faster_than_pillow_default_on_a_1024_image():
     ours = best_of(lambda: encode_png(pixels))
     pillow = best_of(lambda: Image.fromarray(pixels).save(io.BytesIO(), format="PNG"))
     assert ours < pillow / 2, f"expected our encoder well under Pillow's {pillow:.3f} s, got {ours:.3f} s"
+
+
+def test_incompressible_stripes_are_stored_and_read_back():
+    """Noise (what random weights make) does not deflate: such stripes are stored, which is smaller than
+    deflating them and several times faster; smooth stripes beside them still compress."""
+    from xstage_dit.models import png
+
+    rng = np.random.default_rng(5)
+    noise = rng.integers(0, 256, size=(1024, 1024, 3), dtype=np.uint8)
+    y, x = np.mgrid[0:512, 0:1024]
+    smooth = np.stack([(x // 3) % 256, (y // 3) % 256, ((x + y) // 5) % 256], -1).astype(np.uint8)
+    mixed = np.concatenate([noise[:512], smooth])
+    for pixels in (noise, mixed):
+        assert np.array_equal(_decoded(encode_png(pixels)), pixels)
+    raw = noise.nbytes + noise.shape[0]  # the pixels plus a filter byte a row
+    stored = encode_png(noise)
+    assert raw < len(stored) < raw * 1.01  # stored blocks: a few bytes of framing per 64 KB
+    assert len(encode_png(mixed)) < 0.6 * mixed.nbytes  # the smooth half compressed
+
+    def best_of(fn, n=3):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    fast = best_of(lambda: encode_png(noise))
+    original = png._incompressible
+    try:
+        png._incompressible = lambda stripe: False  # deflate every stripe, as before
+        deflated = encode_png(noise)
+        slow = best_of(lambda: encode_png(noise))
+    finally:
+        png._incompressible = original
+    assert len(stored) < len(deflated)
+    assert fast < slow / 2, f"expected storing noise well under deflating it ({slow:.4f} s), got {fast:.4f} s"
