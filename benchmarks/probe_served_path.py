@@ -2,7 +2,7 @@
 compiled call measured 1.15-1.20x the bare one on the H200, its transformer steps 119 vs 105 ms, while FLUX's
 served call is 1.011x)
 
-One patched (and optionally compiled) pipeline, timed five ways in interleaved rounds:
+One patched (and optionally compiled) pipeline, timed these ways in interleaved rounds:
 
 - ``bare``: ``run_pipeline`` from the main thread, as the bench's ``xstage-calibrated`` contender calls it;
 - ``runner``: the server's ``BatchRunner`` (step callback with CUDA events, ``output_type="pt"``, pixels
@@ -10,6 +10,7 @@ One patched (and optionally compiled) pipeline, timed five ways in interleaved r
 - ``runner-thread``: the same from a fresh thread for every call;
 - ``runner-worker``: the same on one long-lived thread that ran a warm call first (as the server's worker);
 - ``served``: one ``POST /v1/images/generations`` to the in-process server (worker thread, uvicorn, PNG);
+- ``worker queue``: the same job handed to the server's queue directly (worker thread and PNG, no HTTP);
 - ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone);
 - ``bare, heap unfrozen`` and ``served, heap unfrozen``: the same with the garbage collector walking the whole
   heap again (the server freezes it after warm-up, `xstage_dit.server.gc_pauses`; these undo that for the
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     from xstage_dit.server.config import ServedModel
     from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
     from xstage_dit.server.inprocess import serve_pipeline
+    from xstage_dit.server.jobs import Job, new_job_id
     from xstage_dit.server.runner import BatchRunner
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         fn()  # compile and first-touch costs, outside the timings
     times: dict[str, list[float]] = {}
     with serve_pipeline(pipe, args.model, spec, batching="never", max_batch_size=1,
-                        warmup_sizes=((item.width, item.height),), request_timeout_s=3600.0) as (url, _worker):
+                        warmup_sizes=((item.width, item.height),), request_timeout_s=3600.0) as (url, server):
         client = httpx.Client(base_url=url, timeout=3600.0)
         body = {"prompt": PROMPT, "size": f"{item.width}x{item.height}", "seed": 1, "num_inference_steps": args.steps,
                 "guidance_scale": item.guidance, "response_format": "png"}
@@ -146,8 +148,17 @@ def main(argv=None) -> int:
             if mean_step:
                 step_ms.setdefault(label, []).append(1e3 * mean_step)
 
+        def queued():
+            job = Job(id=new_job_id("img"), items=[item], deadline=time.time() + 3600.0)
+            server.queue.submit(job)
+            while not job.done:  # the worker thread runs it; 0.2 ms polls, the GIL released while sleeping
+                time.sleep(0.0002)
+            if job.status != "completed":
+                raise RuntimeError(f"expected the queued job to complete, got {job.status}: {job.error}")
+            step_ms.setdefault("worker queue", []).append(1e3 * job.timings()["mean_step_s"])
+
         served()
-        modes = {**modes, "served": served, "bare, server up": bare, "bare, heap unfrozen": bare,
+        modes = {**modes, "served": served, "worker queue": queued, "bare, server up": bare, "bare, heap unfrozen": bare,
                  "served, heap unfrozen": lambda: served("served, heap unfrozen")}
         frozen_by_server = gc.get_freeze_count() > 0
         for _ in range(args.rounds):
