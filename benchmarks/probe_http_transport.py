@@ -21,7 +21,6 @@ import os
 import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -50,24 +49,6 @@ def _app():
     return app
 
 
-def _serve(app, sock: socket.socket | None):
-    """uvicorn in a thread, on `sock` or binding 127.0.0.1:0 itself; returns (server, thread, port)."""
-    import uvicorn
-
-    kwargs = {} if sock is None else {"sockets": [sock]}
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs=kwargs, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("expected uvicorn to start within 30 s, it did not")
-        time.sleep(0.02)
-    port = sock.getsockname()[1] if sock is not None else server.servers[0].sockets[0].getsockname()[1]
-    return server, thread, port
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15)
@@ -76,7 +57,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import httpx
 
-    from xstage_dit.server.inprocess import loopback_listener
+    from xstage_dit.server.inprocess import loopback_listener, uvicorn_thread
 
     def bound_zero():
         sock = socket.socket()
@@ -86,8 +67,8 @@ def main(argv=None) -> int:
     ways = {"uvicorn binds": lambda: None, "loopback_listener": loopback_listener, "socket.socket()": bound_zero}
     app, rows = _app(), []
     for way, make in ways.items():
-        server, thread, port = _serve(app, make())
-        try:
+        sock = make()
+        with uvicorn_thread(app, sock) as port:
             with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
                 for size in SIZES:
                     row = {"listener": way, "answer_bytes": size}
@@ -105,9 +86,8 @@ def main(argv=None) -> int:
                         row[f"{method}_ms_max"] = round(max(times), 2)
                     rows.append(row)
                     print(row, flush=True)
-        finally:
-            server.should_exit = True
-            thread.join(timeout=10)
+        if sock is not None:
+            sock.close()
     by = {(r["listener"], r["answer_bytes"]): r for r in rows}
     summary = {f"{size}B_post_ms": {way: by[(way, size)]["post_ms"] for way in ways} for size in SIZES}
     write_results(Path(args.out_dir) / f"http-transport-{args.tag}", "http-transport", rows, summary,

@@ -10,7 +10,6 @@ import io
 import os
 import signal
 import socket
-import threading
 import time
 from pathlib import Path
 
@@ -58,24 +57,12 @@ def start_worker(config: ServerConfig, model: str = "tiny-flux") -> Worker:
 
 
 @contextlib.contextmanager
-def live_server(app, port: int | None = None):
-    """Run `app` under uvicorn on 127.0.0.1 in a thread; yields the base URL."""
-    import uvicorn
+def live_server(app):
+    """Run `app` under uvicorn on a free 127.0.0.1 port in a thread; yields the base URL."""
+    from xstage_dit.server.inprocess import uvicorn_thread
 
-    port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        if time.time() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.02)
-    try:
+    with uvicorn_thread(app, name="test-http") as port:
         yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def decode_png(b64: str) -> np.ndarray:

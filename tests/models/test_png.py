@@ -14,6 +14,16 @@ from xstage_dit.models.png import STRIPE_ROWS, encode_png
 from xstage_dit.server.media import png_bytes
 
 
+def best_of(fn, n: int = 3) -> float:
+    """The fastest of n timed calls of fn, in seconds."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def _decoded(data: bytes) -> np.ndarray:
     image = Image.open(io.BytesIO(data))
     image.load()
@@ -66,14 +76,6 @@ def test_faster_than_pillow_default_on_a_1024_image():
     pixels = np.clip(np.stack([(x / 4) % 256, (y / 4) % 256, ((x + y) / 8) % 256], -1)
                      + rng.integers(-3, 4, (1024, 1024, 3)), 0, 255).astype(np.uint8)
 
-    def best_of(fn, n=3):
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
     ours = best_of(lambda: encode_png(pixels))
     pillow = best_of(lambda: Image.fromarray(pixels).save(io.BytesIO(), format="PNG"))
     assert ours < pillow / 2, f"expected our encoder well under Pillow's {pillow:.3f} s, got {ours:.3f} s"
@@ -95,14 +97,6 @@ def test_incompressible_stripes_are_stored_and_read_back():
     stored = encode_png(noise)
     assert raw < len(stored) < raw * 1.01  # stored blocks: a few bytes of framing per 64 KB
     assert len(encode_png(mixed)) < 0.6 * mixed.nbytes  # the smooth half compressed
-
-    def best_of(fn, n=3):
-        times = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
 
     fast = best_of(lambda: encode_png(noise))
     original = png._incompressible

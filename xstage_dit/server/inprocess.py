@@ -38,6 +38,29 @@ def loopback_listener() -> socket.socket:
 
 
 @contextlib.contextmanager
+def uvicorn_thread(app: Any, sock: socket.socket | None = None, *, name: str = "xstage-inprocess-http",
+                   start_timeout_s: float = 30.0) -> Iterator[int]:
+    """Run `app` under uvicorn in a daemon thread, on `sock` (e.g. `loopback_listener()`) or on a port uvicorn
+    binds itself on 127.0.0.1; yields the port once uvicorn has started, stops it on exit."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={} if sock is None else {"sockets": [sock]}, name=name,
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"expected uvicorn to start within {start_timeout_s:.0f} s, it did not")
+        time.sleep(0.02)
+    try:
+        yield (sock or server.servers[0].sockets[0]).getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@contextlib.contextmanager
 def serve_pipeline(pipe: Any, name: str, spec: Any, *, ready_timeout_s: float = 900.0, report: dict | None = None,
                    **config: Any) -> Iterator[tuple[str, Worker]]:
     """Serve `pipe` (already parallelized/compiled as wanted) as model `name` of `spec` (a ModelSpec).
@@ -45,8 +68,6 @@ def serve_pipeline(pipe: Any, name: str, spec: Any, *, ready_timeout_s: float = 
     config: `ServerConfig` fields (api_key defaults to None here). Yields (base URL, the running Worker);
     stops both on exit. RuntimeError when the worker does not get ready (its reason).
     """
-    import uvicorn
-
     from xstage_dit.server.app import create_app
 
     config.setdefault("api_key", None)
@@ -58,22 +79,7 @@ def serve_pipeline(pipe: Any, name: str, spec: Any, *, ready_timeout_s: float = 
     try:
         if not worker.wait_ready(ready_timeout_s):
             raise RuntimeError(f"expected the in-process server to get ready, got {worker.state}: {worker.reason}")
-        sock = loopback_listener()
-        port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="xstage-inprocess-http",
-                                  daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("expected uvicorn to start within 30 s, it did not")
-            time.sleep(0.02)
-        try:
+        with contextlib.closing(loopback_listener()) as sock, uvicorn_thread(create_app(worker), sock) as port:
             yield f"http://127.0.0.1:{port}", worker
-        finally:
-            server.should_exit = True
-            thread.join(timeout=10)
-            sock.close()
     finally:
         worker.stop()

@@ -84,6 +84,17 @@ def supports(geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has
     return available()
 
 
+def _check_shapes(q: torch.Tensor, out: torch.Tensor, geom: WindowGeometry) -> tuple[int, int, int, int]:
+    """q's (B, rows_in, Hr, D), after checking q holds P*L rows and out is the (B*P, L, Hr, D) window view."""
+    batch, rows_in, hr, d = q.shape
+    p, length = geom.world_size, geom.rows_per_owner
+    if rows_in < p * length:
+        raise ValueError(f"expected q with >= P*L = {p * length} rows, got {rows_in}")
+    if out.shape != (batch * p, length, hr, d):
+        raise ValueError(f"expected out of shape {(batch * p, length, hr, d)}, got {tuple(out.shape)}")
+    return batch, rows_in, hr, d
+
+
 class FA4WindowKernel:
     """``run(q, k, v, out, geom, scale)``; caches the small int32 tensors (seqused, page table) per shape.
 
@@ -126,12 +137,8 @@ class FA4WindowKernel:
         rows: (r0, r1) computes only rows [r0, r1) of every owner slot (S divisible by P), None all L rows.
         """
         fwd = _fwd()
-        batch, rows_in, hr, d = q.shape
+        batch, rows_in, hr, d = _check_shapes(q, out, geom)
         p, length, s = geom.world_size, geom.rows_per_owner, geom.seq_len
-        if rows_in < p * length:
-            raise ValueError(f"expected q with >= P*L = {p * length} rows, got {rows_in}")
-        if out.shape != (batch * p, length, hr, d):
-            raise ValueError(f"expected out of shape {(batch * p, length, hr, d)}, got {tuple(out.shape)}")
         r0, r1 = (0, length) if rows is None else rows
         if not 0 <= r0 < r1 <= length:
             raise ValueError(f"expected rows (r0, r1) with 0 <= r0 < r1 <= L = {length}, got {rows}")
@@ -174,12 +181,8 @@ class FA4WindowKernel:
         ending in a part tile, and all of one head's tiles in one stretch of the launch (its K/V hot in L2).
         One launch per batch element. S must be divisible by P (no per-owner ``seqused_q`` in this layout)."""
         fwd = _fwd()
-        batch, rows_in, hr, d = q.shape
+        batch, _, hr, d = _check_shapes(q, out, geom)
         p, length, s = geom.world_size, geom.rows_per_owner, geom.seq_len
-        if rows_in < p * length:
-            raise ValueError(f"expected q with >= P*L = {p * length} rows, got {rows_in}")
-        if out.shape != (batch * p, length, hr, d):
-            raise ValueError(f"expected out of shape {(batch * p, length, hr, d)}, got {tuple(out.shape)}")
         if s % p:
             raise ValueError(f"expected S divisible by P for owners as heads, got S={s}, P={p}")
         sq_row, sq_head = q.stride(1), q.stride(2)
