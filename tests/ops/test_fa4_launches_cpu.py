@@ -102,8 +102,9 @@ def test_row_range_is_checked(fake):
     assert not fake.calls
 
 
-@pytest.mark.parametrize("batch, world, length", [(1, 8, 72), (2, 8, 136), (2, 4, 50), (1, 1, 40)])
-def test_owners_as_query_heads_write_every_row_of_the_rank_once(fake, batch, world, length):
+@pytest.mark.parametrize("batch, world, length, extra_rows", [(1, 8, 72, 0), (2, 8, 136, 0), (2, 4, 50, 0),
+                                                             (1, 1, 40, 0), (2, 4, 50, 3)])
+def test_owners_as_query_heads_write_every_row_of_the_rank_once(fake, batch, world, length, extra_rows):
     heads, d = 16, 8
     rank = world - 1
     seq = world * length
@@ -111,8 +112,9 @@ def test_owners_as_query_heads_write_every_row_of_the_rank_once(fake, batch, wor
     h0, hr = geom.heads_of(rank)
     gen = torch.Generator().manual_seed(batch * 100 + world)
     # q, k, v as the window path hands them: the rank's heads of the gathered sequence, here with a row stride
-    # wider than Hr*D (a view into a larger buffer), to check the views use the strides they are given.
-    buf = torch.randn(3, batch, seq, hr + 1, d, generator=gen)
+    # wider than Hr*D (a view into a larger buffer), to check the views use the strides they are given; with
+    # extra rows past P*L the batch elements cannot be one head index (one launch each).
+    buf = torch.randn(3, batch, seq + extra_rows, hr + 1, d, generator=gen)
     q, k, v = buf[0, :, :, :hr], buf[1, :, :, :hr], buf[2, :, :, :hr]
     window = torch.full((geom.num_slots * geom.slot_elems,), float("nan"))
     spec = geom.out_view(rank)
@@ -121,11 +123,14 @@ def test_owners_as_query_heads_write_every_row_of_the_rank_once(fake, batch, wor
     make_kernel("fa4-gqa").run(q, k, v, OutTarget(view, torch.zeros(world, dtype=torch.int64),
                                                   geom.table_strides(), h0), geom, scale)
 
-    assert len(fake.calls) == batch  # one launch per batch element
-    assert all(c == {"rows": length, "tile_mn": None, "paged": False, "heads": world, "kv_heads": 1, "batch": hr}
-               for c in fake.calls), fake.calls
+    if extra_rows:  # one launch per batch element, its P owners the query heads of one KV head
+        want = [{"rows": length, "tile_mn": None, "paged": False, "heads": world, "kv_heads": 1, "batch": hr}] * batch
+    else:  # one launch: query head b*P + o, KV head b
+        want = [{"rows": length, "tile_mn": None, "paged": False, "heads": batch * world, "kv_heads": batch,
+                 "batch": hr}]
+    assert fake.calls == want
     for b in range(batch):
-        want = attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale=scale)[0]
+        want = attention_reference(q[b:b + 1, :seq], k[b:b + 1, :seq], v[b:b + 1, :seq], scale=scale)[0]
         for o in range(world):
             torch.testing.assert_close(view[geom.slot(b, o)], want[o * length:(o + 1) * length], rtol=1e-5,
                                        atol=1e-5)

@@ -174,24 +174,30 @@ class FA4WindowKernel:
 
     def run_owner_heads(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                         geom: WindowGeometry, scale: float, *, pack_gqa: bool | None = None) -> None:
-        """The same problem as `run`, launched with the P owner blocks as P query heads sharing one KV head and
-        the rank's Hr heads as the batch: Q (Hr, L, P, D), K/V (Hr, S, 1, D), out the window view permuted to
-        (Hr, L, P, D). FA4's GQA path then packs the P owners' rows into its M tiles (``pack_gqa``, its default
-        for P > 1): S / 128 tiles a head, as plain FA4 on the local layout, instead of P slots of L rows each
-        ending in a part tile, and all of one head's tiles in one stretch of the launch (its K/V hot in L2).
-        One launch per batch element. S must be divisible by P (no per-owner ``seqused_q`` in this layout)."""
+        """The same problem as `run`, launched with the owner blocks as GQA query heads and the rank's Hr heads
+        as the batch: Q (Hr, L, B*P, D) (query head b*P + o: batch element b's owner o), K/V (Hr, S, B, D) (KV
+        head b: P query heads each), out the window view (B*P, L, Hr, D) permuted to (Hr, L, B*P, D). FA4's
+        GQA path packs each KV head's P owners into its M tiles (``pack_gqa``, its default for P > 1): S / 128
+        tiles a head, as plain FA4 on the local layout, instead of P slots of L rows each ending in a part
+        tile, and all of one head's tiles in one stretch of the launch (its K/V hot in L2).
+
+        One launch where q's batch stride is P*L rows (the window path's input buffer, or a plain (B, S, H, D)
+        at P = 1), so (b, o) is one head index; else one launch per batch element. S must be divisible by P (no
+        per-owner ``seqused_q`` in this layout)."""
         fwd = _fwd()
         batch, _, hr, d = _check_shapes(q, out, geom)
         p, length, s = geom.world_size, geom.rows_per_owner, geom.seq_len
         if s % p:
             raise ValueError(f"expected S divisible by P for owners as heads, got S={s}, P={p}")
         sq_row, sq_head = q.stride(1), q.stride(2)
-        for b in range(batch):
-            qb = q.as_strided((hr, length, p, d), (sq_head, sq_row, length * sq_row, 1),
-                              q.storage_offset() + b * q.stride(0))
-            kb, vb = (t.as_strided((hr, s, 1, d), (t.stride(2), t.stride(1), d, 1),
-                                   t.storage_offset() + b * t.stride(0)) for t in (k, v))
-            fwd(qb, kb, vb, softmax_scale=scale, out=out[b * p:(b + 1) * p].permute(2, 1, 0, 3), pack_gqa=pack_gqa,
+        merged = batch == 1 or q.stride(0) == p * length * sq_row
+        groups = [(0, batch)] if merged else [(b, 1) for b in range(batch)]
+        for b0, n in groups:
+            qg = q.as_strided((hr, length, n * p, d), (sq_head, sq_row, length * sq_row, 1),
+                              q.storage_offset() + b0 * q.stride(0))
+            kg, vg = (t.as_strided((hr, s, n, d), (t.stride(2), t.stride(1), t.stride(0), 1),
+                                   t.storage_offset() + b0 * t.stride(0)) for t in (k, v))
+            fwd(qg, kg, vg, softmax_scale=scale, out=out[b0 * p:(b0 + n) * p].permute(2, 1, 0, 3), pack_gqa=pack_gqa,
                 **self._tiles)
 
     def run_plain(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
