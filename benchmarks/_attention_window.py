@@ -127,14 +127,22 @@ def _check(fns, state) -> dict:
     return errs
 
 
+REQUIRED_FNS = ("cudnn", "a2a_copy")  # the ratios' base and the serial path's copy: in every row
+
+
 def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS, rounds=3,
-                cudnn_fe_seqs=(4608, 8192, 32768), checkpoint=None, odd_stride: bool = False) -> list[dict]:
+                cudnn_fe_seqs=(4608, 8192, 32768), checkpoint=None, odd_stride: bool = False,
+                columns: tuple[str, ...] | None = None) -> list[dict]:
+    """columns: the timed variants to keep (e.g. ``("fa4", "fa4_window", "fa4gqa_window")``; cuDNN and the copy
+    are always timed), None for all: a call that must fit a time limit times what it is about."""
     rows = []
     for seq, heads, origin in shapes:
         for world in worlds:
             for scope in (("all",) if world == 1 else ("rank", "all")):
                 fns, state = _variants(seq, heads, world, scope, with_cudnn_fe=seq in cudnn_fe_seqs,
                                        odd_stride=odd_stride)
+                if columns is not None:
+                    fns = {n: f for n, f in fns.items() if n in columns or n in REQUIRED_FNS}
                 hr = state[-1]
                 row = {"seq_len": seq, "heads": heads, "world": world, "scope": scope, "heads_launched": hr,
                        "head_offset": state[-2], "origin": origin, "rounds": rounds}
@@ -144,7 +152,7 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                     # One kernel that fails to time (e.g. cudnn-frontend inside a CUDA-graph capture: 4608 x 40,
                     # P = 8 at 4135c19) costs its column, not the row; cuDNN, the ratios' base, is required.
                     per_round = interleaved_times(fns, time_fn, rounds=rounds, errors=kernel_errors,
-                                                  required=("cudnn", "a2a_copy"))
+                                                  required=REQUIRED_FNS)
                     if kernel_errors:
                         torch.cuda.synchronize()  # a failure that broke the context fails the row here
                         row["kernel_errors"] = kernel_errors
@@ -164,7 +172,8 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                                     ("triton", "triton_local"), ("cudnn", "cudnnfe_local")):
                     if f"ms_{kern}_window" in row and f"ms_{local}" in row:
                         row[f"residual_{kern}_pct"] = 100.0 * (row[f"ms_{kern}_window"] / row[f"ms_{local}"] - 1)
-                if "ms_fa4_oblocal" in row:  # the FA4 residual, split: owner-batch launch, then window stores
+                if all(f"ms_{n}" in row for n in ("fa4", "fa4_oblocal", "fa4_window")):
+                    # the FA4 residual, split: owner-batch launch, then window stores
                     row["residual_fa4_layout_pct"] = 100.0 * (row["ms_fa4_oblocal"] / row["ms_fa4"] - 1)
                     row["residual_fa4_stores_pct"] = 100.0 * (row["ms_fa4_window"] / row["ms_fa4_oblocal"] - 1)
                 locals_ = [row[f"ms_{n}"] for n in ("cudnn", "fa4", "fa4m64", "triton_local") if f"ms_{n}" in row]

@@ -325,7 +325,7 @@ def write_markdown(path: Path, data: dict) -> None:
                  f"commit `{e['git_commit']}`, {e['date_utc']}. Kernel config `{data['config']}` "
                  f"(registers {data['resources'].get('n_regs')}, spills {data['resources'].get('n_spills')}).\n")
     rounds = data["rows"][0].get("rounds", 1) if data["rows"] else 1
-    lines.append(f"bf16, head_dim 128, batch 1, non-causal. TFLOP/s = 4·B·H·S²·D / median time"
+    lines.append("bf16, head_dim 128, batch 1, non-causal. TFLOP/s = 4·B·H·S²·D / median time"
                  + (f" (median over {rounds} interleaved rounds, forward and backward)" if rounds > 1 else "")
                  + ". "
                  "`fused Pn`: our kernel storing each output tile into one of n virtual ranks' buffers "
@@ -378,6 +378,9 @@ def main(argv=None) -> int:
                         help="with --window: also the pre-attention All-to-All rows (push kernel vs torch copy_ vs "
                              "cuMemcpy2DAsync vs the library path's copies), into <stem>-pre-a2a.{json,md}")
     parser.add_argument("--pre-a2a-only", action="store_true", help="with --window: only the pre-A2A rows")
+    parser.add_argument("--columns", default=None,
+                        help="with --window: comma-separated variants to time (cuDNN and the copy always), e.g. "
+                             "fa4,fa4_window,fa4_oblocal,fa4split_window,fa4gqa_window; default all")
     parser.add_argument("--cudnn-fe-seqs", default="4608,8192,32768",
                         help="with --window: sequence lengths that also time cudnn-frontend (graph builds are slow)")
     args = parser.parse_args(argv)
@@ -459,7 +462,8 @@ def run_window(args, env) -> int:
         if args.pre_a2a_only:
             return pre_bad
     rows = window_rows(timing, interleaved_times, shapes=shapes, worlds=worlds, rounds=args.rounds,
-                       cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint, odd_stride=args.odd_stride)
+                       cudnn_fe_seqs=fe_seqs, checkpoint=checkpoint, odd_stride=args.odd_stride,
+                       columns=tuple(args.columns.split(",")) if args.columns else None)
     summary = window_summary(rows)
     notes = ("x_* = t_cudnn / t (torch cuDNN SDPA at the same heads, local output). scope rank: H/P heads at the "
              "last rank's head offset; all: H heads in one launch. serial = best local kernel + copy of its output "
