@@ -203,9 +203,14 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
     return rows
 
 
+def _shape_key(row: dict) -> str:
+    """A row's shape as the summary names it, e.g. ``S4608_H24_P8_rank``."""
+    return f"S{row['seq_len']}_H{row['heads']}_P{row['world']}_{row['scope']}"
+
+
 def window_summary(rows) -> dict:
     ok = [r for r in rows if "x_fused" in r]
-    by_shape = {f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}": round(r["x_fused"], 4) for r in ok}
+    by_shape = {_shape_key(r): round(r["x_fused"], 4) for r in ok}
     long = [r for r in ok if r["seq_len"] >= 16384]
     short = [r for r in ok if r["seq_len"] < 16384]
     res = [r[f"residual_{r['best_window'].split('_')[0]}_pct"] for r in ok
@@ -216,11 +221,9 @@ def window_summary(rows) -> dict:
         "fused_over_cudnn_below_16k": min(r["x_fused"] for r in short) if short else None,
         "residual_pct_max": max(res) if res else None,
         "by_shape": by_shape,
-        "best_kernel_by_shape": {f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}": r["best_window"]
-                                 for r in ok},
-        "failed_rows": [f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}" for r in rows if "error" in r],
-        "failed_kernels": {f"S{r['seq_len']}_H{r['heads']}_P{r['world']}_{r['scope']}": r["kernel_errors"]
-                           for r in rows if r.get("kernel_errors")},
+        "best_kernel_by_shape": {_shape_key(r): r["best_window"] for r in ok},
+        "failed_rows": [_shape_key(r) for r in rows if "error" in r],
+        "failed_kernels": {_shape_key(r): r["kernel_errors"] for r in rows if r.get("kernel_errors")},
         "scope": "one GPU; min over all rows, per-rank (H/P heads at the last rank's head offset) and all-heads",
         "targets": {"from_16k": 1.0, "below_16k": 0.95, "residual_pct": 2.0},
     }
@@ -229,10 +232,6 @@ def window_summary(rows) -> dict:
 
 WINDOW_COLUMNS = ["seq_len", "heads", "world", "scope", "heads_launched", "ms_cudnn", "x_fa4", "x_fa4_window",
                   "x_fa4m64", "x_fa4m64_window", "x_fa4split_window", "x_fa4gqa_window", "x_cudnnfe_local",
-                  "x_cudnn_window",
-                  "x_triton_local",
-                  "x_triton_window", "x_serial", "x_fused",
-                  "best_window", "residual_fa4_pct", "residual_fa4_layout_pct", "residual_fa4_stores_pct",
-                  "residual_fa4m64_pct", "residual_fa4split_pct", "residual_fa4gqa_pct",
-                  "residual_cudnn_pct",
-                  "residual_triton_pct"]
+                  "x_cudnn_window", "x_triton_local", "x_triton_window", "x_serial", "x_fused", "best_window",
+                  "residual_fa4_pct", "residual_fa4_layout_pct", "residual_fa4_stores_pct", "residual_fa4m64_pct",
+                  "residual_fa4split_pct", "residual_fa4gqa_pct", "residual_cudnn_pct", "residual_triton_pct"]

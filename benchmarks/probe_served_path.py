@@ -158,8 +158,8 @@ def main(argv=None) -> int:
             step_ms.setdefault("worker queue", []).append(1e3 * job.timings()["mean_step_s"])
 
         served()
-        modes = {**modes, "served": served, "worker queue": queued, "bare, server up": bare, "bare, heap unfrozen": bare,
-                 "served, heap unfrozen": lambda: served("served, heap unfrozen")}
+        modes = {**modes, "served": served, "worker queue": queued, "bare, server up": bare,
+                 "bare, heap unfrozen": bare, "served, heap unfrozen": lambda: served("served, heap unfrozen")}
         frozen_by_server = gc.get_freeze_count() > 0
         for _ in range(args.rounds):
             for name, fn in modes.items():
@@ -204,10 +204,11 @@ def main(argv=None) -> int:
                                                       "calls"),
                   notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
                         "steps; step_ms: the runner's (or the server's) mean step (CUDA events); gc_ms / gc_ms_max: "
-                        "garbage-collection pauses inside one call (median / largest); full_collections: generation-2 "
-                        "collections in all of the mode's calls; cpu_s: CPU seconds per call of all the process's threads "
-                        "(/proc, 10 ms ticks; a fresh thread's own time leaves with it), cpu_top: the three busiest "
-                        "threads by Python name ('native': threads Python did not start: OpenMP's, CUDA's).",
+                        "garbage-collection pauses inside one call (median / largest); full_collections: "
+                        "generation-2 collections in all of the mode's calls; cpu_s: CPU seconds per call of all the "
+                        "process's threads (/proc, 10 ms ticks; a fresh thread's own time leaves with it), cpu_top: "
+                        "the three busiest threads by Python name ('native': threads Python did not start: OpenMP's, "
+                        "CUDA's).",
                   env=environment())
     return 0
 

@@ -22,8 +22,8 @@ size, the stripe is stored. Noise (what random weights make) deflates to 105 % o
 compress (65 %), so it deflates as before, for ~0.1 ms of sampling.
 
 The bytes depend only on the pixels (the stripe size is fixed, not the thread count; the store decision reads
-only the stripe), so ``xstage-dit generate`` and the server write the same file for the same image. Any PNG decoder reads them; the tests
-decode them with Pillow.
+only the stripe), so ``xstage-dit generate`` and the server write the same file for the same image. Any PNG
+decoder reads them; the tests decode them with Pillow.
 """
 
 from __future__ import annotations

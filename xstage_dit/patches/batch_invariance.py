@@ -155,8 +155,8 @@ def batch_invariant_for(pipe: Any, kind: str) -> BatchInvarianceHandle | None:
 def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
     """Patch `pipe` (a diffusers pipeline) so a batch of images is computed as each image alone is (see the
     module docstring): few-row linear layers of the transformer(s) at ``SMALL_ROWS`` rows, short token streams,
-    narrow linear layers and convolutions one sample at a time, text encoders one prompt at a time, the VAE decoding one image at a
-    time. Returns the handle that undoes it."""
+    narrow linear layers and convolutions one sample at a time, text encoders one prompt at a time, the VAE
+    decoding one image at a time. Returns the handle that undoes it."""
     active = getattr(pipe, "_xstage_batch_invariance", None)
     if active is not None and active._undo:
         # Already patched (the bench's contender, then the server it starts over the same pipeline): the first
