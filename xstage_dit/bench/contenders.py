@@ -4,10 +4,8 @@ any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_c
 from __future__ import annotations
 
 import json
-import importlib.metadata
 import io
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -18,16 +16,8 @@ from xstage_dit.jsonable import to_jsonable
 from xstage_dit.models.generation import run_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
 
-XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
 # Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
 MOE_FAMILIES = ("nucleusmoe", "hidream")
-
-
-def _version(dist_name: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 class Contender:
@@ -56,6 +46,11 @@ class Contender:
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)
+
+    def timed_module(self, b: Bench) -> torch.nn.Module:
+        """The transformer whose every forward the benchmark times (after ``apply``): the pipeline's own, unless
+        the contender runs another module in its place."""
+        return b.pipe.transformer
 
     def restore(self, b: Bench) -> None:
         b.uncompile()
@@ -249,86 +244,6 @@ class _EncodedOutput:
         return self._decode() if self.kind == "video" else None
 
 
-def _give_flash_attn_a_version() -> None:
-    """xfuser's compile path reads ``flash_attn.__version__`` whenever ``flash_attn`` is imported; flash-attn-4
-    (imported by our kernel sweep in the same process) is a namespace package without one, and xfuser+compile
-    then failed with AttributeError (H200, 2026-12-03). Give it the installed distribution's version."""
-    import sys
-
-    module = sys.modules.get("flash_attn")
-    if module is not None and not hasattr(module, "__version__"):
-        module.__version__ = _version("flash-attn-4") or _version("flash-attn") or "0"
-
-
-class XFuserUSP(Contender):
-    """xDiT/xfuser's USP: its pipeline wrapper with Ulysses degree = GPU count (ring degree 1)."""
-
-    family = "xfuser-usp"
-
-    def __init__(self, compile: bool, world_size: int):
-        super().__init__(compile)
-        # At degree > 1 the wrapper replaces attention layers inside the transformer: no way back.
-        self.irreversible = world_size > 1
-        self.wrapper = None
-        self.saved: dict = {}
-        self.had_forward_attr = False
-
-    def check(self, b: Bench) -> str | None:
-        version = _version("xfuser")
-        if version is None:
-            return f"xfuser is not installed (the bench extra pins xfuser=={XFUSER_PIN})"
-        self.info["xfuser_version"] = version
-        try:
-            import xfuser  # noqa: F401
-            from xfuser.model_executor.pipelines.register import xFuserPipelineWrapperRegister
-        except Exception as exc:
-            return f"xfuser {version} does not import here: {error_text(exc)}"
-        try:
-            self.wrapper_class = xFuserPipelineWrapperRegister.get_class(b.pipe)
-        except Exception as exc:
-            return f"xfuser {version} has no pipeline wrapper for {type(b.pipe).__name__}: {error_text(exc)}"
-        return None
-
-    def apply(self, b: Bench) -> None:
-        from xfuser import xFuserArgs
-        from xfuser.core.distributed import init_distributed_environment
-
-        b.ensure_process_group()
-        _give_flash_attn_a_version()
-        init_distributed_environment(rank=b.rank, world_size=b.world_size)  # adopts the existing group
-        engine_config, _ = xFuserArgs(
-            model=b.args.model, ulysses_degree=b.world_size, ring_degree=1, use_torch_compile=self.compile,
-            height=b.height, width=b.width, num_inference_steps=b.steps, seed=b.args.seed,
-        ).create_config()
-        # The wrapper swaps the pipeline's transformer/scheduler/vae for its own: keep them to put back.
-        self.saved = {name: getattr(b.pipe, name) for name in ("transformer", "scheduler", "vae")
-                      if getattr(b.pipe, name, None) is not None}
-        # With use_torch_compile it sets a compiled `forward` on the transformer instance itself.
-        self.had_forward_attr = "forward" in vars(b.pipe.transformer)
-        self.wrapper = self.wrapper_class(b.pipe, engine_config)
-        if self.compile:
-            self.info["compile_mode"] = "xfuser use_torch_compile (torch.compile of the transformer's forward)"
-        naive = getattr(self.wrapper, "use_naive_forward", None)
-        if callable(naive):
-            # At degree 1 xfuser runs the unmodified diffusers pipeline: record it, the table says so.
-            self.info["xfuser_naive_forward"] = bool(naive())
-
-    def call(self, b: Bench, kwargs: dict):
-        return self.wrapper(**kwargs)
-
-    def restore(self, b: Bench) -> None:
-        for name, module in self.saved.items():
-            setattr(b.pipe, name, module)
-        transformer = self.saved.get("transformer")
-        if transformer is not None and not self.had_forward_attr and "forward" in vars(transformer):
-            del transformer.forward
-        self.saved, self.wrapper = {}, None
-        if self.compile:
-            torch._dynamo.reset()
-        if self.irreversible:
-            b.dirty = self.family
-
-
 class DiffusersCP(Contender):
     """diffusers' native context parallelism (Ulysses) through ``enable_parallelism``."""
 
@@ -367,6 +282,12 @@ class DiffusersCP(Contender):
         super().apply(b)
 
 
+def _xfuser_usp(compile: bool, world_size: int) -> Contender:
+    from xstage_dit.bench.xfuser_stack import XFuserUSP  # its module imports this one (the Contender base)
+
+    return XFuserUSP(compile, world_size)
+
+
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
                     serve=None) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
@@ -378,7 +299,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "xstage-serial": lambda c: XStage(c, "serial"),
         "xstage-calibrated": lambda c: XStage(c, "auto"),
         "xstage-served": lambda c: XStageServed(c, serve),
-        "xfuser-usp": lambda c: XFuserUSP(c, world_size),
+        "xfuser-usp": lambda c: _xfuser_usp(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),
     }
     eager = [factories[n](False) for n in names]

@@ -168,7 +168,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         if b.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(b.device)
-        timer = TransformerTimer(b.pipe.transformer, b.device)
+        timer = TransformerTimer(contender.timed_module(b), b.device)
         warmup_steps = min(b.args.warmup_steps, b.steps)
         t0 = time.perf_counter()
         for _ in range(b.args.warmup):
