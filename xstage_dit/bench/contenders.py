@@ -10,50 +10,16 @@ import time
 import numpy as np
 import torch
 
+from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
+from xstage_dit.bench.xfuser_stack import XFuserUSP
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.models.generation import run_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
 
 # Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
 MOE_FAMILIES = ("nucleusmoe", "hidream")
-
-
-class Contender:
-    family = ""
-    irreversible = False  # no way to undo it: runs after every reversible contender, marks the pipeline dirty
-    compile_vae = True  # compiled variant: also the image VAE's decoder (what `serve` / `generate` compile)
-
-    def __init__(self, compile: bool):
-        self.compile = compile
-        self.info: dict = {}
-
-    def accepts(self, dirty: str | None) -> bool:
-        """Whether this contender can run on a pipeline left modified by ``dirty`` (None: pristine)."""
-        return dirty is None
-
-    @property
-    def name(self) -> str:
-        return self.family + ("+compile" if self.compile else "")
-
-    def check(self, b: Bench) -> str | None:
-        return None
-
-    def apply(self, b: Bench) -> None:
-        if self.compile:
-            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae)
-
-    def call(self, b: Bench, kwargs: dict):
-        return b.pipe(**kwargs)
-
-    def timed_module(self, b: Bench) -> torch.nn.Module:
-        """The transformer whose every forward the benchmark times (after ``apply``): the pipeline's own, unless
-        the contender runs another module in its place."""
-        return b.pipe.transformer
-
-    def restore(self, b: Bench) -> None:
-        b.uncompile()
 
 
 class PlainDiffusers(Contender):
@@ -282,12 +248,6 @@ class DiffusersCP(Contender):
         super().apply(b)
 
 
-def _xfuser_usp(compile: bool, world_size: int) -> Contender:
-    from xstage_dit.bench.xfuser_stack import XFuserUSP  # its module imports this one (the Contender base)
-
-    return XFuserUSP(compile, world_size)
-
-
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
                     serve=None) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
@@ -299,7 +259,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "xstage-serial": lambda c: XStage(c, "serial"),
         "xstage-calibrated": lambda c: XStage(c, "auto"),
         "xstage-served": lambda c: XStageServed(c, serve),
-        "xfuser-usp": lambda c: _xfuser_usp(c, world_size),
+        "xfuser-usp": lambda c: XFuserUSP(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),
     }
     eager = [factories[n](False) for n in names]

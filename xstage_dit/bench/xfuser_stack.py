@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from xstage_dit.bench.contenders import Contender
+from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.session import Bench, error_text
 
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"

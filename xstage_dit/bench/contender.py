@@ -1,0 +1,44 @@
+"""`Contender`: one way of running the pipeline in the end-to-end benchmark (``check``, ``apply``, ``call``,
+``timed_module``, ``restore``); the contenders themselves are in `contenders` and `xfuser_stack`."""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.bench.session import Bench
+
+
+class Contender:
+    family = ""
+    irreversible = False  # no way to undo it: runs after every reversible contender, marks the pipeline dirty
+    compile_vae = True  # compiled variant: also the image VAE's decoder (what `serve` / `generate` compile)
+
+    def __init__(self, compile: bool):
+        self.compile = compile
+        self.info: dict = {}
+
+    def accepts(self, dirty: str | None) -> bool:
+        """Whether this contender can run on a pipeline left modified by ``dirty`` (None: pristine)."""
+        return dirty is None
+
+    @property
+    def name(self) -> str:
+        return self.family + ("+compile" if self.compile else "")
+
+    def check(self, b: Bench) -> str | None:
+        return None
+
+    def apply(self, b: Bench) -> None:
+        if self.compile:
+            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae)
+
+    def call(self, b: Bench, kwargs: dict):
+        return b.pipe(**kwargs)
+
+    def timed_module(self, b: Bench) -> torch.nn.Module:
+        """The transformer whose every forward the benchmark times (after ``apply``): the pipeline's own, unless
+        the contender runs another module in its place."""
+        return b.pipe.transformer
+
+    def restore(self, b: Bench) -> None:
+        b.uncompile()
