@@ -1,5 +1,7 @@
-"""`Contender`: one way of running the pipeline in the end-to-end benchmark (``check``, ``apply``, ``call``,
-``timed_module``, ``restore``); the contenders themselves are in `contenders` and `xfuser_stack`."""
+"""The base of every end-to-end benchmark contender (check, apply, call, timed_module, restore).
+
+The contenders themselves are in `contenders` (diffusers, xstage, diffusers' context parallelism) and
+`xfuser_stack` (xDiT/xfuser)."""
 
 from __future__ import annotations
 
