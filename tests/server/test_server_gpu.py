@@ -31,3 +31,22 @@ def test_tiny_flux_server_on_gpu():
         calibration = client.get("/v1/calibration").json()["calibration"]
         assert "available" in calibration
     worker.stop()
+
+
+@pytest.mark.gpu
+def test_video_stream_on_gpu():
+    """Tiny Wan on the GPU: each decoded chunk is copied to pinned host memory without a wait in the pipeline's
+    thread (the encoder thread waits on its event), and the MP4 is the output's, byte for byte."""
+    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.models.generation import GenerationRequest
+    from xstage_dit.server.config import ServedModel
+    from xstage_dit.server.media import mp4_bytes
+    from xstage_dit.server.runner import BatchRunner
+
+    pipe = load_pipeline("tiny-wan", dtype=torch.bfloat16, device="cuda")
+    served = ServedModel.from_spec("tiny-wan", model_spec("tiny-wan"))
+    item = GenerationRequest(kind="video", prompt="a cat", width=64, height=64, steps=2,
+                             guidance=served.default_guidance, seed=2, num_frames=17, fps=8)
+    result = BatchRunner(pipe, served).run([item], lambda *a: True, stream_video=True)
+    assert result.video_stream is not None
+    assert result.video_stream.finish(result.pixels[0]) == mp4_bytes(result.pixels[0], 8)

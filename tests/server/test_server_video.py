@@ -15,6 +15,7 @@ import torch
 from xstage_dit.models.generation import read_mp4, to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
+from xstage_dit.server.media import mp4_bytes
 from tests.helpers.server import live_server, one_torch_thread, start_worker, tiny
 
 
@@ -79,6 +80,8 @@ def test_video_job_progress_and_mp4_content(server):
     err_other = np.abs(frames.astype(float) - other).mean()
     # H.264 is lossy: the video is near its seed's frames and clearly farther from another seed's.
     assert err_want < 12 and err_want < err_other / 2, (err_want, err_other)
+    # And it is exactly the MP4 of those frames (the server encodes while the VAE decodes: `video_stream`).
+    assert content.content == mp4_bytes(want, 8)
 
 
 def test_cancel_running_video_and_errors(server):

@@ -66,6 +66,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="leave the heap alive after warm-up to Python's garbage collector (by default it is frozen "
                         "out of its way: a full collection of a loaded pipeline pauses every thread for a few "
                         "hundred ms)")
+    p.add_argument("--video-stream", choices=("gpu", "always", "never"), default="gpu",
+                   help="encode a video's MP4 while its VAE decodes: where the pipeline runs on a GPU (gpu), "
+                        "always, or never (encode after the call); default: %(default)s")
     from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
 
     add_compile_option(p)
@@ -109,7 +112,8 @@ def _config(args: argparse.Namespace):
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
             exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,
-            gc_freeze=not args.no_gc_freeze, warmup_sizes=warmup_sizes, batching=args.batching,
+            gc_freeze=not args.no_gc_freeze, video_stream=args.video_stream, warmup_sizes=warmup_sizes,
+            batching=args.batching,
             batch_margin=args.batch_margin)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")

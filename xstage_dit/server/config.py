@@ -96,6 +96,10 @@ class ServerConfig:
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
         (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
         pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
+    video_stream: encode a video's MP4 while its VAE decodes (`xstage_dit.server.video_stream`): "gpu" where
+        the pipeline runs on a GPU (the decode is GPU work and the host's cores are free for x264), "always",
+        "never". On a 2-core CPU machine, where the VAE decodes on the same cores, tiny Wan at 832x480 x 81 took
+        67.2 s streamed against 62.2 s encoding after the call: x264's threads slow the decode more than they save.
     batching: "auto" batches a size only where warm-up measured a batch of max_batch_size at >= 1 +
         batch_margin times the images per second of single images, with bit-identical images (else FIFO,
         one pipeline call per image); "always" batches every compatible request; "never" is FIFO.
@@ -126,6 +130,7 @@ class ServerConfig:
     warmup: bool = True
     warmup_sizes: tuple = ()
     gc_freeze: bool = True
+    video_stream: str = "gpu"
     batching: str = "auto"
     batch_margin: float = 0.10
     stop_check_steps: int = 1
@@ -146,6 +151,8 @@ class ServerConfig:
         _check(isinstance(self.stop_check_steps, int) and self.stop_check_steps >= 1, "stop_check_steps",
                "an integer >= 1", self.stop_check_steps)
         _check(isinstance(self.gc_freeze, bool), "gc_freeze", "True or False", self.gc_freeze)
+        _check(self.video_stream in ("gpu", "always", "never"), "video_stream", "gpu, always or never",
+               self.video_stream)
         for size in self.warmup_sizes:
             _check(isinstance(size, tuple) and len(size) == 2 and all(isinstance(v, int) and v >= 1 for v in size),
                    "warmup_sizes", "(width, height) pairs of positive integers", size)

@@ -30,35 +30,76 @@ X264_CRF = 10
 X264_PRESET = "veryfast"
 
 
-def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
-    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (yuv420p, CRF
-    ``X264_CRF``, preset ``X264_PRESET``)."""
-    if frames.ndim != 4 or frames.shape[-1] != 3:
-        raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
-    import imageio_ffmpeg  # the ffmpeg binary ships inside this wheel
+class Mp4Writer:
+    """H.264 MP4 (yuv420p, CRF ``X264_CRF``, preset ``X264_PRESET``) written frame chunk by frame chunk: x264 runs
+    in its own ffmpeg process, so chunks added while the GPU still decodes the rest are encoded meanwhile
+    (`server.video_stream`). ``close()`` returns the bytes; ``abort()`` drops them. One owner of the encoding:
+    `mp4_bytes` is this writer over all frames at once, so both give the same bytes for the same frames."""
 
-    frames = to_uint8(frames)
-    num_frames, height, width, _ = frames.shape
-    # yuv420p needs even sides; pad by edge replication rather than rescaling the content.
-    pad_h, pad_w = height % 2, width % 2
-    if pad_h or pad_w:
-        frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-    fd, path = tempfile.mkstemp(suffix=".mp4")
-    os.close(fd)
-    try:
-        writer = imageio_ffmpeg.write_frames(
-            path, (frames.shape[2], frames.shape[1]), fps=fps, codec="libx264", pix_fmt_in="rgb24",
-            pix_fmt_out="yuv420p", macro_block_size=1, quality=None,
+    def __init__(self, fps: int):
+        self.fps = fps
+        self._writer = None
+        self._path = None
+        self._pad = (0, 0)
+        self.frames = 0
+
+    def add(self, frames: np.ndarray) -> None:
+        """frames: (num_frames, height, width, 3) float in [0, 1] or uint8, the next frames of the video."""
+        if frames.ndim != 4 or frames.shape[-1] != 3:
+            raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
+        frames = to_uint8(frames)
+        if self._writer is None:
+            self._start(frames.shape[1], frames.shape[2])
+        pad_h, pad_w = self._pad
+        if pad_h or pad_w:  # yuv420p needs even sides; pad by edge replication rather than rescaling the content
+            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
+        for frame in frames:
+            self._writer.send(np.ascontiguousarray(frame))
+        self.frames += len(frames)
+
+    def _start(self, height: int, width: int) -> None:
+        import imageio_ffmpeg  # the ffmpeg binary ships inside this wheel
+
+        self._pad = (height % 2, width % 2)
+        fd, self._path = tempfile.mkstemp(suffix=".mp4")
+        os.close(fd)
+        self._writer = imageio_ffmpeg.write_frames(
+            self._path, (width + self._pad[1], height + self._pad[0]), fps=self.fps, codec="libx264",
+            pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=1, quality=None,
             output_params=["-crf", str(X264_CRF), "-preset", X264_PRESET, "-movflags", "+faststart"],
             ffmpeg_log_level="error")
-        writer.send(None)
-        for frame in frames:
-            writer.send(np.ascontiguousarray(frame))
-        writer.close()
-        with open(path, "rb") as f:
-            return f.read()
+        self._writer.send(None)
+
+    def close(self) -> bytes:
+        """Flush the encoder; the MP4's bytes."""
+        if self._writer is None:
+            raise ValueError("expected at least one frame before close(), got none")
+        try:
+            self._writer.close()
+            self._writer = None
+            with open(self._path, "rb") as f:
+                return f.read()
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Stop the encoder (if running) and delete its file; idempotent."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        path, self._path = self._path, None
+        if path is not None and os.path.exists(path):
+            os.unlink(path)
+
+
+def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
+    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (`Mp4Writer`)."""
+    writer = Mp4Writer(fps)
+    try:
+        writer.add(frames)
+        return writer.close()
     finally:
-        os.unlink(path)
+        writer.abort()
 
 
 def encode_batch(pixels: np.ndarray, items) -> list[bytes]:

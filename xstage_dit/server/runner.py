@@ -27,6 +27,7 @@ import torch
 
 from xstage_dit.models.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
+from xstage_dit.server.video_stream import StreamedVideo, streams
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,19 @@ class StepClock:
 @dataclass
 class RunResult:
     """pixels: uint8, (batch, H, W, C) images or (batch, frames, H, W, C) videos (`generation.output_pixels`).
-    step_times: seconds of every step after the first of each pipeline call (GPU time on a GPU)."""
+    step_times: seconds of every step after the first of each pipeline call (GPU time on a GPU).
+    video_stream: the MP4 encoded during the call (`video_stream.StreamedVideo`), when one was asked for and the
+    pipeline streams: ``finish(pixels[0])`` it, or ``discard()`` the result."""
 
     pixels: np.ndarray
     step_times: list[float] = field(default_factory=list)
+    video_stream: StreamedVideo | None = None
+
+    def discard(self) -> None:
+        """Drop what the result still holds open (a video stream nobody will finish); idempotent."""
+        stream, self.video_stream = self.video_stream, None
+        if stream is not None:
+            stream.abort()
 
 
 class BatchRunner:
@@ -99,15 +109,17 @@ class BatchRunner:
         self.device = getattr(pipe, "device", torch.device("cpu"))
 
     def run(self, items: list[GenerationRequest], on_step: Callable[[int, int, int, list], bool],
-            one_at_a_time: bool = False) -> RunResult:
-        """Run the batch (one call, or one call per image); raises `BatchStopped` when `on_step` said False."""
+            one_at_a_time: bool = False, stream_video: bool = False) -> RunResult:
+        """Run the batch (one call, or one call per image); raises `BatchStopped` when `on_step` said False.
+        stream_video: encode a video's MP4 while its VAE decodes (`video_stream`), where the pipeline allows it
+        (the rank that answers asks for it)."""
         if not one_at_a_time:
-            return self._call(items, on_step)
+            return self._call(items, on_step, stream_video)
         singles = [one for item in items for one in item.per_image()]
         parts = [self._call([one], on_step) for one in singles]
         return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
 
-    def _call(self, items: list[GenerationRequest], on_step) -> RunResult:
+    def _call(self, items: list[GenerationRequest], on_step, stream_video: bool = False) -> RunResult:
         kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs,
                                  output_type="pt")
         total = items[0].steps
@@ -124,11 +136,21 @@ class BatchRunner:
             return {}
 
         kwargs["callback_on_step_end"] = callback
-        out = run_pipeline(self.pipe, **kwargs)
-        # uint8 on the host, rounded on the GPU (output_type "pt"): the one copy after the last step waits for it.
-        pixels = output_pixels(out, items[0].kind)
-        step_times.extend(clock.poll())  # the output is on the host: every step event has completed
-        count = sum(item.n for item in items)
-        if pixels.shape[0] != count:
-            raise RuntimeError(f"expected pipeline output with batch {count}, got {tuple(pixels.shape)}")
-        return RunResult(pixels, step_times)
+        stream = None
+        if stream_video and items[0].kind == "video" and len(items) == 1 and items[0].n == 1 and streams(self.pipe):
+            stream = StreamedVideo(self.pipe, items[0].fps)
+        try:
+            out = run_pipeline(self.pipe, **kwargs)
+            if stream is not None:
+                stream.detach()
+            # uint8 on the host, rounded on the GPU (output_type "pt"): the one copy after the last step waits for it.
+            pixels = output_pixels(out, items[0].kind)
+            step_times.extend(clock.poll())  # the output is on the host: every step event has completed
+            count = sum(item.n for item in items)
+            if pixels.shape[0] != count:
+                raise RuntimeError(f"expected pipeline output with batch {count}, got {tuple(pixels.shape)}")
+        except BaseException:
+            if stream is not None:
+                stream.abort()  # stopped or failed: no MP4, no encoder left running
+            raise
+        return RunResult(pixels, step_times, stream)

@@ -45,7 +45,7 @@ from xstage_dit.server.jobs import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store
-from xstage_dit.server.runner import BatchRunner, BatchStopped
+from xstage_dit.server.runner import BatchRunner, BatchStopped, RunResult
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +116,16 @@ class Worker:
             except Exception as exc:  # noqa: BLE001
                 raise ControlError(f"lost a rank: stop vote failed ({str(exc).splitlines()[0][:200]})") from exc
 
-        result = runner.run(items, on_step, one_at_a_time)
+        # The rank that answers encodes a video while its VAE decodes it (`video_stream`); the others need no MP4.
+        policy = self.config.video_stream
+        stream = decide is not None and (policy == "always" or (policy == "gpu" and runner.device.type == "cuda"))
+        result = runner.run(items, on_step, one_at_a_time, stream_video=stream)
         if vote is not None:
-            vote.finish()
+            try:
+                vote.finish()
+            except BaseException:
+                result.discard()
+                raise
         return result
 
     def warmup_items(self) -> list[tuple[int, int]]:
@@ -311,8 +318,18 @@ class Worker:
             status, error = "error", f"{type(exc).__name__}: {exc}"
             log.error("batch %d failed:\n%s", self._batch_id, traceback.format_exc())
         run_s = time.perf_counter() - started
+        delivered = False
+        try:
+            delivered = self._after_batch(batch, status, error, result, run_s, self._gc.total_s() - gc_before)
+        finally:
+            if result is not None and not delivered:
+                result.discard()  # an MP4 encoded meanwhile is dropped, its encoder stopped
+
+    def _after_batch(self, batch: Batch, status: str, error: str | None, result, run_s: float, gc_s: float) -> bool:
+        """Rank 0 after a batch: the other ranks' status, then delivery (True: `result` handed to the encoder
+        thread) or the jobs failed / released (False)."""
         if self.state != READY:
-            return
+            return False
         if self.ctx.world_size > 1:
             try:
                 for r in range(1, self.ctx.world_size):
@@ -322,22 +339,26 @@ class Worker:
                         status, error = "error", f"rank {r}: {peer}"
             except Exception as exc:  # noqa: BLE001
                 self.fail(f"rank status exchange failed: {exc}")
-                return
+                return False
         self._current_batch = None
         if status == "ok":
-            self._encoder.submit(self._deliver, batch, result.pixels, run_s, self._gc.total_s() - gc_before)
-            return
+            self._encoder.submit(self._deliver, batch, result, run_s, gc_s)
+            return True
         if status == "error":
-            m.errors.labels("pipeline").inc()
+            self.metrics.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: {error}", 500)
         self.queue.release(batch)
+        return False
 
-    def _deliver(self, batch: Batch, pixels: np.ndarray, run_s: float, gc_s: float) -> None:
-        """Encoder thread: PNG/MP4 bytes to their jobs, while the worker runs the next batch."""
+    def _deliver(self, batch: Batch, result: RunResult, run_s: float, gc_s: float) -> None:
+        """Encoder thread: PNG/MP4 bytes to their jobs, while the worker runs the next batch. A video encoded
+        during its call (`video_stream`) only waits for the encoder's last frames here."""
         m = self.metrics
         try:
             started = time.perf_counter()
-            outputs = encode_batch(pixels, batch.items)
+            stream, result.video_stream = result.video_stream, None
+            streamed = stream.finish(result.pixels[0]) if stream is not None else None
+            outputs = [streamed] if streamed is not None else encode_batch(result.pixels, batch.items)
             encode_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             m.errors.labels("pipeline").inc()
