@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from xstage_dit.models.mp4 import encode_mp4
 from xstage_dit.models.png import encode_png
 from xstage_dit.models.spec import ModelSpec
 
@@ -290,11 +291,8 @@ def save_output(frames: list[Image.Image], path: str | Path, *, kind: str, fps: 
         raise ValueError(f"expected an image suffix {IMAGE_SUFFIXES} for an image model, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix in VIDEO_SUFFIXES:
-        import imageio
-
-        with imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1) as writer:
-            for frame in frames:
-                writer.append_data(np.asarray(frame.convert("RGB")))
+        # The server's encoder (models.mp4): the same bytes as a served MP4 of the same frames.
+        path.write_bytes(encode_mp4(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]), fps))
     else:
         image = frames[0] if len(frames) == 1 else image_grid(frames)
         if suffix == ".png":

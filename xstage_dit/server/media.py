@@ -6,12 +6,10 @@ the same way for every image and for `xstage-dit generate`, so an image's bytes 
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 
 from xstage_dit.models.generation import to_uint8
+from xstage_dit.models.mp4 import encode_mp4
 from xstage_dit.models.png import encode_png
 
 
@@ -22,84 +20,11 @@ def png_bytes(image: np.ndarray) -> bytes:
     return encode_png(to_uint8(image))
 
 
-# x264 at CRF 10 (imageio's quality 8, kept) with the veryfast preset instead of x264's default medium: the
-# encode sits on every video request's critical path, after the GPU is done. Wan 480p x 81 frames took 1.83 s
-# to encode on the H200 host at preset medium, 11 % of a 2-step request; on 2 cores, 27 frames of 832x480 encode
-# 2.5x (noise) to 3.1x (smooth content) faster at veryfast, files of the same size or smaller.
-X264_CRF = 10
-X264_PRESET = "veryfast"
-
-
-class Mp4Writer:
-    """H.264 MP4 (yuv420p, CRF ``X264_CRF``, preset ``X264_PRESET``) written frame chunk by frame chunk: x264 runs
-    in its own ffmpeg process, so chunks added while the GPU still decodes the rest are encoded meanwhile
-    (`server.video_stream`). ``close()`` returns the bytes; ``abort()`` drops them. One owner of the encoding:
-    `mp4_bytes` is this writer over all frames at once, so both give the same bytes for the same frames."""
-
-    def __init__(self, fps: int):
-        self.fps = fps
-        self._writer = None
-        self._path = None
-        self._pad = (0, 0)
-        self.frames = 0
-
-    def add(self, frames: np.ndarray) -> None:
-        """frames: (num_frames, height, width, 3) float in [0, 1] or uint8, the next frames of the video."""
-        if frames.ndim != 4 or frames.shape[-1] != 3:
-            raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
-        frames = to_uint8(frames)
-        if self._writer is None:
-            self._start(frames.shape[1], frames.shape[2])
-        pad_h, pad_w = self._pad
-        if pad_h or pad_w:  # yuv420p needs even sides; pad by edge replication rather than rescaling the content
-            frames = np.pad(frames, ((0, 0), (0, pad_h), (0, pad_w), (0, 0)), mode="edge")
-        for frame in frames:
-            self._writer.send(np.ascontiguousarray(frame))
-        self.frames += len(frames)
-
-    def _start(self, height: int, width: int) -> None:
-        import imageio_ffmpeg  # the ffmpeg binary ships inside this wheel
-
-        self._pad = (height % 2, width % 2)
-        fd, self._path = tempfile.mkstemp(suffix=".mp4")
-        os.close(fd)
-        self._writer = imageio_ffmpeg.write_frames(
-            self._path, (width + self._pad[1], height + self._pad[0]), fps=self.fps, codec="libx264",
-            pix_fmt_in="rgb24", pix_fmt_out="yuv420p", macro_block_size=1, quality=None,
-            output_params=["-crf", str(X264_CRF), "-preset", X264_PRESET, "-movflags", "+faststart"],
-            ffmpeg_log_level="error")
-        self._writer.send(None)
-
-    def close(self) -> bytes:
-        """Flush the encoder; the MP4's bytes."""
-        if self._writer is None:
-            raise ValueError("expected at least one frame before close(), got none")
-        try:
-            self._writer.close()
-            self._writer = None
-            with open(self._path, "rb") as f:
-                return f.read()
-        finally:
-            self.abort()
-
-    def abort(self) -> None:
-        """Stop the encoder (if running) and delete its file; idempotent."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        path, self._path = self._path, None
-        if path is not None and os.path.exists(path):
-            os.unlink(path)
-
-
 def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
-    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (`Mp4Writer`)."""
-    writer = Mp4Writer(fps)
-    try:
-        writer.add(frames)
-        return writer.close()
-    finally:
-        writer.abort()
+    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (`models.mp4`)."""
+    if frames.ndim != 4 or frames.shape[-1] != 3:
+        raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
+    return encode_mp4(to_uint8(frames), fps)
 
 
 def encode_batch(pixels: np.ndarray, items) -> list[bytes]:

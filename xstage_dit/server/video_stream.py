@@ -7,7 +7,7 @@ veryfast preset, 3.6 % of a compiled 2-step request (13.8 s), against a 2 % budg
 latent frame, its causal cache carried between calls of ``vae.decoder``); its decode of 81 frames takes seconds.
 `StreamedVideo` hooks ``vae.decoder``: each chunk it returns is post-processed the way the pipeline will
 post-process the whole video (the pipeline's own ``video_processor``, then `models.generation.to_uint8_tensor`),
-copied to the host without a synchronization, and handed to a thread that feeds x264 (`server.media.Mp4Writer`,
+copied to the host without a synchronization, and handed to a thread that feeds x264 (`models.mp4.Mp4Writer`,
 its own process) as soon as the copy has landed. When the pipeline returns, the encoder has the frames but the
 last few; `StreamedVideo.finish` checks that the frames it encoded are the pipeline's output, byte for byte, and
 returns the MP4 (else None and a logged reason: the caller encodes the output as before).
@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from xstage_dit.models.generation import to_uint8_tensor
-from xstage_dit.server.media import Mp4Writer
+from xstage_dit.models.mp4 import Mp4Writer
 
 log = logging.getLogger(__name__)
 
