@@ -83,6 +83,7 @@ def test_transformer_timer_counts_each_forward_and_detaches():
         (["--num-prompts", "-1"], "--num-prompts >= 1, got -1"),
         (["--warmup", "-2"], "--warmup >= 0, got -2"),
         (["--rounds", "0"], "--rounds >= 1, got 0"),
+        (["--repeats", "0"], "--repeats >= 1, got 0"),
         (["--rerender", "/nonexistent/e2e.json"], "/nonexistent/e2e.json"),
         (["--contenders", "diffusers,vllm"], "'diffusers,vllm'"),
         (["--prompts", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
@@ -199,6 +200,7 @@ class _Args:
     compile_estimate_s = 100.0
     compile = "regional"
     time_budget_s = 0.0
+    repeats = 1
 
 
 class _FakePipe:
@@ -248,6 +250,24 @@ def test_measure_times_every_prompt_and_counts_forwards():
     assert record["transformer_forwards_per_step"] == 1.0
     assert record["transformer_step_ms"] > 0
     assert output.shape == (2, 2, 3)
+
+
+def test_repeats_time_each_prompt_back_to_back_and_cost_their_runs():
+    b = _fake_bench(prompts=["a", "b"])
+    b.args.repeats = 3
+    seen = []
+
+    class Recording(contenders.PlainDiffusers):
+        def call(self, bench, kwargs):
+            seen.append(kwargs["num_inference_steps"])
+            return super().call(bench, kwargs)
+
+    record, _ = measure.measure(b, Recording(False), None)
+    assert record["status"] == "ok", record
+    assert seen == [1] + [3] * 6  # the warm-up, then 2 prompts x 3 runs
+    assert len(record["latencies_s"]) == len(record["transformer_step_ms_all"]) == 6
+    assert measure.estimate_cost_s(b, contenders.PlainDiffusers(False), _ok("diffusers", 2.0)) == pytest.approx(
+        1.0 + 2 * 3 * 2.0)
 
 
 def test_measure_reports_a_failing_contender_and_undoes_it():
@@ -717,3 +737,8 @@ def test_served_video_is_timed_through_the_job_api(tmp_path):
     assert all(t["client_s"] >= t["total_s"] for t in timings), timings
     # H.264 (yuv420p) is lossy: the served frames differ from the bare ones by the codec, never wildly.
     assert served["output_max_abs_diff_vs_diffusers"] < 0.5
+
+
+def test_the_report_says_how_often_each_prompt_was_timed():
+    assert report._repeats({"repeats": 5}) == ", each timed 5 times in a row"
+    assert report._repeats({"repeats": 1}) == report._repeats({}) == ""  # older results: no such key

@@ -122,7 +122,7 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
         "guidance": spec.guidance, "seed": args.seed, "weights_seed": args.weights_seed,
         "dtype": str(dtype).replace("torch.", ""),
-        "num_prompts": len(prompts), "prompts": prompts, "warmup": args.warmup,
+        "num_prompts": len(prompts), "prompts": prompts, "repeats": args.repeats, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": args.compile,
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
         # measure_in_rounds counts the rounds every eager contender of our group completed.

@@ -109,12 +109,12 @@ def _agree(b: Bench, value):
 
 
 def estimate_cost_s(b: Bench, contender: Contender, measured: dict | None, rounds: int = 1) -> float | None:
-    """Seconds ``rounds`` rounds of a contender should take (each round: its warm-up and one run per prompt),
+    """Seconds ``rounds`` rounds of a contender should take (each round: its warm-up and ``--repeats`` runs per prompt),
     from a measured row (the eager baseline's, or the contender's own), plus the assumed compile time and a
     rebuild of the pipeline when it needs a pristine one (both paid once)."""
     if measured is None or measured.get("status") != "ok":
         return None
-    cost = rounds * (measured["warmup_s"] + measured["median_s"] * len(b.prompts))
+    cost = rounds * (measured["warmup_s"] + measured["median_s"] * len(b.prompts) * b.args.repeats)
     if contender.compile:
         cost += b.args.compile_estimate_s
     if not contender.accepts(b.dirty):
@@ -137,11 +137,12 @@ def _info_fields(contender: Contender) -> dict:
 
 @dataclasses.dataclass
 class RoundResult:
-    """One round of one contender: applied, warmed up, one timed run per prompt (in prompt order), undone."""
+    """One round of one contender: applied, warmed up, ``--repeats`` timed runs per prompt (in prompt order),
+    undone."""
 
-    latencies_s: list[float]
-    step_s: list[float]  # transformer seconds per denoising step, per prompt
-    forwards: list[int]  # transformer forwards of the run, per prompt
+    latencies_s: list[float]  # per run: prompt by prompt, each prompt's repeats together
+    step_s: list[float]  # transformer seconds per denoising step, per run
+    forwards: list[int]  # transformer forwards, per run
     setup_s: float
     warmup_s: float
     peak_memory_gib: float | None  # None on the CPU
@@ -180,13 +181,14 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         latencies, step_times, forwards = [], [], []
         first_output = None
         for i, prompt in enumerate(b.prompts):
-            latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
-            transformer_s, calls = timer.collect()
-            latencies.append(latency)
-            step_times.append(transformer_s / b.steps)
-            forwards.append(calls)
-            if i == 0:
-                first_output = _output_array(output)
+            for repeat in range(b.args.repeats):
+                latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
+                transformer_s, calls = timer.collect()
+                latencies.append(latency)
+                step_times.append(transformer_s / b.steps)
+                forwards.append(calls)
+                if i == 0 and repeat == 0:
+                    first_output = _output_array(output)
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
         result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output)
     except Exception as exc:
@@ -208,9 +210,10 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
 def rounds_row(contender: Contender, results: list[RoundResult], reference: np.ndarray | None, steps: int) -> dict:
     """The "ok" row of a contender measured in ``len(results)`` >= 1 rounds of ``steps`` denoising steps.
 
-    Medians and p90 are over every (round, prompt) sample; ``latencies_s`` keeps the samples round by round,
-    prompt by prompt (what ``paired_ratios`` pairs on); the peak memory is the highest of any round; set-up
-    and warm-up times are round 1's (what the budget estimates from); the output is compared on round 1.
+    Medians and p90 are over every (round, prompt, repeat) sample; ``latencies_s`` keeps the samples round by
+    round, prompt by prompt, repeat by repeat (what ``paired_ratios`` pairs on); the peak memory is the highest
+    of any round; set-up and warm-up times are round 1's (what the budget estimates from); the output is compared
+    on round 1.
     """
     latencies = [t for r in results for t in r.latencies_s]
     step_s = [t for r in results for t in r.step_s]

@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, default=1,
                         help="denoising steps of a warm-up generation: every step runs the same kernels, so one step "
                              "warms up (and compiles) everything (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs of each prompt per round, back to back (the same prompt: the same shapes, "
+                             "so a compiled contender compiles nothing new); every run is a sample, so a short call "
+                             "measured once is not one garbage collection or clock change away from its median "
+                             "(default: %(default)s)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the eager diffusers and xstage contenders in N interleaved rounds (each round "
                              "applies, warms up, times every prompt and undoes each of them, in an order rotated "
@@ -104,7 +109,7 @@ def validate(args: argparse.Namespace) -> None:
     """Check option values before any model is built; UsageError names the bad value."""
     positive = {"--steps": args.steps, "--num-prompts": args.num_prompts, "--gpus": args.gpus,
                 "--height": args.height, "--width": args.width, "--frames": args.frames,
-                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds}
+                "--warmup-steps": args.warmup_steps, "--rounds": args.rounds, "--repeats": args.repeats}
     for flag, value in positive.items():
         if value is not None and value < 1:
             raise UsageError(f"expected {flag} >= 1, got {value}")

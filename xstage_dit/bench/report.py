@@ -77,10 +77,10 @@ def notes_text(settings: dict) -> str:
         f"Model {s['model']} ({s['family']}, {size}), **measured at {s['steps']} denoising steps** (model "
         f"default {s['default_steps']}), guidance {s['guidance']}, seed {s['seed']} (weights seed "
         f"{s.get('weights_seed', s['seed'])}), {s['dtype']}, "
-        f"{s['gpus']} GPU(s); {s['num_prompts']} prompt(s) from xstage_dit/bench/prompts.txt per contender, each after "
-        f"{s['warmup']} warm-up run(s) of {s['warmup_steps']} step(s).",
+        f"{s['gpus']} GPU(s); {s['num_prompts']} prompt(s) from xstage_dit/bench/prompts.txt per contender"
+        f"{_repeats(s)}, each after {s['warmup']} warm-up run(s) of {s['warmup_steps']} step(s).",
         "",
-        "median_s / p90_s: the whole pipeline call (text encoders, denoising, VAE decode), one run per prompt. "
+        "median_s / p90_s: the whole pipeline call (text encoders, denoising, VAE decode), over every timed run. "
         "transformer_step_ms: CUDA events around every transformer forward, summed per denoising step "
         "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
         "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
@@ -199,3 +199,9 @@ class Report:
     def finish(self) -> None:
         for path in self.write(chart=True):
             print(f"[bench] wrote {path}", flush=True)
+
+
+def _repeats(settings: dict) -> str:
+    """", each timed N times in a row" where a run asked for --repeats N (older results have no such key)."""
+    repeats = settings.get("repeats", 1)
+    return f", each timed {repeats} times in a row" if repeats > 1 else ""
