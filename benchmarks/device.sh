@@ -147,7 +147,7 @@ step_e2e() {
     var="E2E_${m^^}_ARGS"
     case "$m" in
       flux) args="--model full-flux --num-prompts 2 --rounds 2 --compile" ;;
-      nucleusmoe) args="--model full-nucleusmoe --num-prompts 2 --steps 4 --rounds 4 --compile" ;;
+      nucleusmoe) args="--model full-nucleusmoe --num-prompts 2 --steps 4 --rounds 3 --repeats 3 --compile" ;;
       wan) args="--model full-wan --num-prompts 1 --steps 2 --rounds 1 --compile" ;;
       *) echo "unknown e2e model $m (flux, nucleusmoe, wan)"; return 2 ;;
     esac
