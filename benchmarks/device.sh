@@ -163,7 +163,7 @@ step_serving() {
   e2e_s="${SERVING_E2E_S:-245}"
   load_s="${SERVING_LOAD_S:-165}"
   local e2e_args="--model full-flux --steps 28 --num-prompts 1 --rounds 2 --compile regional --compile-estimate-s 40
-    --contenders diffusers,xstage-serial,xstage-served,xfuser-usp"
+    --contenders diffusers,xstage-serial,xstage-served,xfuser-usp,xfuser-runner"
   echo "[device.sh] serving e2e: ${SERVING_E2E_ARGS:-$e2e_args}"
   # shellcheck disable=SC2086
   timeout -k 10 "$e2e_s" "$py" benchmarks/bench_e2e.py ${SERVING_E2E_ARGS:-$e2e_args} --device cuda \

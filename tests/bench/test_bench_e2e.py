@@ -180,13 +180,15 @@ def test_summary_and_comparisons_are_the_measured_ratios():
 def test_run_order_baseline_first_irreversible_last():
     order = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
-    assert order[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
+    assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
+                          "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
     assert order[:9] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "diffusers-repeat",
                          "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
                          "xstage-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
-    assert order1[-4:] == ["xfuser-usp", "xfuser-usp+compile", "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 13
+    assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
+                           "diffusers-cp", "diffusers-cp+compile"]
+    assert len(order1) == len(set(order1)) == 15
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]

@@ -1,8 +1,8 @@
-"""xfuser as a benchmark contender (`xstage_dit.bench.xfuser_stack`).
+"""xfuser as benchmark contenders (`xstage_dit.bench.xfuser_stack`): its pipeline wrapper and its model runner.
 
 CPU: the pieces that need no xfuser (the runner's input arguments, the rebuilt pipeline, the reasons it cannot
-run). xfuser itself refuses to import without an accelerator, so its two paths run in the GPU test: tiny Wan
-through xfuser's model runner (our weights), eager and compiled, against plain diffusers in one `bench` run.
+run). xfuser itself refuses to import without an accelerator, so the runner runs in the GPU tests: tiny Wan and
+tiny FLUX through xfuser's model runners (our weights), eager and compiled, against plain diffusers.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def test_runner_input_args_come_from_the_call_and_keep_the_schedule():
               "num_frames": 81, "generator": object(), "output_type": "np"}
     args = xfuser_stack.runner_input_args(kwargs, seed=7, flow_shift=3.0)
     assert args == {"prompt": "a fox", "height": 480, "width": 832, "num_inference_steps": 2, "guidance_scale": 5.0,
-                    "negative_prompt": None, "guidance_scale_2": None, "num_frames": 81, "seed": 7, "flow_shift": 3.0}
+                    "negative_prompt": None, "guidance_scale_2": None, "num_frames": 81, "max_sequence_length": 512,
+                    "seed": 7, "flow_shift": 3.0}
+    assert xfuser_stack.runner_input_args({**kwargs, "max_sequence_length": 32}, 7, None)["max_sequence_length"] == 32
     assert "flow_shift" not in xfuser_stack.runner_input_args(kwargs, seed=7, flow_shift=None)
     with pytest.raises(ValueError, match="num_inference_steps"):
         xfuser_stack.runner_input_args({k: v for k, v in kwargs.items() if k != "num_inference_steps"}, 0, None)
@@ -52,18 +54,35 @@ def test_rebuilt_pipeline_shares_components_and_carries_config():
 
 
 def test_runner_models_name_a_runner_and_a_transformer_class():
-    for pipeline, (runner, transformer) in xfuser_stack.RUNNER_MODELS.items():
-        assert pipeline.endswith("Pipeline") and runner
-        module, sep, attribute = transformer.partition(":")
-        assert sep and module.startswith("xfuser.") and attribute
+    assert set(xfuser_stack.RUNNER_MODELS) == {"FluxPipeline", "WanPipeline"}
+    for pipeline, model in xfuser_stack.RUNNER_MODELS.items():
+        assert pipeline.endswith("Pipeline") and model.name
+        module, sep, attribute = model.transformer.partition(":")
+        assert sep and module.startswith("xfuser.") and attribute.startswith("xFuser")
+    assert xfuser_stack.RUNNER_MODELS["FluxPipeline"].sets_input_parameters  # its _run_pipe does, per call
 
 
 def test_check_names_the_pin_where_xfuser_is_missing(monkeypatch, tiny_wan):
     monkeypatch.setattr(xfuser_stack, "_version", lambda name: None)
-    contender = contenders.make_contenders(["xfuser-usp"], False)[0]
-    assert isinstance(contender, xfuser_stack.XFuserUSP)
-    reason = contender.check(None)
-    assert reason == f"xfuser is not installed (the bench extra pins xfuser=={xfuser_stack.XFUSER_PIN})"
+    usp, runner = contenders.make_contenders(["xfuser-usp", "xfuser-runner"], False)[:2]
+    assert isinstance(usp, xfuser_stack.XFuserUSP) and isinstance(runner, xfuser_stack.XFuserRunner)
+    for contender in (usp, runner):
+        reason = contender.check(None)
+        assert reason == f"xfuser is not installed (the bench extra pins xfuser=={xfuser_stack.XFUSER_PIN})"
+
+
+def test_the_runner_leaves_inductor_as_it_found_it():
+    import torch._inductor.config as inductor
+
+    saved = xfuser_stack._inductor_overlap_config()
+    assert saved  # torch has these settings; a rename would silently stop the restore
+    before = inductor.reorder_for_compute_comm_overlap
+    try:
+        inductor.reorder_for_compute_comm_overlap = not before  # what a runner's compile sets process-wide
+        xfuser_stack._set_inductor_overlap_config(saved)
+        assert inductor.reorder_for_compute_comm_overlap == before
+    finally:
+        inductor.reorder_for_compute_comm_overlap = before
 
 
 def test_the_default_timed_module_is_the_pipeline_transformer(tiny_wan):
@@ -74,21 +93,23 @@ def test_the_default_timed_module_is_the_pipeline_transformer(tiny_wan):
 
 
 @pytest.mark.gpu
-def test_xfuser_runs_wan_through_its_runner_gpu(tmp_path):
-    """Tiny Wan: xfuser's Wan 2.1 runner over our weights, eager and compiled, in one run with plain diffusers;
-    every transformer forward timed (two a step: CFG), and the video it makes is diffusers' within bf16 kernels."""
+@pytest.mark.parametrize("model,runner,forwards", [("tiny-wan", "Wan2.1-T2V", 2.0), ("tiny-flux", "FLUX.1-dev", 1.0)])
+def test_xfuser_runner_gpu(tmp_path, model, runner, forwards):
+    """xfuser's model runner over our weights, eager and compiled (its own mode: CUDA graphs for FLUX), in one run
+    with plain diffusers; every forward of its transformer timed (Wan: two a step, CFG), and what it makes is
+    diffusers' output within bf16 kernels."""
     try:
         importlib.metadata.version("xfuser")
     except importlib.metadata.PackageNotFoundError:
         pytest.skip("xfuser is not installed (the bench extra)")
-    rc = cli.main(["bench", "--model", "tiny-wan", "--device", "cuda", "--num-prompts", "1", "--steps", "2",
-                   "--contenders", "diffusers,xfuser-usp", "--compile", "regional", "--out-dir", str(tmp_path)])
+    rc = cli.main(["bench", "--model", model, "--device", "cuda", "--num-prompts", "1", "--steps", "2",
+                   "--contenders", "diffusers,xfuser-runner", "--compile", "regional", "--out-dir", str(tmp_path)])
     assert rc == 0
-    (json_path,) = tmp_path.glob("e2e-tiny-wan-1x*.json")
+    (json_path,) = tmp_path.glob(f"e2e-{model}-1x*.json")
     rows = {r["name"]: r for r in json.loads(json_path.read_text(encoding="utf-8"))["rows"]}
-    for name in ("xfuser-usp", "xfuser-usp+compile"):
+    for name in ("xfuser-runner", "xfuser-runner+compile"):
         row = rows[name]
         assert row["status"] == "ok", row
-        assert row["xfuser_path"].startswith("model runner Wan2.1-T2V"), row
-        assert row["transformer_forwards_per_step"] == 2.0
+        assert row["xfuser_runner"].startswith(runner), row
+        assert row["transformer_forwards_per_step"] == forwards
         assert row["output_max_abs_diff_vs_diffusers"] < 0.2  # bf16: kernels may differ; garbage is ~0.5+

@@ -13,7 +13,7 @@ import torch
 from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
-from xstage_dit.bench.xfuser_stack import XFuserUSP
+from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.models.generation import run_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
@@ -265,6 +265,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "xstage-calibrated": lambda c: XStage(c, "auto"),
         "xstage-served": lambda c: XStageServed(c, serve),
         "xfuser-usp": lambda c: XFuserUSP(c, world_size),
+        "xfuser-runner": lambda c: XFuserRunner(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),
     }
     eager = [factories[n](False) for n in names]

@@ -19,7 +19,8 @@ from xstage_dit.errors import UsageError
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
-CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "xfuser-usp", "diffusers-cp")
+CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "xfuser-usp", "xfuser-runner",
+              "diffusers-cp")
 BASELINE = "diffusers"
 # Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
 BASELINE_REPEAT = "diffusers-repeat"

@@ -1,26 +1,30 @@
-"""xDiT/xfuser (pinned: `XFUSER_PIN`) as a contender of the end-to-end benchmark, the way its users run it.
+"""xDiT/xfuser (pinned: `XFUSER_PIN`) as contenders of the end-to-end benchmark, the two ways its users run it.
 
-Two ways in, chosen per pipeline class:
-
-- **pipeline wrapper** (FLUX and the other classes xfuser registers in ``xFuserPipelineWrapperRegister``): the
-  wrapper built over our pipeline with Ulysses degree = GPU count (ring degree 1), as xfuser's examples do.
-- **model runner** (`RUNNER_MODELS`: Wan 2.1 text-to-video). xfuser 0.7.0 wraps no ``WanPipeline``; its
-  ``xfuser`` command runs Wan through a runner (``xFuserWan21T2VModel``) that builds its own transformer class
-  (``xFuserWanTransformer3DWrapper``: the diffusers Wan transformer with xfuser's Ulysses attention processors)
-  and a ``WanPipeline`` from a weights folder, then sets up its runtime state and, with ``use_torch_compile``,
-  compiles the transformer and warms it up. `_InMemoryRunner` is that runner with one change: ``_load_model``
-  builds the wrapper over *our* transformer's parameters (shared, not copied: a 14B model has no room for a
-  second copy) and a pipeline of our components, since no weights folder exists here. Everything after loading
-  (runtime state, attention backend choice, compile) is xfuser's own code. The benchmark then calls that
-  pipeline with the same arguments (prompt, seed's generator, steps) as every other contender.
+- ``xfuser-usp`` (`XFuserUSP`): the **pipeline wrapper** xfuser registers for the pipeline class
+  (``xFuserPipelineWrapperRegister``: FLUX and others), built over our pipeline with Ulysses degree = GPU count
+  (ring degree 1), as xfuser's example scripts do. At degree 1 it runs the unmodified diffusers pipeline.
+- ``xfuser-runner`` (`XFuserRunner`): the **model runner** behind xfuser's ``xfuser`` command
+  (`RUNNER_MODELS`: FLUX.1-dev, Wan 2.1 T2V; xfuser 0.7.0 has no pipeline wrapper for ``WanPipeline`` at all).
+  A runner builds its own transformer class (FLUX's ``xFuserFlux1Transformer2DWrapper``, Wan's
+  ``xFuserWanTransformer3DWrapper``: the diffusers transformer with xfuser's attention processors) and the
+  pipeline from a weights folder, sets up its runtime state (the attention backend it picks: FLASH_4 where
+  FlashAttention-4 is installed, else cuDNN on a GPU) and with ``use_torch_compile`` compiles the transformer
+  its own way (FLUX: ``mode="reduce-overhead"``, CUDA graphs) and warms it up. `_in_memory_runner` is that
+  runner with one change: ``_load_model`` builds the transformer class over *our* transformer's parameters
+  (shared, not copied: a 14B model has no room for a second copy) and a pipeline of our components, since no
+  weights folder exists here. Everything after loading is xfuser's own code; each timed call gets the same
+  arguments (prompt, the seed's generator, steps) as every other contender, after the runtime-state set-up
+  the runner's own ``_run_pipe`` does.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import importlib.metadata
 import inspect
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -28,11 +32,25 @@ from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.session import Bench, error_text
 
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
-# For pipeline classes xfuser has no wrapper for: the name its runner is registered under, and the transformer
-# class that runner's loader builds ("module:attribute").
+
+
+@dataclass(frozen=True)
+class RunnerModel:
+    """An xfuser model runner. name: what xfuser registers it under; transformer: "module:attribute" of the
+    transformer class its loader builds; sets_input_parameters: its ``_run_pipe`` tells the runtime state the
+    call's sizes before calling the pipeline (FLUX), which the contender then does too."""
+
+    name: str
+    transformer: str
+    sets_input_parameters: bool = False
+
+
+_TRANSFORMERS = "xfuser.model_executor.models.transformers"
+# diffusers pipeline class -> the xfuser runner of that model.
 RUNNER_MODELS = {
-    "WanPipeline": ("Wan2.1-T2V",
-                    "xfuser.model_executor.models.transformers.transformer_wan:xFuserWanTransformer3DWrapper"),
+    "FluxPipeline": RunnerModel("FLUX.1-dev", f"{_TRANSFORMERS}.transformer_flux:xFuserFlux1Transformer2DWrapper",
+                                sets_input_parameters=True),
+    "WanPipeline": RunnerModel("Wan2.1-T2V", f"{_TRANSFORMERS}.transformer_wan:xFuserWanTransformer3DWrapper"),
 }
 
 
@@ -62,7 +80,8 @@ def runner_input_args(kwargs: dict, seed: int, flow_shift: float | None) -> dict
         raise ValueError(f"expected pipeline kwargs with {', '.join(missing)}, got {sorted(kwargs)}")
     args = {key: kwargs[key] for key in ("prompt", "height", "width", "num_inference_steps", "guidance_scale")}
     args.update(negative_prompt=kwargs.get("negative_prompt"), guidance_scale_2=kwargs.get("guidance_scale_2"),
-                num_frames=kwargs.get("num_frames"), seed=seed)
+                num_frames=kwargs.get("num_frames"), max_sequence_length=kwargs.get("max_sequence_length", 512),
+                seed=seed)
     if flow_shift is not None:
         args["flow_shift"] = flow_shift
     return args
@@ -93,22 +112,12 @@ def rebuilt_pipeline(pipe, **replace):
     return rebuilt
 
 
-class XFuserUSP(Contender):
-    """xDiT/xfuser's USP: Ulysses degree = GPU count (ring degree 1), through its pipeline wrapper where it has
-    one for the pipeline class, else through its model runner (`RUNNER_MODELS`; see the module docstring)."""
-
-    family = "xfuser-usp"
+class _XFuser(Contender):
+    """What both xfuser contenders share: the version check and the distributed set-up."""
 
     def __init__(self, compile: bool, world_size: int):
         super().__init__(compile)
-        # At degree > 1 the wrapper replaces attention layers inside the transformer: no way back.
-        self.irreversible = world_size > 1
-        self.wrapper = None
-        self.runner_class = self.transformer_class = None
-        self.runner = None
-        self.flow_shift = None
-        self.saved: dict = {}
-        self.had_forward_attr = False
+        self.world_size = world_size
 
     def check(self, b: Bench) -> str | None:
         version = _version("xfuser")
@@ -117,33 +126,8 @@ class XFuserUSP(Contender):
         self.info["xfuser_version"] = version
         try:
             import xfuser  # noqa: F401
-            from xfuser.model_executor.pipelines.register import xFuserPipelineWrapperRegister
         except Exception as exc:
             return f"xfuser {version} does not import here: {error_text(exc)}"
-        try:
-            self.wrapper_class = xFuserPipelineWrapperRegister.get_class(b.pipe)
-            self.info["xfuser_path"] = "pipeline wrapper"
-            return None
-        except Exception as exc:
-            no_wrapper = f"xfuser {version} has no pipeline wrapper for {type(b.pipe).__name__}: {error_text(exc)}"
-        runner_name, transformer_class = RUNNER_MODELS.get(type(b.pipe).__name__, (None, None))
-        if runner_name is None:
-            return no_wrapper
-        try:
-            import xfuser.model_executor.models.runner_models  # noqa: F401 - registers the runners
-            from xfuser.model_executor.models.runner_models.base_model import MODEL_REGISTRY
-        except Exception as exc:
-            return f"{no_wrapper}; its model runners do not import here: {error_text(exc)}"
-        self.runner_class = MODEL_REGISTRY.get(runner_name)
-        if self.runner_class is None:
-            return f"{no_wrapper}; no model runner registered as {runner_name!r} either"
-        module, _, attribute = transformer_class.partition(":")
-        try:
-            self.transformer_class = getattr(importlib.import_module(module), attribute)
-        except Exception as exc:
-            return (f"{no_wrapper}; its runner's transformer class {transformer_class} does not import: "
-                    f"{error_text(exc)}")
-        self.info["xfuser_path"] = f"model runner {runner_name} ({self.runner_class.__name__}), our weights"
         return None
 
     def _setup(self, b: Bench) -> None:
@@ -153,11 +137,35 @@ class XFuserUSP(Contender):
         give_flash_attn_a_version()
         init_distributed_environment(rank=b.rank, world_size=b.world_size)  # adopts the existing group
 
+
+class XFuserUSP(_XFuser):
+    """xDiT/xfuser's USP through its pipeline wrapper: Ulysses degree = GPU count (ring degree 1)."""
+
+    family = "xfuser-usp"
+
+    def __init__(self, compile: bool, world_size: int):
+        super().__init__(compile, world_size)
+        # At degree > 1 the wrapper replaces attention layers inside the transformer: no way back.
+        self.irreversible = world_size > 1
+        self.wrapper = None
+        self.saved: dict = {}
+        self.had_forward_attr = False
+
+    def check(self, b: Bench) -> str | None:
+        reason = super().check(b)
+        if reason is not None:
+            return reason
+        try:
+            from xfuser.model_executor.pipelines.register import xFuserPipelineWrapperRegister
+
+            self.wrapper_class = xFuserPipelineWrapperRegister.get_class(b.pipe)
+        except Exception as exc:
+            return (f"xfuser {self.info['xfuser_version']} has no pipeline wrapper for {type(b.pipe).__name__}: "
+                    f"{error_text(exc)}")
+        return None
+
     def apply(self, b: Bench) -> None:
         self._setup(b)
-        if self.runner_class is not None:
-            self._apply_runner(b)
-            return
         from xfuser import xFuserArgs
 
         engine_config, _ = xFuserArgs(
@@ -177,7 +185,61 @@ class XFuserUSP(Contender):
             # At degree 1 xfuser runs the unmodified diffusers pipeline: record it, the table says so.
             self.info["xfuser_naive_forward"] = bool(naive())
 
-    def _apply_runner(self, b: Bench) -> None:
+    def call(self, b: Bench, kwargs: dict):
+        return self.wrapper(**kwargs)
+
+    def restore(self, b: Bench) -> None:
+        for name, module in self.saved.items():
+            setattr(b.pipe, name, module)
+        transformer = self.saved.get("transformer")
+        if transformer is not None and not self.had_forward_attr and "forward" in vars(transformer):
+            del transformer.forward
+        self.saved, self.wrapper = {}, None
+        if self.compile:
+            torch._dynamo.reset()
+        if self.irreversible:
+            b.dirty = self.family
+
+
+class XFuserRunner(_XFuser):
+    """xDiT/xfuser's model runner (its ``xfuser`` command) over our weights, Ulysses degree = GPU count (see the
+    module docstring). Our pipeline and transformer stay as they were: the runner's transformer is another
+    module over the same parameters."""
+
+    family = "xfuser-runner"
+
+    def __init__(self, compile: bool, world_size: int):
+        super().__init__(compile, world_size)
+        self.model = self.runner_class = self.transformer_class = None
+        self.runner = None
+        self.flow_shift = None
+        self.saved: dict = {}
+
+    def check(self, b: Bench) -> str | None:
+        reason = super().check(b)
+        if reason is not None:
+            return reason
+        version = self.info["xfuser_version"]
+        self.model = RUNNER_MODELS.get(type(b.pipe).__name__)
+        if self.model is None:
+            return (f"xfuser {version} has no model runner for {type(b.pipe).__name__} here (runners used: "
+                    f"{', '.join(sorted(RUNNER_MODELS))})")
+        try:
+            import xfuser.model_executor.models.runner_models  # noqa: F401 - registers the runners
+            from xfuser.model_executor.models.runner_models.base_model import MODEL_REGISTRY
+
+            module, _, attribute = self.model.transformer.partition(":")
+            self.transformer_class = getattr(importlib.import_module(module), attribute)
+        except Exception as exc:
+            return f"xfuser {version}'s model runners do not import here: {error_text(exc)}"
+        self.runner_class = MODEL_REGISTRY.get(self.model.name)
+        if self.runner_class is None:
+            return f"xfuser {version} registers no model runner {self.model.name!r}"
+        self.info["xfuser_runner"] = f"{self.model.name} ({self.runner_class.__name__}), our weights"
+        return None
+
+    def apply(self, b: Bench) -> None:
+        self._setup(b)
         from xfuser import xFuserArgs
 
         kwargs = b.call_kwargs(b.prompts[0], b.steps)
@@ -185,13 +247,16 @@ class XFuserUSP(Contender):
                             use_torch_compile=self.compile, height=b.height, width=b.width,
                             num_frames=kwargs.get("num_frames") or 1, num_inference_steps=b.steps, seed=b.args.seed)
         vae = getattr(b.pipe, "vae", None)
-        self.saved = {"vae_flags": {k: getattr(vae, k) for k in ("use_tiling", "use_slicing") if hasattr(vae, k)}}
+        # What the runner changes outside its own modules: the VAE's options, Inductor's global overlap passes.
+        self.saved = {"vae_flags": {k: getattr(vae, k) for k in ("use_tiling", "use_slicing") if hasattr(vae, k)},
+                      "inductor": _inductor_overlap_config()}
         self.runner = _in_memory_runner(self.runner_class, self.transformer_class)(config, b.pipe)
         self.flow_shift = getattr(b.pipe.scheduler.config, "flow_shift", None)
         # Loads (our components), sets up xfuser's runtime state, and with compile: compiles and runs its warm-up.
         self.runner.initialize(runner_input_args(kwargs, b.args.seed, self.flow_shift))
         if self.compile:
-            self.info["compile_mode"] = "xfuser use_torch_compile (its runner: torch.compile of the transformer)"
+            self.info["compile_mode"] = (f"xfuser use_torch_compile (its runner: torch.compile of the transformer, "
+                                         f"mode {self.runner._get_compile_mode()})")
         from xfuser.core.distributed import get_runtime_state
 
         backend = getattr(get_runtime_state(), "attention_backend", None)
@@ -199,30 +264,46 @@ class XFuserUSP(Contender):
             self.info["xfuser_attention_backend"] = str(backend)
 
     def timed_module(self, b: Bench) -> torch.nn.Module:
-        return self.runner.pipe.transformer if self.runner is not None else b.pipe.transformer
+        return self.runner.pipe.transformer
 
     def call(self, b: Bench, kwargs: dict):
-        if self.runner is not None:
-            # What the runner does before each of its pipeline calls (Wan: reset its per-step schedule state).
-            self.runner.prepare_run(runner_input_args(kwargs, b.args.seed, self.flow_shift))
-            return self.runner.pipe(**kwargs)
-        return self.wrapper(**kwargs)
+        args = runner_input_args(kwargs, b.args.seed, self.flow_shift)
+        # What the runner's own _run_pipe does before each pipeline call.
+        self.runner.prepare_run(args)
+        if self.model.sets_input_parameters:
+            from xfuser.core.distributed import get_pipeline_parallel_world_size, get_runtime_state
+
+            get_runtime_state().set_input_parameters(
+                batch_size=1, num_inference_steps=args["num_inference_steps"],
+                max_condition_sequence_length=args["max_sequence_length"],
+                split_text_embed_in_sp=get_pipeline_parallel_world_size() == 1)
+        return self.runner.pipe(**kwargs)
 
     def restore(self, b: Bench) -> None:
-        flags = self.saved.pop("vae_flags", None)
-        if flags is not None:
-            for key, value in flags.items():
-                setattr(b.pipe.vae, key, value)
-        for name, module in self.saved.items():
-            setattr(b.pipe, name, module)
-        transformer = self.saved.get("transformer")
-        if transformer is not None and not self.had_forward_attr and "forward" in vars(transformer):
-            del transformer.forward
-        self.saved, self.wrapper, self.runner = {}, None, None
+        for key, value in self.saved.get("vae_flags", {}).items():
+            setattr(b.pipe.vae, key, value)
+        if "inductor" in self.saved:
+            _set_inductor_overlap_config(self.saved["inductor"])
+        self.saved, self.runner = {}, None
         if self.compile:
             torch._dynamo.reset()
-        if self.irreversible:
-            b.dirty = self.family
+
+
+_OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes")
+
+
+def _inductor_overlap_config() -> dict:
+    """Inductor's compute/communication overlap settings, which an xfuser runner's compile sets process-wide."""
+    import torch._inductor.config as inductor
+
+    return {key: copy.copy(getattr(inductor, key)) for key in _OVERLAP_KEYS if hasattr(inductor, key)}
+
+
+def _set_inductor_overlap_config(values: dict) -> None:
+    import torch._inductor.config as inductor
+
+    for key, value in values.items():
+        setattr(inductor, key, value)
 
 
 def _in_memory_runner(runner_class, wrapper_class):

@@ -5,11 +5,13 @@ when ``--compile`` is given):
 
 - ``diffusers``: the plain diffusers pipeline on one GPU (the baseline of every speedup),
 - ``diffusers-cp``: diffusers' native context parallelism (Ulysses, ``enable_parallelism``),
-- ``xfuser-usp``: xDiT/xfuser's USP (the version pinned in the ``bench`` extra),
+- ``xfuser-usp``: xDiT/xfuser's USP through its pipeline wrapper (the version pinned in the ``bench`` extra),
+- ``xfuser-runner``: xDiT/xfuser's model runner, what its ``xfuser`` command runs (FLUX.1-dev, Wan 2.1 T2V;
+  its own attention processors and compile mode) over the same weights,
 - ``xstage-serial``: ``xstage_dit.parallelize`` with the serial schedule,
 - ``xstage-calibrated``: ``xstage_dit.parallelize`` with the calibrated schedules,
-- ``xstage-served``: ``xstage-serial``'s pipeline behind the HTTP server in this process (the same
-  request as a ``POST /v1/images/generations``; images only).
+- ``xstage-served``: ``xstage-calibrated``'s pipeline behind the HTTP server in this process (the same
+  request as a ``POST /v1/images/generations``, or ``POST /v1/videos`` for a video model).
 
 A contender that cannot run a configuration is reported with the reason it detected; one that does
 not fit the time budget is reported as skipped. The harness is ``xstage_dit.bench`` (its options in
