@@ -9,6 +9,9 @@ in turn, restoring between them:
     +tuned                Inductor's coordinate-descent tuning of its generated kernels, no epilogue fusion
                           (``apply_compile(options=...)``, these graphs only)
     +qkv                  ``transformer.fuse_qkv_projections()`` first (one GEMM for q, k, v)
+    +graphs               CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): the
+                          compile xfuser's FLUX runner uses; one forward per step only (a CFG pipeline's second
+                          forward would overwrite the first one's output)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
                           faster than torch's SDPA)
@@ -40,19 +43,23 @@ from benchmarks._common import environment, time_ms, write_results  # noqa: E402
 
 TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
          "epilogue_fusion": False}
+GRAPHS = {"triton.cudagraphs": True}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "speedup_vs_eager",
            "max_abs_diff_vs_eager", "note")
 
 
-def parse_variant(name: str) -> tuple[str, bool, bool, str]:
-    """"regional+tuned+qkv@auto" -> ("regional", tuned=True, qkv=True, "auto"); ValueError naming a bad part.
-    The schedule "none" means no ``parallelize``."""
+def parse_variant(name: str) -> tuple[str, dict | None, bool, str]:
+    """"regional+tuned+qkv@auto" -> ("regional", Inductor options (None: its defaults), qkv=True, "auto");
+    ValueError naming a bad part. The schedule "none" means no ``parallelize``."""
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
-    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv") for e in extras) or \
-            schedule not in ("", "auto", "serial", "none"):
-        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, eager@auto; got {name!r}")
-    return mode, "tuned" in extras, "qkv" in extras, schedule or "serial"
+    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv", "graphs") for e in extras) or \
+            schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
+                                                                                   "graphs" in extras)):
+        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto; "
+                         f"got {name!r}")
+    options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
+    return mode, options or None, "qkv" in extras, schedule or "serial"
 
 
 def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, frames: int, dtype, device):
@@ -90,14 +97,13 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     reference, eager_ms = None, None
     try:
         for name in variants:
-            mode, tuned, qkv, schedule = parse_variant(name)
+            mode, options, qkv, schedule = parse_variant(name)
             handle = None if schedule == "none" else parallelize(
                 transformer, ParallelConfig(schedule=schedule, calibrate=schedule == "auto"))
             if qkv:
                 transformer.fuse_qkv_projections()
             compiled = None if mode == "eager" else apply_compile(
-                _Pipe(transformer), mode, backend=args.backend,
-                options=TUNED if tuned else None)
+                _Pipe(transformer), mode, backend=args.backend, options=options)
             try:
                 t0 = time.perf_counter()
                 out = step()
