@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when run as a script
 
 from _common import environment, write_results  # noqa: E402
+from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
 
 COLUMNS = ["size", "concurrency", "policy", "status", "mean_s", "p95_s", "images_per_s", "max_batch", "reason"]
 
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="never,always", help="batching policies measured (auto decides too)")
     p.add_argument("--max-batch-size", type=int, default=4)
     p.add_argument("--batch-margin", type=float, default=0.10)
-    p.add_argument("--compile", default=None, choices=("off", "regional", "full"),
+    p.add_argument("--compile", default=None, choices=COMPILE_MODES,
                    help="default: regional on a GPU, off on a CPU")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--time-budget-s", type=float, default=0.0, help="0 = unlimited")

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
+from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 
@@ -50,7 +51,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="full-nucleusmoe")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--compile", default="regional", choices=("off", "regional", "full"))
+    p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--reps", type=int, default=3, help="calls per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one bare and one runner-worker call")

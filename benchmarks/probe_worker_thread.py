@@ -26,13 +26,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
+from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="full-nucleusmoe")
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--compile", default="regional", choices=("off", "regional", "full"))
+    p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--out-dir", default="benchmarks/results/serving")
     args = p.parse_args(argv)

@@ -25,7 +25,7 @@ def _fails(argv, capsys, *needles):
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_bad_compile_values_name_the_option(command, capsys):
     _fails([command, "--model", "tiny-flux", "--compile", "fast"], capsys, "--compile", "'fast'",
-           "off, regional or full")
+           "off, regional, full, graphs")
     _fails([command, "--model", "tiny-flux", "--max-compiled-shapes", "0"], capsys, "--max-compiled-shapes", "got 0")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512"], capsys, "--warmup-sizes", "'512'")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512x512,500x512"], capsys, "--warmup-sizes",

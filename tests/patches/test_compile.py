@@ -32,7 +32,7 @@ def _image(pipe, served, size, seed=0):
 def test_modes_and_bounds_are_checked(flux):
     pipe, _ = flux
     assert default_compile_mode("cpu") == "off" and default_compile_mode(torch.device("cuda", 0)) == "regional"
-    with pytest.raises(ValueError, match="expected a compile mode in off, regional, full, got 'max'"):
+    with pytest.raises(ValueError, match="expected a compile mode in off, regional, full, graphs, got .max."):
         check_compile_mode("max")
     with pytest.raises(ValueError, match="expected max_shapes to be an integer >= 1, got 0"):
         apply_compile(pipe, "regional", max_shapes=0)
@@ -40,7 +40,7 @@ def test_modes_and_bounds_are_checked(flux):
     assert off.how.startswith("eager") and "forward" not in vars(pipe.transformer)
 
 
-@pytest.mark.parametrize("mode", ["regional", "full"])
+@pytest.mark.parametrize("mode", ["regional", "full", "graphs"])
 def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
     pipe, served = flux
     want32, want64 = _image(pipe, served, 32), _image(pipe, served, 64)
@@ -51,7 +51,7 @@ def test_bounded_shapes_then_eager_logged_once(flux, mode, caplog):
         if mode == "regional":
             assert handle.how.startswith("regional: 2 ") and "FluxTransformerBlock" in handle.how
         else:
-            assert handle.how.startswith("full: whole FluxTransformer2DModel")
+            assert handle.how.startswith(f"{mode}: whole FluxTransformer2DModel")
         # the image VAE's decoder compiles too (84.6 -> 35.0 ms for FLUX 1024² on the H200)
         assert handle.how.endswith("; the AutoencoderKL decoder") and "_compiled_call_impl" in vars(pipe.vae.decoder)
         with caplog.at_level(logging.WARNING, logger="xstage_dit.patches.compile"):
@@ -170,6 +170,63 @@ def test_inductor_options_reach_every_compiled_graph(flux, mode, monkeypatch):
     seen.clear()
     apply_compile(pipe, mode, backend="eager").restore()
     assert seen and all(o is None for o in seen), seen
+
+
+def test_graphs_compiles_the_transformer_under_cuda_graphs_and_not_the_vae(flux, monkeypatch):
+    pipe, _ = flux
+    seen = []
+    real_compile = torch.compile
+
+    def recording_compile(fn=None, **kwargs):
+        seen.append((getattr(fn, "__qualname__", None) or type(fn).__name__, kwargs.get("options")))
+        return real_compile(fn, **{**kwargs, "options": None, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    handle = apply_compile(pipe, "graphs")  # Inductor: the backend whose option this is
+    try:
+        assert handle.how.startswith("graphs: whole FluxTransformer2DModel forward under CUDA graphs")
+        options = [o for _, o in seen]
+        assert options.count({"triton.cudagraphs": True}) == 1 and options.count(None) == 1, seen
+    finally:
+        handle.restore()
+
+
+def test_graphs_starts_a_generation_per_call_and_hands_out_copies(flux, monkeypatch):
+    """Each compiled call begins a new CUDA-graph generation, and what it returns is cloned out of the graph's
+    pool, so a CFG pipeline's first forward survives its second; the images are the eager ones."""
+    pipe, served = flux
+    want = _image(pipe, served, 32)
+    marks, outputs = [], []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    handle = apply_compile(pipe, "graphs", backend="eager")
+    hook = pipe.transformer.register_forward_hook(lambda m, a, out: outputs.append(out))
+    try:
+        got = _image(pipe, served, 32)
+        assert len(outputs) >= 2 and len(marks) == len(outputs)
+        np.testing.assert_array_equal(got, want)
+    finally:
+        hook.remove()
+        handle.restore()
+
+
+def test_a_replayed_output_is_a_copy_the_next_replay_cannot_overwrite(monkeypatch):
+    from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+    from xstage_dit.patches.compile import _replayed
+
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
+    pool = torch.zeros(3)  # stands for the graph's static output memory
+
+    def graph(value, as_output=False):
+        pool.fill_(value)
+        return Transformer2DModelOutput(sample=pool) if as_output else (pool, [pool], 7)
+
+    call = _replayed(graph)
+    first = call(1.0)
+    second = call(2.0, as_output=True)
+    assert first[0].tolist() == [1.0] * 3 and first[1][0].tolist() == [1.0] * 3 and first[2] == 7
+    assert second.sample.tolist() == [2.0] * 3 and isinstance(second, Transformer2DModelOutput)
+    assert first[0].data_ptr() != pool.data_ptr() != second.sample.data_ptr()
 
 
 def test_vae_false_leaves_the_decoder_eager(flux):

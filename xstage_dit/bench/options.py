@@ -77,10 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to run; auto = cuda when available (default: auto)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
-    parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full}",
+    parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full,graphs}",
                         help="also run each contender with torch.compile of the transformer (xstage_dit.patches.compile): "
                              "regional = diffusers' compile_repeated_blocks (each repeated block compiled once; the "
-                             "whole module where a model has none), full = torch.compile of the whole transformer; "
+                             "whole module where a model has none), full = torch.compile of the whole transformer, "
+                             "graphs = full under CUDA graphs; "
                              "a bare --compile is regional; off reports the compiled variants as skipped "
                              "(default: %(default)s)")
     parser.add_argument("--time-budget-s", type=float, default=0.0,
@@ -120,8 +121,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:
         raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
-    if args.compile not in ("off", "regional", "full"):
-        raise UsageError(f"expected --compile off, regional or full, got {args.compile!r}")
+    from xstage_dit.patches.compile import COMPILE_MODES
+
+    if args.compile not in COMPILE_MODES:
+        raise UsageError(f"expected --compile in {', '.join(COMPILE_MODES)}, got {args.compile!r}")
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
     if not Path(args.prompts).is_file():

@@ -1,6 +1,6 @@
 """The options `serve`, `generate` and `bench` share for torch.compile and warm-up, and their checks.
 
---compile {off,regional,full}: `xstage_dit.patches.compile` (default: regional on a GPU, off on a CPU).
+--compile {off,regional,full,graphs}: `xstage_dit.patches.compile` (default: regional on a GPU, off on a CPU).
 --warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
 --max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
 """
@@ -10,17 +10,17 @@ from __future__ import annotations
 import argparse
 
 from xstage_dit.errors import UsageError
-
-COMPILE_CHOICES = ("off", "regional", "full")
+from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES
 
 
 def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool = False) -> None:
     """--compile MODE (and, with optional_value, a bare --compile meaning regional: bench's older spelling)."""
     extra = {"nargs": "?", "const": "regional"} if optional_value else {}
-    parser.add_argument("--compile", default=None, metavar="{off,regional,full}", **extra,
+    parser.add_argument("--compile", default=None, metavar="{" + ",".join(COMPILE_CHOICES) + "}", **extra,
                         help="torch.compile of the transformer after parallelize: regional = diffusers' "
                              "compile_repeated_blocks (the whole transformer where it has no repeated blocks), "
-                             "full = the whole transformer forward; default: regional on a GPU, off on a CPU")
+                             "full = the whole transformer forward, graphs = full under CUDA graphs (not "
+                             "measured yet); default: regional on a GPU, off on a CPU")
     parser.add_argument("--max-compiled-shapes", type=int, default=8,
                         help="input shapes compiled before further ones run eager (logged once each); "
                              "default: %(default)s")
@@ -53,7 +53,7 @@ def parse_warmup_sizes(text: str, spec=None) -> tuple:
 def check_compile_args(args: argparse.Namespace) -> None:
     """UsageError naming a bad --compile or --max-compiled-shapes value."""
     if args.compile is not None and args.compile not in COMPILE_CHOICES:
-        raise UsageError(f"--compile: expected off, regional or full, got {args.compile!r}")
+        raise UsageError(f"--compile: expected one of {', '.join(COMPILE_CHOICES)}, got {args.compile!r}")
     shapes = getattr(args, "max_compiled_shapes", 8)
     if not isinstance(shapes, int) or shapes < 1:
         raise UsageError(f"--max-compiled-shapes: expected an integer >= 1, got {shapes!r}")

@@ -7,6 +7,13 @@ Modes:
   block class compiled once and reused by every layer: a fraction of the full compile time, the same
   speed); the whole transformer where it has none. The default on a GPU.
 - ``full``: ``torch.compile`` of the whole transformer forward.
+- ``graphs``: ``full`` under CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"``
+  sets: each compiled shape replays one recorded graph, no kernel launches from the host). xfuser's FLUX runner
+  compiles this way. Each call starts a new graph generation (``torch.compiler.cudagraph_mark_step_begin``) and
+  its tensor outputs are cloned out of the graph's memory pool, so a pipeline that keeps one forward's output
+  across the next (CFG's two forwards a step) reads its own values. Costs the memory of one forward's
+  activations per compiled shape. Not measured on the H200 yet (``benchmarks/bench_compile_variants.py``'s
+  ``full+graphs`` is the same compile).
 
 Both compiling modes also compile the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage use),
 one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
@@ -41,7 +48,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("off", "regional", "full")
+COMPILE_MODES = ("off", "regional", "full", "graphs")
+GRAPHS_OPTIONS = {"triton.cudagraphs": True}  # Inductor's CUDA graphs (what mode="reduce-overhead" sets)
 DEFAULT_MAX_SHAPES = 8
 
 
@@ -85,7 +93,32 @@ class CompileHandle:
             self._undo.pop()()
 
 
+def _replayed(compiled: Callable) -> Callable:
+    """`compiled` under CUDA graphs, made safe to call twice before reading: a new graph generation each call,
+    the outputs cloned out of the graph's pool (the next replay overwrites it)."""
+
+    def call(*args: Any, **kwargs: Any):
+        torch.compiler.cudagraph_mark_step_begin()
+        return _clone_tensors(compiled(*args, **kwargs))
+
+    return call
+
+
+def _clone_tensors(value: Any) -> Any:
+    """`value` with every tensor in it cloned: a tensor, a tuple or list, or a diffusers output (a dict)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)) and not hasattr(value, "keys"):
+        return type(value)(_clone_tensors(v) for v in value)
+    if hasattr(value, "keys"):  # diffusers' BaseOutput: an ordered dict with attribute access
+        return type(value)(**{k: _clone_tensors(value[k]) for k in value.keys()})
+    return value
+
+
 def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
+    if handle.mode == "graphs":
+        compiled = _replayed(compiled)
+
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any):
         sig = signature_of(args, kwargs)
@@ -136,6 +169,9 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     handle._undo.append(torch._dynamo.reset)
     handle._undo.append(lambda: (setattr(dynamo, "recompile_limit", saved_limits[0]),
                                  setattr(dynamo, "accumulated_recompile_limit", saved_limits[1])))
+    vae_extra = {} if options is None else {"options": dict(options)}  # the VAE decoder: never under graphs
+    if mode == "graphs" and backend == "inductor":  # CUDA graphs are Inductor's; other backends test the wiring
+        options = {**(options or {}), **GRAPHS_OPTIONS}
     extra = {} if options is None else {"options": dict(options)}
     hows = []
     per_code_object = max_shapes
@@ -159,14 +195,15 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         else:
             compiled = torch.compile(eager, dynamic=False, backend=backend, **extra)
             what = "no repeated blocks, whole" if mode == "regional" else "whole"
-            hows.append(f"{mode}: {what} {type(module).__name__} forward")
+            graphs = " under CUDA graphs" if mode == "graphs" else ""
+            hows.append(f"{mode}: {what} {type(module).__name__} forward{graphs}")
         module.forward = _guard(handle, eager, compiled)
         handle._undo.append(functools.partial(vars(module).pop, "forward", None))
     dynamo.recompile_limit = max(saved_limits[0], per_code_object)
     dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
     decoder = _image_vae_decoder(pipe) if vae else None
     if decoder is not None:
-        decoder.compile(dynamic=False, backend=backend, **extra)
+        decoder.compile(dynamic=False, backend=backend, **vae_extra)
         handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
     handle.how = "; ".join(hows)
