@@ -15,8 +15,8 @@ Modes:
   activations per compiled shape. Not measured on the H200 yet (``benchmarks/bench_compile_variants.py``'s
   ``full+graphs`` is the same compile).
 
-Both compiling modes also compile the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage use),
-one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
+Every compiling mode also compiles the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage
+use; never under CUDA graphs), one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
 against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). Video VAEs keep running eager (their
 decoders cache frames between chunks: not measured compiled).
 
