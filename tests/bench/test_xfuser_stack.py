@@ -113,3 +113,21 @@ def test_xfuser_runner_gpu(tmp_path, model, runner, forwards):
         assert row["xfuser_runner"].startswith(runner), row
         assert row["transformer_forwards_per_step"] == forwards
         assert row["output_max_abs_diff_vs_diffusers"] < 0.2  # bf16: kernels may differ; garbage is ~0.5+
+
+
+def test_the_runner_transformer_shares_our_buffers_and_keeps_its_own():
+    class Ours(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = torch.nn.Module()
+            self.rope.register_buffer("freqs", torch.arange(4, dtype=torch.float64), persistent=False)
+
+    class Theirs(Ours):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("head_perm", torch.arange(2), persistent=False)
+
+    ours, theirs = Ours(), Theirs()
+    xfuser_stack._share_buffers(theirs, ours)
+    assert theirs.rope.freqs is ours.rope.freqs  # ours: the same values in the same dtype, not a fresh copy
+    assert theirs.head_perm.tolist() == [0, 1]  # its own stays

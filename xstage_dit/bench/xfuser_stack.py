@@ -326,10 +326,21 @@ def _in_memory_runner(runner_class, wrapper_class):
             with accelerate.init_empty_weights():  # parameters on meta; buffers real, on the host
                 wrapper = wrapper_class.from_config(ours.config, **extra)
             wrapper.load_state_dict(ours.state_dict(), strict=True, assign=True)
-            wrapper.to(device=ours.device)  # the buffers: the parameters are ours, already there
+            _share_buffers(wrapper, ours)
+            wrapper.to(device=ours.device)  # its own buffers (Wan's head_perm): the rest are ours, already there
             wrapper.eval()
             return rebuilt_pipeline(self._ours, transformer=wrapper)
 
     _InMemoryRunner.__name__ = f"InMemory{runner_class.__name__}"
     return _InMemoryRunner
+
+
+def _share_buffers(wrapper: torch.nn.Module, ours: torch.nn.Module) -> None:
+    """Every buffer `wrapper` has under the same name as `ours` (non-persistent ones too: rotary tables, which the
+    state dict leaves out) becomes ours: the same values in the same dtype, where a fresh one would be float32."""
+    theirs = dict(ours.named_buffers())
+    for name, _ in list(wrapper.named_buffers()):
+        if name in theirs:
+            owner, _, leaf = name.rpartition(".")
+            wrapper.get_submodule(owner)._buffers[leaf] = theirs[name]
 
