@@ -189,10 +189,7 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                 rows.append(row)
                 state[6].close()
                 print(f"S={seq:6d} H={heads} P={world} {scope:4s} Hr={hr:2d}: cudnn {row['ms_cudnn']:.3f} ms | "
-                      + " ".join(f"{n} x{row[f'x_{n}']:.3f}" for n in ("fa4", "fa4_window", "fa4m64_window",
-                                                                       "fa4split_window", "fa4gqa_window",
-                                                                       "cudnn_window",
-                                                                       "triton_window", "serial")
+                      + " ".join(f"{n} x{row[f'x_{n}']:.3f}" for n in ("fa4", *WINDOW_FNS, "serial")
                                  if f"x_{n}" in row)
                       + f" | best {row.get('best_window')} | err {row['rel_err']}"
                       + (f" | FAILED {kernel_errors}" if kernel_errors else ""), flush=True)

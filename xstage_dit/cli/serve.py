@@ -19,7 +19,7 @@ import os
 import sys
 
 # The defaults of the limits are ServerConfig's own (xstage_dit/server/config.py imports only the standard library).
-from xstage_dit.server.config import ServerConfig as _D
+from xstage_dit.server.config import VIDEO_STREAM_POLICIES, ServerConfig as _D
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -66,7 +66,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="leave the heap alive after warm-up to Python's garbage collector (by default it is frozen "
                         "out of its way: a full collection of a loaded pipeline pauses every thread for a few "
                         "hundred ms)")
-    p.add_argument("--video-stream", choices=("gpu", "always", "never"), default="gpu",
+    p.add_argument("--video-stream", choices=VIDEO_STREAM_POLICIES, default=_D.video_stream,
                    help="encode a video's MP4 while its VAE decodes: where the pipeline runs on a GPU (gpu), "
                         "always, or never (encode after the call); default: %(default)s")
     from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
@@ -113,8 +113,7 @@ def _config(args: argparse.Namespace):
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
             exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,
             gc_freeze=not args.no_gc_freeze, video_stream=args.video_stream, warmup_sizes=warmup_sizes,
-            batching=args.batching,
-            batch_margin=args.batch_margin)
+            batching=args.batching, batch_margin=args.batch_margin)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None

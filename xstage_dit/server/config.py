@@ -8,12 +8,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from xstage_dit.patches.config import ParallelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 #: Environment variable holding the optional bearer token (unset or empty: no authentication).
 API_KEY_ENV = "XSTAGE_API_KEY"
+VIDEO_STREAM_POLICIES = ("gpu", "always", "never")  # ServerConfig.video_stream
 
 
 def _check(cond: bool, what: str, expected: str, got: Any) -> None:
@@ -151,7 +155,7 @@ class ServerConfig:
         _check(isinstance(self.stop_check_steps, int) and self.stop_check_steps >= 1, "stop_check_steps",
                "an integer >= 1", self.stop_check_steps)
         _check(isinstance(self.gc_freeze, bool), "gc_freeze", "True or False", self.gc_freeze)
-        _check(self.video_stream in ("gpu", "always", "never"), "video_stream", "gpu, always or never",
+        _check(self.video_stream in VIDEO_STREAM_POLICIES, "video_stream", "gpu, always or never",
                self.video_stream)
         for size in self.warmup_sizes:
             _check(isinstance(size, tuple) and len(size) == 2 and all(isinstance(v, int) and v >= 1 for v in size),
@@ -160,3 +164,7 @@ class ServerConfig:
         _check(isinstance(self.parallel, ParallelConfig), "parallel", "a ParallelConfig", self.parallel)
         if self.exit_after_failure_s is not None:
             _check(self.exit_after_failure_s >= 0, "exit_after_failure_s", ">= 0 or None", self.exit_after_failure_s)
+
+    def streams_video(self, device: torch.device) -> bool:
+        """Whether a video made on `device` is encoded while its VAE decodes (`video_stream`)."""
+        return self.video_stream == "always" or (self.video_stream == "gpu" and device.type == "cuda")

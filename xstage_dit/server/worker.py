@@ -117,8 +117,7 @@ class Worker:
                 raise ControlError(f"lost a rank: stop vote failed ({str(exc).splitlines()[0][:200]})") from exc
 
         # The rank that answers encodes a video while its VAE decodes it (`video_stream`); the others need no MP4.
-        policy = self.config.video_stream
-        stream = decide is not None and (policy == "always" or (policy == "gpu" and runner.device.type == "cuda"))
+        stream = decide is not None and self.config.streams_video(runner.device)
         result = runner.run(items, on_step, one_at_a_time, stream_video=stream)
         if vote is not None:
             try:
