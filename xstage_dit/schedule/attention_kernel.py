@@ -22,7 +22,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-DEFAULT_ORDER = ("fa4", "cudnn", "triton")
+# World size > 1: the kernels the sweep times through the window, and their order where nothing was measured
+# (one owner: ``ops.attention.kernels`` and the sweep read this tuple). fa4-gqa (the owners as GQA query heads
+# of one launch) measured 1.07-1.12x cuDNN on the H200 and won at 4608 x P = 8 and from 32K
+# (benchmarks/results/attention/h200-44c49d2-graph.md); FA4 plain-batched stays first where unmeasured.
+DEFAULT_ORDER = ("fa4", "fa4-gqa", "cudnn", "triton")
 # The call that runs when no kernel is chosen: torch SDPA (diffusers' own call at world 1; the serial
 # schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).
 BASELINE = "sdpa"

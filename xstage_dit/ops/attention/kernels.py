@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from xstage_dit.ops.attention.window import WindowGeometry
+from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
@@ -204,12 +205,11 @@ class CudnnKernel:
 
 KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel,
            "fa4-gqa": FA4OwnerHeadsKernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
-# Order of preference where nothing was measured: the stock kernels first, ours takes the rest.
-# fa4-m64 is not swept by default: on the H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes,
-# below FA4's own 128-row tiles (0.92-1.12x) on every one (benchmarks/results/attention/h200-4135c19-graph.md);
-# ask for it by name ("fused:fa4-m64"). fa4-split (FA4's tiles plus a 64-row tail launch) and fa4-gqa (owners as
-# GQA query heads) are not measured yet.
-DEFAULT_ORDER = ("fa4", "cudnn", "triton")
+# The kernels the sweep times and, where nothing was measured, their order of preference: DEFAULT_ORDER, owned
+# by `schedule.attention_kernel` (the chooser reads the same tuple). fa4-m64 is not swept by default: on the
+# H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes, below FA4's own 128-row tiles (0.92-1.12x)
+# on every one (benchmarks/results/attention/h200-4135c19-graph.md); nor is fa4-split (0.65-1.03x at 4608 x P = 8,
+# below fa4-gqa on every shape it took, h200-44c49d2-graph.md). Ask for either by name ("fused:fa4-m64").
 
 
 def make_kernel(name: str, **kwargs):

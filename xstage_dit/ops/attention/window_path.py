@@ -31,6 +31,7 @@ from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable, peer_
 from xstage_dit.comm.distributed import local_buffer_table, symmetric_buffer, world_of
 from xstage_dit.ops.attention.kernels import OutTarget
 from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
+from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, wor
     """Every candidate's answer for q of (batch, seq_len / world_size, heads, head_dim) per rank: None (takes it)
     or why not. World size 1: torch SDPA ("sdpa", always), FA4 plain ("fa4") and torch's cuDNN SDPA backend
     ("cudnn"); else the window kernels."""
-    from xstage_dit.ops.attention.kernels import DEFAULT_ORDER, make_kernel, refusals
+    from xstage_dit.ops.attention.kernels import make_kernel, refusals
 
     device = torch.device(device)
     length = -(-seq_len // world_size)
@@ -312,7 +313,7 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
     return fns
 
 
-def sweep_cases(problems, kernel_names=("fa4", "cudnn", "triton")) -> dict:
+def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     """Timing closures for the kernel sweep: {family: {kernel: fn}} (``problem_family`` names the family).
 
     World size > 1: each kernel that takes the problem running one rank's launch (the last rank: its head
