@@ -11,7 +11,8 @@ Columns (ms, and ratio to cuDNN = t_cudnn / t): ``cudnn`` (torch's cuDNN SDPA, s
 the window slots end in a half tile), ``fa4split_window`` (FA4's 128-row tiles, then the slots' half-tile
 tails on 64-row tiles; residual against plain ``fa4``), ``fa4gqa_window`` (the owner blocks as GQA query heads
 of one KV head, the rank's heads as the batch: FA4 packs the owners' rows into full tiles; residual against
-plain ``fa4``), ``cudnn_window`` (cudnn-frontend with the window as O) and its
+plain ``fa4``), ``fa4gqaunpacked_window`` (the same launch unpacked, only where the slots fill whole 128-row
+tiles; residual against plain ``fa4``), ``cudnn_window`` (cudnn-frontend with the window as O) and its
 local twin ``cudnnfe_local``, ``triton_window`` (our kernel through the window's table) and ``triton_local``;
 ``serial`` = the best local kernel + a copy of its output into the owners' buffers (the post-A2A's bytes on
 one GPU; NCCL refuses virtual ranks on one GPU). Residual of a kernel = t_window - t_local of that kernel;
@@ -37,7 +38,8 @@ WINDOW_SHAPES = [(4608, 24, "FLUX 1024^2"), (4608, 40, "4608 tokens, 40 heads"),
                  (65536, 24, "64K"), (65536, 40, "64K, Wan heads")]
 WORLDS = (1, 2, 4, 8)
 # The kernels writing through the window.
-WINDOW_FNS = ("fa4_window", "fa4m64_window", "fa4split_window", "fa4gqa_window", "cudnn_window", "triton_window")
+WINDOW_FNS = ("fa4_window", "fa4m64_window", "fa4split_window", "fa4gqa_window", "fa4gqaunpacked_window",
+              "cudnn_window", "triton_window")
 
 
 def _cudnn_sdpa(q, k, v):
@@ -88,6 +90,9 @@ def _variants(seq, heads, world, scope, *, with_cudnn_fe: bool, odd_stride: bool
     owners_as_heads = make_kernel("fa4-gqa")  # the owner blocks as GQA query heads: FA4 packs them into full tiles
     if owners_as_heads.supports(geom, dtype, dev, True) is None:
         fns["fa4gqa_window"] = lambda: owners_as_heads.run(q, k, v, target, geom, scale)
+    unpacked = make_kernel("fa4-gqa-unpacked")  # the same launch unpacked: only where the slots fill whole tiles
+    if unpacked.supports(geom, dtype, dev, True) is None:
+        fns["fa4gqaunpacked_window"] = lambda: unpacked.run(q, k, v, target, geom, scale)
     triton = make_kernel("triton")
     local_geom = WindowGeometry(1, 1, seq, hr, d, seq * hr * d)
     local_target = OutTarget(None, torch.tensor([out_local.data_ptr()], dtype=torch.int64, device=dev),
@@ -169,6 +174,7 @@ def window_rows(time_fn, interleaved_times, shapes=WINDOW_SHAPES, worlds=WORLDS,
                         row[f"x_{name}"] = row["ms_cudnn"] / row[f"ms_{name}"]
                         row[f"tflops_{name}"] = flops / row[f"ms_{name}"] / 1e9
                 for kern, local in (("fa4", "fa4"), ("fa4m64", "fa4m64"), ("fa4split", "fa4"), ("fa4gqa", "fa4"),
+                                    ("fa4gqaunpacked", "fa4"),
                                     ("triton", "triton_local"), ("cudnn", "cudnnfe_local")):
                     if f"ms_{kern}_window" in row and f"ms_{local}" in row:
                         row[f"residual_{kern}_pct"] = 100.0 * (row[f"ms_{kern}_window"] / row[f"ms_{local}"] - 1)
@@ -228,7 +234,9 @@ def window_summary(rows) -> dict:
 
 
 WINDOW_COLUMNS = ["seq_len", "heads", "world", "scope", "heads_launched", "ms_cudnn", "x_fa4", "x_fa4_window",
-                  "x_fa4m64", "x_fa4m64_window", "x_fa4split_window", "x_fa4gqa_window", "x_cudnnfe_local",
+                  "x_fa4m64", "x_fa4m64_window", "x_fa4split_window", "x_fa4gqa_window", "x_fa4gqaunpacked_window",
+                  "x_cudnnfe_local",
                   "x_cudnn_window", "x_triton_local", "x_triton_window", "x_serial", "x_fused", "best_window",
                   "residual_fa4_pct", "residual_fa4_layout_pct", "residual_fa4_stores_pct", "residual_fa4m64_pct",
-                  "residual_fa4split_pct", "residual_fa4gqa_pct", "residual_cudnn_pct", "residual_triton_pct"]
+                  "residual_fa4split_pct", "residual_fa4gqa_pct", "residual_fa4gqaunpacked_pct",
+                  "residual_cudnn_pct", "residual_triton_pct"]

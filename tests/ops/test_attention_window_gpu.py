@@ -31,7 +31,7 @@ CASES = [
     (1, 4608, 30, 128, 4, torch.bfloat16),   # heads 30 at P = 4 and 8 (uneven head split)
     (2, 4607, 30, 128, 8, torch.bfloat16),
 ]
-KERNELS = ["triton", "fa4", "fa4-m64", "fa4-split", "fa4-gqa", "cudnn"]
+KERNELS = ["triton", "fa4", "fa4-m64", "fa4-split", "fa4-gqa", "fa4-gqa-unpacked", "cudnn"]
 
 
 def _kernel_or_skip(name, geom, dtype):

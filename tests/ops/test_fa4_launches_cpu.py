@@ -1,4 +1,4 @@
-"""`fa4-split` and `fa4-gqa` on the CPU: FA4 itself needs Hopper, so a stand-in for ``_flash_attn_fwd`` (the
+"""`fa4-split`, `fa4-gqa` and `fa4-gqa-unpacked` on the CPU: FA4 itself needs Hopper, so a stand-in for ``_flash_attn_fwd`` (the
 fp32 reference attention, honouring the same arguments: out, page_table, seqused_k, tile_mn, and GQA: query
 head h attends KV head h // (Hq / Hkv)) checks what these launches add: the row-range and owners-as-heads
 views of Q, K/V and the window, the launches and their tiles, both K/V modes, and that nothing outside the
@@ -22,10 +22,12 @@ class _FakeFA4:
 
     def __init__(self):
         self.calls = []
+        self.pack_gqa = []  # what each launch asked for (None: FA4's own choice)
 
     def __call__(self, q, k, v, *, softmax_scale, out, page_table=None, seqused_k=None, seqused_q=None,
                  tile_mn=None, pack_gqa=None):
         assert seqused_q is None  # both launches refuse S not divisible by P
+        self.pack_gqa.append(pack_gqa)
         assert out.shape == q.shape, (out.shape, q.shape)
         assert 0 not in out.stride() and out.stride(-1) == 1  # FA4's validate_output_layout
         self.calls.append({"rows": q.shape[1], "tile_mn": tile_mn, "paged": page_table is not None,
@@ -148,3 +150,42 @@ def test_owners_as_query_heads_refuse_uneven_shards(fake):
     with pytest.raises(ValueError, match="S divisible by P for owners as heads, got S=4607, P=8"):
         make_kernel("fa4")._impl.run_owner_heads(q, q, q, torch.zeros(8, 576, 3, 128), geom, 1.0)
     assert not fake.calls
+
+
+@pytest.mark.parametrize("batch, world, length", [(1, 2, 256), (2, 4, 128)])
+def test_unpacked_owner_heads_write_the_same_rows_and_never_pack(fake, batch, world, length):
+    heads, d = 8, 8
+    rank = world - 1
+    seq = world * length
+    geom = WindowGeometry(world, batch, seq, heads, d, length * heads * d + 3)
+    h0, hr = geom.heads_of(rank)
+    gen = torch.Generator().manual_seed(7 * batch + world)
+    q, k, v = (torch.randn(batch, seq, hr, d, generator=gen) for _ in range(3))
+    spec = geom.out_view(rank)
+    scale = 1 / math.sqrt(d)
+    views = {}
+    for name in ("fa4-gqa", "fa4-gqa-unpacked"):
+        window = torch.full((geom.num_slots * geom.slot_elems,), float("nan"))
+        views[name] = (window, window.as_strided(spec.shape, spec.strides, spec.offset))
+        make_kernel(name).run(q, k, v, OutTarget(views[name][1], torch.zeros(world, dtype=torch.int64),
+                                                 geom.table_strides(), h0), geom, scale)
+    assert fake.pack_gqa == [None, False]  # packed: FA4's default; unpacked: asked for explicitly
+    assert fake.calls[0] == fake.calls[1]  # the same launch otherwise
+    packed, unpacked = views["fa4-gqa"], views["fa4-gqa-unpacked"]
+    torch.testing.assert_close(unpacked[0], packed[0], equal_nan=True)  # same rows written, nothing else
+    for b in range(batch):
+        want = attention_reference(q[b:b + 1], k[b:b + 1], v[b:b + 1], scale=scale)[0]
+        for o in range(world):
+            torch.testing.assert_close(unpacked[1][geom.slot(b, o)], want[o * length:(o + 1) * length], rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_unpacked_owner_heads_refuse_part_tiles():
+    unpacked = make_kernel("fa4-gqa-unpacked")
+    flux = WindowGeometry(8, 1, 4608, 24, 128, 576 * 24 * 128)  # L = 576 = 4 x 128 + 64
+    assert "L = 576 ends in 64 rows (fa4-gqa packs those)" in unpacked.supports(flux, torch.bfloat16,
+                                                                                torch.device("cuda"), True)
+    uneven = WindowGeometry(8, 1, 8191, 24, 128, 1024 * 24 * 128)
+    assert "S divisible by P" in unpacked.supports(uneven, torch.bfloat16, torch.device("cuda"), True)
+    whole = WindowGeometry(2, 1, 32768, 40, 128, 16384 * 40 * 128)
+    assert "CUDA device" in unpacked.supports(whole, torch.bfloat16, torch.device("cpu"), True)

@@ -11,7 +11,8 @@ exists, and always the pointer table (owner addresses and element strides) for t
 
 Kernels: ``fa4`` (FlashAttention-4, CuTe DSL), ``fa4-m64`` (FA4 on 64-row tiles, for slots that end in a
 half tile), ``fa4-split`` (FA4's 128-row tiles, then the slots' half-tile tails on 64-row tiles), ``fa4-gqa``
-(the owner blocks as GQA query heads of one KV head: FA4 packs them into full tiles),
+(the owner blocks as GQA query heads of one KV head: FA4 packs them into full tiles), ``fa4-gqa-unpacked``
+(the same launch unpacked, for slots of whole tiles),
 ``cudnn`` (cuDNN through cudnn-frontend's graph with an explicit O stride), ``triton`` (our kernel through
 its pointer table: takes what the others refuse, runs in the CPU interpreter, and is the reference fast
 path). Which one runs for a shape is chosen by ``xstage_dit.schedule.attention_kernel`` from a measured
@@ -126,8 +127,9 @@ class FA4SplitTileKernel(FA4Kernel):
     rows [0, 128 k) of every slot run on FA4's own 128-row tiles (no empty rows) and rows [128 k, L) on
     64-row tiles (``fa4-m64``'s configuration, full there): the tail is 1/9 of the rows at 4608 / P = 8, so
     its slower tiles cost less than the empty halves did, if the second launch's partial wave does not eat
-    the difference. Not measured yet: out of the default sweep until it is; ask for it by name
-    (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a tile, there is
+    the difference. It does not: on the H200 (44c49d2, CUDA-graph timing) 0.65-0.80x cuDNN for H / P heads and
+    0.97-1.03x for all heads at 4608 / P = 8, below ``fa4-gqa`` (1.09-1.12x) on each; out of the default sweep,
+    ask for it by name (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a tile, there is
     no whole tile, or S is not divisible by P (each owner's valid rows in the range would need their own
     ``seqused_q``).
     """
@@ -170,8 +172,9 @@ class FA4OwnerHeadsKernel(FA4Kernel):
     (FLUX 1024², P = 8: L = 576, 0.923x cuDNN against plain FA4's 1.10x, all heads, 4135c19), and its tile
     order visits one head's K/V once per owner block. As GQA query heads, FA4 packs the owners' rows into its
     M tiles (``pack_gqa``): S / 128 full tiles a head, in plain FA4's order, each tile's rows stored to their
-    owners through the same window view (permuted, no copy). Not measured yet: out of the default sweep until
-    it is (``fused:fa4-gqa`` by name). Refuses S not divisible by P (each owner's valid rows would need a
+    owners through the same window view (permuted, no copy). On the H200 (44c49d2) 1.04-1.14x cuDNN on every
+    shape measured (4608-32K, P = 2-8), 1.09-1.11x at 4608 / P = 8 all heads, where the owner-batch launch read
+    0.95-0.96x: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``). Refuses S not divisible by P (each owner's valid rows would need a
     ``seqused_q`` per query head).
     """
 
@@ -184,6 +187,32 @@ class FA4OwnerHeadsKernel(FA4Kernel):
 
     def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
         self._impl.run_owner_heads(q, k, v, target.view, geom, scale)
+
+
+class FA4OwnerHeadsUnpackedKernel(FA4OwnerHeadsKernel):
+    """``fa4-gqa`` without packing (``pack_gqa=False``), for slots of whole 128-row tiles.
+
+    Where L is a multiple of 128 packing has no part tiles to fill, and unpacked the launch is plain FA4's work
+    in plain FA4's order: per rank head, owner after owner, each owner's L / 128 tiles against the head's K/V
+    (hot in L2 across the owners), each tile stored whole into its owner's slot. Packed, every tile gathers
+    rows of P owners (128 / P each). Why it exists: at 32K (L a multiple of 128) the packed launch measured
+    up to 4.0 % slower than plain FA4 on the local layout (3.95 / 3.37 / 4.01 % at P = 2 rank, 2 all, 8 rank)
+    and the owner-batch launch 2.5-4.6 % (H200, 44c49d2: ``residual_fa4gqa_pct``, ``residual_fa4_pct``), over
+    issue 14's 2 % residual target. Not measured
+    yet: out of the default sweep until it is (``fused:fa4-gqa-unpacked`` by name, the benchmark's
+    ``fa4gqaunpacked_window`` column). Refuses slots ending in a part tile (``fa4-gqa`` packs those).
+    """
+
+    name = "fa4-gqa-unpacked"
+
+    def supports(self, geom, dtype, device, has_window) -> str | None:
+        if geom.rows_per_owner % 128:
+            return (f"unpacked owner heads only help slots of whole 128-row tiles; L = {geom.rows_per_owner} ends "
+                    f"in {geom.rows_per_owner % 128} rows (fa4-gqa packs those)")
+        return super().supports(geom, dtype, device, has_window)
+
+    def run(self, q, k, v, target: OutTarget, geom: WindowGeometry, scale: float) -> None:
+        self._impl.run_owner_heads(q, k, v, target.view, geom, scale, pack_gqa=False)
 
 
 class CudnnKernel:
@@ -204,7 +233,8 @@ class CudnnKernel:
 
 
 KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel,
-           "fa4-gqa": FA4OwnerHeadsKernel, "cudnn": CudnnKernel, "triton": TritonTableKernel}
+           "fa4-gqa": FA4OwnerHeadsKernel, "fa4-gqa-unpacked": FA4OwnerHeadsUnpackedKernel, "cudnn": CudnnKernel,
+           "triton": TritonTableKernel}
 # The kernels the sweep times and, where nothing was measured, their order of preference: DEFAULT_ORDER, owned
 # by `schedule.attention_kernel` (the chooser reads the same tuple). fa4-m64 is not swept by default: on the
 # H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes, below FA4's own 128-row tiles (0.92-1.12x)
@@ -213,7 +243,8 @@ KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4Split
 
 
 def make_kernel(name: str, **kwargs):
-    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``fa4-gqa``, ``cudnn``, ``triton``)."""
+    """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``fa4-gqa``, ``fa4-gqa-unpacked``,
+    ``cudnn``, ``triton``)."""
     if name not in KERNELS:
         raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name](**kwargs)
