@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
+from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 
@@ -52,6 +52,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="full-nucleusmoe")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
+    p.add_argument("--compile-guards", default="full", choices=GUARD_MODES,
+                   help="apply_compile's guards: full, or warm (only the differentiating ones once a call key ran)")
     p.add_argument("--reps", type=int, default=3, help="calls per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one bare and one runner-worker call")
@@ -81,7 +83,7 @@ def main(argv=None) -> int:
     pipe.set_progress_bar_config(disable=True)
     handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
     invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
-    compiled = apply_compile(pipe, args.compile)
+    compiled = apply_compile(pipe, args.compile, guards=args.compile_guards)
     kwargs = call_kwargs(pipe, spec, prompt=PROMPT, seed=1, steps=args.steps)
     item = request_for(spec, prompt=PROMPT, seed=1, steps=args.steps)
     runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))

@@ -1,4 +1,4 @@
-"""--compile, --warmup-sizes and --max-compiled-shapes of serve, generate and bench: bad values fail in
+"""--compile, --compile-guards, --warmup-sizes and --max-compiled-shapes of serve, generate and bench: bad values fail in
 milliseconds with a UsageError naming the option and the value (exit code 2), before any model is built."""
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ def test_bad_compile_values_name_the_option(command, capsys):
     _fails([command, "--model", "tiny-flux", "--compile", "fast"], capsys, "--compile", "'fast'",
            "off, regional, full, graphs")
     _fails([command, "--model", "tiny-flux", "--max-compiled-shapes", "0"], capsys, "--max-compiled-shapes", "got 0")
+    _fails([command, "--model", "tiny-flux", "--compile-guards", "none"], capsys, "--compile-guards", "'none'")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512"], capsys, "--warmup-sizes", "'512'")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512x512,500x512"], capsys, "--warmup-sizes",
            "500x512", "multiple of 16")
@@ -38,6 +39,9 @@ def test_bench_compile_takes_a_mode_and_a_bare_flag_means_regional(capsys):
     assert parser.parse_args(["bench", "--compile"]).compile == "regional"
     assert parser.parse_args(["bench", "--compile", "full"]).compile == "full"
     assert parser.parse_args(["bench"]).compile == "off"
+    assert parser.parse_args(["bench"]).compile_guards == "full"
+    assert parser.parse_args(["bench", "--compile-guards", "warm"]).compile_guards == "warm"
+    _fails(["bench", "--model", "tiny-flux", "--compile-guards", "some"], capsys, "--compile-guards", "'some'")
 
 
 def test_serve_batching_options_reach_the_config(capsys):
@@ -49,6 +53,8 @@ def test_serve_batching_options_reach_the_config(capsys):
     assert config.warmup_sizes == ((64, 32), (128, 128)) and config.batching == "never" and config.batch_margin == 0.2
     assert "--compile" not in _argv(args)  # left to the device's default on every rank
     assert config.gc_freeze and "--no-gc-freeze" not in _argv(args)
+    warm = build_parser().parse_args(["serve", "--model", "tiny-flux", "--compile-guards", "warm"])
+    assert _argv(warm)[_argv(warm).index("--compile-guards") + 1] == "warm"  # every rank compiles alike
     args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--no-gc-freeze"])
     assert not _config(args).gc_freeze and "--no-gc-freeze" in _argv(args)  # every rank leaves its heap alone
     _fails(["serve", "--model", "tiny-flux", "--batching", "sometimes"], capsys, "--batching", "'sometimes'")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xstage_dit.patches import ParallelConfig, parallelize
-from xstage_dit.patches.compile import apply_compile, check_compile_mode, default_compile_mode
+from xstage_dit.patches.compile import apply_compile, call_key, check_compile_mode, default_compile_mode
 from tests.helpers.server import one_torch_thread, tiny
 
 
@@ -271,3 +271,54 @@ def test_regional_layers_with_different_attributes_never_fall_back_to_eager(capl
             handle.restore()
             patched.restore()
     assert (torch._dynamo.config.recompile_limit, torch._dynamo.config.accumulated_recompile_limit) == limits
+
+
+def test_warm_guards_skip_guards_only_for_a_call_key_that_ran(flux, monkeypatch):
+    """guards="warm": a transformer call whose key (shapes, other arguments, grad mode) already ran compiled runs
+    under skip_guard_eval_unsafe; a key's first call, and every call under "full", evaluates all guards. The
+    images equal the eager ones."""
+    pipe, served = flux
+    want32, want64 = _image(pipe, served, 32), _image(pipe, served, 64)
+    stances = []
+    real = torch.compiler.set_stance
+
+    def recording(*args, **kwargs):
+        stances.append(kwargs.get("skip_guard_eval_unsafe", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch.compiler, "set_stance", recording)
+    calls = []
+    for guards in ("full", "warm"):
+        stances.clear()
+        handle = apply_compile(pipe, "regional", backend="eager", guards=guards)
+        hook = pipe.transformer.register_forward_hook(lambda m, a, out: calls.append(1))
+        try:
+            assert handle.describe()["guards"] == guards
+            assert ("warm guards" in handle.how) == (guards == "warm")
+            calls.clear()
+            np.testing.assert_array_equal(_image(pipe, served, 32), want32)
+            first = len(calls)  # 2 steps, one forward each (FLUX.1-dev is guidance-distilled: no CFG)
+            np.testing.assert_array_equal(_image(pipe, served, 32), want32)
+            np.testing.assert_array_equal(_image(pipe, served, 64), want64)  # a new key: its first call is cold
+            skipped = sum(stances)
+            if guards == "full":
+                assert skipped == 0 and not handle.warm_keys
+            else:
+                # every forward but the first of each key (32 and 64: one timestep shape, one key each)
+                assert first == 2 and len(calls) == 6 and len(handle.warm_keys) == 2
+                assert skipped == len(calls) - len(handle.warm_keys)
+        finally:
+            hook.remove()
+            handle.restore()
+    with pytest.raises(ValueError, match="expected guards in full, warm, got 'none'"):
+        apply_compile(pipe, "regional", backend="eager", guards="none")
+
+
+def test_call_keys_tell_apart_what_a_graph_is_specialised_on():
+    x = torch.zeros(2, 3)
+    base = call_key((x,), {"attention_kwargs": {"scale": 1.0}, "return_dict": False})
+    assert base == call_key((torch.ones(2, 3),), {"return_dict": False, "attention_kwargs": {"scale": 1.0}})
+    assert base != call_key((torch.zeros(2, 4),), {"attention_kwargs": {"scale": 1.0}, "return_dict": False})
+    assert base != call_key((x,), {"attention_kwargs": {"scale": 0.5}, "return_dict": False})  # a LoRA scale
+    with torch.no_grad():
+        assert base != call_key((x,), {"attention_kwargs": {"scale": 1.0}, "return_dict": False})

@@ -14,6 +14,7 @@ class Contender:
     family = ""
     irreversible = False  # no way to undo it: runs after every reversible contender, marks the pipeline dirty
     compile_vae = True  # compiled variant: also the image VAE's decoder (what `serve` / `generate` compile)
+    ours = False  # an xstage contender: its compiled variant takes --compile-guards (baselines compile as users do)
 
     def __init__(self, compile: bool):
         self.compile = compile
@@ -32,7 +33,8 @@ class Contender:
 
     def apply(self, b: Bench) -> None:
         if self.compile:
-            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae)
+            guards = getattr(b.args, "compile_guards", "full") if self.ours else "full"
+            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae, guards=guards)
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)

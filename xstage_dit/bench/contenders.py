@@ -39,6 +39,8 @@ class PlainDiffusersRepeat(PlainDiffusers):
 class XStage(Contender):
     """``xstage_dit.parallelize`` with the serial schedule, or with the calibrated ones."""
 
+    ours = True
+
     def __init__(self, compile: bool, schedule: str):
         super().__init__(compile)
         self.schedule = schedule

@@ -3,6 +3,7 @@
 --compile {off,regional,full,graphs}: `xstage_dit.patches.compile` (default: regional on a GPU, off on a CPU).
 --warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
 --max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
+--compile-guards {full,warm}: Dynamo's guards on every call, or only the differentiating ones once warm.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES
+from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES, GUARD_MODES
 
 
 def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool = False) -> None:
@@ -21,6 +22,12 @@ def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool 
                              "compile_repeated_blocks (the whole transformer where it has no repeated blocks), "
                              "full = the whole transformer forward, graphs = full under CUDA graphs (not "
                              "measured yet); default: regional on a GPU, off on a CPU")
+    parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full",
+                        help="full = every Dynamo guard on every call (torch's default); warm = once a call of the "
+                             "same shapes and arguments has run compiled, only the guards that told the cached "
+                             "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): less host time "
+                             "per call, unsafe if model attributes change between calls; not measured on a GPU yet "
+                             "(default: %(default)s)")
     parser.add_argument("--max-compiled-shapes", type=int, default=8,
                         help="input shapes compiled before further ones run eager (logged once each); "
                              "default: %(default)s")
@@ -57,6 +64,9 @@ def check_compile_args(args: argparse.Namespace) -> None:
     shapes = getattr(args, "max_compiled_shapes", 8)
     if not isinstance(shapes, int) or shapes < 1:
         raise UsageError(f"--max-compiled-shapes: expected an integer >= 1, got {shapes!r}")
+    guards = getattr(args, "compile_guards", "full")
+    if guards not in GUARD_MODES:
+        raise UsageError(f"--compile-guards: expected one of {', '.join(GUARD_MODES)}, got {guards!r}")
 
 
 def compile_mode(args: argparse.Namespace, device) -> str:

@@ -171,7 +171,8 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
-                          compile=args.compile, max_compiled_shapes=args.max_compiled_shapes)
+                          compile=args.compile, max_compiled_shapes=args.max_compiled_shapes,
+                          compile_guards=args.compile_guards)
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

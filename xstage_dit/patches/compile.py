@@ -29,6 +29,21 @@ client asking for an odd size costs itself an eager call instead of every user a
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
 
+Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: the tensor
+signature, every other argument's repr, grad / inference / autocast mode) has run compiled, later calls of
+that key run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo evaluates only the
+guards that told its cache entries apart during warm-up (the ones that ever failed), not every guard of every
+entry. Why: regional compile puts all of a block class's layers on one code object, and NucleusMoE's layers
+differ in guarded attributes (capacity factor, dense vs MoE), so each layer's call walks several entries; on
+the H200 its compiled 4-step call spent 121 ms of host time in "TorchDynamo Cache Lookup" (256 block calls,
+473 us each: the torch-profiler table of a bare call at 44c49d2 in ``benchmarks/results/serving/``), a
+host-bound call (host 692 ms, GPU 391 ms). Unsafe where a module attribute or global the graphs
+depend on changes between calls of one key (nothing in this project's patches does that after warm-up).
+Not measured on the GPU yet (``xstage-dit bench --compile-guards warm``, ``probe_served_path.py
+--compile-guards warm``); on the 2-core CPU machine a 32-block tiny NucleusMoE (its layer kinds and capacity
+factors, two cache entries per code object) forward took 17.8-18.5 ms warm against 18.6-19.2 ms (eager
+backend, medians of 8 forwards, 4 runs each way), the same images.
+
 Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
 
     handle = parallelize(pipe, ParallelConfig())           # world 1 too: the measured attention kernel
@@ -49,6 +64,7 @@ import torch
 log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("off", "regional", "full", "graphs")
+GUARD_MODES = ("full", "warm")  # every guard on every call; only the differentiating ones once a key is warm
 GRAPHS_OPTIONS = {"triton.cudagraphs": True}  # Inductor's CUDA graphs (what mode="reduce-overhead" sets)
 DEFAULT_MAX_SHAPES = 8
 
@@ -71,6 +87,15 @@ def signature_of(args: tuple, kwargs: dict) -> tuple:
     return tuple((name, tuple(v.shape), str(v.dtype)) for name, v in items if isinstance(v, torch.Tensor))
 
 
+def call_key(args: tuple, kwargs: dict) -> tuple:
+    """What a warm call must match to skip guards: `signature_of` plus each non-tensor argument's repr (a LoRA
+    scale in ``attention_kwargs``, a flag) and the grad / inference / autocast modes the graphs were traced in."""
+    items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
+    others = tuple((name, repr(v)) for name, v in items if not isinstance(v, torch.Tensor))
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled())
+    return signature_of(args, kwargs), others, modes
+
+
 @dataclass
 class CompileHandle:
     """What `apply_compile` did. mode / how: requested mode and what was compiled. compiled_shapes: the
@@ -81,10 +106,12 @@ class CompileHandle:
     max_shapes: int
     compiled_shapes: list = field(default_factory=list)
     eager_shapes: list = field(default_factory=list)
+    guards: str = "full"
+    warm_keys: set = field(default_factory=set, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def describe(self) -> dict:
-        return {"mode": self.mode, "how": self.how, "max_shapes": self.max_shapes,
+        return {"mode": self.mode, "how": self.how, "max_shapes": self.max_shapes, "guards": self.guards,
                 "compiled_shapes": len(self.compiled_shapes), "eager_shapes": len(self.eager_shapes)}
 
     def restore(self) -> None:
@@ -115,9 +142,26 @@ def _clone_tensors(value: Any) -> Any:
     return value
 
 
+def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
+    """`compiled`, run with only the differentiating guards once its call key has run (see the module docstring)."""
+
+    def call(*args: Any, **kwargs: Any):
+        key = call_key(args, kwargs)
+        if key in handle.warm_keys:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        handle.warm_keys.add(key)  # after the call: a key is warm once every graph it reaches compiled
+        return out
+
+    return call
+
+
 def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
     if handle.mode == "graphs":
         compiled = _replayed(compiled)
+    if handle.guards == "warm":
+        compiled = _warm_guarded(handle, compiled)
 
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any):
@@ -140,7 +184,8 @@ def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callab
 
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
-                  backend: str = "inductor", options: dict | None = None, vae: bool = True) -> CompileHandle:
+                  backend: str = "inductor", options: dict | None = None, vae: bool = True,
+                  guards: str = "full") -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
     unless `vae` is False (see the module docstring).
 
@@ -150,9 +195,13 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         ``{"coordinate_descent_tuning": True}``; None = Inductor's defaults.
     vae: also compile an image VAE's decoder (``AutoencoderKL``; the benchmark's plain-diffusers baseline
         passes False: users compile the transformer alone).
+    guards: "full" (every guard, every call) or "warm" (only the differentiating guards once a call key has
+        run; the module docstring says why and when that is unsafe).
     Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
     check_compile_mode(mode)
+    if guards not in GUARD_MODES:
+        raise ValueError(f"expected guards in {', '.join(GUARD_MODES)}, got {guards!r}")
     if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
         raise ValueError(f"expected max_shapes to be an integer >= 1, got {max_shapes!r}")
     if mode == "off":
@@ -163,7 +212,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     if "forward" in vars(transformer):
         raise RuntimeError("expected a transformer not compiled yet, got one with a patched forward: restore() first")
     targets = [transformer] + [m for m in [getattr(pipe, "transformer_2", None)] if isinstance(m, torch.nn.Module)]
-    handle = CompileHandle(mode, "", max_shapes)
+    handle = CompileHandle(mode, "", max_shapes, guards=guards)
     dynamo = torch._dynamo.config
     saved_limits = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
     handle._undo.append(torch._dynamo.reset)
@@ -206,6 +255,8 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         decoder.compile(dynamic=False, backend=backend, **vae_extra)
         handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
+    if guards == "warm":
+        hows.append("warm guards (only the differentiating ones once a call key has run)")
     handle.how = "; ".join(hows)
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
