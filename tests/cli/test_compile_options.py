@@ -1,5 +1,5 @@
-"""--compile, --compile-guards, --warmup-sizes and --max-compiled-shapes of serve, generate and bench: bad values fail in
-milliseconds with a UsageError naming the option and the value (exit code 2), before any model is built."""
+"""--compile, --compile-guards, --warmup-sizes and --max-compiled-shapes of serve, generate and bench: bad values
+fail in milliseconds with a UsageError naming the option and the value (exit code 2), before any model is built."""
 
 from __future__ import annotations
 

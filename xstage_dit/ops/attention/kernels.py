@@ -129,9 +129,9 @@ class FA4SplitTileKernel(FA4Kernel):
     its slower tiles cost less than the empty halves did, if the second launch's partial wave does not eat
     the difference. It does not: on the H200 (44c49d2, CUDA-graph timing) 0.65-0.80x cuDNN for H / P heads and
     0.97-1.03x for all heads at 4608 / P = 8, below ``fa4-gqa`` (1.09-1.12x) on each; out of the default sweep,
-    ask for it by name (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a tile, there is
-    no whole tile, or S is not divisible by P (each owner's valid rows in the range would need their own
-    ``seqused_q``).
+    ask for it by name (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a
+    tile, there is no whole tile, or S is not divisible by P (each owner's valid rows in the range would need
+    their own ``seqused_q``).
     """
 
     name = "fa4-split"
@@ -174,8 +174,8 @@ class FA4OwnerHeadsKernel(FA4Kernel):
     M tiles (``pack_gqa``): S / 128 full tiles a head, in plain FA4's order, each tile's rows stored to their
     owners through the same window view (permuted, no copy). On the H200 (44c49d2) 1.04-1.14x cuDNN on every
     shape measured (4608-32K, P = 2-8), 1.09-1.11x at 4608 / P = 8 all heads, where the owner-batch launch read
-    0.95-0.96x: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``). Refuses S not divisible by P (each owner's valid rows would need a
-    ``seqused_q`` per query head).
+    0.95-0.96x: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``). Refuses S not divisible by P
+    (each owner's valid rows would need a ``seqused_q`` per query head).
     """
 
     name = "fa4-gqa"
