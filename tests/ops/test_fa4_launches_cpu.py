@@ -1,8 +1,9 @@
 """`fa4-split`, `fa4-gqa` and `fa4-gqa-unpacked` on the CPU: FA4 itself needs Hopper, so a stand-in for
-``_flash_attn_fwd`` (the fp32 reference attention, honouring the same arguments: out, page_table, seqused_k, tile_mn, and GQA: query
-head h attends KV head h // (Hq / Hkv)) checks what these launches add: the row-range and owners-as-heads
-views of Q, K/V and the window, the launches and their tiles, both K/V modes, and that nothing outside the
-rank's rows and heads is written. The real kernels through the window are in test_attention_window_gpu.py."""
+``_flash_attn_fwd`` (the fp32 reference attention, honouring the same arguments: out, page_table, seqused_k,
+tile_mn, and GQA: query head h attends KV head h // (Hq / Hkv)) checks what these launches add: the row-range
+and owners-as-heads views of Q, K/V and the window, the launches and their tiles, both K/V modes, and that
+nothing outside the rank's rows and heads is written. The real kernels through the window are in
+test_attention_window_gpu.py."""
 
 from __future__ import annotations
 
