@@ -310,6 +310,20 @@ def test_warm_guards_skip_guards_only_for_a_call_key_that_ran(flux, monkeypatch)
         finally:
             hook.remove()
             handle.restore()
+    # The mode is read on every call: a probe switches it on one handle to compare both on the same graphs.
+    handle = apply_compile(pipe, "regional", backend="eager")
+    try:
+        stances.clear()
+        np.testing.assert_array_equal(_image(pipe, served, 32), want32)
+        assert sum(stances) == 0
+        handle.guards = "warm"
+        np.testing.assert_array_equal(_image(pipe, served, 32), want32)
+        assert sum(stances) == 1  # its first warm-mode forward runs all guards, the second skips
+        handle.guards = "full"
+        np.testing.assert_array_equal(_image(pipe, served, 32), want32)
+        assert sum(stances) == 1
+    finally:
+        handle.restore()
     with pytest.raises(ValueError, match="expected guards in full, warm, got 'none'"):
         apply_compile(pipe, "regional", backend="eager", guards="none")
 

@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import GUARD_MODES
+from xstage_dit.patches.compile import GUARD_MODES, GUARDS_HELP
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
@@ -87,11 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: %(default)s)")
     parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full",
                         help="the xstage contenders' compiled variants (the baselines compile as their users do): "
-                             "full = every Dynamo guard on every call (torch's default); warm = once a call of "
-                             "the same shapes and arguments has run compiled, only the guards that told the cached "
-                             "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): less host time "
-                             "per call, unsafe if model attributes change between calls; not measured on a GPU yet "
-                             "(default: %(default)s)")
+                             + GUARDS_HELP)
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")

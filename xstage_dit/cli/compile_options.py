@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES, GUARD_MODES
+from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES, GUARD_MODES, GUARDS_HELP
 
 
 def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool = False) -> None:
@@ -22,12 +22,7 @@ def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool 
                              "compile_repeated_blocks (the whole transformer where it has no repeated blocks), "
                              "full = the whole transformer forward, graphs = full under CUDA graphs (not "
                              "measured yet); default: regional on a GPU, off on a CPU")
-    parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full",
-                        help="full = every Dynamo guard on every call (torch's default); warm = once a call of the "
-                             "same shapes and arguments has run compiled, only the guards that told the cached "
-                             "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True)): less host time "
-                             "per call, unsafe if model attributes change between calls; not measured on a GPU yet "
-                             "(default: %(default)s)")
+    parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full", help=GUARDS_HELP)
     parser.add_argument("--max-compiled-shapes", type=int, default=8,
                         help="input shapes compiled before further ones run eager (logged once each); "
                              "default: %(default)s")

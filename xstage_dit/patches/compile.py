@@ -37,7 +37,8 @@ entry. Why: regional compile puts all of a block class's layers on one code obje
 differ in guarded attributes (capacity factor, dense vs MoE), so each layer's call walks several entries; on
 the H200 its compiled 4-step call spent 121 ms of host time in "TorchDynamo Cache Lookup" (256 block calls,
 473 us each: the torch-profiler table of a bare call at 44c49d2 in ``benchmarks/results/serving/``), a
-host-bound call (host 692 ms, GPU 391 ms). Unsafe where a module attribute or global the graphs
+host-bound call (host 692 ms, GPU 391 ms). The mode is read on every call (``handle.guards``), so a
+probe can compare both on the same graphs. Unsafe where a module attribute or global the graphs
 depend on changes between calls of one key (nothing in this project's patches does that after warm-up).
 Not measured on the GPU yet (``xstage-dit bench --compile-guards warm``, ``probe_served_path.py
 --compile-guards warm``); on the 2-core CPU machine a 32-block tiny NucleusMoE (its layer kinds and capacity
@@ -65,6 +66,11 @@ log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("off", "regional", "full", "graphs")
 GUARD_MODES = ("full", "warm")  # every guard on every call; only the differentiating ones once a key is warm
+# The --compile-guards help of serve, generate and bench.
+GUARDS_HELP = ("full = every Dynamo guard on every call (torch's default); warm = once a call of the same shapes and "
+               "arguments has run compiled, only the guards that told the cached graphs apart "
+               "(torch.compiler.set_stance(skip_guard_eval_unsafe=True)): less host time per call, unsafe if model "
+               "attributes change between calls; not measured on a GPU yet (default: %(default)s)")
 GRAPHS_OPTIONS = {"triton.cudagraphs": True}  # Inductor's CUDA graphs (what mode="reduce-overhead" sets)
 DEFAULT_MAX_SHAPES = 8
 
@@ -143,9 +149,12 @@ def _clone_tensors(value: Any) -> Any:
 
 
 def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
-    """`compiled`, run with only the differentiating guards once its call key has run (see the module docstring)."""
+    """`compiled`, run with only the differentiating guards once its call key has run (see the module docstring)
+    while ``handle.guards`` is "warm": read on every call, so a probe can switch it between calls."""
 
     def call(*args: Any, **kwargs: Any):
+        if handle.guards != "warm":
+            return compiled(*args, **kwargs)
         key = call_key(args, kwargs)
         if key in handle.warm_keys:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
@@ -160,8 +169,7 @@ def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
 def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
     if handle.mode == "graphs":
         compiled = _replayed(compiled)
-    if handle.guards == "warm":
-        compiled = _warm_guarded(handle, compiled)
+    compiled = _warm_guarded(handle, compiled)
 
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any):
