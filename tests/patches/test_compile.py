@@ -336,3 +336,7 @@ def test_call_keys_tell_apart_what_a_graph_is_specialised_on():
     assert base != call_key((x,), {"attention_kwargs": {"scale": 0.5}, "return_dict": False})  # a LoRA scale
     with torch.no_grad():
         assert base != call_key((x,), {"attention_kwargs": {"scale": 1.0}, "return_dict": False})
+    # tensors inside other arguments count by shape, never by value (a repr would print them: slow, never equal)
+    blocks = call_key((x,), {"samples": [torch.zeros(4, 2)], "attention_kwargs": {"mask": torch.zeros(3)}})
+    assert blocks == call_key((x,), {"samples": [torch.ones(4, 2)], "attention_kwargs": {"mask": torch.ones(3)}})
+    assert blocks != call_key((x,), {"samples": [torch.ones(5, 2)], "attention_kwargs": {"mask": torch.ones(3)}})

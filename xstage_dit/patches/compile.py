@@ -94,12 +94,26 @@ def signature_of(args: tuple, kwargs: dict) -> tuple:
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:
-    """What a warm call must match to skip guards: `signature_of` plus each non-tensor argument's repr (a LoRA
-    scale in ``attention_kwargs``, a flag) and the grad / inference / autocast modes the graphs were traced in."""
+    """What a warm call must match to skip guards: `signature_of` plus the structure of every other argument
+    (a LoRA scale in ``attention_kwargs``, a flag, a list of tensors' shapes) and the grad / inference / autocast
+    modes the graphs were traced in."""
     items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
-    others = tuple((name, repr(v)) for name, v in items if not isinstance(v, torch.Tensor))
-    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.is_autocast_enabled())
+    others = tuple((name, _structure(v)) for name, v in items if not isinstance(v, torch.Tensor))
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+             torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
     return signature_of(args, kwargs), others, modes
+
+
+def _structure(value: Any):
+    """A hashable stand-in for an argument: tensors by shape, dtype and device (never their values), containers
+    item by item, anything else by its repr."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), str(value.device))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_structure(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _structure(v)) for k, v in value.items()))
+    return repr(value)
 
 
 @dataclass
