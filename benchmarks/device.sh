@@ -18,8 +18,9 @@
 #   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
 #   fa4-stash    call 1 of ../shared/tools/device-bigwheel.sh for the CuTe DSL wheels (carry .whl-a .whl):
 #                keeps the first half of the 92 MB wheel and the small wheels in /tmp/bigwheel
-#   fa4-install  call 2, on the same warm machine (carry .whl-b .whl-fe): joins the wheel and installs
-#                flash-attn-4, the CuTe DSL and cudnn-frontend in ONE pip call into /tmp/site
+#   fa4-install  call 2, on the same warm machine (carry .whl-b .whl-fe .whl-s1): joins the wheel and installs
+#                flash-attn-4 and the CuTe DSL (and cudnn-frontend where carried) in ONE pip call into /tmp/site,
+#                then drops the stash (later calls on the machine use /tmp/site as it is)
 #   window       the peer-window GPU tests and bench_attention_a2a.py --window (WINDOW_ARGS adds options,
 #                e.g. --graph for CUDA-graph timing, --pre-a2a for the pre-attention All-to-All rows,
 #                --pre-a2a-only for those alone)
@@ -104,12 +105,17 @@ step_fa4_install() {
     cat "/tmp/bigwheel/$n.part-aa" "$b" > "/tmp/bigwheel/$n"
   done
   cp .whl-fe/*.whl /tmp/bigwheel/ 2>/dev/null
+  # .whl-s1 (apache_tvm_ffi) rides in this call where call 1 has no room for it (checkout 5.7 MB, 2026-12-05).
+  [ -d .whl-s1 ] && cp .whl-s1/*.whl /tmp/bigwheel/ 2>/dev/null
   # --upgrade: device_env.sh already installed the stash's other wheels into the same folder before the join,
   # and without it pip skips the existing nvidia_cutlass_dsl folder, leaving the DSL without its CUDA-13
   # libraries ("No CTK flavor installed", H200 2026-12-03). One call, all wheels, replaced together.
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site_dsl" /tmp/bigwheel/*.whl \
     2>&1 | grep -v -i warning
-  "$py" -c "import flash_attn.cute, cudnn, torch; print('fa4 ok; cudnn', cudnn.backend_version(), torch.backends.cudnn.version())"
+  "$py" -c "import flash_attn.cute, torch; print('fa4 ok; torch cuDNN', torch.backends.cudnn.version())" || return 1
+  "$py" -c "import cudnn; print('cudnn-frontend, cuDNN', cudnn.backend_version())" || echo "no cudnn-frontend (not carried)"
+  # Installed in /tmp/site for the machine's later calls: the stash goes, so they do not reinstall 100 MB each.
+  rm -rf /tmp/bigwheel
 }
 
 step_window() {

@@ -13,9 +13,10 @@
 # with ../shared/tools/device-bigwheel.sh, carry [.whl-a, .whl] for `device.sh fa4-stash ...`, then at once
 # [.whl-b, .whl-fe] (the small FA4 wheels in .whl-fe) for `device.sh fa4-install ...`; nvidia-cudnn-frontend
 # (11.6 MB) in a third call's WHEEL_DIRS. Never carry one wheel in two dirs: pip refuses the duplicate.
-# Sizes (2026-12-04): a call carries 64 MiB including the checkout (~4.2 MB); [.whl, .whl-a] plus
-# apache_tvm_ffi moved from .whl-fe into .whl-s1 (carried in call 1 with STASH_DIRS=.whl-s1) is 62.0 MB, and
-# [.whl-b, .whl-fe] then fits call 2; cudnn-frontend fits neither (its own call, WHEEL_DIRS=.whl-cudnn).
+# Sizes (2026-12-05): a call carries 64 MiB including the checkout (5.7 MB now): call 1 carries [.whl, .whl-a]
+# (62.7 MiB) for `device.sh fa4-stash`, call 2 [.whl-b, .whl-fe, .whl-s1] (apache_tvm_ffi in .whl-s1) for
+# `device.sh fa4-install`, which copies .whl-s1 into the stash itself; cudnn-frontend fits neither (its own
+# call, WHEEL_DIRS=.whl-cudnn).
 # Video served rows (/v1/videos answers MP4) need imageio-ffmpeg==0.7.0 (29.5 MB, the ffmpeg binary inside):
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl-video
 # imageio-ffmpeg==0.7.0`, carried in a call of its own size budget (WHEEL_DIRS=".whl .whl-video").
