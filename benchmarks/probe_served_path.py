@@ -23,8 +23,10 @@ One patched (and optionally compiled) pipeline, timed these ways in interleaved 
 Each call is synchronized; the runner modes and the served one also report their mean step time (CUDA
 events; the served one from the server's timings), and every mode the garbage-collection pauses inside its
 calls (any thread: a collection stops every thread's Python). ``--profile``
-then records one ``bare`` and one ``runner-worker`` call with torch's profiler (inside the thread that runs
-it) and writes the top host operations of each, so a slower mode shows which section grew.
+then records one ``bare`` and one ``runner-worker`` call (and, compiled with full guards, one ``bare, warm
+guards`` call) with torch's profiler (inside the thread that runs it) and writes the top host operations of
+each, so a slower mode shows which section grew, with each call's host and GPU milliseconds and Dynamo's cache
+lookups in the summary (``profiles``).
 
     python benchmarks/probe_served_path.py --model full-nucleusmoe --steps 4 --compile regional
 
@@ -58,6 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--compile-guards", default="full", choices=GUARD_MODES,
                    help="apply_compile's guards: full, or warm (only the differentiating ones once a call key ran)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend (tests: eager, to compile fast)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
+                   help="auto: bfloat16 on a GPU, float32 on the CPU (Dynamo traces NucleusMoE's grouped GEMM in "
+                        "bfloat16 only)")
     p.add_argument("--reps", type=int, default=3, help="calls per mode and round")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--profile", action="store_true", help="also profile one bare and one runner-worker call")
@@ -79,7 +85,8 @@ def main(argv=None) -> int:
     from xstage_dit.server.runner import BatchRunner
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
     spec = model_spec(args.model)
     if spec.kind != "image":
         raise SystemExit(f"expected an image model (the served mode posts /v1/images/generations), got {spec.kind}")
@@ -87,7 +94,7 @@ def main(argv=None) -> int:
     pipe.set_progress_bar_config(disable=True)
     handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
     invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
-    compiled = apply_compile(pipe, args.compile, guards=args.compile_guards)
+    compiled = apply_compile(pipe, args.compile, guards=args.compile_guards, backend=args.backend)
     kwargs = call_kwargs(pipe, spec, prompt=PROMPT, seed=1, steps=args.steps)
     item = request_for(spec, prompt=PROMPT, seed=1, steps=args.steps)
     runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))
@@ -192,15 +199,19 @@ def main(argv=None) -> int:
                 print(name, [round(t, 4) for t in times[name][-args.reps:]], flush=True)
         client.close()
     out = Path(args.out_dir) / f"served-path-{args.model}"
+    profile_stats: dict[str, dict] = {}
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
         # Each profiled in the thread that runs it (torch's profiler records the thread that starts it).
         profiles = {"bare": lambda: _profiled(bare),
                     "runner-worker": lambda: on_worker(lambda: _profiled(run_runner, "prof"))}
+        if "bare, warm guards" in modes:  # the same graphs, only the differentiating guards
+            profiles["bare, warm guards"] = lambda: _profiled(warm_guards(bare))
         for name, profile_one in profiles.items():
-            path = out.with_name(f"{out.name}-profile-{name}.txt")
-            path.write_text(profile_one())
-            print(f"wrote {path}", flush=True)
+            path = out.with_name(f"{out.name}-profile-{name.replace(', ', '-').replace(' ', '-')}.txt")
+            text, profile_stats[name] = profile_one()
+            path.write_text(text)
+            print(f"wrote {path}: {profile_stats[name]}", flush=True)
     worker.shutdown()
     pauses.uninstall()
     compiled.restore()
@@ -219,7 +230,7 @@ def main(argv=None) -> int:
     for row in rows:
         row["cpu_top"] = ", ".join(f"{k} {v}" for k, v in list(row["cpu_s_by_thread"].items())[:3])
     summary = {"model": args.model, "steps": args.steps, "compile": args.compile, "prompt": PROMPT,
-               "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe()}
+               "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe(), "profiles": profile_stats}
     write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
                                                       "gc_ms", "gc_ms_max", "full_collections", "cpu_s", "cpu_top",
                                                       "calls"),
@@ -260,9 +271,10 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
-def _profiled(fn, *fn_args) -> str:
+def _profiled(fn, *fn_args) -> tuple[str, dict]:
     """One call of fn(*fn_args) under torch's profiler in the calling thread: the top host operations by self CPU
-    time, then by total CUDA time (text tables)."""
+    time, then by total CUDA time (text tables), and the call's totals: host and GPU milliseconds (self times of
+    every event) and Dynamo's cache lookups (count, milliseconds: its guard evaluation)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -274,7 +286,12 @@ def _profiled(fn, *fn_args) -> str:
     text = averages.table(sort_by="self_cpu_time_total", row_limit=30)
     if torch.cuda.is_available():
         text += "\n\n" + averages.table(sort_by="cuda_time_total", row_limit=20)
-    return text
+    lookups = [e for e in averages if e.key == "TorchDynamo Cache Lookup"]
+    stats = {"host_ms": round(sum(e.self_cpu_time_total for e in averages) / 1e3, 2),
+             "gpu_ms": round(sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e3, 2),
+             "cache_lookups": sum(e.count for e in lookups),
+             "cache_lookup_ms": round(sum(e.self_cpu_time_total for e in lookups) / 1e3, 2)}
+    return text, stats
 
 
 if __name__ == "__main__":
