@@ -53,7 +53,7 @@ def parse_warmup_sizes(text: str, spec=None) -> tuple:
 
 
 def check_compile_args(args: argparse.Namespace) -> None:
-    """UsageError naming a bad --compile or --max-compiled-shapes value."""
+    """UsageError naming a bad --compile, --max-compiled-shapes or --compile-guards value."""
     if args.compile is not None and args.compile not in COMPILE_CHOICES:
         raise UsageError(f"--compile: expected one of {', '.join(COMPILE_CHOICES)}, got {args.compile!r}")
     shapes = getattr(args, "max_compiled_shapes", 8)

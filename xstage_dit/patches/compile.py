@@ -29,8 +29,9 @@ client asking for an odd size costs itself an eager call instead of every user a
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
 
-Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: the tensor
-signature, every other argument's repr, grad / inference / autocast mode) has run compiled, later calls of
+Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: every
+argument's structure, tensors by shape and dtype, the rest by value; grad / inference / autocast mode) has
+run compiled, later calls of
 that key run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo evaluates only the
 guards that told its cache entries apart during warm-up (the ones that ever failed), not every guard of every
 entry. Why: regional compile puts all of a block class's layers on one code object, and NucleusMoE's layers
@@ -95,14 +96,13 @@ def signature_of(args: tuple, kwargs: dict) -> tuple:
 
 
 def call_key(args: tuple, kwargs: dict) -> tuple:
-    """What a warm call must match to skip guards: `signature_of` plus the structure of every other argument
-    (a LoRA scale in ``attention_kwargs``, a flag, a list of tensors' shapes) and the grad / inference / autocast
-    modes the graphs were traced in."""
+    """What a warm call must match to skip guards: the structure of every argument (tensors by shape, dtype and
+    device, at the top or inside a list or dict; a LoRA scale in ``attention_kwargs``, a flag by value) and the
+    grad / inference / autocast modes the graphs were traced in."""
     items = [(str(i), a) for i, a in enumerate(args)] + sorted(kwargs.items())
-    others = tuple((name, _structure(v)) for name, v in items if not isinstance(v, torch.Tensor))
     modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
              torch.is_autocast_enabled("cuda"), torch.is_autocast_enabled("cpu"))
-    return signature_of(args, kwargs), others, modes
+    return tuple((name, _structure(v)) for name, v in items), modes
 
 
 def _structure(value: Any):

@@ -76,8 +76,8 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
     parallel: the command's one ParallelConfig (its world size must be the ranks'), handed to `parallelize`.
     dtype: None picks bfloat16 on a GPU and float32 on a CPU.
     weights_seed: seed of a built-in model's random weights (not of the images: requests carry their seeds).
-    compile: "off", "regional" or "full" (`xstage_dit.patches.compile`); None: regional on a GPU, off on a
-        CPU. Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
+    compile: a mode of `xstage_dit.patches.compile.COMPILE_MODES`; None: regional on a GPU, off on a CPU.
+        Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
     max_compiled_shapes: transformer input shapes compiled before further ones run eager.
     compile_guards: "full" or "warm" (`apply_compile`'s guards).
     """
