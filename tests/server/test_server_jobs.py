@@ -83,6 +83,42 @@ def test_complete_hands_each_job_its_own_outputs():
         q.complete(batch, [b"x"], run_s=0.1)
 
 
+def test_a_completion_only_subscriber_is_not_woken_per_step():
+    """A request answered in one piece subscribes with progress=False: the worker thread's steps schedule no
+    callback on its event loop (each would take the GIL from the host-bound worker), only the final event."""
+    import asyncio
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        q = JobQueue(max_queue=4, max_batch_size=4)
+        a = job(params(0, steps=4))
+        progress_q, final_q = a.subscribe(), a.subscribe(progress=False)
+        q.submit(a)
+        scheduled = []
+        real = loop.call_soon_threadsafe
+
+        def counting(callback, *args):
+            scheduled.append(args[0]["status"] if args else None)
+            return real(callback, *args)
+
+        loop.call_soon_threadsafe = counting
+        batch = q.next_batch(0.1)
+        for done in range(1, 5):
+            assert q.step(batch, done, 4, 0.01) is True
+        q.complete(batch, [b"png"], run_s=0.1)
+        q.release(batch)
+        await asyncio.sleep(0)
+        drained = lambda s: [s.get_nowait() for _ in range(s.qsize())]  # noqa: E731
+        return scheduled, drained(progress_q), drained(final_q)
+
+    scheduled, progress, final = asyncio.run(scenario())
+    assert [e["status"] for e in final] == [QUEUED, COMPLETED], final  # subscribed while queued, then the end
+    assert [e["steps_done"] for e in progress if e["status"] == RUNNING] == [0, 1, 2, 3, 4], progress
+    # every event after the first (put at subscription) was scheduled on the loop: the final one for each
+    # subscriber, the others for the progress subscriber alone
+    assert scheduled.count(COMPLETED) == 2 and len(scheduled) == (len(progress) - 1) + (len(final) - 1), scheduled
+
+
 def test_timeouts_while_queued_and_while_running():
     q = JobQueue(max_queue=4, max_batch_size=1)
     late = q.submit(job(params(0), timeout_s=-1))

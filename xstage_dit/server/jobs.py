@@ -70,7 +70,7 @@ class Job:
     encode_s: float | None = None  # PNG/MP4 encoding of the batch's outputs
     gc_s: float | None = None  # Python garbage-collection pauses (any thread) during the pipeline call
     cancel_requested: bool = False
-    _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=list)
+    _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -107,26 +107,31 @@ class Job:
                 "pipeline_s": self.pipeline_s, "encode_s": self.encode_s, "gc_s": self.gc_s}
 
     # --- subscribers (asyncio side) ---
-    def subscribe(self) -> asyncio.Queue:
-        """An asyncio queue receiving this job's events, starting with the current state."""
+    def subscribe(self, progress: bool = True) -> asyncio.Queue:
+        """An asyncio queue receiving this job's events, starting with the current state. progress=False: only
+        the state now and the final event (a request that answers once does not need a wake-up of the HTTP
+        thread per step: each one takes the GIL from a host-bound worker thread)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             q.put_nowait(self.snapshot())
             if not self.done:
-                self._subscribers.append((loop, q))
+                self._subscribers.append((loop, q, progress))
         return q
 
     def unsubscribe(self, q: asyncio.Queue) -> None:
         with self._lock:
-            self._subscribers = [(lp, s) for lp, s in self._subscribers if s is not q]
+            self._subscribers = [sub for sub in self._subscribers if sub[1] is not q]
 
     def _publish(self) -> None:
-        event = self.snapshot()
         with self._lock:
-            subs = list(self._subscribers)
-            if self.done:
+            done = self.done
+            subs = [(loop, q) for loop, q, progress in self._subscribers if progress or done]
+            if done:
                 self._subscribers.clear()
+        if not subs:
+            return
+        event = self.snapshot()
         for loop, q in subs:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, event)

@@ -50,7 +50,7 @@ async def generate_images(req: ImageGenerationRequest, request: Request, worker:
     job = new_job(config, image_params(req, served(worker), config))
     # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
     # loaded 2-core CI machine began at step 3 of 4).
-    q = job.subscribe()
+    q = job.subscribe(progress=req.stream)  # an answer in one piece waits for the end alone
     enqueue(worker, job)
     if req.stream:
         return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True, q=q),
