@@ -101,7 +101,7 @@ def test_real_refusals_on_the_cpu_measure_nothing_and_choose_what_ran_before():
     assert at1.name == "sdpa" and "FA4 needs a CUDA device" in at1.refused["fa4"]
     assert "cuDNN SDPA needs a CUDA device" in at1.refused["cudnn"]
     at4 = KernelChooser(world=4, allow_measure=True, sweep=never).choose(**WAN, device=CPU)
-    assert at4.name is None and set(at4.refused) == {"fa4", "fa4-gqa", "cudnn", "triton"}
+    assert at4.name is None and set(at4.refused) == {"fa4", "fa4-gqa", "fa4-gqa-unpacked", "cudnn", "triton"}
     assert never.calls == []
     d = resolve_attention_decision(XStageParams.reference(), at4, world_size=4, device=CPU, facts=H200, **WAN)
     assert d.name == "serial" and "every kernel refuses" in d.reason and d.kernel is None
