@@ -284,6 +284,7 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
     from xstage_dit.patches.cfg_parallel import BatchedCFGHook, PairedCFGHook
     from xstage_dit.patches.compile_fixes import fix_grouped_mm_offsets
     from xstage_dit.patches.expert_parallel import apply_expert_parallel
+    from xstage_dit.patches.host_syncs import remove_host_copies
     from xstage_dit.patches.sequence_parallel import apply_sequence_parallel
 
     config, groups = handle.config, handle.groups
@@ -296,6 +297,8 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
         handle._undo.append(undo_ep)
     # MoE layers that stay diffusers' own (ep = 1) get the torch.compile work-around of compile_fixes.
     handle._undo.append(fix_grouped_mm_offsets(transformer)[0])
+    # Before the sequence hooks: a rope cache registered first sits inside their split of its output.
+    handle._undo.append(remove_host_copies(transformer)[0])
 
     spec = plan.build_sp(transformer)
     handle._undo.append(

@@ -10,6 +10,8 @@ What we use and why:
   ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``.
 - ``diffusers.hooks.hooks.StateManager``: the only way a hook learns the ``cache_context`` name
   ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel).
+- ``transformer_nucleusmoe_image._compute_text_seq_len_from_mask``: swapped for the same computation without
+  its host-to-device copy (`text_seq_len_without_host_copy`, for `patches.host_syncs`).
 
 Tested with diffusers 0.42.x. Any other version fails with a clear message at `parallelize` time,
 before any collective or GPU work.
@@ -175,3 +177,49 @@ def hidream_meta_experts() -> Iterator[None]:
     with _patched_init(mod.MOEFeedForwardSwiGLU, wrap_moe), _patched_init(mod.HiDreamImageFeedForwardSwiGLU, wrap_ff):
         yield
 
+
+
+# ------------------------------------------------------------- NucleusMoE's text length without a host copy
+_TEXT_LEN_USERS = [0]  # patched transformers that rely on the swap; the original returns with the last undo
+_TEXT_LEN_ORIGINAL: list[Callable | None] = [None]
+
+
+def _text_seq_len_on_device(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
+    """diffusers 0.42's ``_compute_text_seq_len_from_mask`` with the fallback length made by a fill on the
+    device instead of ``torch.as_tensor(text_seq_len, device=...)`` (a host copy that waits for the stream).
+    Returns (text_seq_len, per-sample lengths (B,) int64 or None, the mask as bool or None)."""
+    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+    if encoder_hidden_states_mask is None:
+        return text_seq_len, None, None
+    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
+    mask = encoder_hidden_states_mask.to(torch.bool)
+    position_ids = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    active_positions = torch.where(mask, position_ids, position_ids.new_zeros(()))
+    whole = torch.full((), text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    per_sample_len = torch.where(mask.any(dim=1), active_positions.max(dim=1).values + 1, whole)
+    return text_seq_len, per_sample_len, mask
+
+
+def text_seq_len_without_host_copy() -> Callable[[], None]:
+    """Swap NucleusMoE's module-level text-length helper for `_text_seq_len_on_device` (same values; every
+    NucleusMoE transformer of the process sees it). Returns the undo; the original is back after the undo of
+    the last swap."""
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    if _TEXT_LEN_USERS[0] == 0:
+        _TEXT_LEN_ORIGINAL[0] = mod._compute_text_seq_len_from_mask
+        mod._compute_text_seq_len_from_mask = _text_seq_len_on_device
+    _TEXT_LEN_USERS[0] += 1
+    done = [False]
+
+    def undo() -> None:
+        if done[0]:
+            return
+        done[0] = True
+        _TEXT_LEN_USERS[0] -= 1
+        if _TEXT_LEN_USERS[0] == 0:
+            mod._compute_text_seq_len_from_mask = _TEXT_LEN_ORIGINAL[0]
+
+    return undo
