@@ -5,7 +5,8 @@ Why: a copy from pageable host memory to the GPU first waits for the stream (CUD
 GPU then idles while the host prepares what follows. One compiled NucleusMoE 4-step call on the H200 spent
 610 ms of host time against 387 ms of GPU work, 56 ms of it in 100 ``cudaMemcpyAsync`` calls
 (`benchmarks/results/serving/served-path-nucleusmoe-h200-f6c8114-profile-bare-warm-guards.txt`). diffusers
-0.42's NucleusMoE forward makes four such copies per forward, each recomputing the same values:
+0.42's NucleusMoE forward makes four such copies per forward (three when the prompt comes without a padding
+mask, as the pipeline passes it when no token is padding), each recomputing the same values:
 
 - ``NucleusMoEEmbedRope.pos_freqs`` / ``neg_freqs`` are plain attributes, not buffers: ``pipe.to("cuda")``
   leaves them on the CPU and every forward copies the 2 MB table (``self.pos_freqs.to(device)``);
