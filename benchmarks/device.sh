@@ -28,7 +28,8 @@
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
 #   served-path  probe_served_path.py: bare call vs the server's runner (main thread, worker thread) vs HTTP
-#                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile)
+#                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile, then 16 adjacent bare / served
+#                pairs: the served / bare ratio's 95 % interval against 1.02)
 #   transport    probe_http_transport.py: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
@@ -208,7 +209,7 @@ step_worker_thread() {
 
 step_served_path() {
   # shellcheck disable=SC2086
-  timeout -k 10 "$(limit served-path 240)" "$py" benchmarks/probe_served_path.py --out-dir "$1" ${SERVED_PATH_ARGS:-}
+  timeout -k 10 "$(limit served-path 240)" "$py" benchmarks/probe_served_path.py --out-dir "$1" ${SERVED_PATH_ARGS:---pairs 16}
 }
 
 step_transport() {

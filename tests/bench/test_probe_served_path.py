@@ -33,10 +33,17 @@ def test_served_path_probe_compares_the_guard_modes_on_the_same_graphs(tmp_path)
     from benchmarks.probe_served_path import main
 
     assert main(["--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "regional", "--backend", "eager",
-                 "--dtype", "bfloat16", "--reps", "1", "--rounds", "1", "--profile", "--out-dir", str(tmp_path)]) == 0
+                 "--dtype", "bfloat16", "--reps", "1", "--rounds", "1", "--profile", "--pairs", "2",
+                 "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "served-path-tiny-nucleusmoe.json").read_text())
     rows = {r["how"]: r for r in data["rows"]}
     assert {"bare, warm guards", "served, warm guards"} <= set(rows)
+    assert all(r["calls"] == 1 for r in rows.values())  # the pairs' calls are not the modes' rows
+    paired = {(p["mode"], p["against"]): p for p in data["summary"]["paired"]}
+    assert set(paired) == {("served", "bare"), ("served, warm guards", "bare, warm guards")}
+    for p in paired.values():
+        assert p["pairs"] == 2 and len(p["seconds"]) == 2 and p["ratio"] > 0 and len(p["ci95"]) == 2
+        assert p["target"] in ("met", "not met", "unresolved")
     assert data["summary"]["compiled"]["guards"] == "full"  # switched for those modes' calls only, then back
     profiles = data["summary"]["profiles"]
     assert set(profiles) == {"bare", "runner-worker", "bare, warm guards"}
@@ -51,3 +58,23 @@ def test_served_path_probe_refuses_a_video_model(tmp_path):
 
     with pytest.raises(SystemExit, match="expected an image model"):
         main(["--model", "tiny-wan", "--out-dir", str(tmp_path)])
+
+
+def test_paired_ratio_alternates_the_order_and_judges_the_target():
+    from benchmarks.probe_served_path import paired_ratio
+
+    calls = []
+    clock = {"bare": [0.50, 0.52, 0.70, 0.51], "served": [0.505, 0.525, 0.707, 0.515]}
+
+    def timed_call(name):
+        calls.append(name)
+        return clock[name].pop(0)
+
+    p = paired_ratio("served", "bare", timed_call, 4)
+    assert calls == ["bare", "served", "served", "bare"] * 2  # which comes first alternates pair by pair
+    assert p["pairs"] == 4 and p["seconds"][2] == [0.707, 0.7]  # the slow spell hits both calls of pair 3
+    assert 1.0095 < p["ratio"] < 1.0105 and p["target"] == "met" and p["ci95"][1] <= 1.02
+    slow = paired_ratio("served", "bare", lambda name: 1.1 if name == "served" else 1.0, 3)
+    assert slow["target"] == "not met" and slow["verdict"] == "slower"
+    noisy = {"bare": [1.0, 1.0, 1.0], "served": [0.9, 1.2, 1.0]}
+    assert paired_ratio("served", "bare", lambda name: noisy[name].pop(0), 3)["target"] == "unresolved"
