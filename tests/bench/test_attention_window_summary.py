@@ -17,10 +17,13 @@ def test_summary_takes_minima_and_names_failures():
             _row(4608, 8, "all", 0.97, "fa4_window", 1.0,
                  kernel_errors={"cudnn_window": "RuntimeError('capture')"}),
             _row(32768, 8, "rank", 1.10, "fa4_window", 0.5),
+            _row(32768, 1, "all", 1.12, "fa4gqa_window", -1.5),
             {"seq_len": 8192, "heads": 24, "world": 4, "scope": "rank", "error": "RuntimeError('oom')"}]
     s = window_summary(rows)
     assert s["fused_over_cudnn"] == 0.97 and s["fused_over_cudnn_below_16k"] == 0.97
     assert s["fused_over_cudnn_from_16k"] == 1.10 and s["residual_pct_max"] == 3.0
+    # per rank: the launches a rank runs (P > 1); the P = 1 row's window is the local layout: its |residual| is noise
+    assert s["residual_pct_max_per_rank"] == 3.0 and s["residual_noise_floor_pct"] == 1.5
     assert s["failed_rows"] == ["S8192_H24_P4_rank"]
     assert s["failed_kernels"] == {"S4608_H24_P8_all": {"cudnn_window": "RuntimeError('capture')"}}
     assert s["by_shape"]["S4608_H24_P8_rank"] == 1.06
