@@ -118,6 +118,37 @@ def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
     np.testing.assert_array_equal(got, want)
 
 
+def test_full_compile_traces_nucleusmoe_whole_with_its_host_copies_removed():
+    """NucleusMoE compiled whole (`--compile full`: one Dynamo lookup a forward where regional makes one per
+    block, 32 at full size: its compiled call is host-bound on the H200) traces without a graph break under
+    parallelize (`patches.host_syncs`' rope cache steps aside while Dynamo traces) and gives the eager images."""
+    from torch._dynamo.testing import CompileCounter
+
+    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.models.generation import call_kwargs
+
+    with one_torch_thread():
+        # bf16: Dynamo's fake grouped_mm takes bf16 only
+        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cpu", seed=0)
+        spec = model_spec("tiny-nucleusmoe")
+        handle = parallelize(pipe, ParallelConfig())
+        kwargs = lambda: call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)  # noqa: E731
+        with torch.inference_mode():
+            want = pipe(**kwargs()).images
+        counter = CompileCounter()
+        compiled = apply_compile(pipe, "full", backend=counter, vae=False)
+        try:
+            with torch.inference_mode():
+                got = pipe(**kwargs()).images
+        finally:
+            compiled.restore()
+            handle.restore()
+    # one graph for every forward: no break (a break makes two frames), and the tiny tokenizer gives the prompt and
+    # the negative prompt one length
+    assert counter.frame_count == 1, counter.frame_count
+    np.testing.assert_array_equal(got, want)
+
+
 def test_regional_compile_traces_one_graph_per_block_class():
     """Every block of a class shares one compiled graph under parallelize: nothing in the attention backend
     guards on a block's own name (that recompiled per block, and past the recompile limit ran eager on the
