@@ -91,30 +91,38 @@ def test_only_the_image_vae_decoder_compiles():
     assert _image_vae_decoder(SimpleNamespace()) is None
 
 
-def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
-    """NucleusMoE's EP layer at world 1 (what world1_path="fused" runs on a GPU): its expert-choice path has static
-    offsets and traces without a graph break (tests/ops/test_moe_expert_choice.py); compiled it must give
-    the eager images exactly. The swap is forced here (the CPU keeps diffusers' layer)."""
-    import xstage_dit.patches.expert_parallel as expert_parallel
+def _nucleusmoe_eager_then_compiled(dtype: torch.dtype, mode: str, backend, **compile_kwargs):
+    """Tiny NucleusMoE under parallelize (world 1): its images eager, then compiled in `mode` with `backend`;
+    returns (eager images, compiled images, the parallelize handle's MoE layer count)."""
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs
 
-    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: "reference")
     with one_torch_thread():
-        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0)
+        pipe = load_pipeline("tiny-nucleusmoe", dtype=dtype, device="cpu", seed=0)
         spec = model_spec("tiny-nucleusmoe")
         handle = parallelize(pipe, ParallelConfig())
-        assert handle.num_moe_layers > 0
         kwargs = lambda: call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)  # noqa: E731
         with torch.inference_mode():
             want = pipe(**kwargs()).images
-        compiled = apply_compile(pipe, "regional", backend="eager")
+        compiled = apply_compile(pipe, mode, backend=backend, **compile_kwargs)
         try:
             with torch.inference_mode():
                 got = pipe(**kwargs()).images
         finally:
             compiled.restore()
             handle.restore()
+    return want, got, handle.num_moe_layers
+
+
+def test_compile_over_the_world1_fused_moe_layer_stays_correct(monkeypatch):
+    """NucleusMoE's EP layer at world 1 (what world1_path="fused" runs on a GPU): its expert-choice path has static
+    offsets and traces without a graph break (tests/ops/test_moe_expert_choice.py); compiled it must give
+    the eager images exactly. The swap is forced here (the CPU keeps diffusers' layer)."""
+    import xstage_dit.patches.expert_parallel as expert_parallel
+
+    monkeypatch.setattr(expert_parallel, "_world1_path", lambda child, routing, where, seen, requested: "reference")
+    want, got, moe_layers = _nucleusmoe_eager_then_compiled(torch.float32, "regional", "eager")
+    assert moe_layers > 0
     np.testing.assert_array_equal(got, want)
 
 
@@ -124,25 +132,9 @@ def test_full_compile_traces_nucleusmoe_whole_with_its_host_copies_removed():
     parallelize (`patches.host_syncs`' rope cache steps aside while Dynamo traces) and gives the eager images."""
     from torch._dynamo.testing import CompileCounter
 
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.models.generation import call_kwargs
-
-    with one_torch_thread():
-        # bf16: Dynamo's fake grouped_mm takes bf16 only
-        pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cpu", seed=0)
-        spec = model_spec("tiny-nucleusmoe")
-        handle = parallelize(pipe, ParallelConfig())
-        kwargs = lambda: call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)  # noqa: E731
-        with torch.inference_mode():
-            want = pipe(**kwargs()).images
-        counter = CompileCounter()
-        compiled = apply_compile(pipe, "full", backend=counter, vae=False)
-        try:
-            with torch.inference_mode():
-                got = pipe(**kwargs()).images
-        finally:
-            compiled.restore()
-            handle.restore()
+    counter = CompileCounter()
+    # bf16: Dynamo's fake grouped_mm takes bf16 only
+    want, got, _ = _nucleusmoe_eager_then_compiled(torch.bfloat16, "full", counter, vae=False)
     # one graph for every forward: no break (a break makes two frames), and the tiny tokenizer gives the prompt and
     # the negative prompt one length
     assert counter.frame_count == 1, counter.frame_count
