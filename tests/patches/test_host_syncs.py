@@ -127,6 +127,29 @@ def test_no_host_copies_per_forward_on_another_device(monkeypatch):
         assert count_host_copies(monkeypatch, run) == 4
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_the_tables_move_and_the_copies_are_gone(monkeypatch):
+    """The real case: tiny NucleusMoE on the GPU (bf16). diffusers' forward copies four host values to the GPU a
+    call; patched, the rope tables sit on the GPU and a forward of a shape seen before copies none; same bits."""
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    model = pipe.transformer
+    args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+            for k, v in inputs("cuda").items()}
+    with torch.no_grad():
+        want = model(**args)[0]
+        assert count_host_copies(monkeypatch, lambda: model(**args)) == 4
+        undo, _ = remove_host_copies(model)
+        try:
+            assert model.pos_embed.pos_freqs.device.type == "cuda" and model.pos_embed.neg_freqs.is_cuda
+            first = model(**args)[0]
+            assert count_host_copies(monkeypatch, lambda: model(**args)) == 0
+            again = model(**args)[0]
+        finally:
+            undo()
+        assert model.pos_embed.pos_freqs.device.type == "cpu"  # diffusers' own placement, back
+    assert torch.equal(first, want) and torch.equal(again, want)
+
+
 @pytest.mark.parametrize("rows", [[9, 12], [0, 12], [12, 12], [0, 0]])
 def test_the_text_length_helper_equals_diffusers(rows):
     from diffusers.models.transformers import transformer_nucleusmoe_image as mod

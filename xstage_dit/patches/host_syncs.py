@@ -84,8 +84,9 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
              and all(isinstance(getattr(m, t, None), torch.Tensor) for t in _TABLES)]
     if not ropes:
         return (lambda: None), 0
-    first = next(transformer.parameters(), None)
-    device = first.device if first is not None else getattr(ropes[0], _TABLES[0]).device
+    # The device the weights live on (not meta: experts a rank never materialises stay there, `models.experts`).
+    placed = next((p for p in transformer.parameters() if p.device.type != "meta"), None)
+    device = placed.device if placed is not None else getattr(ropes[0], _TABLES[0]).device
     undo: list[Callable[[], None]] = []
     for rope in ropes:
         tables = {t: getattr(rope, t) for t in _TABLES}
