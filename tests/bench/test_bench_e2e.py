@@ -90,6 +90,10 @@ def test_transformer_timer_counts_each_forward_and_detaches():
         (["--model", "no-such-model"], "no-such-model"),
         (["--num-prompts", "13"], "got 13"),
         (["--height", "100"], "height to be a positive multiple of 16 for tiny-flux, got 100"),
+        (["--compile-also", "full"], "expected --compile with --compile-also 'full'"),
+        (["--compile", "regional", "--compile-also", "full,turbo"], "got 'turbo'"),
+        (["--compile", "regional", "--compile-also", "regional"], "other than --compile's 'regional'"),
+        (["--compile", "regional", "--compile-also", "full,full"], "each --compile-also mode once"),
     ],
 )
 def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
@@ -140,8 +144,8 @@ def test_help_lists_every_contender(capsys):
 # Results: summary, comparisons, run order, budget
 
 
-def _ok(name, median, step_s=0.1, compile=False, latencies=None):
-    family = name.replace("+compile", "")
+def _ok(name, median, step_s=0.1, compile=False, latencies=None, family=None):
+    family = family or name.replace("+compile", "")
     row = {"name": name, "family": family, "compile": compile, "status": "ok",
            "median_s": median, "p90_s": median, "transformer_step_ms": 1e3 * step_s, "warmup_s": 1.0}
     if latencies is not None:
@@ -156,6 +160,8 @@ def test_summary_and_comparisons_are_the_measured_ratios():
         _ok("xstage-calibrated", 1.25),
         _ok("diffusers+compile", 1.0, compile=True),
         _ok("xstage-serial+compile", 0.8, compile=True),
+        _ok("xstage-serial+compile:full", 0.7, compile=True, family="xstage-serial"),
+        _ok("xstage-calibrated+compile:full", 0.56, compile=True, family="xstage-calibrated"),
         {"name": "xfuser-usp", "family": "xfuser-usp", "compile": False, "status": "cannot run", "reason": "why"},
     ]
     stats.add_comparisons(records, default_steps=28, steps=4)
@@ -170,6 +176,9 @@ def test_summary_and_comparisons_are_the_measured_ratios():
     rec = {r["name"]: r for r in records}
     assert rec["xstage-calibrated"]["speedup_vs_xstage_serial"] == pytest.approx(1.28)
     assert rec["xstage-serial+compile"]["speedup_vs_diffusers_same_compile"] == pytest.approx(1.25)
+    # a --compile-also row compares with the same mode's rows only: no diffusers+compile:full was measured
+    assert rec["xstage-calibrated+compile:full"]["speedup_vs_diffusers_same_compile"] is None
+    assert rec["xstage-calibrated+compile:full"]["speedup_vs_xstage_serial"] == pytest.approx(1.25)
     assert "baseline_drift_pct" not in rec["diffusers"]  # no repeat measured: no drift
     assert "not_slower_than_diffusers" not in rec["xstage-serial"]  # no latencies to pair: no claim either way
     assert "verdict" not in rec["xstage-serial+compile"]  # verdicts are for the eager xstage rows
@@ -194,6 +203,14 @@ def test_run_order_baseline_first_irreversible_last():
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
     # No xstage contender, no repeat.
     assert [c.name for c in contenders.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
+    # --compile-also: the xstage contenders again in each further mode, after the --compile variants
+    also = [c.name for c in contenders.make_contenders(["diffusers", "xstage-calibrated", "xstage-served"], True,
+                                                       compile_also=("full", "graphs"))]
+    assert also[also.index("xstage-served+compile") + 1:] == [
+        "xstage-calibrated+compile:full", "xstage-served+compile:full",
+        "xstage-calibrated+compile:graphs", "xstage-served+compile:graphs"]
+    assert [c.name for c in contenders.make_contenders(["xstage-calibrated"], False, compile_also=("full",))] == [
+        "xstage-calibrated", "xstage-calibrated+compile"]  # no compile requested: no further modes either
     skipped = contenders.make_contenders(["diffusers"], False)
     assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
 
@@ -302,13 +319,14 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     rc = cli.main([
         "bench", "--model", "tiny-flux", "--num-prompts", "1", "--steps", "2", "--out-dir", str(tmp_path),
         # Compile variants are requested but cannot fit the budget: reported as skipped, never omitted.
-        "--compile", "--compile-estimate-s", "1e6", "--time-budget-s", "1e5",
+        "--compile", "--compile-estimate-s", "1e6", "--time-budget-s", "1e5", "--compile-also", "full",
     ])
     assert rc == 0
     stem = tmp_path / "e2e-tiny-flux-1xcpu"
     record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in record["rows"]}
-    expected = {n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
+    expected = ({n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
+                | {n + "+compile:full" for n in ("xstage-serial", "xstage-calibrated", "xstage-served")})
     assert set(rows) == expected
 
     base = rows["diffusers"]
@@ -322,8 +340,8 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
         assert row["status"] in ("ok", "cannot run", "skipped", "failed"), row
         if row["status"] != "ok":
             assert row["reason"], f"{name} has no reason"
-        if name.endswith("+compile"):
-            eager = rows[name.replace("+compile", "")]
+        if name.endswith(("+compile", "+compile:full")):
+            eager = rows[name.split("+compile")[0]]
             if eager["status"] == "cannot run":  # the same detected reason, before any budget question
                 assert (row["status"], row["reason"]) == ("cannot run", eager["reason"])
             else:
@@ -355,6 +373,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     assert record["environment"]["torch"] and record["environment"]["git_commit"]
     assert settings["command"].startswith("xstage-dit bench") and "--steps 2" in settings["command"]
     assert (settings["seed"], settings["weights_seed"]) == (0, 0)  # sampling and weights seeds, apart
+    assert settings["compile_also"] == ["full"] and "--compile-also full" in settings["command"]
 
     md = stem.with_suffix(".md").read_text(encoding="utf-8")
     assert "measured at 2 denoising steps" in md

@@ -16,8 +16,9 @@ class Contender:
     compile_vae = True  # compiled variant: also the image VAE's decoder (what `serve` / `generate` compile)
     ours = False  # an xstage contender: its compiled variant takes --compile-guards (baselines compile as users do)
 
-    def __init__(self, compile: bool):
+    def __init__(self, compile: bool, compile_mode: str | None = None):
         self.compile = compile
+        self.compile_mode = compile_mode  # None: --compile's mode; else one of --compile-also's (ours only)
         self.info: dict = {}
 
     def accepts(self, dirty: str | None) -> bool:
@@ -26,7 +27,9 @@ class Contender:
 
     @property
     def name(self) -> str:
-        return self.family + ("+compile" if self.compile else "")
+        if not self.compile:
+            return self.family
+        return self.family + "+compile" + (f":{self.compile_mode}" if self.compile_mode else "")
 
     def check(self, b: Bench) -> str | None:
         return None
@@ -34,7 +37,8 @@ class Contender:
     def apply(self, b: Bench) -> None:
         if self.compile:
             guards = getattr(b.args, "compile_guards", "full") if self.ours else "full"
-            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae, guards=guards)
+            self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae, guards=guards,
+                                                              mode=self.compile_mode)
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)

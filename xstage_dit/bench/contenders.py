@@ -256,11 +256,11 @@ class DiffusersCP(Contender):
 
 
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
-                    serve=None) -> list[Contender]:
-    """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then
-    the other reversible stacks, then each irreversible contender with its compiled variant (they leave
-    the pipeline modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no
-    diffusers-repeat."""
+                    serve=None, compile_also: tuple[str, ...] = ()) -> list[Contender]:
+    """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then the
+    xstage contenders compiled in each `compile_also` mode (``<name>+compile:<mode>``), then the other
+    reversible stacks, then each irreversible contender with its compiled variant (they leave the pipeline
+    modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no diffusers-repeat."""
     factories = {
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
@@ -279,6 +279,12 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
+    for mode in compile_also if with_compile else ():
+        for name in names:
+            variant = factories[name](True)
+            if variant.ours:  # the baselines compile the way their users do: --compile's mode alone
+                variant.compile_mode = mode
+                ours.append(variant)
     ordered = ours + [c for c in eager + compiled if c not in ours and not c.irreversible]
     for e, c in zip(eager, compiled):
         if e.irreversible and e not in ordered:

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from xstage_dit.bench.contenders import make_contenders
 from xstage_dit.bench.measure import measure, measure_in_rounds, precheck, prepare_pipeline, unmeasured_row
-from xstage_dit.bench.options import (BASELINE, OUR_FAMILIES, add_arguments, command_line, option_argv,
-                                      parse_contenders, validate)
+from xstage_dit.bench.options import (BASELINE, OUR_FAMILIES, add_arguments, command_line, compile_also_modes,
+                                      option_argv, parse_contenders, validate)
 from xstage_dit.bench.report import Report, rerender
 from xstage_dit.bench.results import environment
 from xstage_dit.bench.session import TORCH_DTYPES, Bench, gpu_label, load_prompts, model_slug
@@ -124,12 +124,14 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "dtype": str(dtype).replace("torch.", ""),
         "num_prompts": len(prompts), "prompts": prompts, "repeats": args.repeats, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": args.compile,
+        "compile_also": compile_also_modes(args),
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
         # measure_in_rounds counts the rounds every eager contender of our group completed.
         "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
     report = Report(b, settings, env, stem)
-    contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve)
+    contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
+                                 compile_also=tuple(compile_also_modes(args)))
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
     interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]

@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graphs = full under CUDA graphs; "
                              "a bare --compile is regional; off reports the compiled variants as skipped "
                              "(default: %(default)s)")
+    parser.add_argument("--compile-also", default=None, metavar="MODE[,MODE]",
+                        help="more torch.compile modes (full, graphs, regional) for the xstage contenders only, each "
+                             "a variant named <contender>+compile:<mode> in the same run, after the --compile ones "
+                             "(e.g. --compile regional --compile-also full,graphs; default: none)")
     parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full",
                         help="the xstage contenders' compiled variants (the baselines compile as their users do): "
                              + GUARDS_HELP)
@@ -129,11 +133,31 @@ def validate(args: argparse.Namespace) -> None:
 
     if args.compile not in COMPILE_MODES:
         raise UsageError(f"expected --compile in {', '.join(COMPILE_MODES)}, got {args.compile!r}")
+    extra = compile_also_modes(args)
+    if extra and args.compile == "off":
+        raise UsageError(f"expected --compile with --compile-also {args.compile_also!r}, got --compile off")
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
     if not Path(args.prompts).is_file():
         raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
     parse_contenders(args.contenders)
+
+
+def compile_also_modes(args: argparse.Namespace) -> list[str]:
+    """--compile-also as a list of modes, each named once and none of them "off" or --compile's own mode;
+    UsageError naming the bad value."""
+    from xstage_dit.patches.compile import COMPILE_MODES
+
+    modes = [m.strip() for m in (getattr(args, "compile_also", "") or "").split(",") if m.strip()]
+    for mode in modes:
+        if mode not in COMPILE_MODES or mode == "off":
+            raise UsageError(f"expected --compile-also modes in {', '.join(m for m in COMPILE_MODES if m != 'off')}, "
+                             f"got {mode!r}")
+        if mode == args.compile:
+            raise UsageError(f"expected --compile-also modes other than --compile's {args.compile!r}, got {mode!r}")
+    if len(set(modes)) != len(modes):
+        raise UsageError(f"expected each --compile-also mode once, got {args.compile_also!r}")
+    return modes
 
 
 def option_argv(args: argparse.Namespace) -> list[str]:

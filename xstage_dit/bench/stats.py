@@ -117,7 +117,8 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
     for r in rows:
         if r.get("status") != "ok":
             continue
-        suffix = "+compile" if r["compile"] else ""
+        # "", "+compile" or "+compile:<mode>" (a --compile-also variant): the same compile's baseline rows
+        suffix = r["name"][len(r["family"]):] if r["name"].startswith(r["family"]) else ""
         same, serial = median_of(BASELINE + suffix), median_of("xstage-serial" + suffix)
         r["speedup_vs_diffusers_1gpu"] = base / r["median_s"] if base else None
         r["speedup_vs_diffusers_same_compile"] = same / r["median_s"] if same else None
