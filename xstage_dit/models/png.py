@@ -112,6 +112,12 @@ def encode_png(pixels: np.ndarray) -> bytes:
     else:
         pieces = list(_pool().map(_deflate, stripes, lasts))
     # zlib stream: header (deflate, 32K window, fastest), the concatenated stripes, Adler-32 of all raw bytes.
-    stream = b"\x78\x01" + b"".join(pieces) + struct.pack(">I", zlib_ng.adler32(flat))
+    stream = [b"\x78\x01", *pieces, struct.pack(">I", zlib_ng.adler32(flat))]
+    crc = zlib_ng.crc32(b"IDAT")
+    for part in stream:  # the IDAT chunk's CRC, piece by piece: the stream is never joined on its own
+        crc = zlib_ng.crc32(part, crc)
     header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPE[channels], 0, 0, 0)
-    return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")
+    # One join: the image's bytes are copied once. Chaining `+` (as the chunks once were) copied the 3 MB of a
+    # 1024² image of noise five times: 5.0 of the encoder's 7.9 ms on the 2-core machine.
+    return b"".join([_SIGNATURE, _chunk(b"IHDR", header), struct.pack(">I", sum(len(p) for p in stream)), b"IDAT",
+                     *stream, struct.pack(">I", crc), _chunk(b"IEND", b"")])
