@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))
     never = lambda *_: True  # noqa: E731
     step_ms: dict[str, list[float]] = {}
+    delivery_ms: dict[str, list[tuple[float, float]]] = {}  # served modes: (PNG encode, job end to client) a call
 
     def sync():
         if device.type == "cuda":
@@ -162,12 +163,18 @@ def main(argv=None) -> int:
                 "guidance_scale": item.guidance, "response_format": "png"}
 
         def served(label="served"):
+            started = time.perf_counter()
             r = client.post("/v1/images/generations", json=body)
+            client_s = time.perf_counter() - started  # the whole answer read
             if r.status_code != 200:
                 raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
-            mean_step = json.loads(r.headers.get("x-timings") or "{}").get("mean_step_s")
-            if mean_step:
-                step_ms.setdefault(label, []).append(1e3 * mean_step)
+            timings = json.loads(r.headers.get("x-timings") or "{}")
+            if timings.get("mean_step_s"):
+                step_ms.setdefault(label, []).append(1e3 * timings["mean_step_s"])
+            if timings.get("encode_s") is not None and timings.get("total_s") is not None:
+                # the delivery after the GPU: the PNG, then (after the job completed) the answer to the client
+                delivery_ms.setdefault(label, []).append((1e3 * timings["encode_s"],
+                                                          1e3 * (client_s - timings["total_s"])))
 
         def queued():
             job = Job(id=new_job_id("img"), items=[item], deadline=time.time() + 3600.0)
@@ -207,10 +214,13 @@ def main(argv=None) -> int:
         pairs = [("served", "bare")] + ([("served, warm guards", "bare, warm guards")]
                                         if "bare, warm guards" in modes else [])
         steps_of_modes = {k: list(v) for k, v in step_ms.items()}  # the modes' rows keep their own calls' steps
+        delivery_of_modes = {k: list(v) for k, v in delivery_ms.items()}
         paired = [paired_ratio(mode, against, lambda name: timed(f"{name} (paired)", modes[name]), args.pairs)
                   for mode, against in pairs] if args.pairs > 0 else []
         step_ms.clear()
         step_ms.update(steps_of_modes)
+        delivery_ms.clear()
+        delivery_ms.update(delivery_of_modes)
         client.close()
     out = Path(args.out_dir) / f"served-path-{args.model}"
     profile_stats: dict[str, dict] = {}
@@ -235,6 +245,7 @@ def main(argv=None) -> int:
     rows = [{"how": name, "median_s": round(statistics.median(s), 4), "min_s": round(min(s), 4),
              "max_s": round(max(s), 4), "over_bare": round(statistics.median(s) / base, 4),
              "step_ms": round(statistics.median(step_ms[name]), 2) if name in step_ms else None,
+             "encode_ms": _median_of(delivery_ms.get(name), 0), "after_job_ms": _median_of(delivery_ms.get(name), 1),
              "gc_ms": round(statistics.median(gc_ms[name]), 2), "gc_ms_max": round(max(gc_ms[name]), 2),
              "full_collections": full_collections[name], "calls": len(s),
              "cpu_s": round(sum(cpu_s[name].values()) / len(s), 3),
@@ -247,10 +258,12 @@ def main(argv=None) -> int:
                "rounds": args.rounds, "reps": args.reps, "compiled": compiled.describe(), "profiles": profile_stats,
                "paired": paired}
     write_results(out, "served-path", rows, summary, ("how", "median_s", "min_s", "max_s", "over_bare", "step_ms",
-                                                      "gc_ms", "gc_ms_max", "full_collections", "cpu_s", "cpu_top",
-                                                      "calls"),
+                                                      "encode_ms", "after_job_ms", "gc_ms", "gc_ms_max",
+                                                      "full_collections", "cpu_s", "cpu_top", "calls"),
                   notes="Wall time of one synchronized call per mode, interleaved rounds, the same prompt, seed and "
-                        "steps; step_ms: the runner's (or the server's) mean step (CUDA events); gc_ms / gc_ms_max: "
+                        "steps; step_ms: the runner's (or the server's) mean step (CUDA events); encode_ms / "
+                        "after_job_ms (served modes, medians): the server's PNG encode, and the time from the job's "
+                        "end (the server's total_s) until the client holds the answer; gc_ms / gc_ms_max: "
                         "garbage-collection pauses inside one call (median / largest); full_collections: "
                         "generation-2 collections in all of the mode's calls; cpu_s: CPU seconds per call of all the "
                         "process's threads (/proc, 10 ms ticks; a fresh thread's own time leaves with it), cpu_top: "
@@ -258,6 +271,11 @@ def main(argv=None) -> int:
                         "CUDA's).",
                   env=environment())
     return 0
+
+
+def _median_of(pairs: list[tuple[float, float]] | None, index: int) -> float | None:
+    """The median of item `index` of `pairs`, rounded to 0.01; None without pairs."""
+    return round(statistics.median(p[index] for p in pairs), 2) if pairs else None
 
 
 SERVED_OVER_BARE_TARGET = 1.02  # issue 15: the served request at most 1.02x the bare call

@@ -20,6 +20,9 @@ def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
                          "bare, server up", "bare, heap unfrozen", "served, heap unfrozen"}
     assert rows["bare"]["over_bare"] == 1 and all(r["median_s"] > 0 and r["calls"] == 1 for r in rows.values())
     assert all(rows[m]["step_ms"] > 0 for m in ("runner-worker", "served", "worker queue"))  # steps are timed
+    # the served modes' delivery after the GPU: the PNG, then the answer's way to the client
+    assert all(rows[m]["encode_ms"] > 0 and rows[m]["after_job_ms"] > 0 for m in ("served", "served, heap unfrozen"))
+    assert rows["bare"]["encode_ms"] is None and rows["worker queue"]["encode_ms"] is None
     assert all(r["gc_ms"] >= 0 and r["full_collections"] >= 0 for r in rows.values())
     assert rows["bare"]["cpu_s"] > 0 and "MainThread" in rows["bare"]["cpu_s_by_thread"]  # bare runs there
     assert "xstage-worker" in rows["served"]["cpu_s_by_thread"]  # the server's pipeline runs on its worker
