@@ -292,3 +292,25 @@ def test_negative_prompt_with_true_cfg_matches_the_pipeline(server, reference):
         assert_same_image(decode_png(item["b64_json"]), to_uint8(out.images[0]), f"true CFG seed {item['seed']}")
     plain = reference_image(pipe, served, "a red cat", 21, 32, 32, 2)
     assert abs(decode_png(r.json()["data"][0]["b64_json"]).astype(int) - plain.astype(int)).max() > 1
+
+
+@pytest.mark.parametrize("sizes", [[1], [2, 3], [49152, 49153, 100_001]])
+def test_the_json_answer_written_once_equals_the_payload(sizes):
+    """`image_json` (the non-streamed b64_json body, written into one buffer) says what `image_payload` says, for
+    several images and PNG lengths on every side of base64's 3-byte groups and of its 48 KB chunks."""
+    import os
+    import types
+
+    from xstage_dit.models.generation import GenerationRequest
+    from xstage_dit.server.jobs import COMPLETED, Job
+    from xstage_dit.server.routes.images import image_json, image_payload
+
+    job = Job(id="img-test", deadline=time.time() + 60,
+              items=[GenerationRequest(kind="image", prompt="x", width=32, height=32, steps=2, guidance=3.5, seed=s)
+                     for s in range(len(sizes))])
+    job.results, job.batch_size = [os.urandom(n) for n in sizes], len(sizes)
+    job.started, job.finished, job.status = job.created + 0.01, job.created + 0.5, COMPLETED
+    worker = types.SimpleNamespace(served=types.SimpleNamespace(name="tiny-flux"))
+    body = bytes(image_json(worker, job))
+    assert json.loads(body) == image_payload(worker, job)
+    assert [base64.b64decode(d["b64_json"]) for d in json.loads(body)["data"]] == job.results
