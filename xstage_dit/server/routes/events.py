@@ -18,12 +18,13 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
 
 
-async def events(worker: Worker, job: Job, final: Callable[[Job], dict] | None,
-                 cancel_on_disconnect: bool, q: asyncio.Queue | None = None) -> AsyncIterator[bytes]:
+async def events(worker: Worker, job: Job, final: Callable[[Job], dict | memoryview] | None,
+                 cancel_on_disconnect: bool, q: asyncio.Queue | None = None) -> AsyncIterator[bytes | memoryview]:
     """The event stream of `job`; `final(job)` is the `completed` payload (the last progress event when
-    None). With `cancel_on_disconnect`, a client that goes away before the end cancels the job. `q`: the
-    job's subscription when the caller made it before queueing the job (else it subscribes here, starting
-    from the job's current state)."""
+    None): a dict, or JSON already rendered on one line (sent as it is, not copied into the event). With
+    `cancel_on_disconnect`, a client that goes away before the end cancels the job. `q`: the job's
+    subscription when the caller made it before queueing the job (else it subscribes here, starting from the
+    job's current state)."""
     q = job.subscribe() if q is None else q
     try:
         while True:
@@ -37,7 +38,13 @@ async def events(worker: Worker, job: Job, final: Callable[[Job], dict] | None,
                 continue
             if event["status"] == COMPLETED:
                 yield _sse("progress", event)
-                yield _sse("completed", final(job) if final else event)
+                payload = final(job) if final else event
+                if isinstance(payload, dict):
+                    yield _sse("completed", payload)
+                else:  # rendered JSON (megabytes of base64): its own chunk of the stream
+                    yield b"event: completed\ndata: "
+                    yield payload
+                    yield b"\n\n"
             else:
                 yield _sse("error", {"error": {"message": job.error or job.status, "code": job.error_code,
                                                "status": job.status}})

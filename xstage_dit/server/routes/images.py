@@ -27,7 +27,8 @@ router = APIRouter(dependencies=[Depends(require_key)], responses=error_response
 
 
 def image_payload(worker: Worker, job: Job) -> dict:
-    """The JSON answer of a completed image job: one base64 PNG and seed per image."""
+    """The JSON answer of a completed image job as a dict: one base64 PNG and seed per image. The reference
+    `image_json` (what the endpoint sends) is tested against."""
     return ImageGenerationResponse(
         created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
         data=[ImageData(b64_json=base64.b64encode(png).decode(), seed=item.seed)
@@ -85,7 +86,7 @@ async def generate_images(req: ImageGenerationRequest, request: Request, worker:
     q = job.subscribe(progress=req.stream)  # an answer in one piece waits for the end alone
     enqueue(worker, job)
     if req.stream:
-        return sse_response(events(worker, job, lambda j: image_payload(worker, j), cancel_on_disconnect=True, q=q),
+        return sse_response(events(worker, job, lambda j: image_json(worker, j), cancel_on_disconnect=True, q=q),
                             job)
     try:
         next_check = time.monotonic() + DISCONNECT_POLL_S
