@@ -49,7 +49,8 @@ def image_json(worker: Worker, job: Job) -> memoryview:
     token = secrets.token_hex(8)
     shell = ImageGenerationResponse(
         created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
-        data=[ImageData(b64_json=f"{token}-{i}", seed=item.seed) for i, item in enumerate(job.items)],
+        data=[ImageData(b64_json=f"{token}-{i}", seed=item.seed)
+              for i, (_, item) in enumerate(zip(job.results, job.items))],  # as image_payload pairs them
         timings=Timings(**job.timings())).model_dump_json().encode()
     pieces, rest = [], shell
     for i, png in enumerate(job.results):
