@@ -20,7 +20,6 @@ import concurrent.futures
 import json
 import resource
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -37,18 +36,8 @@ from xstage_dit.models import png  # noqa: E402
 
 def chained(pixels: np.ndarray) -> bytes:
     """The same stripes and bytes as `png.encode_png`, assembled as before 0a74973 (``+`` over the chunks)."""
-    from zlib_ng import zlib_ng
-
-    height, width, channels = pixels.shape
-    raw = png._filtered_rows(np.ascontiguousarray(pixels))
-    flat = memoryview(raw.reshape(-1))
-    row_bytes = raw.shape[1]
-    stripes = [flat[s * row_bytes:min(s + png.STRIPE_ROWS, height) * row_bytes]
-               for s in range(0, height, png.STRIPE_ROWS)]
-    lasts = [i == len(stripes) - 1 for i in range(len(stripes))]
-    pieces = list(png._pool().map(png._deflate, stripes, lasts))
-    stream = b"\x78\x01" + b"".join(pieces) + struct.pack(">I", zlib_ng.adler32(flat))
-    header = struct.pack(">IIBBBBB", width, height, 8, png._COLOR_TYPE[channels], 0, 0, 0)
+    header, (zlib_header, *pieces, adler) = png.png_parts(pixels)
+    stream = zlib_header + b"".join(pieces) + adler  # two copies, as it was
     return png._SIGNATURE + png._chunk(b"IHDR", header) + png._chunk(b"IDAT", stream) + png._chunk(b"IEND", b"")
 
 

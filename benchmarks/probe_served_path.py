@@ -213,14 +213,13 @@ def main(argv=None) -> int:
                 print(name, [round(t, 4) for t in times[name][-args.reps:]], flush=True)
         pairs = [("served", "bare")] + ([("served, warm guards", "bare, warm guards")]
                                         if "bare, warm guards" in modes else [])
-        steps_of_modes = {k: list(v) for k, v in step_ms.items()}  # the modes' rows keep their own calls' steps
-        delivery_of_modes = {k: list(v) for k, v in delivery_ms.items()}
+        # the modes' rows keep their own calls' steps and deliveries, not the pairs'
+        kept = [(record, {k: list(v) for k, v in record.items()}) for record in (step_ms, delivery_ms)]
         paired = [paired_ratio(mode, against, lambda name: timed(f"{name} (paired)", modes[name]), args.pairs)
                   for mode, against in pairs] if args.pairs > 0 else []
-        step_ms.clear()
-        step_ms.update(steps_of_modes)
-        delivery_ms.clear()
-        delivery_ms.update(delivery_of_modes)
+        for record, saved in kept:
+            record.clear()
+            record.update(saved)
         client.close()
     out = Path(args.out_dir) / f"served-path-{args.model}"
     profile_stats: dict[str, dict] = {}

@@ -280,11 +280,11 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
     for mode in compile_also if with_compile else ():
-        for name in names:
+        # the baselines compile the way their users do: --compile's mode alone
+        for name in [n for n, e in zip(names, eager) if e.ours]:
             variant = factories[name](True)
-            if variant.ours:  # the baselines compile the way their users do: --compile's mode alone
-                variant.compile_mode = mode
-                ours.append(variant)
+            variant.compile_mode = mode
+            ours.append(variant)
     ordered = ours + [c for c in eager + compiled if c not in ours and not c.irreversible]
     for e, c in zip(eager, compiled):
         if e.irreversible and e not in ordered:

@@ -117,6 +117,7 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
 
     env = environment()  # its git commit falls back to $XSTAGE_GIT_COMMIT where the tree has no .git
     stem = Path(args.out_dir) / f"e2e-{model_slug(args.model)}-{gpus}x{gpu_label(device)}"
+    compile_also = tuple(compile_also_modes(args))
     settings = {
         "model": args.model, "kind": spec.kind, "family": spec.family, "gpus": gpus, "world_size": info.world_size,
         "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
@@ -124,14 +125,14 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "dtype": str(dtype).replace("torch.", ""),
         "num_prompts": len(prompts), "prompts": prompts, "repeats": args.repeats, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": args.compile,
-        "compile_also": compile_also_modes(args),
+        "compile_also": list(compile_also),
         "time_budget_s": args.time_budget_s or None, "model_build_s": build_s, "command": command_line(args),
         # measure_in_rounds counts the rounds every eager contender of our group completed.
         "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
     report = Report(b, settings, env, stem)
     contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
-                                 compile_also=tuple(compile_also_modes(args)))
+                                 compile_also=compile_also)
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
     interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]

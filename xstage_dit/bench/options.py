@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import GUARD_MODES, GUARDS_HELP
+from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
@@ -129,12 +129,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:
         raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
-    from xstage_dit.patches.compile import COMPILE_MODES
-
     if args.compile not in COMPILE_MODES:
         raise UsageError(f"expected --compile in {', '.join(COMPILE_MODES)}, got {args.compile!r}")
-    extra = compile_also_modes(args)
-    if extra and args.compile == "off":
+    if compile_also_modes(args) and args.compile == "off":
         raise UsageError(f"expected --compile with --compile-also {args.compile_also!r}, got --compile off")
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
@@ -146,8 +143,6 @@ def validate(args: argparse.Namespace) -> None:
 def compile_also_modes(args: argparse.Namespace) -> list[str]:
     """--compile-also as a list of modes, each named once and none of them "off" or --compile's own mode;
     UsageError naming the bad value."""
-    from xstage_dit.patches.compile import COMPILE_MODES
-
     modes = [m.strip() for m in (getattr(args, "compile_also", "") or "").split(",") if m.strip()]
     for mode in modes:
         if mode not in COMPILE_MODES or mode == "off":

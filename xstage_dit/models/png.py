@@ -36,7 +36,7 @@ import threading
 import numpy as np
 from zlib_ng import zlib_ng
 
-__all__ = ["encode_png", "STRIPE_ROWS"]
+__all__ = ["encode_png", "png_parts", "STRIPE_ROWS"]
 
 STRIPE_ROWS = 128  # rows per independently deflated stripe: 8 for a 1024-row image (the H200 host has 16 cores)
 _LEVEL = 1
@@ -93,6 +93,19 @@ def _deflate(stripe: memoryview, last: bool) -> bytes:
 def encode_png(pixels: np.ndarray) -> bytes:
     """pixels: (height, width, channels) uint8, channels 1-4 (grey, grey+alpha, RGB, RGBA) -> the bytes of an
     8-bit PNG of them."""
+    header, stream = png_parts(pixels)
+    crc = zlib_ng.crc32(b"IDAT")
+    for part in stream:  # the IDAT chunk's CRC, piece by piece: the stream is never joined on its own
+        crc = zlib_ng.crc32(part, crc)
+    # One join: the image's bytes are copied once. Chaining `+` over the chunks (before 0a74973) copied them five
+    # times, each copy page-faulting anew on the server's encode thread (benchmarks/probe_png_encode.py).
+    return b"".join([_SIGNATURE, _chunk(b"IHDR", header), struct.pack(">I", sum(len(p) for p in stream)), b"IDAT",
+                     *stream, struct.pack(">I", crc), _chunk(b"IEND", b"")])
+
+
+def png_parts(pixels: np.ndarray) -> tuple[bytes, list]:
+    """What a PNG of `pixels` (as `encode_png` takes them) holds: the IHDR chunk's body, and the zlib stream of
+    the IDAT chunk as pieces in order (header, each stripe's deflate, Adler-32 of all raw bytes)."""
     pixels = np.asarray(pixels)
     if pixels.ndim != 3 or pixels.shape[-1] not in _COLOR_TYPE or 0 in pixels.shape:
         raise ValueError(f"expected an image of shape (height, width, 1|2|3|4) with height, width >= 1, got "
@@ -112,12 +125,5 @@ def encode_png(pixels: np.ndarray) -> bytes:
     else:
         pieces = list(_pool().map(_deflate, stripes, lasts))
     # zlib stream: header (deflate, 32K window, fastest), the concatenated stripes, Adler-32 of all raw bytes.
-    stream = [b"\x78\x01", *pieces, struct.pack(">I", zlib_ng.adler32(flat))]
-    crc = zlib_ng.crc32(b"IDAT")
-    for part in stream:  # the IDAT chunk's CRC, piece by piece: the stream is never joined on its own
-        crc = zlib_ng.crc32(part, crc)
     header = struct.pack(">IIBBBBB", width, height, 8, _COLOR_TYPE[channels], 0, 0, 0)
-    # One join: the image's bytes are copied once. Chaining `+` (as the chunks once were) copied the 3 MB of a
-    # 1024² image of noise five times: 5.0 of the encoder's 7.9 ms on the 2-core machine.
-    return b"".join([_SIGNATURE, _chunk(b"IHDR", header), struct.pack(">I", sum(len(p) for p in stream)), b"IDAT",
-                     *stream, struct.pack(">I", crc), _chunk(b"IEND", b"")])
+    return header, [b"\x78\x01", *pieces, struct.pack(">I", zlib_ng.adler32(flat))]

@@ -198,8 +198,8 @@ class FA4OwnerHeadsUnpackedKernel(FA4OwnerHeadsKernel):
     rows of P owners (128 / P each). Why it exists: at 32K (L a multiple of 128) the packed launch measured
     up to 4.0 % slower than plain FA4 on the local layout (3.95 / 3.37 / 4.01 % at P = 2 rank, 2 all, 8 rank)
     and the owner-batch launch 2.5-4.6 % (H200, 44c49d2: ``residual_fa4gqa_pct``, ``residual_fa4_pct``), over
-    issue 14's 2 % residual target. Not measured
-    yet: out of the default sweep until it is (``fused:fa4-gqa-unpacked`` by name, the benchmark's
+    issue 14's 2 % residual target. On the H200 (f6c8114) 1.054-1.167x cuDNN from 16K, the fastest window kernel
+    on 15 of 35 rows: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``; the benchmark's
     ``fa4gqaunpacked_window`` column). Refuses slots ending in a part tile (``fa4-gqa`` packs those).
     """
 

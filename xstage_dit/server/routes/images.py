@@ -26,14 +26,18 @@ DISCONNECT_POLL_S = 0.25
 router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 429, 499, 503, 504))
 
 
+def _image_response(worker: Worker, job: Job, b64: list[str]) -> ImageGenerationResponse:
+    """A completed image job's answer with `b64[i]` as image i's b64_json (images paired with their items)."""
+    return ImageGenerationResponse(
+        created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
+        data=[ImageData(b64_json=text, seed=item.seed) for text, item in zip(b64, job.items)],
+        timings=Timings(**job.timings()))
+
+
 def image_payload(worker: Worker, job: Job) -> dict:
     """The JSON answer of a completed image job as a dict: one base64 PNG and seed per image. The reference
     `image_json` (what the endpoint sends) is tested against."""
-    return ImageGenerationResponse(
-        created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
-        data=[ImageData(b64_json=base64.b64encode(png).decode(), seed=item.seed)
-              for png, item in zip(job.results, job.items)],
-        timings=Timings(**job.timings())).model_dump()
+    return _image_response(worker, job, [base64.b64encode(png).decode() for png in job.results]).model_dump()
 
 
 _B64_CHUNK = 3 * 16384  # PNG bytes per base64 call (a multiple of 3: no padding inside): 64 KB out, a heap block
@@ -43,17 +47,14 @@ def image_json(worker: Worker, job: Job) -> memoryview:
     """`image_payload` as the JSON body, written once. pydantic renders the small fields around a placeholder
     per image; each PNG's base64 goes straight into the one output buffer, in chunks (base64's alphabet needs
     no JSON escaping). Why: through ``JSONResponse`` the answer's base64 was copied five times (encode, decode
-    to str, the dump, its encoding), each multi-megabyte copy mapped afresh by malloc, on the HTTP thread: 12.1
-    ms and 4067 page faults for a 1024² PNG of noise on the 2-core machine (`benchmarks/probe_png_encode.py`'s
-    reasoning); see tests/server/test_server_api.py for the equality with `image_payload`."""
+    to str, the dump, its encoding), each multi-megabyte copy mapped afresh by malloc, on the HTTP thread: 12.8
+    ms and 4067 page faults for a 1024² PNG of noise on the 2-core machine, 2.15 ms and none this way
+    (benchmarks/results/serving/NOTES.md); tests/server/test_server_api.py holds the equality with
+    `image_payload`."""
     token = secrets.token_hex(8)
-    shell = ImageGenerationResponse(
-        created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
-        data=[ImageData(b64_json=f"{token}-{i}", seed=item.seed)
-              for i, (_, item) in enumerate(zip(job.results, job.items))],  # as image_payload pairs them
-        timings=Timings(**job.timings())).model_dump_json().encode()
+    shell = _image_response(worker, job, [f"{token}-{i}" for i in range(len(job.results))]).model_dump_json().encode()
     pieces, rest = [], shell
-    for i, png in enumerate(job.results):
+    for i, (png, _) in enumerate(zip(job.results, job.items)):  # the pairs `_image_response` made placeholders of
         before, rest = rest.split(f'"{token}-{i}"'.encode(), 1)
         pieces.append((before, png))
     out = bytearray(sum(len(before) + 2 + 4 * -(-len(png) // 3) for before, png in pieces) + len(rest))
