@@ -11,7 +11,8 @@ rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processo
 `attention_schedules` (the schedule per shape, from the params `calibration.params_for` gives once),
 `expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
 subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
-`collective_safety` (agreement and failures across ranks), `_diffusers_private` (the only user of
+`collective_safety` (agreement and failures across ranks), `host_syncs` (host copies out of the forward),
+`prompt_cache` (CFG's empty negative prompt encoded once), `_diffusers_private` (the only user of
 private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
 
@@ -57,7 +58,9 @@ class ParallelHandle:
     ``.kernel``, ``.kernel_reason``, the timings it rests on), filled once per shape at its first call (eager or
     under torch.compile; both reasons are logged then). attention_kernels: the ``KernelChooser`` (its
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
-    "local", "gather_kv") and the first module that took each. restore(): puts the pipeline back exactly
+    "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
+    across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
+    with the positive one. restore(): puts the pipeline back exactly
     (idempotent).
     """
 
@@ -71,6 +74,7 @@ class ParallelHandle:
     attention_paths: dict = field(default_factory=dict)
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
+    prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -241,6 +245,7 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
         for transformer, plan in zip(transformers, plans):
             _apply(transformer, plan, handle, schedules)
         _check_cfg_pairs_before_decode(pipe, handle)
+        _cache_empty_prompts(pipe, handle)
     except BaseException:
         handle.restore()
         raise
@@ -326,6 +331,17 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
         handle.cfg_hooks.append(hook)
         registry.register_hook(hook, name)  # registered last = outermost: splits before the sequence hooks
         handle._undo.append(lambda: registry.remove_hook(name, recurse=False))
+
+
+def _cache_empty_prompts(pipe, handle: ParallelHandle) -> None:
+    """CFG's default negative prompt ("") encoded once, not every call (`prompt_cache`); pipelines only."""
+    from xstage_dit.patches.prompt_cache import cache_empty_prompts
+
+    if isinstance(pipe, torch.nn.Module):
+        return  # a bare transformer: no text encoder here
+    handle.prompt_cache = cache_empty_prompts(pipe)
+    if handle.prompt_cache is not None:
+        handle._undo.append(handle.prompt_cache.restore)
 
 
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
