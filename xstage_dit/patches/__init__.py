@@ -12,7 +12,8 @@ rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processo
 `expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
 subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
 `collective_safety` (agreement and failures across ranks), `host_syncs` (host copies out of the forward),
-`prompt_cache` (CFG's empty negative prompt encoded once), `_diffusers_private` (the only user of
+`prompt_cache` (CFG's empty negative prompt encoded once), `causal_conv` (a video VAE's one-frame
+convolutions in 2-D), `_diffusers_private` (the only user of
 private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
 
@@ -60,7 +61,7 @@ class ParallelHandle:
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
     across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
-    with the positive one. restore(): puts the pipeline back exactly
+    with the positive one. vae_convs_2d: the VAE convolutions `causal_conv` patched. restore(): puts the pipeline back exactly
     (idempotent).
     """
 
@@ -75,6 +76,7 @@ class ParallelHandle:
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
+    vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`causal_conv`)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -245,7 +247,7 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
         for transformer, plan in zip(transformers, plans):
             _apply(transformer, plan, handle, schedules)
         _check_cfg_pairs_before_decode(pipe, handle)
-        _cache_empty_prompts(pipe, handle)
+        _pipeline_patches(pipe, handle)
     except BaseException:
         handle.restore()
         raise
@@ -333,15 +335,21 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
         handle._undo.append(lambda: registry.remove_hook(name, recurse=False))
 
 
-def _cache_empty_prompts(pipe, handle: ParallelHandle) -> None:
-    """CFG's default negative prompt ("") encoded once, not every call (`prompt_cache`); pipelines only."""
+def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
+    """Outside the transformer: CFG's default negative prompt ("") encoded once, not every call
+    (`prompt_cache`); the VAE's causal 3-D convolutions of one frame as 2-D ones (`causal_conv`)."""
+    from xstage_dit.patches.causal_conv import one_frame_convs_as_2d
     from xstage_dit.patches.prompt_cache import cache_empty_prompts
 
     if isinstance(pipe, torch.nn.Module):
-        return  # a bare transformer: no text encoder here
+        return  # a bare transformer: no text encoder or VAE here
     handle.prompt_cache = cache_empty_prompts(pipe)
     if handle.prompt_cache is not None:
         handle._undo.append(handle.prompt_cache.restore)
+    vae = getattr(pipe, "vae", None)
+    if isinstance(vae, torch.nn.Module):
+        undo, handle.vae_convs_2d = one_frame_convs_as_2d(vae)
+        handle._undo.append(undo)
 
 
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
