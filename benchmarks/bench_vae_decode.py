@@ -1,11 +1,14 @@
-"""The video VAEs' decode with one-frame causal convolutions as 2-D ones (`patches.causal_conv`) vs diffusers' 3-D.
+"""The video VAEs' decode of one frame as a 2-D network (`patches.one_frame_vae`), eager and compiled, vs diffusers'.
 
 Each row: one VAE at its served dtype (NucleusMoE / Qwen-Image's ``AutoencoderKLQwenImage`` in bfloat16, Wan's
 ``AutoencoderKLWan`` in float32, as the pipelines build them), random weights at full size, one latent of the
 given size and frames, decoded eagerly under ``inference_mode``. Variants, timed in interleaved rounds (medians
-of CUDA-event timings after warm-up): ``3d`` (diffusers' modules) and ``2d`` (the same modules patched). The
-2-D path changes the summation order only: each row reports the largest and the mean absolute difference of
-the decoded pixels (in [-1, 1]) against ``3d``.
+of CUDA-event timings after warm-up): ``3d`` (diffusers' modules), ``2d`` (`patches.one_frame_vae` as
+`parallelize` applies it: one-frame convolutions in 2-D, a one-frame latent decoded without the frame cache) and
+``2d+compile`` (its one-frame decoder compiled, as `apply_compile` does). The 2-D path changes the summation order
+only: each row reports the largest and the mean absolute difference of the decoded pixels (in [-1, 1]) against
+``3d``. A latent of several frames (a video) takes the 2-D convolutions on its first frame only and is never
+compiled.
 
     python benchmarks/bench_vae_decode.py --cases nucleusmoe:1024x1024x1,wan:480x832x1,wan:480x832x5
 
@@ -56,46 +59,59 @@ def build_vae(model: str, device, size: str = "full"):
     return build_module(lambda: cls(**config), seed=3, device=device, dtype=dtype), dtype
 
 
-def measure(case: str, args, device) -> dict:
-    from xstage_dit.patches.causal_conv import one_frame_convs_as_2d
+VARIANTS = ("3d", "2d", "2d+compile")
 
+
+def variant_vae(model: str, variant: str, device, size: str, backend: str):
+    """(vae, dtype, convs patched) for one variant: ``3d`` diffusers' VAE; ``2d`` `parallelize`'s patches (one-frame
+    convolutions in 2-D, a one-frame latent decoded without the frame cache); ``2d+compile`` those with the
+    one-frame decoder compiled, as `apply_compile` leaves it. Each variant has its own VAE (same seed, same
+    weights), so switching between them in the rounds changes nothing Dynamo guards on."""
+    from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode
+
+    vae, dtype = build_vae(model, device, size)
+    if variant == "3d":
+        return vae, dtype, 0
+    _, convs = one_frame_convs_as_2d(vae)
+    one = one_frame_decode(vae)
+    if variant == "2d+compile" and one is not None:
+        one.compile(backend=backend)
+    return vae, dtype, convs
+
+
+def measure(case: str, args, device) -> dict:
     model, height, width, frames = parse_case(case)
-    vae, dtype = build_vae(model, device, args.size)
+    vaes = {v: variant_vae(model, v, device, args.size, args.backend) for v in VARIANTS}
+    dtype, convs = vaes["3d"][1], vaes["2d"][2]
     scale = VAES[model][2]
     gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(1, vae.config.z_dim, frames, height // scale, width // scale, generator=gen).to(device, dtype)
+    latents = torch.randn(1, vaes["3d"][0].config.z_dim, frames, height // scale, width // scale, generator=gen)
+    latents = latents.to(device, dtype)
 
-    @torch.inference_mode()
-    def decode():
-        return vae.decode(latents, return_dict=False)[0]
+    def decoder(variant):
+        vae = vaes[variant][0]
 
-    patched = {"undo": None, "count": 0}
+        @torch.inference_mode()
+        def decode():
+            return vae.decode(latents, return_dict=False)[0]
+        return decode
 
-    def run(variant):
-        def fn():
-            if variant == "2d" and patched["undo"] is None:
-                patched["undo"], patched["count"] = one_frame_convs_as_2d(vae)
-            elif variant == "3d" and patched["undo"] is not None:
-                patched["undo"]()
-                patched["undo"] = None
-            return decode()
-        return fn
-
-    outputs = {v: run(v)().float() for v in ("3d", "2d")}
-    diff = (outputs["2d"] - outputs["3d"]).abs()
-    times = interleaved_times({v: run(v) for v in ("3d", "2d")},
-                              lambda fn: time_ms(fn, warmup=args.warmup, reps=args.reps, device=device)["median_ms"],
-                              rounds=args.rounds)
-    if patched["undo"] is not None:
-        patched["undo"]()
+    calls = {v: decoder(v) for v in VARIANTS}
+    outputs = {v: calls[v]().float() for v in VARIANTS}  # the compile happens here, before any timing
+    times = interleaved_times(calls, lambda fn: time_ms(fn, warmup=args.warmup, reps=args.reps, device=device)[
+        "median_ms"], rounds=args.rounds)
     med = {v: statistics.median(ts) for v, ts in times.items()}
-    row = dict(case=case, model=model, dtype=str(dtype).replace("torch.", ""), convs_2d=patched["count"],
-               ms_3d=round(med["3d"], 3), ms_2d=round(med["2d"], 3), speedup=round(med["3d"] / med["2d"], 4),
-               saved_ms=round(med["3d"] - med["2d"], 3), rounds_3d=[round(t, 3) for t in times["3d"]],
-               rounds_2d=[round(t, 3) for t in times["2d"]], max_abs_diff=float(diff.max()),
-               mean_abs_diff=float(diff.mean()))
-    print(f"{case:28s} 3d {row['ms_3d']:9.3f} ms  2d {row['ms_2d']:9.3f} ms  x{row['speedup']:.3f}  "
-          f"max|diff| {row['max_abs_diff']:.3g}", flush=True)
+    row = dict(case=case, model=model, dtype=str(dtype).replace("torch.", ""), convs_2d=convs)
+    for variant in VARIANTS:
+        key = variant.replace("+", "_")
+        row.update({f"ms_{key}": round(med[variant], 3), f"rounds_{key}": [round(t, 3) for t in times[variant]]})
+        if variant != "3d":
+            diff = (outputs[variant] - outputs["3d"]).abs()
+            row.update({f"speedup_{key}": round(med["3d"] / med[variant], 4),
+                        f"saved_ms_{key}": round(med["3d"] - med[variant], 3),
+                        f"max_abs_diff_{key}": float(diff.max()), f"mean_abs_diff_{key}": float(diff.mean())})
+    print(f"{case:28s} " + "  ".join(f"{v} {med[v]:9.3f} ms" for v in VARIANTS) +
+          f"  max|diff| {row['max_abs_diff_2d']:.3g} / {row['max_abs_diff_2d_compile']:.3g}", flush=True)
     return row
 
 
@@ -109,6 +125,7 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out-dir", default="benchmarks/results/serving")
     p.add_argument("--tag", default="h200")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of 2d+compile (tests: eager)")
     args = p.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     try:
@@ -122,9 +139,9 @@ def main(argv=None) -> int:
         rows.append(measure(case, args, device))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the case's VAE is gone: the next one starts from an empty pool
-    summary = {"speedup_by_case": {r["case"]: r["speedup"] for r in rows},
-               "saved_ms_by_case": {r["case"]: r["saved_ms"] for r in rows}}
-    columns = ["case", "dtype", "convs_2d", "ms_3d", "ms_2d", "speedup", "saved_ms", "max_abs_diff", "mean_abs_diff"]
+    summary = {f"speedup_{v}_by_case": {r["case"]: r[f"speedup_{v}"] for r in rows} for v in ("2d", "2d_compile")}
+    columns = ["case", "dtype", "convs_2d", "ms_3d", "ms_2d", "ms_2d_compile", "speedup_2d", "speedup_2d_compile",
+               "max_abs_diff_2d", "max_abs_diff_2d_compile"]
     write_results(str(Path(args.out_dir) / f"vae-decode-{args.tag}"), "vae-decode", rows, summary, columns,
                   env=environment())
     return 0

@@ -31,8 +31,8 @@
 #                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile, then 16 adjacent bare / served
 #                pairs: the served / bare ratio's 95 % interval against 1.02)
 #   transport    probe_http_transport.py: keep-alive HTTP round trips by answer size, per listener (in-process server)
-#   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode, one-frame causal convolutions as 2-D
-#                (patches.causal_conv) vs diffusers' 3-D (VAE_ARGS)
+#   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode of one frame as a 2-D network
+#                (patches.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
 #   png          probe_png_encode.py: the server's PNG encode on its own thread, one-join vs the old chained copies
 #   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS

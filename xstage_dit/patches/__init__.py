@@ -12,8 +12,8 @@ rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processo
 `expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
 subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
 `collective_safety` (agreement and failures across ranks), `host_syncs` (host copies out of the forward),
-`prompt_cache` (CFG's empty negative prompt encoded once), `causal_conv` (a video VAE's one-frame
-convolutions in 2-D), `_diffusers_private` (the only user of
+`prompt_cache` (CFG's empty negative prompt encoded once), `one_frame_vae` (a video VAE's one-frame
+decode as a 2-D network), `_diffusers_private` (the only user of
 private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
 
@@ -61,8 +61,8 @@ class ParallelHandle:
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
     across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
-    with the positive one. vae_convs_2d: the VAE convolutions `causal_conv` patched. restore(): puts the pipeline back exactly
-    (idempotent).
+    with the positive one. vae_convs_2d: the VAE convolutions `one_frame_vae` patched. restore(): puts the
+    pipeline back exactly (idempotent).
     """
 
     config: ParallelConfig
@@ -76,7 +76,7 @@ class ParallelHandle:
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
-    vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`causal_conv`)
+    vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`one_frame_vae`)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -337,8 +337,8 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
 
 def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
     """Outside the transformer: CFG's default negative prompt ("") encoded once, not every call
-    (`prompt_cache`); the VAE's causal 3-D convolutions of one frame as 2-D ones (`causal_conv`)."""
-    from xstage_dit.patches.causal_conv import one_frame_convs_as_2d
+    (`prompt_cache`); a video VAE's one-frame decode as a 2-D network without the frame cache (`one_frame_vae`)."""
+    from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode
     from xstage_dit.patches.prompt_cache import cache_empty_prompts
 
     if isinstance(pipe, torch.nn.Module):
@@ -350,6 +350,9 @@ def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
     if isinstance(vae, torch.nn.Module):
         undo, handle.vae_convs_2d = one_frame_convs_as_2d(vae)
         handle._undo.append(undo)
+        one_frame = one_frame_decode(vae)
+        if one_frame is not None:
+            handle._undo.append(one_frame.restore)
 
 
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:

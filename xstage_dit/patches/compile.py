@@ -17,8 +17,10 @@ Modes:
 
 Every compiling mode also compiles the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage
 use; never under CUDA graphs), one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
-against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). Video VAEs keep running eager (their
-decoders cache frames between chunks: not measured compiled).
+against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). A video VAE (Qwen-Image's, NucleusMoE's,
+Wan's) decoding a one-frame latent is compiled too where `parallelize` made that decode a plain 2-D network
+(`one_frame_vae.OneFrameDecode`; not measured on the GPU yet); its decode of several frames (a video, whose
+decoder caches frames between chunks) stays eager.
 
 Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
@@ -63,6 +65,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+
+from xstage_dit.patches.one_frame_vae import one_frame_decode_of
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +282,11 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         decoder.compile(dynamic=False, backend=backend, **vae_extra)
         handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
+    one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
+    if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
+        one_frame.compile(backend=backend, **vae_extra)
+        handle._undo.append(one_frame.uncompile)
+        hows.append(f"the {type(pipe.vae).__name__} decoder of one-frame latents")
     if guards == "warm":
         hows.append("warm guards (only the differentiating ones once a call key has run)")
     handle.how = "; ".join(hows)

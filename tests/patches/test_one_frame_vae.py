@@ -1,4 +1,5 @@
-"""`patches.causal_conv`: a video VAE's causal convolution of one frame as a 2-D convolution, the same values."""
+"""`patches.one_frame_vae`: a video VAE's one-frame decode as a 2-D network (convolutions in 2-D, no frame cache),
+the same values, compiled whole."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from torch.overrides import TorchFunctionMode
 
 from xstage_dit.models import load_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
-from xstage_dit.patches.causal_conv import one_frame_conv2d, one_frame_convs_as_2d
+from xstage_dit.patches.compile import apply_compile
+from xstage_dit.patches.one_frame_vae import (OneFrameDecode, one_frame_conv2d, one_frame_convs_as_2d,
+                                           one_frame_decode, one_frame_decode_of)
 
 
 class Convs(TorchFunctionMode):
@@ -119,9 +122,11 @@ def test_the_vae_decode_is_the_same_through_parallelize(model):
         try:
             assert handle.vae_convs_2d > 0
             got = pipe.vae.decode(latents).sample
+            assert one_frame_decode_of(pipe.vae).calls == (1 if frames == 1 else 0)
         finally:
             handle.restore()
         assert not any("forward" in vars(m) for m in pipe.vae.modules())
+        assert "_decode" not in vars(pipe.vae) and one_frame_decode_of(pipe.vae) is None
         again = pipe.vae.decode(latents).sample
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(again, expected)
@@ -141,3 +146,113 @@ def test_on_the_gpu_the_2d_path_agrees_with_cudnn_3d(model, dtype):
     assert count > 0
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+
+
+class CacheClones(TorchFunctionMode):
+    """Counts Tensor.clone calls (the frame cache's copies)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.clone:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("model", ["tiny-nucleusmoe", "tiny-wan"])
+def test_a_one_frame_latent_decodes_without_the_frame_cache_bit_for_bit(model):
+    pipe = load_pipeline(model, dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    vae = pipe.vae
+    latents = torch.randn(2, vae.config.z_dim, 1, 6, 10, generator=torch.Generator().manual_seed(7))
+    video = torch.randn(1, vae.config.z_dim, 3, 6, 10, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        with CacheClones() as before:
+            expected = vae.decode(latents).sample
+        expected_video = vae.decode(video).sample
+        one = one_frame_decode(vae)
+        try:
+            with CacheClones() as after:
+                got = vae.decode(latents).sample
+            got_video = vae.decode(video).sample  # several frames: the cached path, as before
+            assert one.calls == 1
+        finally:
+            one.restore()
+    assert before.count > 0 and after.count == 0
+    assert torch.equal(got, expected) and torch.equal(got_video, expected_video)
+
+
+def test_a_tiled_one_frame_decode_takes_the_path_per_tile():
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    vae = pipe.vae
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32, tile_sample_stride_height=24,
+                      tile_sample_stride_width=24)
+    latents = torch.randn(1, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+        one = one_frame_decode(vae)
+        got = vae.decode(latents).sample
+        one.restore()
+    assert one.calls > 1
+    assert torch.equal(got, expected)
+
+
+def test_one_frame_decode_refuses_other_vaes_and_a_second_wrap():
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    flux = load_pipeline("tiny-flux", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    assert one_frame_decode(flux.vae) is None
+    with pytest.raises(ValueError, match="expected a VAE from"):
+        OneFrameDecode(flux.vae)
+    one = one_frame_decode(pipe.vae)
+    with pytest.raises(RuntimeError, match="restore it first"):
+        OneFrameDecode(pipe.vae)
+    one.restore()
+    one.restore()
+
+
+def test_apply_compile_compiles_the_one_frame_decoder_whole():
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    vae = pipe.vae
+    latents = torch.randn(1, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = vae.decode(latents).sample
+    handle = parallelize(pipe, ParallelConfig())
+    compiled = apply_compile(pipe, "regional", backend="eager")
+    try:
+        one = one_frame_decode_of(vae)
+        assert one.compiled and "one-frame" in compiled.how
+        torch._dynamo.utils.counters.clear()
+        with torch.no_grad():
+            got = vae.decode(latents).sample
+            again = vae.decode(latents).sample
+        assert one.calls == 2
+        assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0  # one graph: no break
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    finally:
+        compiled.restore()
+        handle.restore()
+    assert not one.compiled
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_compiled_one_frame_decode_agrees_with_diffusers():
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    vae = pipe.vae
+    latents = torch.randn(1, vae.config.z_dim, 1, 32, 32, generator=torch.Generator().manual_seed(2)).to(
+        "cuda", torch.bfloat16)
+    with torch.inference_mode():
+        expected = vae.decode(latents).sample.float()
+    handle = parallelize(pipe, ParallelConfig())
+    compiled = apply_compile(pipe, "regional")
+    try:
+        with torch.inference_mode():
+            got = vae.decode(latents).sample.float()
+        assert one_frame_decode_of(vae).calls == 1
+    finally:
+        compiled.restore()
+        handle.restore()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
