@@ -66,3 +66,34 @@ def test_calibration_route_shows_each_shapes_kernel_choice(monkeypatch):
     families = report["attention_kernels"]["families"]
     assert families and all(f == {"timings_ms": {"sdpa": 0.5, "fa4": 0.7}, "source": "measured",
                                   "path": "/cache/kernel-sweep-x.json"} for f in families.values()), families
+
+
+def test_calibration_route_shows_the_patches_outside_the_transformer():
+    """NucleusMoE (CFG, Qwen-Image VAE) served at world 1 on the CPU: after the warm-up and one request, the report
+    counts the empty negative prompt's cache use and the VAE's one-frame decodes."""
+    import httpx
+
+    from xstage_dit.patches.config import ParallelConfig
+    from xstage_dit.server.app import create_app
+    from xstage_dit.server.config import ServerConfig
+    from xstage_dit.server.ranks import RankContext
+    from xstage_dit.server.worker import Worker
+    from tests.helpers.server import live_server
+
+    worker = Worker(startup.model_loader("tiny-nucleusmoe", ParallelConfig()), ServerConfig(api_key=None),
+                    join=lambda: RankContext(device=torch.device("cpu"))).start()
+    try:
+        assert worker.wait_ready(180), worker.reason
+        with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=120) as client:
+            before = client.get("/v1/calibration").json()["outside_transformer"]
+            answer = client.post("/v1/images/generations", json={"prompt": "a red fox", "num_inference_steps": 2,
+                                                                  "seed": 3})
+            assert answer.status_code == 200, answer.text
+            after = client.get("/v1/calibration").json()["outside_transformer"]
+    finally:
+        worker.stop()
+    assert before["vae_convs_2d"] > 0 and before["vae_one_frame_decode"]["compiled"] is False  # off on the CPU
+    assert before["empty_prompt_cache"]["misses"] >= 1  # the warm-up encoded "" once
+    assert after["empty_prompt_cache"]["hits"] == before["empty_prompt_cache"]["hits"] + 1
+    assert after["empty_prompt_cache"]["misses"] == before["empty_prompt_cache"]["misses"]
+    assert after["vae_one_frame_decode"]["calls"] == before["vae_one_frame_decode"]["calls"] + 1

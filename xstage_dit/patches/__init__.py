@@ -61,8 +61,8 @@ class ParallelHandle:
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
     across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
-    with the positive one. vae_convs_2d: the VAE convolutions `one_frame_vae` patched. restore(): puts the
-    pipeline back exactly (idempotent).
+    with the positive one. vae_convs_2d / one_frame_decode: what `one_frame_vae` patched in the VAE
+    (`describe_pipeline()` reports both and the cache). restore(): puts the pipeline back exactly (idempotent).
     """
 
     config: ParallelConfig
@@ -77,6 +77,7 @@ class ParallelHandle:
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
     vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`one_frame_vae`)
+    one_frame_decode: Any = None  # the VAE's `one_frame_vae.OneFrameDecode` (None for other VAEs)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     @property
@@ -91,6 +92,13 @@ class ParallelHandle:
     @property
     def active(self) -> bool:
         return getattr(self.transformer, _MARK, None) is self
+
+    def describe_pipeline(self) -> dict:
+        """What the patches outside the transformer did so far (the server's ``/v1/calibration``)."""
+        one = self.one_frame_decode
+        return {"empty_prompt_cache": self.prompt_cache.describe() if self.prompt_cache is not None else None,
+                "vae_convs_2d": self.vae_convs_2d,
+                "vae_one_frame_decode": None if one is None else {"calls": one.calls, "compiled": one.compiled}}
 
     def restore(self) -> None:
         """Undo every patch (reverse order). Safe to call twice."""
@@ -350,9 +358,9 @@ def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
     if isinstance(vae, torch.nn.Module):
         undo, handle.vae_convs_2d = one_frame_convs_as_2d(vae)
         handle._undo.append(undo)
-        one_frame = one_frame_decode(vae)
-        if one_frame is not None:
-            handle._undo.append(one_frame.restore)
+        handle.one_frame_decode = one_frame_decode(vae)
+        if handle.one_frame_decode is not None:
+            handle._undo.append(handle.one_frame_decode.restore)
 
 
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:

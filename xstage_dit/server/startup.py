@@ -113,7 +113,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
 
         def describe() -> dict:
             return {**report, "compile": compiled.describe(), "schedules": schedule_report(handle),
-                    "attention_kernels": kernel_report(handle)}
+                    "attention_kernels": kernel_report(handle), "outside_transformer": handle.describe_pipeline()}
 
         return LoadedModel(pipe, served, report, describe)
 
