@@ -33,6 +33,8 @@
 #   transport    probe_http_transport.py: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode of one frame as a 2-D network
 #                (patches.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
+#   sync-points  probe_sync_points.py: every synchronizing CUDA operation of one warm call, by the line that asked
+#                (SYNC_ARGS; default NucleusMoE 4 steps, xstage, regional compile)
 #   png          probe_png_encode.py: the server's PNG encode on its own thread, one-join vs the old chained copies
 #   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
 #   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
@@ -223,6 +225,11 @@ step_png() {
   timeout -k 10 "$(limit png 120)" "$py" benchmarks/probe_png_encode.py --out-dir "$1" --tag gpu-host
 }
 
+step_sync_points() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit sync-points 240)" "$py" benchmarks/probe_sync_points.py --out-dir "$1" --tag gpu ${SYNC_ARGS:-}
+}
+
 step_vae_decode() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit vae-decode 180)" "$py" benchmarks/bench_vae_decode.py --out-dir "$1" --tag gpu ${VAE_ARGS:-}
@@ -238,7 +245,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png vae-decode compile-variants batch-invariance worker-thread)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance worker-thread)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
