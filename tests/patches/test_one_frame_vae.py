@@ -211,6 +211,25 @@ def test_one_frame_decode_refuses_other_vaes_and_a_second_wrap():
     one.restore()
 
 
+def test_the_one_frame_decoder_is_compiled_under_the_shape_bound(caplog):
+    import logging
+
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    vae = pipe.vae
+    handle = parallelize(pipe, ParallelConfig())
+    compiled = apply_compile(pipe, "regional", backend="eager", max_shapes=1)
+    try:
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="xstage_dit.patches.compile"):
+            for size in (8, 12, 12):  # a second latent size: past the bound of 1, eager, logged once
+                vae.decode(torch.randn(1, vae.config.z_dim, 1, size, size))
+        assert (len(compiled.vae_compiled_shapes), len(compiled.vae_eager_shapes)) == (1, 1)
+        assert sum("vae decoder" in r.getMessage() for r in caplog.records) == 1
+        assert one_frame_decode_of(vae).calls == 3
+    finally:
+        compiled.restore()
+        handle.restore()
+
+
 def test_apply_compile_compiles_the_one_frame_decoder_whole():
     pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
     pipe.set_progress_bar_config(disable=True)

@@ -26,7 +26,9 @@ Bounded recompiles: every distinct input signature of the transformer (the shape
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
 shape, no slower symbolic-shape graph). The first ``max_shapes`` signatures compile; a later one runs the
 eager transformer (``torch.compiler.set_stance("force_eager")``), logged once per signature, so a
-client asking for an odd size costs itself an eager call instead of every user a recompile. Dynamo's own
+client asking for an odd size costs itself an eager call instead of every user a recompile. The VAE decoders
+(AutoencoderKL's, a one-frame video VAE's) are bounded the same way, their latent sizes counted apart
+(``vae_compiled_shapes``): before, every new size a client asked for compiled the decoder again (2.6 s for FLUX's). Dynamo's own
 ``recompile_limit`` is raised while compiled (restored by `CompileHandle.restore`) to the bound times the
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
@@ -124,7 +126,8 @@ def _structure(value: Any):
 @dataclass
 class CompileHandle:
     """What `apply_compile` did. mode / how: requested mode and what was compiled. compiled_shapes: the
-    signatures that compiled (at most max_shapes); eager_shapes: those past the bound, run eager."""
+    signatures that compiled (at most max_shapes); eager_shapes: those past the bound, run eager.
+    vae_compiled_shapes / vae_eager_shapes: the same for the VAE decoder (its own count, the same bound)."""
 
     mode: str
     how: str
@@ -132,12 +135,15 @@ class CompileHandle:
     compiled_shapes: list = field(default_factory=list)
     eager_shapes: list = field(default_factory=list)
     guards: str = "full"
+    vae_compiled_shapes: list = field(default_factory=list)  # the VAE decoder's, under the same bound
+    vae_eager_shapes: list = field(default_factory=list)
     warm_keys: set = field(default_factory=set, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def describe(self) -> dict:
         return {"mode": self.mode, "how": self.how, "max_shapes": self.max_shapes, "guards": self.guards,
-                "compiled_shapes": len(self.compiled_shapes), "eager_shapes": len(self.eager_shapes)}
+                "compiled_shapes": len(self.compiled_shapes), "eager_shapes": len(self.eager_shapes),
+                "vae_compiled_shapes": len(self.vae_compiled_shapes), "vae_eager_shapes": len(self.vae_eager_shapes)}
 
     def restore(self) -> None:
         """Back to the eager transformer (idempotent); compiled graphs are dropped (``torch._dynamo.reset``)."""
@@ -185,29 +191,43 @@ def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
     return call
 
 
-def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
-    if handle.mode == "graphs":
-        compiled = _replayed(compiled)
-    compiled = _warm_guarded(handle, compiled)
+def _bounded(what: str, max_shapes: int, compiled_shapes: list, eager_shapes: list, eager: Callable,
+             compiled: Callable) -> Callable:
+    """`compiled` for the first `max_shapes` input signatures (`signature_of`), `eager` for any later one (logged
+    once per signature, run under ``force_eager`` so nothing inside it compiles either). The signatures seen go
+    into `compiled_shapes` / `eager_shapes` (the handle's report)."""
 
     @functools.wraps(eager)
     def forward(*args: Any, **kwargs: Any):
         sig = signature_of(args, kwargs)
-        if sig in handle.compiled_shapes:
+        if sig in compiled_shapes:
             return compiled(*args, **kwargs)
-        if sig not in handle.eager_shapes and len(handle.compiled_shapes) < handle.max_shapes:
-            handle.compiled_shapes.append(sig)
-            log.info("compile (%s): new shape %d of at most %d: %s", handle.mode, len(handle.compiled_shapes),
-                     handle.max_shapes, sig)
+        if sig not in eager_shapes and len(compiled_shapes) < max_shapes:
+            compiled_shapes.append(sig)
+            log.info("compile (%s): new shape %d of at most %d: %s", what, len(compiled_shapes), max_shapes, sig)
             return compiled(*args, **kwargs)
-        if sig not in handle.eager_shapes:
-            handle.eager_shapes.append(sig)
+        if sig not in eager_shapes:
+            eager_shapes.append(sig)
             log.warning("compile (%s): shape %s would be compile number %d, past the bound of %d: it runs eager",
-                        handle.mode, sig, handle.max_shapes + 1, handle.max_shapes)
+                        what, sig, max_shapes + 1, max_shapes)
         with torch.compiler.set_stance("force_eager"):
             return eager(*args, **kwargs)
 
     return forward
+
+
+def _guard(handle: CompileHandle, eager: Callable, compiled: Callable) -> Callable:
+    if handle.mode == "graphs":
+        compiled = _replayed(compiled)
+    compiled = _warm_guarded(handle, compiled)
+    return _bounded(handle.mode, handle.max_shapes, handle.compiled_shapes, handle.eager_shapes, eager, compiled)
+
+
+def _vae_bound(handle: CompileHandle) -> Callable[[Callable, Callable], Callable]:
+    """The same bound for a VAE decoder, counted apart from the transformer's (``vae_compiled_shapes``): a client
+    asking for ever new sizes must not cost every user a decoder compile each."""
+    return functools.partial(_bounded, "vae decoder", handle.max_shapes, handle.vae_compiled_shapes,
+                             handle.vae_eager_shapes)
 
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
@@ -279,12 +299,14 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
     decoder = _image_vae_decoder(pipe) if vae else None
     if decoder is not None:
-        decoder.compile(dynamic=False, backend=backend, **vae_extra)
-        handle._undo.append(functools.partial(_uncompile_regions, [decoder]))
+        decoder_eager = decoder.forward
+        decoder.forward = _vae_bound(handle)(decoder_eager, torch.compile(decoder_eager, dynamic=False,
+                                                                          backend=backend, **vae_extra))
+        handle._undo.append(functools.partial(vars(decoder).pop, "forward", None))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
     one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
     if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
-        one_frame.compile(backend=backend, **vae_extra)
+        one_frame.compile(wrap=_vae_bound(handle), backend=backend, **vae_extra)
         handle._undo.append(one_frame.uncompile)
         hows.append(f"the {type(pipe.vae).__name__} decoder of one-frame latents")
     if guards == "warm":

@@ -136,8 +136,8 @@ class OneFrameDecode:
     """``vae._decode`` and ``vae.decoder.forward`` wrapped so a one-frame latent decodes without the frame cache.
 
     calls: the decoder calls that took the one-frame path. compiled: whether that path runs compiled.
-    compile(**torch_compile_kwargs) / uncompile(): the one-frame decoder through ``torch.compile`` (one graph per
-    latent size: ``dynamic=False`` unless given). restore(): the VAE's own methods again (idempotent)."""
+    compile(wrap=None, **torch_compile_kwargs) / uncompile(): the one-frame decoder through ``torch.compile`` (one
+    graph per latent size: ``dynamic=False`` unless given). restore(): the VAE's own methods again (idempotent)."""
 
     def __init__(self, vae: torch.nn.Module) -> None:
         if type(vae).__name__ not in ONE_FRAME_VAES:
@@ -175,10 +175,13 @@ class OneFrameDecode:
             return self._fast(x, **kwargs)
         return self._forward(x, feat_cache, feat_idx, *args, **kwargs)
 
-    def compile(self, **kwargs: Any) -> None:
-        """Compile the one-frame decoder path (``torch.compile(..., **kwargs)``; ``dynamic`` defaults to False)."""
+    def compile(self, wrap: Callable[[Callable, Callable], Callable] | None = None, **kwargs: Any) -> None:
+        """Compile the one-frame decoder path (``torch.compile(..., **kwargs)``; ``dynamic`` defaults to False).
+        wrap(eager, compiled) -> callable: what runs instead of the compiled path (`apply_compile`'s bound on
+        compiled shapes)."""
         kwargs.setdefault("dynamic", False)
-        self._fast = torch.compile(self._plain, **kwargs)
+        compiled = torch.compile(self._plain, **kwargs)
+        self._fast = compiled if wrap is None else wrap(self._plain, compiled)
 
     def uncompile(self) -> None:
         self._fast = self._plain
