@@ -275,3 +275,21 @@ def test_on_the_gpu_the_compiled_one_frame_decode_agrees_with_diffusers():
         compiled.restore()
         handle.restore()
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_vae_shared_by_two_parallelized_pipelines_is_wrapped_once():
+    from diffusers import NucleusMoEImagePipeline
+
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    other = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=1)
+    other = NucleusMoEImagePipeline(**{**other.components, "vae": pipe.vae})  # its own transformer, pipe's VAE
+    first = parallelize(pipe, ParallelConfig())
+    second = parallelize(other, ParallelConfig())
+    try:
+        assert second.one_frame_decode is first.one_frame_decode and second.vae_convs_2d == 0
+        second.restore()
+        assert one_frame_decode_of(pipe.vae) is first.one_frame_decode  # the first pipeline's, still in place
+    finally:
+        second.restore()
+        first.restore()
+    assert one_frame_decode_of(pipe.vae) is None and not any("forward" in vars(m) for m in pipe.vae.modules())

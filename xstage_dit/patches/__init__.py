@@ -346,7 +346,7 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
 def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
     """Outside the transformer: CFG's default negative prompt ("") encoded once, not every call
     (`prompt_cache`); a video VAE's one-frame decode as a 2-D network without the frame cache (`one_frame_vae`)."""
-    from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode
+    from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode, one_frame_decode_of
     from xstage_dit.patches.prompt_cache import cache_empty_prompts
 
     if isinstance(pipe, torch.nn.Module):
@@ -358,9 +358,13 @@ def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
     if isinstance(vae, torch.nn.Module):
         undo, handle.vae_convs_2d = one_frame_convs_as_2d(vae)
         handle._undo.append(undo)
-        handle.one_frame_decode = one_frame_decode(vae)
-        if handle.one_frame_decode is not None:
-            handle._undo.append(handle.one_frame_decode.restore)
+        # A VAE shared with a pipeline parallelized before (diffusers' from_pipe shares components) keeps that
+        # pipeline's wrapping, which its handle undoes.
+        handle.one_frame_decode = one_frame_decode_of(vae)
+        if handle.one_frame_decode is None:
+            handle.one_frame_decode = one_frame_decode(vae)
+            if handle.one_frame_decode is not None:
+                handle._undo.append(handle.one_frame_decode.restore)
 
 
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
