@@ -30,7 +30,8 @@ calls (any thread: a collection stops every thread's Python). ``--profile``
 then records one ``bare`` and one ``runner-worker`` call (and, compiled with full guards, one ``bare, warm
 guards`` call) with torch's profiler (inside the thread that runs it) and writes the top host operations of
 each, so a slower mode shows which section grew, with each call's host and GPU milliseconds and Dynamo's cache
-lookups in the summary (``profiles``).
+lookups in the summary (``profiles``), and each phase's host and GPU milliseconds (text encoding, the transformer
+forwards, the VAE decode: profiler ranges around them, ``profiles[...]["phases"]``).
 
     python benchmarks/probe_served_path.py --model full-nucleusmoe --steps 4 --compile regional
 
@@ -40,6 +41,7 @@ Writes <out-dir>/served-path-<model>.{json,md}.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import statistics
@@ -232,7 +234,8 @@ def main(argv=None) -> int:
             profiles["bare, warm guards"] = lambda: _profiled(warm_guards(bare))
         for name, profile_one in profiles.items():
             path = out.with_name(f"{out.name}-profile-{name.replace(', ', '-').replace(' ', '-')}.txt")
-            text, profile_stats[name] = profile_one()
+            with phase_ranges(pipe):
+                text, profile_stats[name] = profile_one()
             path.write_text(text)
             print(f"wrote {path}: {profile_stats[name]}", flush=True)
     worker.shutdown()
@@ -329,6 +332,65 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
+PHASES = ("xstage:text_encode", "xstage:transformer", "xstage:vae_decode")
+
+
+@contextlib.contextmanager
+def phase_ranges(pipe):
+    """Profiler ranges around a call's phases (`PHASES`): ``pipe.encode_prompt``, each transformer forward (hooks)
+    and ``pipe.vae.decode``, so a profile splits its host and GPU time by phase (``profiles[...]["phases"]``).
+    Whatever sits in those places (the prompt cache, the CFG check on decode) is wrapped and put back."""
+    from torch.profiler import record_function
+
+    undo = []
+
+    def wrap(owner, attr, label):
+        had_own, previous = attr in vars(owner), vars(owner).get(attr)
+        inner = getattr(owner, attr)
+
+        def ranged(*args, **kwargs):
+            with record_function(label):
+                return inner(*args, **kwargs)
+
+        setattr(owner, attr, ranged)
+        undo.append(lambda: setattr(owner, attr, previous) if had_own else vars(owner).pop(attr, None))
+
+    if callable(getattr(pipe, "encode_prompt", None)):
+        wrap(pipe, "encode_prompt", PHASES[0])
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and callable(getattr(vae, "decode", None)):
+        wrap(vae, "decode", PHASES[2])
+    transformer = getattr(pipe, "transformer", None)
+    if isinstance(transformer, torch.nn.Module):
+        open_ranges = []
+
+        def enter(module, args, kwargs=None):
+            open_ranges.append(record_function(PHASES[1]).__enter__())
+
+        def leave(module, args, output):
+            if open_ranges:
+                open_ranges.pop().__exit__(None, None, None)
+
+        undo.append(transformer.register_forward_pre_hook(enter).remove)
+        undo.append(transformer.register_forward_hook(leave).remove)
+    try:
+        yield
+    finally:
+        while undo:
+            undo.pop()()
+
+
+def _phase_stats(averages) -> dict:
+    """{phase: {calls, host_ms (the ranges' wall time on the host), gpu_ms (kernels launched inside)}}."""
+    out = {}
+    for event in averages:
+        if event.key in PHASES:
+            out[event.key.split(":", 1)[1]] = {
+                "calls": event.count, "host_ms": round(event.cpu_time_total / 1e3, 2),
+                "gpu_ms": round(getattr(event, "device_time_total", 0.0) / 1e3, 2)}
+    return out
+
+
 def _profiled(fn, *fn_args) -> tuple[str, dict]:
     """One call of fn(*fn_args) under torch's profiler in the calling thread: the top host operations by self CPU
     time, then by total CUDA time (text tables), and the call's totals: host and GPU milliseconds (self times of
@@ -348,7 +410,8 @@ def _profiled(fn, *fn_args) -> tuple[str, dict]:
     stats = {"host_ms": round(sum(e.self_cpu_time_total for e in averages) / 1e3, 2),
              "gpu_ms": round(sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e3, 2),
              "cache_lookups": sum(e.count for e in lookups),
-             "cache_lookup_ms": round(sum(e.self_cpu_time_total for e in lookups) / 1e3, 2)}
+             "cache_lookup_ms": round(sum(e.self_cpu_time_total for e in lookups) / 1e3, 2),
+             "phases": _phase_stats(averages)}
     return text, stats
 
 

@@ -29,6 +29,11 @@ def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
     for name in ("bare", "runner-worker"):
         text = (tmp_path / f"served-path-tiny-nucleusmoe-profile-{name}.txt").read_text()
         assert "Self CPU" in text and "aten::" in text
+        # the call split by phase: encode_prompt twice (the prompt, then "" from the cache), two transformer
+        # forwards a step (CFG), one VAE decode
+        phases = data["summary"]["profiles"][name]["phases"]
+        assert {k: v["calls"] for k, v in phases.items()} == {"text_encode": 2, "transformer": 4, "vae_decode": 1}
+        assert all(v["host_ms"] > 0 for v in phases.values())
 
 
 @pytest.mark.slow
