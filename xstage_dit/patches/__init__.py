@@ -12,8 +12,8 @@ rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processo
 `expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
 subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
 `collective_safety` (agreement and failures across ranks), `host_syncs` (host copies out of the forward),
-`prompt_cache` (CFG's empty negative prompt encoded once), `one_frame_vae` (a video VAE's one-frame
-decode as a 2-D network), `_diffusers_private` (the only user of
+`prompt_cache` (CFG's empty negative prompt encoded once), `text_depth` (a text encoder's unread layers not
+run), `one_frame_vae` (a video VAE's one-frame decode as a 2-D network), `_diffusers_private` (the only user of
 private diffusers API). Calling `parallelize` on an already parallelized pipeline is an error
 (RuntimeError): restore it first.
 
@@ -61,7 +61,7 @@ class ParallelHandle:
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
     across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
-    with the positive one. vae_convs_2d / one_frame_decode: what `one_frame_vae` patched in the VAE
+    with the positive one. text_layers_skipped: `text_depth` applies. vae_convs_2d / one_frame_decode: what `one_frame_vae` patched in the VAE
     (`describe_pipeline()` reports both and the cache). restore(): puts the pipeline back exactly (idempotent).
     """
 
@@ -76,6 +76,7 @@ class ParallelHandle:
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
+    text_layers_skipped: bool = False  # the text encoder's unread layers are not run (`text_depth`)
     vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`one_frame_vae`)
     one_frame_decode: Any = None  # the VAE's `one_frame_vae.OneFrameDecode` (None for other VAEs)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -97,6 +98,7 @@ class ParallelHandle:
         """What the patches outside the transformer did so far (the server's ``/v1/calibration``)."""
         one = self.one_frame_decode
         return {"empty_prompt_cache": self.prompt_cache.describe() if self.prompt_cache is not None else None,
+                "text_layers_unread_skipped": self.text_layers_skipped,
                 "vae_convs_2d": self.vae_convs_2d,
                 "vae_one_frame_decode": None if one is None else {"calls": one.calls, "compiled": one.compiled}}
 
@@ -344,13 +346,19 @@ def _apply(transformer, plan, handle: ParallelHandle, schedules: "AttentionSched
 
 
 def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
-    """Outside the transformer: CFG's default negative prompt ("") encoded once, not every call
-    (`prompt_cache`); a video VAE's one-frame decode as a 2-D network without the frame cache (`one_frame_vae`)."""
+    """Outside the transformer: the text encoder's layers past the deepest hidden state read not run
+    (`text_depth`); CFG's default negative prompt ("") encoded once, not every call (`prompt_cache`); a video
+    VAE's one-frame decode as a 2-D network without the frame cache (`one_frame_vae`)."""
     from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode, one_frame_decode_of
     from xstage_dit.patches.prompt_cache import cache_empty_prompts
+    from xstage_dit.patches.text_depth import skip_unread_layers
 
     if isinstance(pipe, torch.nn.Module):
         return  # a bare transformer: no text encoder or VAE here
+    undo_depth = skip_unread_layers(pipe)  # inside the prompt cache: a cached embedding never runs it
+    handle.text_layers_skipped = undo_depth is not None
+    if undo_depth is not None:
+        handle._undo.append(undo_depth)
     handle.prompt_cache = cache_empty_prompts(pipe)
     if handle.prompt_cache is not None:
         handle._undo.append(handle.prompt_cache.restore)

@@ -1,0 +1,114 @@
+"""`skip_unread_layers(pipe)`: a text encoder's decoder layers past the deepest hidden state the pipeline reads are
+not run (`parallelize` applies it, `restore` undoes it).
+
+Why: some pipelines take their prompt embedding from an inner layer of an LLM text encoder and never read what
+comes after it. NucleusMoE reads ``hidden_states[-8]`` of Qwen3-VL-8B (``return_index``, default -8): the output
+of layer 29 of 36, so 7 layers (19 % of a pass) compute what nobody reads; FLUX.2 stacks layers 10, 20 and 30 of
+Mistral-Small's 40 (``text_encoder_out_layers``): 10 layers unread (25 %). A pass of the full-size Qwen3-VL text
+model dispatches 2538 aten ops (counted on the meta device, 80 tokens), each an eager launch on the critical path
+of NucleusMoE's host-bound call.
+
+How: during ``encode_prompt``, the unread layers' ``forward`` returns its input unchanged. The hidden-state tuple
+keeps its length (transformers records each layer's output through hooks that still run), so every index the
+pipeline reads, counted from either end, names the same tensor as before, computed by the same layers: the
+embeddings are the same bits (tests/patches/test_text_depth.py). The depth comes from the call's own arguments,
+so a caller asking for another index gets the layers it needs.
+
+    undo = skip_unread_layers(pipe)   # None where the pipeline reads the last layer (or is not listed)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["READ_INDICES", "skip_unread_layers", "layers_needed"]
+
+
+def _nucleusmoe(pipe: Any, arguments: dict) -> list[int]:
+    index = arguments.get("return_index")
+    return [index or pipe.default_return_index]  # diffusers' own fallback (`return_index or default`)
+
+
+def _flux2(pipe: Any, arguments: dict) -> list[int]:
+    return list(arguments["text_encoder_out_layers"])
+
+
+# pipeline class -> the hidden-state indices its encode_prompt reads, from the call's bound arguments
+READ_INDICES: dict[str, Callable[[Any, dict], list[int]]] = {
+    "NucleusMoEImagePipeline": _nucleusmoe,
+    "Flux2Pipeline": _flux2,
+}
+
+
+def layers_needed(indices: list[int], num_layers: int) -> int:
+    """How many of `num_layers` decoder layers produce ``hidden_states[i]`` for every i in `indices` (the tuple
+    holds the embeddings, then each layer's output: ``num_layers + 1`` entries). `num_layers` where the last
+    entry is read (it may be the final norm's output) or an index is out of range (the pipeline's own error)."""
+    needed = 0
+    for index in indices:
+        position = index + num_layers + 1 if index < 0 else index
+        if not 0 <= position < num_layers:
+            return num_layers
+        needed = max(needed, position)
+    return needed
+
+
+def _decoder_layers(text_encoder: torch.nn.Module) -> torch.nn.ModuleList | None:
+    decoder = text_encoder.get_decoder() if hasattr(text_encoder, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0 else None
+
+
+def _identity(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
+def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
+    """Wrap ``pipe.encode_prompt`` so the text encoder's decoder layers past the deepest index it reads do not run
+    (module docstring). Returns the undo, or None where the pipeline is not in `READ_INDICES` or its text encoder
+    has no decoder layer list."""
+    reads = READ_INDICES.get(type(pipe).__name__)
+    encoder = getattr(pipe, "text_encoder", None)
+    layers = _decoder_layers(encoder) if reads is not None and isinstance(encoder, torch.nn.Module) else None
+    if layers is None or not callable(getattr(pipe, "encode_prompt", None)):
+        return None
+    encode = pipe.encode_prompt
+    signature = inspect.signature(encode)
+    had_own, previous = "encode_prompt" in vars(pipe), vars(pipe).get("encode_prompt")
+
+    @functools.wraps(encode)
+    def encode_prompt(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return encode(*args, **kwargs)  # the pipeline's own error
+        bound.apply_defaults()
+        needed = layers_needed(reads(pipe, bound.arguments), len(layers))
+        skipped = [layer for layer in list(layers)[needed:] if "forward" not in vars(layer)]
+        for layer in skipped:
+            layer.forward = _identity
+        try:
+            return encode(*args, **kwargs)
+        finally:
+            for layer in skipped:
+                vars(layer).pop("forward", None)
+
+    pipe.encode_prompt = encode_prompt
+    log.info("%s: text encoder layers past the deepest hidden state read are skipped (%d layers)",
+             type(pipe).__name__, len(layers))
+
+    def undo() -> None:
+        if vars(pipe).get("encode_prompt") is encode_prompt:
+            if had_own:
+                pipe.encode_prompt = previous
+            else:
+                del pipe.encode_prompt
+
+    return undo
