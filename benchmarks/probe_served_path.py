@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--compile-guards", default="full", choices=GUARD_MODES,
                    help="apply_compile's guards: full, or warm (only the differentiating ones once a call key ran)")
+    p.add_argument("--compile-text-encoder", action="store_true",
+                   help="also compile the LLM text encoder's language model whole (apply_compile's text_encoders)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (tests: eager, to compile fast)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="auto: bfloat16 on a GPU, float32 on the CPU (Dynamo traces NucleusMoE's grouped GEMM in "
@@ -103,7 +105,8 @@ def main(argv=None) -> int:
     pipe.set_progress_bar_config(disable=True)
     handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
     invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
-    compiled = apply_compile(pipe, args.compile, guards=args.compile_guards, backend=args.backend)
+    compiled = apply_compile(pipe, args.compile, guards=args.compile_guards, backend=args.backend,
+                             text_encoders=args.compile_text_encoder)
     kwargs = call_kwargs(pipe, spec, prompt=PROMPT, seed=1, steps=args.steps)
     item = request_for(spec, prompt=PROMPT, seed=1, steps=args.steps)
     runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))

@@ -366,3 +366,35 @@ def test_call_keys_tell_apart_what_a_graph_is_specialised_on():
     blocks = call_key((x,), {"samples": [torch.zeros(4, 2)], "attention_kwargs": {"mask": torch.zeros(3)}})
     assert blocks == call_key((x,), {"samples": [torch.ones(4, 2)], "attention_kwargs": {"mask": torch.ones(3)}})
     assert blocks != call_key((x,), {"samples": [torch.ones(5, 2)], "attention_kwargs": {"mask": torch.ones(3)}})
+
+
+def test_text_encoders_compile_the_language_model_whole_for_every_prompt_length():
+    """NucleusMoE's Qwen3-VL language model compiled whole with dynamic shapes: one graph, no break, for prompts of
+    several lengths (the empty one too), the eager embeddings; off unless asked; restore gives the eager model."""
+    from torch._dynamo.utils import counters
+
+    from xstage_dit.models import load_pipeline
+
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    cpu = torch.device("cpu")
+    prompts = ["a fox", "a red fox in the snow at night", "", "x " * 40]
+    with torch.no_grad():
+        expected = [pipe.encode_prompt(prompt=[p], device=cpu)[0] for p in prompts]
+    handle = parallelize(pipe, ParallelConfig())
+    plain = apply_compile(pipe, "regional", backend="eager")
+    assert "Qwen3VLTextModel" not in plain.how and "forward" not in vars(pipe.text_encoder.get_decoder())
+    plain.restore()
+    compiled = apply_compile(pipe, "regional", backend="eager", text_encoders=True)
+    try:
+        assert "the Qwen3VLTextModel of text_encoder (whole, any prompt length)" in compiled.how
+        counters.clear()
+        with torch.no_grad():
+            got = [pipe.encode_prompt(prompt=[p], device=cpu)[0] for p in prompts]
+        assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    finally:
+        compiled.restore()
+        handle.restore()
+    assert "forward" not in vars(pipe.text_encoder.get_decoder())
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

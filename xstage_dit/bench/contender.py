@@ -37,8 +37,9 @@ class Contender:
     def apply(self, b: Bench) -> None:
         if self.compile:
             guards = getattr(b.args, "compile_guards", "full") if self.ours else "full"
+            text = bool(getattr(b.args, "compile_text_encoder", False)) and self.ours
             self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae, guards=guards,
-                                                              mode=self.compile_mode)
+                                                              mode=self.compile_mode, text_encoders=text)
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)

@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
+    parser.add_argument("--compile-text-encoder", action="store_true",
+                        help="the xstage contenders' compiled variants also compile an LLM text encoder's language "
+                             "model whole (NucleusMoE's Qwen3-VL, FLUX.2's Mistral; default: off)")
     parser.add_argument("--compile-estimate-s", type=float, default=120.0,
                         help="compile time assumed by the budget check for a torch.compile variant (default: %(default)s)")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,

@@ -4,6 +4,7 @@
 --warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
 --max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
 --compile-guards {full,warm}: Dynamo's guards on every call, or only the differentiating ones once warm.
+--compile-text-encoder: also compile an LLM text encoder's language model whole (`apply_compile`'s text_encoders).
 """
 
 from __future__ import annotations
@@ -23,9 +24,16 @@ def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool 
                              "full = the whole transformer forward, graphs = full under CUDA graphs (not "
                              "measured yet); default: regional on a GPU, off on a CPU")
     parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full", help=GUARDS_HELP)
+    add_text_encoder_option(parser)
     parser.add_argument("--max-compiled-shapes", type=int, default=8,
                         help="input shapes compiled before further ones run eager (logged once each); "
                              "default: %(default)s")
+
+
+def add_text_encoder_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-text-encoder", action="store_true",
+                        help="with --compile: also compile an LLM text encoder's language model whole, one graph for "
+                             "every prompt length (NucleusMoE's Qwen3-VL, FLUX.2's Mistral; not measured on a GPU yet)")
 
 
 def add_warmup_sizes_option(parser: argparse.ArgumentParser) -> None:

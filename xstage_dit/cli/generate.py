@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> int:
 
     batch_invariant_for(pipe, spec.kind)  # as the server runs it: the same bytes for the same request
     mode = compile_mode(args, device)
-    compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes, guards=args.compile_guards)
+    compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes, guards=args.compile_guards,
+                             text_encoders=args.compile_text_encoder)
     try:
         kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)

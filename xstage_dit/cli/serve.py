@@ -172,7 +172,7 @@ def serve_rank(args: argparse.Namespace, config) -> int:
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
                           compile=args.compile, max_compiled_shapes=args.max_compiled_shapes,
-                          compile_guards=args.compile_guards)
+                          compile_guards=args.compile_guards, compile_text_encoder=args.compile_text_encoder)
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

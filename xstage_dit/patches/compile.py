@@ -20,7 +20,9 @@ use; never under CUDA graphs), one graph per decoded size under the same bound: 
 against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). A video VAE (Qwen-Image's, NucleusMoE's,
 Wan's) decoding a one-frame latent is compiled too where `parallelize` made that decode a plain 2-D network
 (`one_frame_vae.OneFrameDecode`; not measured on the GPU yet); its decode of several frames (a video, whose
-decoder caches frames between chunks) stays eager.
+decoder caches frames between chunks) stays eager. With ``text_encoders=True`` (``--compile-text-encoder``; off
+by default, not measured on the GPU) an LLM text encoder's language model compiles whole with dynamic shapes: one
+graph for every prompt length (NucleusMoE's Qwen3-VL-8B dispatches 2538 aten ops a pass eagerly).
 
 Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
@@ -232,7 +234,7 @@ def _vae_bound(handle: CompileHandle) -> Callable[[Callable, Callable], Callable
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
                   backend: str = "inductor", options: dict | None = None, vae: bool = True,
-                  guards: str = "full") -> CompileHandle:
+                  guards: str = "full", text_encoders: bool = False) -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
     unless `vae` is False (see the module docstring).
 
@@ -244,6 +246,9 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         passes False: users compile the transformer alone).
     guards: "full" (every guard, every call) or "warm" (only the differentiating guards once a call key has
         run; the module docstring says why and when that is unsafe).
+    text_encoders: also compile each LLM text encoder's language model whole (`_text_models`: NucleusMoE's
+        Qwen3-VL, FLUX.2's Mistral), ``dynamic=True``: one graph for every prompt length. Off by default: not
+        measured on the GPU yet.
     Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
     check_compile_mode(mode)
@@ -304,6 +309,14 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
                                                                           backend=backend, **vae_extra))
         handle._undo.append(functools.partial(vars(decoder).pop, "forward", None))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
+    for name, model in _text_models(pipe) if text_encoders else []:
+        # Whole, not by layers: transformers records the hidden states through hooks that read a ContextVar,
+        # which Dynamo traces only when the recording starts inside the compiled code (one graph, no break, on
+        # the tiny Qwen3-VL); dynamic: prompts differ in length, and a length compiled each would stall a request.
+        model_eager = model.forward
+        model.forward = torch.compile(model_eager, dynamic=True, backend=backend, **vae_extra)
+        handle._undo.append(functools.partial(vars(model).pop, "forward", None))
+        hows.append(f"the {type(model).__name__} of {name} (whole, any prompt length)")
     one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
     if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
         one_frame.compile(wrap=_vae_bound(handle), backend=backend, **vae_extra)
@@ -315,6 +328,19 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
     return handle
+
+
+def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
+    """(component name, language model) of every text encoder that is a decoder LLM (``get_decoder()`` with a
+    ``layers`` list: Qwen3-VL, Qwen2.5-VL, Mistral, Gemma); T5 / CLIP encoders have none."""
+    found = []
+    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
+        encoder = getattr(pipe, name, None)
+        decoder = encoder.get_decoder() if isinstance(encoder, torch.nn.Module) and hasattr(encoder, "get_decoder") \
+            else None
+        if isinstance(decoder, torch.nn.Module) and isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+            found.append((name, decoder))
+    return found
 
 
 def _image_vae_decoder(pipe: Any) -> torch.nn.Module | None:
