@@ -54,7 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES  # noqa: E402
+from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--compile-guards", default="full", choices=GUARD_MODES,
                    help="apply_compile's guards: full, or warm (only the differentiating ones once a call key ran)")
-    p.add_argument("--compile-text-encoder", action="store_true",
-                   help="also compile the LLM text encoder's language model whole (apply_compile's text_encoders)")
+    p.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
+                   help="apply_compile's extras: text-encoder, video-vae (default: none)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (tests: eager, to compile fast)")
     p.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float32"),
                    help="auto: bfloat16 on a GPU, float32 on the CPU (Dynamo traces NucleusMoE's grouped GEMM in "
@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
     invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
     compiled = apply_compile(pipe, args.compile, guards=args.compile_guards, backend=args.backend,
-                             text_encoders=args.compile_text_encoder)
+                             extras=parse_extras(args.compile_extra))
     kwargs = call_kwargs(pipe, spec, prompt=PROMPT, seed=1, steps=args.steps)
     item = request_for(spec, prompt=PROMPT, seed=1, steps=args.steps)
     runner = BatchRunner(pipe, ServedModel.from_spec(args.model, spec))

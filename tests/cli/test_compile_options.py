@@ -28,6 +28,8 @@ def test_bad_compile_values_name_the_option(command, capsys):
            "off, regional, full, graphs")
     _fails([command, "--model", "tiny-flux", "--max-compiled-shapes", "0"], capsys, "--max-compiled-shapes", "got 0")
     _fails([command, "--model", "tiny-flux", "--compile-guards", "none"], capsys, "--compile-guards", "'none'")
+    _fails([command, "--model", "tiny-flux", "--compile-extra", "text-encoder,vae"], capsys, "--compile-extra",
+           "'vae'", "text-encoder, video-vae")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512"], capsys, "--warmup-sizes", "'512'")
     _fails([command, "--model", "tiny-flux", "--warmup-sizes", "512x512,500x512"], capsys, "--warmup-sizes",
            "500x512", "multiple of 16")
@@ -42,6 +44,8 @@ def test_bench_compile_takes_a_mode_and_a_bare_flag_means_regional(capsys):
     assert parser.parse_args(["bench"]).compile_guards == "full"
     assert parser.parse_args(["bench", "--compile-guards", "warm"]).compile_guards == "warm"
     _fails(["bench", "--model", "tiny-flux", "--compile-guards", "some"], capsys, "--compile-guards", "'some'")
+    assert parser.parse_args(["bench", "--compile-extra", "video-vae"]).compile_extra == "video-vae"
+    _fails(["bench", "--model", "tiny-flux", "--compile", "--compile-extra", "all"], capsys, "--compile-extra", "'all'")
 
 
 def test_serve_batching_options_reach_the_config(capsys):
@@ -55,6 +59,8 @@ def test_serve_batching_options_reach_the_config(capsys):
     assert config.gc_freeze and "--no-gc-freeze" not in _argv(args)
     warm = build_parser().parse_args(["serve", "--model", "tiny-flux", "--compile-guards", "warm"])
     assert _argv(warm)[_argv(warm).index("--compile-guards") + 1] == "warm"  # every rank compiles alike
+    extra = build_parser().parse_args(["serve", "--model", "tiny-flux", "--compile-extra", "text-encoder"])
+    assert _argv(extra)[_argv(extra).index("--compile-extra") + 1] == "text-encoder"
     args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--no-gc-freeze"])
     assert not _config(args).gc_freeze and "--no-gc-freeze" in _argv(args)  # every rank leaves its heap alone
     _fails(["serve", "--model", "tiny-flux", "--batching", "sometimes"], capsys, "--batching", "'sometimes'")

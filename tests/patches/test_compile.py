@@ -384,7 +384,7 @@ def test_text_encoders_compile_the_language_model_whole_for_every_prompt_length(
     plain = apply_compile(pipe, "regional", backend="eager")
     assert "Qwen3VLTextModel" not in plain.how and "forward" not in vars(pipe.text_encoder.get_decoder())
     plain.restore()
-    compiled = apply_compile(pipe, "regional", backend="eager", text_encoders=True)
+    compiled = apply_compile(pipe, "regional", backend="eager", extras=("text-encoder",))
     try:
         assert "the Qwen3VLTextModel of text_encoder (whole, any prompt length)" in compiled.how
         counters.clear()

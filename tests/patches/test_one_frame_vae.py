@@ -293,3 +293,37 @@ def test_a_vae_shared_by_two_parallelized_pipelines_is_wrapped_once():
         second.restore()
         first.restore()
     assert one_frame_decode_of(pipe.vae) is None and not any("forward" in vars(m) for m in pipe.vae.modules())
+
+
+def test_video_vae_extra_compiles_the_chunked_decode_in_three_graphs():
+    """``extras=("video-vae",)``: a latent of several frames decodes chunk by chunk through the compiled decoder
+    (first chunk, second, the rest: three graphs, no break), the eager frames; a second decode compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    pipe = load_pipeline("tiny-wan", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    vae = pipe.vae
+    video = torch.randn(1, vae.config.z_dim, 5, 8, 8, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = vae.decode(video).sample
+    handle = parallelize(pipe, ParallelConfig())
+    plain = apply_compile(pipe, "regional", backend="eager")
+    assert not one_frame_decode_of(vae).chunks_compiled  # off unless asked
+    plain.restore()
+    compiled = apply_compile(pipe, "regional", backend="eager", extras=("video-vae",))
+    try:
+        one = one_frame_decode_of(vae)
+        assert one.chunks_compiled and "several frames (chunked)" in compiled.how
+        counters.clear()
+        with torch.no_grad():
+            got = vae.decode(video).sample
+            graphs = counters["stats"]["unique_graphs"]
+            again = vae.decode(video).sample
+        assert graphs == 3 and counters["stats"]["unique_graphs"] == 3 and not counters["graph_break"]
+    finally:
+        compiled.restore()
+        handle.restore()
+    assert not one.chunks_compiled
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the first frame's 2-D convolutions
+    assert torch.equal(again, got)
+    with pytest.raises(ValueError, match="expected compile extras from text-encoder, video-vae, got 'vae'"):
+        apply_compile(pipe, "regional", extras=("vae",))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.bench.session import Bench
+from xstage_dit.patches.compile import parse_extras
 
 
 class Contender:
@@ -37,9 +38,9 @@ class Contender:
     def apply(self, b: Bench) -> None:
         if self.compile:
             guards = getattr(b.args, "compile_guards", "full") if self.ours else "full"
-            text = bool(getattr(b.args, "compile_text_encoder", False)) and self.ours
+            extras = parse_extras(getattr(b.args, "compile_extra", "")) if self.ours else ()
             self.info["compile_mode"] = b.compile_transformer(vae=self.compile_vae, guards=guards,
-                                                              mode=self.compile_mode, text_encoders=text)
+                                                              mode=self.compile_mode, extras=extras)
 
     def call(self, b: Bench, kwargs: dict):
         return b.pipe(**kwargs)

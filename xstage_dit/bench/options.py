@@ -16,7 +16,7 @@ import shlex
 from pathlib import Path
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP
+from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, parse_extras
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
@@ -95,9 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
-    parser.add_argument("--compile-text-encoder", action="store_true",
-                        help="the xstage contenders' compiled variants also compile an LLM text encoder's language "
-                             "model whole (NucleusMoE's Qwen3-VL, FLUX.2's Mistral; default: off)")
+    parser.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
+                        help="the xstage contenders' compiled variants also compile (apply_compile's extras): "
+                             "text-encoder = an LLM text encoder's language model whole, video-vae = a video VAE's "
+                             "chunked decode; default: none")
     parser.add_argument("--compile-estimate-s", type=float, default=120.0,
                         help="compile time assumed by the budget check for a torch.compile variant (default: %(default)s)")
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
@@ -136,6 +137,10 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"expected --compile in {', '.join(COMPILE_MODES)}, got {args.compile!r}")
     if compile_also_modes(args) and args.compile == "off":
         raise UsageError(f"expected --compile with --compile-also {args.compile_also!r}, got --compile off")
+    try:
+        parse_extras(args.compile_extra)
+    except ValueError as exc:
+        raise UsageError(f"--compile-extra: {exc}") from None
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
     if not Path(args.prompts).is_file():

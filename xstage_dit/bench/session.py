@@ -105,15 +105,15 @@ class Bench:
         return self.args.time_budget_s - (time.perf_counter() - self.t_start)
 
     def compile_transformer(self, vae: bool = True, guards: str = "full", mode: str | None = None,
-                            text_encoders: bool = False) -> str:
+                            extras: tuple[str, ...] = ()) -> str:
         """``apply_compile`` of the current transformer in `mode` (None: the --compile mode; regional: diffusers'
         ``compile_repeated_blocks``; full: the whole forward; graphs: full under CUDA graphs), with the image
-        VAE's decoder where `vae`, under `guards` ("full" or "warm", `apply_compile`'s), and an LLM text encoder's
-        language model where `text_encoders`; returns how."""
+        VAE's decoder where `vae`, under `guards` ("full" or "warm", `apply_compile`'s), with `extras`
+        (`apply_compile`'s: text-encoder, video-vae); returns how."""
         from xstage_dit.patches.compile import apply_compile
 
         self.compiled = apply_compile(self.pipe, mode or self.args.compile, vae=vae, guards=guards,
-                                      text_encoders=text_encoders)
+                                      extras=extras)
         return self.compiled.how
 
     def uncompile(self) -> None:

@@ -4,7 +4,7 @@
 --warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
 --max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
 --compile-guards {full,warm}: Dynamo's guards on every call, or only the differentiating ones once warm.
---compile-text-encoder: also compile an LLM text encoder's language model whole (`apply_compile`'s text_encoders).
+--compile-extra NAME[,NAME]: more to compile (`apply_compile`'s extras: text-encoder, video-vae).
 """
 
 from __future__ import annotations
@@ -24,16 +24,28 @@ def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool 
                              "full = the whole transformer forward, graphs = full under CUDA graphs (not "
                              "measured yet); default: regional on a GPU, off on a CPU")
     parser.add_argument("--compile-guards", choices=GUARD_MODES, default="full", help=GUARDS_HELP)
-    add_text_encoder_option(parser)
+    add_compile_extra_option(parser)
     parser.add_argument("--max-compiled-shapes", type=int, default=8,
                         help="input shapes compiled before further ones run eager (logged once each); "
                              "default: %(default)s")
 
 
-def add_text_encoder_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--compile-text-encoder", action="store_true",
-                        help="with --compile: also compile an LLM text encoder's language model whole, one graph for "
-                             "every prompt length (NucleusMoE's Qwen3-VL, FLUX.2's Mistral; not measured on a GPU yet)")
+def add_compile_extra_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
+                        help="with --compile, also compile (not measured on a GPU yet): text-encoder = an LLM text "
+                             "encoder's language model whole, one graph for every prompt length (NucleusMoE's "
+                             "Qwen3-VL, FLUX.2's Mistral); video-vae = a video VAE's decode of several frames, chunk "
+                             "by chunk (Wan's); default: none")
+
+
+def compile_extras(args: argparse.Namespace) -> tuple[str, ...]:
+    """The --compile-extra names as a tuple; UsageError naming one that is not known."""
+    from xstage_dit.patches.compile import parse_extras
+
+    try:
+        return parse_extras(getattr(args, "compile_extra", ""))
+    except ValueError as exc:
+        raise UsageError(f"--compile-extra: {exc}") from None
 
 
 def add_warmup_sizes_option(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +82,7 @@ def check_compile_args(args: argparse.Namespace) -> None:
     guards = getattr(args, "compile_guards", "full")
     if guards not in GUARD_MODES:
         raise UsageError(f"--compile-guards: expected one of {', '.join(GUARD_MODES)}, got {guards!r}")
+    compile_extras(args)
 
 
 def compile_mode(args: argparse.Namespace, device) -> str:

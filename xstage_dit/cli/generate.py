@@ -180,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
     t_build = time.perf_counter() - t0
     pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
                                  leave=False)
-    from xstage_dit.cli.compile_options import compile_mode
+    from xstage_dit.cli.compile_options import compile_extras, compile_mode
     from xstage_dit.patches import parallelize
     from xstage_dit.patches.compile import apply_compile
 
@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
     batch_invariant_for(pipe, spec.kind)  # as the server runs it: the same bytes for the same request
     mode = compile_mode(args, device)
     compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes, guards=args.compile_guards,
-                             text_encoders=args.compile_text_encoder)
+                             extras=compile_extras(args))
     try:
         kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)

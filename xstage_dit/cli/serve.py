@@ -169,10 +169,12 @@ def serve_rank(args: argparse.Namespace, config) -> int:
     if world_size > 1 and not torch.cuda.is_available():
         # CPU ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from xstage_dit.cli.compile_options import compile_extras
+
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
                           compile=args.compile, max_compiled_shapes=args.max_compiled_shapes,
-                          compile_guards=args.compile_guards, compile_text_encoder=args.compile_text_encoder)
+                          compile_guards=args.compile_guards, compile_extras=compile_extras(args))
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

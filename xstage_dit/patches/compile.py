@@ -20,9 +20,12 @@ use; never under CUDA graphs), one graph per decoded size under the same bound: 
 against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). A video VAE (Qwen-Image's, NucleusMoE's,
 Wan's) decoding a one-frame latent is compiled too where `parallelize` made that decode a plain 2-D network
 (`one_frame_vae.OneFrameDecode`; not measured on the GPU yet); its decode of several frames (a video, whose
-decoder caches frames between chunks) stays eager. With ``text_encoders=True`` (``--compile-text-encoder``; off
-by default, not measured on the GPU) an LLM text encoder's language model compiles whole with dynamic shapes: one
-graph for every prompt length (NucleusMoE's Qwen3-VL-8B dispatches 2538 aten ops a pass eagerly).
+decoder caches frames between chunks) stays eager unless ``extras`` names ``video-vae``. ``extras``
+(``--compile-extra``; off by default, not measured on the GPU): ``text-encoder`` compiles an LLM text encoder's
+language model whole with dynamic shapes, one graph for every prompt length (NucleusMoE's Qwen3-VL-8B dispatches
+2538 aten ops a pass eagerly); ``video-vae`` compiles a video VAE's chunked decode (Wan's: three graphs a size,
+first chunk, second, the rest; 81 frames decode in ~3 s of a 13.7 s compiled 2-step Wan call on the H200, in
+float32, its elementwise work unfused).
 
 Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
@@ -81,6 +84,9 @@ GUARDS_HELP = ("full = every Dynamo guard on every call (torch's default); warm 
                "arguments has run compiled, only the guards that told the cached graphs apart "
                "(torch.compiler.set_stance(skip_guard_eval_unsafe=True)): less host time per call, unsafe if model "
                "attributes change between calls (default: %(default)s)")
+# What --compile-extra adds (off by default: not measured on the GPU yet). text-encoder: an LLM text encoder's
+# language model, whole; video-vae: a video VAE's decode of several frames (its chunks, frame cache and all).
+EXTRAS = ("text-encoder", "video-vae")
 GRAPHS_OPTIONS = {"triton.cudagraphs": True}  # Inductor's CUDA graphs (what mode="reduce-overhead" sets)
 DEFAULT_MAX_SHAPES = 8
 
@@ -88,6 +94,20 @@ DEFAULT_MAX_SHAPES = 8
 def default_compile_mode(device: torch.device | str) -> str:
     """``regional`` on a GPU, ``off`` on a CPU."""
     return "regional" if torch.device(device).type == "cuda" else "off"
+
+
+def check_extras(extras) -> tuple[str, ...]:
+    """`extras` as a tuple when every name is one of `EXTRAS`; ValueError naming the first that is not."""
+    extras = tuple(extras)
+    for name in extras:
+        if name not in EXTRAS:
+            raise ValueError(f"expected compile extras from {', '.join(EXTRAS)}, got {name!r}")
+    return extras
+
+
+def parse_extras(text: str | None) -> tuple[str, ...]:
+    """A --compile-extra value ("text-encoder,video-vae") as a tuple of `EXTRAS` names; ValueError naming a bad one."""
+    return check_extras(n.strip() for n in str(text or "").split(",") if n.strip())
 
 
 def check_compile_mode(mode: str) -> str:
@@ -234,7 +254,7 @@ def _vae_bound(handle: CompileHandle) -> Callable[[Callable, Callable], Callable
 
 def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
                   backend: str = "inductor", options: dict | None = None, vae: bool = True,
-                  guards: str = "full", text_encoders: bool = False) -> CompileHandle:
+                  guards: str = "full", extras: tuple[str, ...] = ()) -> CompileHandle:
     """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
     unless `vae` is False (see the module docstring).
 
@@ -246,12 +266,13 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         passes False: users compile the transformer alone).
     guards: "full" (every guard, every call) or "warm" (only the differentiating guards once a call key has
         run; the module docstring says why and when that is unsafe).
-    text_encoders: also compile each LLM text encoder's language model whole (`_text_models`: NucleusMoE's
-        Qwen3-VL, FLUX.2's Mistral), ``dynamic=True``: one graph for every prompt length. Off by default: not
-        measured on the GPU yet.
+    extras: any of `EXTRAS` (not measured on the GPU yet): "text-encoder", each LLM text encoder's language model
+        whole (`_text_models`: NucleusMoE's Qwen3-VL, FLUX.2's Mistral), ``dynamic=True``: one graph for every
+        prompt length; "video-vae", a video VAE's chunked decode of several frames (`OneFrameDecode.compile`).
     Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
     check_compile_mode(mode)
+    check_extras(extras)
     if guards not in GUARD_MODES:
         raise ValueError(f"expected guards in {', '.join(GUARD_MODES)}, got {guards!r}")
     if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
@@ -309,7 +330,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
                                                                           backend=backend, **vae_extra))
         handle._undo.append(functools.partial(vars(decoder).pop, "forward", None))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
-    for name, model in _text_models(pipe) if text_encoders else []:
+    for name, model in _text_models(pipe) if "text-encoder" in extras else []:
         # Whole, not by layers: transformers records the hidden states through hooks that read a ContextVar,
         # which Dynamo traces only when the recording starts inside the compiled code (one graph, no break, on
         # the tiny Qwen3-VL); dynamic: prompts differ in length, and a length compiled each would stall a request.
@@ -319,9 +340,11 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
         hows.append(f"the {type(model).__name__} of {name} (whole, any prompt length)")
     one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
     if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
-        one_frame.compile(wrap=_vae_bound(handle), backend=backend, **vae_extra)
+        chunks = "video-vae" in extras
+        one_frame.compile(wrap=_vae_bound(handle), chunks=chunks, backend=backend, **vae_extra)
         handle._undo.append(one_frame.uncompile)
-        hows.append(f"the {type(pipe.vae).__name__} decoder of one-frame latents")
+        hows.append(f"the {type(pipe.vae).__name__} decoder of one-frame latents" +
+                    (" and of several frames (chunked)" if chunks else ""))
     if guards == "warm":
         hows.append("warm guards (only the differentiating ones once a call key has run)")
     handle.how = "; ".join(hows)

@@ -151,6 +151,7 @@ class OneFrameDecode:
         self._forward = vae.decoder.forward
         self._plain = functools.partial(self._forward, feat_cache=None)
         self._fast: Callable[[torch.Tensor], torch.Tensor] = self._plain
+        self._chunked: Callable[..., torch.Tensor] = self._forward  # a latent of several frames, chunk by chunk
         self._one_frame = False
         vae._decode = self._decode_call
         self.decoder.forward = self._forward_call
@@ -159,6 +160,10 @@ class OneFrameDecode:
     @property
     def compiled(self) -> bool:
         return self._fast is not self._plain
+
+    @property
+    def chunks_compiled(self) -> bool:
+        return self._chunked is not self._forward
 
     def _decode_call(self, z: torch.Tensor, *args, **kwargs):
         self._one_frame = z.dim() == 5 and z.shape[2] == 1
@@ -173,18 +178,25 @@ class OneFrameDecode:
                 and not torch.is_grad_enabled():
             self.calls += 1
             return self._fast(x, **kwargs)
-        return self._forward(x, feat_cache, feat_idx, *args, **kwargs)
+        return self._chunked(x, feat_cache, feat_idx, *args, **kwargs)
 
-    def compile(self, wrap: Callable[[Callable, Callable], Callable] | None = None, **kwargs: Any) -> None:
+    def compile(self, wrap: Callable[[Callable, Callable], Callable] | None = None, chunks: bool = False,
+                **kwargs: Any) -> None:
         """Compile the one-frame decoder path (``torch.compile(..., **kwargs)``; ``dynamic`` defaults to False).
         wrap(eager, compiled) -> callable: what runs instead of the compiled path (`apply_compile`'s bound on
-        compiled shapes)."""
+        compiled shapes). chunks: also the decoder's own path for a latent of several frames, one chunk a call
+        with the frame cache (Dynamo follows the cache list: three graphs a size, for the first chunk, the
+        second and the rest; one graph, no break, on the tiny Wan VAE)."""
         kwargs.setdefault("dynamic", False)
         compiled = torch.compile(self._plain, **kwargs)
         self._fast = compiled if wrap is None else wrap(self._plain, compiled)
+        if chunks:
+            chunked = torch.compile(self._forward, **kwargs)
+            self._chunked = chunked if wrap is None else wrap(self._forward, chunked)
 
     def uncompile(self) -> None:
         self._fast = self._plain
+        self._chunked = self._forward
 
     def restore(self) -> None:
         if getattr(self.vae, _MARK, None) is not self:
@@ -192,7 +204,7 @@ class OneFrameDecode:
         vars(self.vae).pop("_decode", None)
         vars(self.decoder).pop("forward", None)
         delattr(self.vae, _MARK)
-        self._fast = self._plain
+        self.uncompile()
 
 
 def one_frame_decode(vae: Any) -> OneFrameDecode | None:

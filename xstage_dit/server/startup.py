@@ -70,7 +70,7 @@ def kernel_report(handle: Any) -> dict:
 def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
                  weights_seed: int = 0, compile: str | None = None,
                  max_compiled_shapes: int = DEFAULT_MAX_SHAPES,
-                 compile_guards: str = "full", compile_text_encoder: bool = False
+                 compile_guards: str = "full", compile_extras: tuple[str, ...] = ()
                  ) -> Callable[[RankContext], LoadedModel]:
     """The factory every rank calls once the ranks have joined (see `Worker`).
 
@@ -81,7 +81,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
     max_compiled_shapes: transformer input shapes compiled before further ones run eager.
     compile_guards: "full" or "warm" (`apply_compile`'s guards).
-    compile_text_encoder: also compile an LLM text encoder's language model (`apply_compile`'s text_encoders).
+    compile_extras: more to compile (`apply_compile`'s extras: text-encoder, video-vae).
     """
     if compile is not None:
         check_compile_mode(compile)
@@ -105,7 +105,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         report_parallel["moe_layers_swapped"] = handle.num_moe_layers
         mode = compile or default_compile_mode(device)
         compiled = apply_compile(pipe, mode, max_shapes=max_compiled_shapes, guards=compile_guards,
-                                 text_encoders=compile_text_encoder)
+                                 extras=compile_extras)
         report_parallel["experts_loaded"] = ("all" if expert_shard is None
                                              else f"shard {expert_shard[0]} of {expert_shard[1]}")
         report = {"model": served.name, "parallel": report_parallel, "device": str(device), "dtype": str(want),
