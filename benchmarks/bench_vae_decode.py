@@ -6,10 +6,10 @@ given size and frames, decoded eagerly under ``inference_mode``. Variants, timed
 of CUDA-event timings after warm-up): ``3d`` (diffusers' modules), ``3d+cudnn_benchmark`` (the same with
 ``torch.backends.cudnn.benchmark`` on for its calls: cuDNN's measured pick of 3-D algorithms), ``2d`` (`patches.one_frame_vae` as
 `parallelize` applies it: one-frame convolutions in 2-D, a one-frame latent decoded without the frame cache) and
-``2d+compile`` (its one-frame decoder compiled, as `apply_compile` does). The 2-D path changes the summation order
+``2d+compile`` (its decoder compiled, as `apply_compile` does). The 2-D path changes the summation order
 only: each row reports the largest and the mean absolute difference of the decoded pixels (in [-1, 1]) against
-``3d``. A latent of several frames (a video) takes the 2-D convolutions on its first frame only and is never
-compiled.
+``3d``. A latent of several frames (a video) takes the 2-D convolutions on its first frame only; its
+``2d+compile`` row is the chunked decode compiled (``--compile-extra video-vae``: three graphs a size).
 
     python benchmarks/bench_vae_decode.py --cases nucleusmoe:1024x1024x1,wan:480x832x1,wan:480x832x5
 
@@ -76,7 +76,7 @@ def variant_vae(model: str, variant: str, device, size: str, backend: str):
     _, convs = one_frame_convs_as_2d(vae)
     one = one_frame_decode(vae)
     if variant == "2d+compile" and one is not None:
-        one.compile(backend=backend)
+        one.compile(backend=backend, chunks=True)  # several frames: the chunked decode (--compile-extra video-vae)
     return vae, dtype, convs
 
 

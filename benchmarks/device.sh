@@ -232,7 +232,7 @@ step_sync_points() {
 
 step_vae_decode() {
   # shellcheck disable=SC2086
-  timeout -k 10 "$(limit vae-decode 180)" "$py" benchmarks/bench_vae_decode.py --out-dir "$1" --tag gpu ${VAE_ARGS:-}
+  timeout -k 10 "$(limit vae-decode 300)" "$py" benchmarks/bench_vae_decode.py --out-dir "$1" --tag gpu ${VAE_ARGS:-}
 }
 
 step_compile_variants() {
