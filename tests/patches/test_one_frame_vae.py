@@ -230,13 +230,17 @@ def test_the_one_frame_decoder_is_compiled_under_the_shape_bound(caplog):
         handle.restore()
 
 
-def test_apply_compile_compiles_the_one_frame_decoder_whole():
-    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device=torch.device("cpu"), seed=0)
-    pipe.set_progress_bar_config(disable=True)
+def eager_decode(model: str, frames: int, seed: int):
+    """(pipe, vae, latents, the VAE's own decode of them) for a tiny model, before any patch."""
+    pipe = load_pipeline(model, dtype=torch.float32, device=torch.device("cpu"), seed=0)
     vae = pipe.vae
-    latents = torch.randn(1, vae.config.z_dim, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+    latents = torch.randn(1, vae.config.z_dim, frames, 8, 8, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():
-        expected = vae.decode(latents).sample
+        return pipe, vae, latents, vae.decode(latents).sample
+
+
+def test_apply_compile_compiles_the_one_frame_decoder_whole():
+    pipe, vae, latents, expected = eager_decode("tiny-nucleusmoe", frames=1, seed=4)
     handle = parallelize(pipe, ParallelConfig())
     compiled = apply_compile(pipe, "regional", backend="eager")
     try:
@@ -300,11 +304,7 @@ def test_video_vae_extra_compiles_the_chunked_decode_in_three_graphs():
     (first chunk, second, the rest: three graphs, no break), the eager frames; a second decode compiles nothing."""
     from torch._dynamo.utils import counters
 
-    pipe = load_pipeline("tiny-wan", dtype=torch.float32, device=torch.device("cpu"), seed=0)
-    vae = pipe.vae
-    video = torch.randn(1, vae.config.z_dim, 5, 8, 8, generator=torch.Generator().manual_seed(6))
-    with torch.no_grad():
-        expected = vae.decode(video).sample
+    pipe, vae, video, expected = eager_decode("tiny-wan", frames=5, seed=6)
     handle = parallelize(pipe, ParallelConfig())
     plain = apply_compile(pipe, "regional", backend="eager")
     assert not one_frame_decode_of(vae).chunks_compiled  # off unless asked
