@@ -50,9 +50,11 @@ class XStage(Contender):
 
     def _config(self, b: Bench) -> ParallelConfig:
         ep = b.world_size if b.spec.family in MOE_FAMILIES else 1
+        cfg_batch = bool(getattr(b.args, "cfg_batch", False))
         if self.schedule == "serial":
-            return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="serial", calibrate=False)
-        return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="auto", calibrate=True)
+            return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="serial", calibrate=False,
+                                  cfg_batch=cfg_batch)
+        return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="auto", calibrate=True, cfg_batch=cfg_batch)
 
     def check(self, b: Bench) -> str | None:
         try:

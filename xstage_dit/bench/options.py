@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
+    parser.add_argument("--cfg-batch", action="store_true",
+                        help="the xstage contenders run a step's two guidance calls as one batch of two (NucleusMoE; "
+                             "patches.cfg_batch; default: off)")
     parser.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
                         help="the xstage contenders' compiled variants also compile (apply_compile's extras): "
                              "text-encoder = an LLM text encoder's language model whole, video-vae = a video VAE's "

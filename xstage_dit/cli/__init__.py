@@ -30,7 +30,8 @@ def parallel_config(args: argparse.Namespace, timeout_flag: str | None = None):
 
     timeout = {} if timeout_flag is None else {"timeout_s": getattr(args, timeout_flag.lstrip("-").replace("-", "_"))}
     try:
-        return ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg, **timeout)
+        return ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg, cfg_batch=bool(getattr(args, "cfg_batch", False)),
+                              **timeout)
     except ValueError as exc:
         match = _PARALLEL_FIELD.search(str(exc))
         field = match.group(1) if match else "sp/--ep/--cfg"

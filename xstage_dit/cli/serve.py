@@ -36,6 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, 1 or equal to --sp; default: %(default)s")
     p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree, 1 or 2; default: %(default)s")
+    p.add_argument("--cfg-batch", action="store_true", help="run a step's two guidance calls as one batch of two (NucleusMoE; --cfg 1; not measured on a GPU yet)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")

@@ -83,7 +83,7 @@ class ParallelHandle:
 
     @property
     def cfg_hook(self) -> Any:
-        """The CFG hook of pipe.transformer (None when cfg=1)."""
+        """The CFG hook of pipe.transformer (None without cfg=2 or cfg_batch)."""
         return self.cfg_hooks[0] if self.cfg_hooks else None
 
     @property
@@ -178,6 +178,12 @@ def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
     plan = plan_for(transformer)
     if plan.check is not None:
         plan.check(transformer, config)
+    if config.cfg_batch:
+        from xstage_dit.patches.cfg_batch import TEXT_INPUTS
+
+        if type(transformer).__name__ not in TEXT_INPUTS:
+            raise ValueError(f"expected cfg_batch=False for {type(transformer).__name__} (CFG batching knows "
+                             f"{', '.join(sorted(TEXT_INPUTS))}), got cfg_batch=True")
     if config.ep > 1 and not plan.moe_layers:
         raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
     if config.cfg > 1 and plan.cfg is None:
@@ -256,6 +262,7 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
     try:
         for transformer, plan in zip(transformers, plans):
             _apply(transformer, plan, handle, schedules)
+        _cfg_batch(pipe, handle)
         _check_cfg_pairs_before_decode(pipe, handle)
         _pipeline_patches(pipe, handle)
     except BaseException:
@@ -375,11 +382,33 @@ def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
                 handle._undo.append(handle.one_frame_decode.restore)
 
 
+def _cfg_batch(pipe, handle: ParallelHandle) -> None:
+    """``cfg_batch``: each transformer's two guidance calls a step as one batch (`cfg_batch`), armed while the
+    pipeline's guidance is on; registered outermost."""
+    if not handle.config.cfg_batch:
+        return
+    from diffusers.hooks import HookRegistry
+
+    from xstage_dit.patches.cfg_batch import GUIDANCE, TEXT_INPUTS, CFGBatchHook
+
+    guidance = GUIDANCE.get(type(pipe).__name__)
+    if guidance is None:
+        raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(sorted(GUIDANCE))}) with "
+                         f"cfg_batch=True, got {type(pipe).__name__}")
+    for transformer in handle.transformers:
+        hook = CFGBatchHook(lambda: guidance(pipe), *TEXT_INPUTS[type(transformer).__name__])
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(hook, "xstage-cfg-batch")
+        handle.cfg_hooks.append(hook)
+        handle._undo.append(lambda registry=registry: registry.remove_hook("xstage-cfg-batch", recurse=False))
+
+
 def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
     """Paired CFG: a conditional call left without its partner must fail before the VAE decodes it."""
+    from xstage_dit.patches.cfg_batch import CFGBatchHook
     from xstage_dit.patches.cfg_parallel import PairedCFGHook
 
-    paired = [h for h in handle.cfg_hooks if isinstance(h, PairedCFGHook)]
+    paired = [h for h in handle.cfg_hooks if isinstance(h, (PairedCFGHook, CFGBatchHook))]
     vae = getattr(pipe, "vae", None)
     if not paired or vae is None or not hasattr(vae, "decode"):
         return

@@ -89,6 +89,7 @@ GUARDS_HELP = ("full = every Dynamo guard on every call (torch's default); warm 
 EXTRAS = ("text-encoder", "video-vae")
 GRAPHS_OPTIONS = {"triton.cudagraphs": True}  # Inductor's CUDA graphs (what mode="reduce-overhead" sets)
 DEFAULT_MAX_SHAPES = 8
+_COMPILED = "_xstage_compile_handle"  # on a transformer apply_compile compiled (a second call is an error)
 
 
 def default_compile_mode(device: torch.device | str) -> str:
@@ -282,8 +283,8 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     transformer = getattr(pipe, "transformer", None)
     if not isinstance(transformer, torch.nn.Module):
         raise ValueError(f"expected a pipeline with a .transformer module to compile, got {type(pipe).__name__}")
-    if "forward" in vars(transformer):
-        raise RuntimeError("expected a transformer not compiled yet, got one with a patched forward: restore() first")
+    if getattr(transformer, _COMPILED, None) is not None:
+        raise RuntimeError("expected a transformer not compiled yet, got one compiled by apply_compile: restore() first")
     targets = [transformer] + [m for m in [getattr(pipe, "transformer_2", None)] if isinstance(m, torch.nn.Module)]
     handle = CompileHandle(mode, "", max_shapes, guards=guards)
     dynamo = torch._dynamo.config
@@ -319,8 +320,12 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             what = "no repeated blocks, whole" if mode == "regional" else "whole"
             graphs = " under CUDA graphs" if mode == "graphs" else ""
             hows.append(f"{mode}: {what} {type(module).__name__} forward{graphs}")
+        # A forward already on the instance (diffusers hooks: `cfg_batch`, CFG parallel) is what compiles, and
+        # what comes back on restore.
+        had_own, previous = "forward" in vars(module), vars(module).get("forward")
         module.forward = _guard(handle, eager, compiled)
-        handle._undo.append(functools.partial(vars(module).pop, "forward", None))
+        setattr(module, _COMPILED, handle)
+        handle._undo.append(functools.partial(_put_back_forward, module, had_own, previous))
     dynamo.recompile_limit = max(saved_limits[0], per_code_object)
     dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
     decoder = _image_vae_decoder(pipe) if vae else None
@@ -351,6 +356,14 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
     return handle
+
+
+def _put_back_forward(module: torch.nn.Module, had_own: bool, previous: Any) -> None:
+    vars(module).pop(_COMPILED, None)
+    if had_own:
+        module.forward = previous
+    else:
+        vars(module).pop("forward", None)
 
 
 def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:

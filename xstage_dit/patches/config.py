@@ -37,6 +37,8 @@ class ParallelConfig:
         sp ranks (one small all-gather and a host sync): ranks whose generators were seeded differently
         then fail on every rank instead of returning an image no single process makes. False skips it
         when the caller guarantees identical inputs (a server that broadcasts each request).
+    cfg_batch: run a step's two guidance calls (cond, uncond) as one forward on a batch of two
+        (`patches.cfg_batch`; NucleusMoE; with cfg=1 only; off by default: not measured on a GPU yet).
 
     Example: ``ParallelConfig(sp=4)`` on 4 ranks; ``ParallelConfig(sp=2, ep=2, cfg=2)`` on 4 ranks.
     """
@@ -48,6 +50,7 @@ class ParallelConfig:
     calibrate: bool = True
     timeout_s: float = 600.0
     check_inputs: bool = True
+    cfg_batch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("sp", "ep", "cfg"):
@@ -65,6 +68,9 @@ class ParallelConfig:
             raise ValueError(f"expected schedule to be one of {SCHEDULES}, got {self.schedule!r}")
         if not (self.timeout_s > 0):
             raise ValueError(f"expected timeout_s > 0, got {self.timeout_s!r}")
+        if self.cfg_batch and self.cfg != 1:
+            raise ValueError(f"expected cfg=1 with cfg_batch (the two guidance calls batched on the same ranks), "
+                             f"got cfg={self.cfg}")
 
     @property
     def world_size(self) -> int:

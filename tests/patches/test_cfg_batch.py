@@ -1,0 +1,130 @@
+"""`patches.cfg_batch`: a step's two guidance calls as one batch (NucleusMoE), the same images to float rounding,
+plain calls without guidance, a clear error for a loop that does not pair, refused where it does not apply."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers.hooks import HookRegistry
+
+from xstage_dit.models import load_pipeline, model_spec
+from xstage_dit.models.generation import call_kwargs, run_pipeline
+from xstage_dit.patches import ParallelConfig, parallelize
+from xstage_dit.patches.compile import apply_compile
+
+MODEL = "tiny-nucleusmoe"
+
+
+def fresh(dtype=torch.float32):
+    pipe = load_pipeline(MODEL, dtype=dtype, device=torch.device("cpu"), seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def images(pipe, steps=3, **values):
+    out = run_pipeline(pipe, **call_kwargs(pipe, model_spec(MODEL), prompt="a red fox in the snow", seed=1, steps=steps,
+                                           **values))
+    return np.stack([np.asarray(i, dtype=np.float64) for i in out.images])
+
+
+# the whole NucleusMoE compiles in bfloat16 only (Dynamo's grouped GEMM): there the batch of two rounds apart
+@pytest.mark.parametrize("compile_mode,dtype", [("off", torch.float32), ("full", torch.bfloat16)])
+def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, monkeypatch):
+    pipe = fresh(dtype)
+    expected = images(pipe)
+    batches = []
+    real = type(pipe.transformer).forward
+
+    def counting(self, *args, **kwargs):  # the transformer's own forward, inside every hook
+        batches.append(kwargs["hidden_states"].shape[0])
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(pipe.transformer), "forward", counting)
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    compiled = apply_compile(pipe, compile_mode, backend="eager")
+    try:
+        first = images(pipe)   # learns the output shape: its first pair runs plainly
+        again = images(pipe)   # every pair batched
+        hook = handle.cfg_hook
+        assert hook.stats["plain_pairs"] == 1 and hook.stats["batched_pairs"] == 3 + 2
+    finally:
+        compiled.restore()
+        handle.restore()
+    # 3 steps a call: the first step's pair plainly (learning its shape), then one forward of two a step
+    assert batches == [1, 1, 2, 2] + [2, 2, 2]
+    if dtype == torch.float32:
+        np.testing.assert_allclose(first, expected, atol=1e-5)  # pixels in [0, 1]
+        np.testing.assert_allclose(again, expected, atol=1e-5)
+    else:
+        assert np.abs(again - expected).mean() < 4e-3 and np.abs(again - expected).max() < 0.1
+    assert HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("xstage-cfg-batch") is None
+
+
+def test_without_guidance_every_call_runs_plainly():
+    pipe = fresh()
+    expected = images(pipe, guidance=1.0)
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    try:
+        got = images(pipe, guidance=1.0)
+        assert handle.cfg_hook.stats == {"batched_pairs": 0, "plain_pairs": 0, "plain_calls": 3}
+    finally:
+        handle.restore()
+    np.testing.assert_allclose(got, expected, atol=1e-5)  # parallelize's 2-D VAE convolutions round apart
+
+
+def test_inputs_that_do_not_stack_run_one_after_the_other():
+    pipe = fresh()
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    hook = handle.cfg_hook
+    g = torch.Generator().manual_seed(0)
+    kw = lambda lat: dict(hidden_states=lat, encoder_hidden_states=torch.randn(1, 12, 32, generator=g),  # noqa: E731
+                          encoder_hidden_states_mask=None, timestep=torch.tensor([0.5]), img_shapes=[(1, 8, 8)],
+                          return_dict=False)
+    a, b = torch.randn(1, 64, 16, generator=g), torch.randn(1, 64, 16, generator=g)
+    pipe._guidance_scale = 4.0
+    try:
+        with torch.no_grad():
+            first, second = kw(a), kw(b)
+            want = (pipe.transformer(**first)[0], pipe.transformer(**second)[0])  # learning pair: plain
+            got_first = pipe.transformer(**first)[0]  # a placeholder ...
+            got_second = pipe.transformer(**second)[0]  # ... filled here: other latents, so not batched
+        assert hook.stats["plain_pairs"] == 2 and hook.stats["batched_pairs"] == 0
+        torch.testing.assert_close(got_first, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got_second, want[1], rtol=0, atol=0)
+        with torch.no_grad():
+            pipe.transformer(**first)  # a placeholder left without its partner ...
+            with pytest.raises(RuntimeError, match="without its unconditional partner before the VAE decode"):
+                pipe.vae.decode(torch.zeros(1, pipe.vae.config.z_dim, 1, 8, 8))
+    finally:
+        handle.restore()
+
+
+def test_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="expected cfg=1 with cfg_batch"):
+        ParallelConfig(cfg=2, sp=1, cfg_batch=True)
+    flux = load_pipeline("tiny-flux", dtype=torch.float32, device=torch.device("cpu"), seed=0)
+    with pytest.raises(ValueError, match="expected cfg_batch=False for FluxTransformer2DModel"):
+        parallelize(flux, ParallelConfig(cfg_batch=True))
+    pipe = fresh()
+    with pytest.raises(ValueError, match="expected a pipeline CFG batching knows"):
+        parallelize(pipe.transformer, ParallelConfig(cfg_batch=True))
+    assert HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("xstage-cfg-batch") is None
+
+
+def test_the_commands_take_cfg_batch_into_their_parallel_config(capsys):
+    from xstage_dit.cli import build_parser, main, parallel_config
+    from xstage_dit.cli.serve import _argv
+
+    parser = build_parser()
+    for command in ("generate", "serve"):
+        args = parser.parse_args([command, "--model", MODEL, "--cfg-batch"])
+        assert parallel_config(args).cfg_batch and not parallel_config(parser.parse_args([command])).cfg_batch
+    assert "--cfg-batch" in _argv(parser.parse_args(["serve", "--model", MODEL, "--cfg-batch"]))  # every rank
+    assert parser.parse_args(["bench", "--cfg-batch"]).cfg_batch
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", MODEL, "--cfg", "2", "--cfg-batch"])
+    assert exited.value.code == 2 and "expected cfg=1 with cfg_batch" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", "tiny-flux", "--cfg-batch"])  # refused before any model is built
+    assert exited.value.code == 2 and "cfg_batch=False for FluxTransformer2DModel" in capsys.readouterr().err
