@@ -128,3 +128,20 @@ def test_the_commands_take_cfg_batch_into_their_parallel_config(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["generate", "--model", "tiny-flux", "--cfg-batch"])  # refused before any model is built
     assert exited.value.code == 2 and "cfg_batch=False for FluxTransformer2DModel" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_batched_pair_gives_the_images_of_the_two_calls():
+    pipe = load_pipeline(MODEL, dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    pipe.set_progress_bar_config(disable=True)
+    expected = images(pipe)
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    compiled = apply_compile(pipe, "regional")
+    try:
+        images(pipe)
+        got = images(pipe)
+        assert handle.cfg_hook.stats["batched_pairs"] >= 3
+    finally:
+        compiled.restore()
+        handle.restore()
+    assert np.abs(got - expected).mean() < 4e-3 and np.abs(got - expected).max() < 0.1

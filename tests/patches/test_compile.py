@@ -398,3 +398,39 @@ def test_text_encoders_compile_the_language_model_whole_for_every_prompt_length(
     for a, b in zip(got, expected):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_compile_extras_compile_with_inductor():
+    """--compile-extra text-encoder,video-vae with Inductor on the GPU: the tiny NucleusMoE's text model for two
+    prompt lengths and the tiny Wan VAE's chunked decode give the eager values to bfloat16 / float32 rounding."""
+    from xstage_dit.models import load_pipeline
+
+    cuda = torch.device("cuda")
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device=cuda, seed=0)
+    with torch.no_grad():
+        expected = [pipe.encode_prompt(prompt=[p], device=cuda)[0] for p in ("a fox", "a red fox in the snow")]
+    handle = parallelize(pipe, ParallelConfig())
+    compiled = apply_compile(pipe, "regional", extras=("text-encoder",))
+    try:
+        with torch.no_grad():
+            got = [pipe.encode_prompt(prompt=[p], device=cuda)[0] for p in ("a fox", "a red fox in the snow")]
+    finally:
+        compiled.restore()
+        handle.restore()
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.float(), b.float(), rtol=5e-2, atol=5e-2)
+    wan = load_pipeline("tiny-wan", dtype=torch.bfloat16, device=cuda, seed=0)
+    vae = wan.vae
+    video = torch.randn(1, vae.config.z_dim, 3, 8, 8, generator=torch.Generator().manual_seed(1)).to(cuda, vae.dtype)
+    with torch.no_grad():
+        want = vae.decode(video).sample
+    handle = parallelize(wan, ParallelConfig())
+    compiled = apply_compile(wan, "regional", extras=("video-vae",))
+    try:
+        with torch.no_grad():
+            decoded = vae.decode(video).sample
+    finally:
+        compiled.restore()
+        handle.restore()
+    torch.testing.assert_close(decoded.float(), want.float(), rtol=5e-3, atol=5e-3)  # TF32 convolutions either way
