@@ -191,13 +191,13 @@ def test_run_order_baseline_first_irreversible_last():
     assert order[0] == "diffusers"
     assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
                           "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
-    assert order[:9] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "diffusers-repeat",
-                         "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
-                         "xstage-served+compile"]
+    assert order[:11] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
+                          "diffusers-repeat", "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
+                          "xstage-cfgbatch+compile", "xstage-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
                            "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 15
+    assert len(order1) == len(set(order1)) == 17
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
@@ -326,7 +326,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in record["rows"]}
     expected = ({n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
-                | {n + "+compile:full" for n in ("xstage-serial", "xstage-calibrated", "xstage-served")})
+                | {n + "+compile:full" for n in ("xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served")})
     assert set(rows) == expected
 
     base = rows["diffusers"]

@@ -145,3 +145,15 @@ def test_on_the_gpu_the_batched_pair_gives_the_images_of_the_two_calls():
         compiled.restore()
         handle.restore()
     assert np.abs(got - expected).mean() < 4e-3 and np.abs(got - expected).max() < 0.1
+
+
+def test_the_bench_contender_runs_cfg_batch_where_it_applies():
+    from types import SimpleNamespace
+
+    from xstage_dit.bench.contenders import make_contenders
+
+    contender, = [c for c in make_contenders(["xstage-cfgbatch"], False) if not c.compile]
+    nucleus = SimpleNamespace(spec=model_spec(MODEL), world_size=1, args=SimpleNamespace())
+    assert contender.check(nucleus) is None and contender.info["parallel_config"]["cfg_batch"] is True
+    flux = SimpleNamespace(spec=model_spec("tiny-flux"), world_size=1, args=SimpleNamespace())
+    assert "CFG batching does not know FluxPipeline" in contender.check(flux)

@@ -3,8 +3,9 @@ any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_c
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import io
+import json
 import time
 
 import numpy as np
@@ -91,6 +92,25 @@ class XStage(Contender):
         # The attention schedule per distinct layer shape, filled as the shapes were first seen.
         self.info["schedules"] = to_jsonable(getattr(handle, "schedule_choices", None))
         handle.restore()
+
+
+class XStageCFGBatch(XStage):
+    """``xstage-calibrated`` with ``cfg_batch=True``: a step's two guidance calls as one forward on a batch of two
+    (`patches.cfg_batch`), so one run compares it with the calls one by one. Pipelines CFG batching knows only."""
+
+    def __init__(self, compile: bool):
+        super().__init__(compile, "auto")
+        self.family = "xstage-cfgbatch"
+
+    def _config(self, b: Bench) -> ParallelConfig:
+        return dataclasses.replace(super()._config(b), cfg_batch=True)
+
+    def check(self, b: Bench) -> str | None:
+        from xstage_dit.patches.cfg_batch import GUIDANCE
+
+        if b.spec.pipeline_class not in GUIDANCE:
+            return f"CFG batching does not know {b.spec.pipeline_class} (it knows {', '.join(sorted(GUIDANCE))})"
+        return super().check(b)
 
 
 class XStageServed(XStage):
@@ -267,6 +287,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
         "xstage-calibrated": lambda c: XStage(c, "auto"),
+        "xstage-cfgbatch": lambda c: XStageCFGBatch(c),
         "xstage-served": lambda c: XStageServed(c, serve),
         "xfuser-usp": lambda c: XFuserUSP(c, world_size),
         "xfuser-runner": lambda c: XFuserRunner(c, world_size),

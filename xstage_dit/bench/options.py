@@ -20,14 +20,14 @@ from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, 
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
-CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served", "xfuser-usp", "xfuser-runner",
-              "diffusers-cp")
+CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "xfuser-usp",
+              "xfuser-runner", "diffusers-cp")
 BASELINE = "diffusers"
 # Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
 BASELINE_REPEAT = "diffusers-repeat"
 # Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
 # the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
-OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-served")
+OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served")
 
 # The sample prompts ship inside the package, so an installed wheel benchmarks too.
 PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
