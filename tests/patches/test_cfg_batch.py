@@ -48,6 +48,7 @@ def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, mo
         again = images(pipe)   # every pair batched
         hook = handle.cfg_hook
         assert hook.stats["plain_pairs"] == 1 and hook.stats["batched_pairs"] == 3 + 2
+        assert handle.describe_pipeline()["cfg_batch"] == hook.stats  # the server's /v1/calibration
     finally:
         compiled.restore()
         handle.restore()

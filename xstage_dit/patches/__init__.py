@@ -96,8 +96,12 @@ class ParallelHandle:
 
     def describe_pipeline(self) -> dict:
         """What the patches outside the transformer did so far (the server's ``/v1/calibration``)."""
+        from xstage_dit.patches.cfg_batch import CFGBatchHook
+
         one = self.one_frame_decode
-        return {"empty_prompt_cache": self.prompt_cache.describe() if self.prompt_cache is not None else None,
+        batched = [dict(h.stats) for h in self.cfg_hooks if isinstance(h, CFGBatchHook)]
+        return {"cfg_batch": batched[0] if batched else None,
+                "empty_prompt_cache": self.prompt_cache.describe() if self.prompt_cache is not None else None,
                 "text_layers_unread_skipped": self.text_layers_skipped,
                 "vae_convs_2d": self.vae_convs_2d,
                 "vae_one_frame_decode": None if one is None else {"calls": one.calls, "compiled": one.compiled}}
