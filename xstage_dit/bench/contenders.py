@@ -50,12 +50,11 @@ class XStage(Contender):
         self.invariance = None
 
     def _config(self, b: Bench) -> ParallelConfig:
-        ep = b.world_size if b.spec.family in MOE_FAMILIES else 1
-        cfg_batch = bool(getattr(b.args, "cfg_batch", False))
+        common = dict(sp=b.world_size, ep=b.world_size if b.spec.family in MOE_FAMILIES else 1, cfg=1,
+                      cfg_batch=bool(getattr(b.args, "cfg_batch", False)))
         if self.schedule == "serial":
-            return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="serial", calibrate=False,
-                                  cfg_batch=cfg_batch)
-        return ParallelConfig(sp=b.world_size, ep=ep, cfg=1, schedule="auto", calibrate=True, cfg_batch=cfg_batch)
+            return ParallelConfig(**common, schedule="serial", calibrate=False)
+        return ParallelConfig(**common, schedule="auto", calibrate=True)
 
     def check(self, b: Bench) -> str | None:
         try:

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
 from xstage_dit.patches.cfg_parallel import _sample, _wrap_like
+from xstage_dit.patches.compile import signature_of
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class CFGBatchHook(ModelHook):
             self.stats["plain_calls"] += 1
             return forward(*args, **kwargs)
         if self.pending is None:
-            key = _shape_key(kwargs)
+            key = signature_of((), kwargs)
             shape = self.output_shapes.get(key)
             if shape is None:  # the first pair of this shape: run plainly, learn the output's shape
                 out = forward(**kwargs)
@@ -122,10 +123,6 @@ class CFGBatchHook(ModelHook):
             else:
                 return None
         return out
-
-
-def _shape_key(kwargs: dict) -> tuple:
-    return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(kwargs.items()) if isinstance(v, torch.Tensor))
 
 
 def _template(kwargs: dict) -> Any:

@@ -180,19 +180,20 @@ def _replayed(compiled: Callable) -> Callable:
 
     def call(*args: Any, **kwargs: Any):
         torch.compiler.cudagraph_mark_step_begin()
-        return _clone_tensors(compiled(*args, **kwargs))
+        return clone_tensors(compiled(*args, **kwargs))
 
     return call
 
 
-def _clone_tensors(value: Any) -> Any:
-    """`value` with every tensor in it cloned: a tensor, a tuple or list, or a diffusers output (a dict)."""
+def clone_tensors(value: Any) -> Any:
+    """`value` with every tensor in it cloned: a tensor, a tuple or list, or a diffusers output (a dict). Also what
+    `prompt_cache` hands back from its cache."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, (tuple, list)) and not hasattr(value, "keys"):
-        return type(value)(_clone_tensors(v) for v in value)
+        return type(value)(clone_tensors(v) for v in value)
     if hasattr(value, "keys"):  # diffusers' BaseOutput: an ordered dict with attribute access
-        return type(value)(**{k: _clone_tensors(value[k]) for k in value.keys()})
+        return type(value)(**{k: clone_tensors(value[k]) for k in value.keys()})
     return value
 
 

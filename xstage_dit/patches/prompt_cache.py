@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from xstage_dit.patches.compile import clone_tensors
+
 log = logging.getLogger(__name__)
 
 __all__ = ["PromptCache", "cache_empty_prompts", "DEFAULT_ENTRIES"]
@@ -67,14 +69,14 @@ class PromptCache:
         if entry is not None and entry[0] == fingerprint:
             self._cache.move_to_end(key)
             self.hits += 1
-            return _copy(entry[1])
+            return clone_tensors(entry[1])  # the pipeline may modify what it gets back
         result = self._encode(*args, **kwargs)
         self.misses += 1
         self._cache[key] = (fingerprint, result)
         self._cache.move_to_end(key)
         while len(self._cache) > self.entries:
             self._cache.popitem(last=False)
-        return _copy(result)
+        return clone_tensors(result)
 
     def _key(self, args: tuple, kwargs: dict) -> tuple | None:
         """The call's arguments as a hashable key, or None where the call is not cacheable."""
@@ -161,17 +163,6 @@ def _frozen(value: Any) -> Any:
     if value is None or isinstance(value, (str, int, float, bool, torch.device, torch.dtype)):
         return (type(value).__name__, value)
     return _UNCACHEABLE
-
-
-def _copy(result: Any) -> Any:
-    """The cached output with every tensor cloned: the pipeline may modify what it gets back."""
-    if isinstance(result, torch.Tensor):
-        return result.clone()
-    if isinstance(result, tuple):
-        return tuple(_copy(r) for r in result)
-    if isinstance(result, list):
-        return [_copy(r) for r in result]
-    return result
 
 
 def _fingerprint(pipe: Any) -> tuple:
