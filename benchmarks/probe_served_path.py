@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 
 from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
+from xstage_dit.patches.instance_attr import set_on_instance  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 
@@ -349,15 +350,13 @@ def phase_ranges(pipe):
     undo = []
 
     def wrap(owner, attr, label):
-        had_own, previous = attr in vars(owner), vars(owner).get(attr)
         inner = getattr(owner, attr)
 
         def ranged(*args, **kwargs):
             with record_function(label):
                 return inner(*args, **kwargs)
 
-        setattr(owner, attr, ranged)
-        undo.append(lambda: setattr(owner, attr, previous) if had_own else vars(owner).pop(attr, None))
+        undo.append(set_on_instance(owner, attr, ranged))
 
     if callable(getattr(pipe, "encode_prompt", None)):
         wrap(pipe, "encode_prompt", PHASES[0])

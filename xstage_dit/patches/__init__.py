@@ -39,6 +39,7 @@ import torch.distributed as dist
 from xstage_dit.calibration.provider import ChosenParams, params_for
 from xstage_dit.patches.config import ParallelConfig
 from xstage_dit.patches.groups import ParallelGroups
+from xstage_dit.patches.instance_attr import set_on_instance
 from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
@@ -423,5 +424,4 @@ def _check_cfg_pairs_before_decode(pipe, handle: ParallelHandle) -> None:
             hook.check_no_pending("the VAE decode")
         return decode(*args, **kwargs)
 
-    vae.decode = checked_decode
-    handle._undo.append(lambda: vae.__dict__.pop("decode", None))
+    handle._undo.append(set_on_instance(vae, "decode", checked_decode))

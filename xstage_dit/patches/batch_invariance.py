@@ -41,6 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from xstage_dit.patches.instance_attr import set_on_instance
+
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant",
            "batch_invariant_for"]
 
@@ -99,17 +101,7 @@ def _per_sample_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
-    had_own = "forward" in vars(module)
-    previous = vars(module).get("forward")
-    module.forward = forward
-
-    def undo() -> None:
-        if had_own:
-            module.forward = previous
-        else:
-            del module.forward
-
-    handle._undo.append(undo)
+    handle._undo.append(set_on_instance(module, "forward", forward))
 
 
 def _split(value: Any, batch: int, i: int) -> Any:

@@ -73,6 +73,7 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit.patches.instance_attr import set_on_instance
 from xstage_dit.patches.one_frame_vae import one_frame_decode_of
 
 log = logging.getLogger(__name__)
@@ -323,26 +324,23 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             hows.append(f"{mode}: {what} {type(module).__name__} forward{graphs}")
         # A forward already on the instance (diffusers hooks: `cfg_batch`, CFG parallel) is what compiles, and
         # what comes back on restore.
-        had_own, previous = "forward" in vars(module), vars(module).get("forward")
-        module.forward = _guard(handle, eager, compiled)
-        setattr(module, _COMPILED, handle)
-        handle._undo.append(functools.partial(_put_back_forward, module, had_own, previous))
+        handle._undo.append(set_on_instance(module, "forward", _guard(handle, eager, compiled)))
+        handle._undo.append(set_on_instance(module, _COMPILED, handle))
     dynamo.recompile_limit = max(saved_limits[0], per_code_object)
     dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
     decoder = _image_vae_decoder(pipe) if vae else None
     if decoder is not None:
         decoder_eager = decoder.forward
-        decoder.forward = _vae_bound(handle)(decoder_eager, torch.compile(decoder_eager, dynamic=False,
-                                                                          backend=backend, **vae_extra))
-        handle._undo.append(functools.partial(vars(decoder).pop, "forward", None))
+        handle._undo.append(set_on_instance(decoder, "forward", _vae_bound(handle)(
+            decoder_eager, torch.compile(decoder_eager, dynamic=False, backend=backend, **vae_extra))))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
     for name, model in _text_models(pipe) if "text-encoder" in extras else []:
         # Whole, not by layers: transformers records the hidden states through hooks that read a ContextVar,
         # which Dynamo traces only when the recording starts inside the compiled code (one graph, no break, on
         # the tiny Qwen3-VL); dynamic: prompts differ in length, and a length compiled each would stall a request.
         model_eager = model.forward
-        model.forward = torch.compile(model_eager, dynamic=True, backend=backend, **vae_extra)
-        handle._undo.append(functools.partial(vars(model).pop, "forward", None))
+        handle._undo.append(set_on_instance(model, "forward", torch.compile(model_eager, dynamic=True,
+                                                                              backend=backend, **vae_extra)))
         hows.append(f"the {type(model).__name__} of {name} (whole, any prompt length)")
     one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
     if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
@@ -357,14 +355,6 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
     return handle
-
-
-def _put_back_forward(module: torch.nn.Module, had_own: bool, previous: Any) -> None:
-    vars(module).pop(_COMPILED, None)
-    if had_own:
-        module.forward = previous
-    else:
-        vars(module).pop("forward", None)
 
 
 def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:

@@ -41,6 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from xstage_dit.patches.instance_attr import set_on_instance
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CAUSAL_CONV_CLASSES", "ONE_FRAME_VAES", "OneFrameDecode", "one_frame_convs_as_2d", "one_frame_conv2d",
@@ -114,22 +116,22 @@ def one_frame_convs_as_2d(model: torch.nn.Module) -> tuple[Callable[[], None], i
     """Patch every causal convolution of `model` (`CAUSAL_CONV_CLASSES`, zero padding in time) so a one-frame
     input without cache runs as a 2-D convolution (module docstring); outside autograd only (the slice kept
     for it is detached). Returns (undo, number of modules patched)."""
-    patched = []
+    undos = []
     for module in model.modules():
         if type(module).__name__ not in CAUSAL_CONV_CLASSES or "forward" in vars(module) or not _takes_2d(module):
-            continue
-        module.forward = functools.partial(_conv_forward, module, module.forward, _WeightSlice())
-        patched.append(module)
+            continue  # an own forward: patched already, or by someone else whose forward this would hide
+        undos.append(set_on_instance(module, "forward",
+                                     functools.partial(_conv_forward, module, module.forward, _WeightSlice())))
+    patched = len(undos)
 
     def undo() -> None:
-        for module in patched:
-            vars(module).pop("forward", None)
-        patched.clear()
+        while undos:
+            undos.pop()()
 
     if patched:
         log.info("%s: %d causal 3-D convolutions run one-frame inputs as 2-D convolutions", type(model).__name__,
-                 len(patched))
-    return undo, len(patched)
+                 patched)
+    return undo, patched
 
 
 class OneFrameDecode:
@@ -153,9 +155,9 @@ class OneFrameDecode:
         self._fast: Callable[[torch.Tensor], torch.Tensor] = self._plain
         self._chunked: Callable[..., torch.Tensor] = self._forward  # a latent of several frames, chunk by chunk
         self._one_frame = False
-        vae._decode = self._decode_call
-        self.decoder.forward = self._forward_call
-        setattr(vae, _MARK, self)
+        self._undo = [set_on_instance(vae, "_decode", self._decode_call),
+                      set_on_instance(self.decoder, "forward", self._forward_call),
+                      set_on_instance(vae, _MARK, self)]
 
     @property
     def compiled(self) -> bool:
@@ -199,11 +201,8 @@ class OneFrameDecode:
         self._chunked = self._forward
 
     def restore(self) -> None:
-        if getattr(self.vae, _MARK, None) is not self:
-            return
-        vars(self.vae).pop("_decode", None)
-        vars(self.decoder).pop("forward", None)
-        delattr(self.vae, _MARK)
+        while self._undo:
+            self._undo.pop()()
         self.uncompile()
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from xstage_dit.patches.compile import clone_tensors
+from xstage_dit.patches.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,7 @@ class PromptCache:
         self._encode = pipe.encode_prompt  # the bound method this wraps
         self._signature = inspect.signature(self._encode)
         self._cache: collections.OrderedDict = collections.OrderedDict()
-        self._had_own = "encode_prompt" in vars(pipe)
-        self._previous = vars(pipe).get("encode_prompt")
-        pipe.encode_prompt = self
+        self._unwrap = set_on_instance(pipe, "encode_prompt", self)
 
     def __call__(self, *args, **kwargs):
         key = self._key(args, kwargs)
@@ -110,11 +109,7 @@ class PromptCache:
         self._cache.clear()
 
     def restore(self) -> None:
-        if vars(self.pipe).get("encode_prompt") is self:
-            if self._had_own:
-                self.pipe.encode_prompt = self._previous
-            else:
-                del self.pipe.encode_prompt
+        self._unwrap()
         self._cache.clear()
 
     def describe(self) -> dict:

@@ -26,6 +26,8 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit.patches.instance_attr import set_on_instance
+
 log = logging.getLogger(__name__)
 
 __all__ = ["READ_INDICES", "skip_unread_layers", "layers_needed"]
@@ -81,7 +83,6 @@ def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
         return None
     encode = pipe.encode_prompt
     signature = inspect.signature(encode)
-    had_own, previous = "encode_prompt" in vars(pipe), vars(pipe).get("encode_prompt")
 
     @functools.wraps(encode)
     def encode_prompt(*args, **kwargs):
@@ -91,24 +92,14 @@ def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
             return encode(*args, **kwargs)  # the pipeline's own error
         bound.apply_defaults()
         needed = layers_needed(reads(pipe, bound.arguments), len(layers))
-        skipped = [layer for layer in list(layers)[needed:] if "forward" not in vars(layer)]
-        for layer in skipped:
-            layer.forward = _identity
+        undo_skips = [set_on_instance(layer, "forward", _identity) for layer in list(layers)[needed:]]
         try:
             return encode(*args, **kwargs)
         finally:
-            for layer in skipped:
-                vars(layer).pop("forward", None)
+            for undo_skip in reversed(undo_skips):
+                undo_skip()
 
-    pipe.encode_prompt = encode_prompt
+    undo = set_on_instance(pipe, "encode_prompt", encode_prompt)
     log.info("%s: text encoder layers past the deepest hidden state read are skipped (%d layers)",
              type(pipe).__name__, len(layers))
-
-    def undo() -> None:
-        if vars(pipe).get("encode_prompt") is encode_prompt:
-            if had_own:
-                pipe.encode_prompt = previous
-            else:
-                del pipe.encode_prompt
-
     return undo

@@ -1,0 +1,41 @@
+"""`set_on_instance(owner, name, value)`: put an attribute on one object and get back the undo.
+
+Why one helper: patches replace callables on single objects (a module's ``forward``, a pipeline's
+``encode_prompt``, a VAE's ``decode``) and must leave the object as they found it. Two things make that easy to
+get wrong, and each copy of the pattern got one of them wrong once: an instance may already hold an attribute of
+its own (a diffusers hook's ``forward``, another patch's wrapper), which must come back rather than be deleted;
+and where there was none, the undo must delete the instance's attribute so the class's shows through again
+(setting the class's function back on the instance would pin it there).
+
+    undo = set_on_instance(module, "forward", wrapped)
+    ...
+    undo()    # module.forward is what it was: its own earlier attribute, or the class's method
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["set_on_instance"]
+
+_NONE_OF_ITS_OWN = object()
+
+
+def set_on_instance(owner: Any, name: str, value: Any) -> Callable[[], None]:
+    """``owner.<name> = value`` on the instance; returns the undo (idempotent).
+
+    The undo puts back the attribute the instance held before, or deletes the instance's attribute where it had
+    none. It does nothing where ``owner.<name>`` is no longer ``value`` (someone set it since: a user's own
+    replacement, or a later patch whose undo has not run), so an undo never clobbers what came after it."""
+    previous = vars(owner).get(name, _NONE_OF_ITS_OWN)
+    setattr(owner, name, value)
+
+    def undo() -> None:
+        if vars(owner).get(name, _NONE_OF_ITS_OWN) is not value:
+            return
+        if previous is _NONE_OF_ITS_OWN:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+
+    return undo
