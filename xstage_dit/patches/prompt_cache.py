@@ -25,6 +25,7 @@ encoded inside the same call.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import logging
 from typing import Any
@@ -175,13 +176,24 @@ def _fingerprint(pipe: Any) -> tuple:
             continue
         parts.append(name)
         for module in component.modules():
-            for tensor in (*module._parameters.values(), *module._buffers.values()):
-                if tensor is not None:
-                    parts.append((tensor.data_ptr(), tensor._version, tensor.dtype))
-            if hasattr(module, "merged_adapters"):  # a PEFT tuner layer: LoRA scales change its output
+            # Runs on every cached call, on ~850 modules for Qwen3-VL-8B: the instance dict read directly, since a
+            # missed attribute costs nn.Module.__getattr__'s raised AttributeError (a third of the time, measured).
+            attrs = vars(module)
+            for tensors in (attrs["_parameters"], attrs["_buffers"]):
+                for tensor in tensors.values():
+                    if tensor is not None:
+                        parts.append((tensor.data_ptr(), tensor._version, tensor.dtype))
+            if "merged_adapters" in attrs or _is_tuner_class(type(module)):
+                # a PEFT tuner layer: LoRA scales change its output
                 parts.append((_frozen_dict(getattr(module, "scaling", {})), tuple(module.active_adapters),
                               bool(getattr(module, "disable_adapters", False)), tuple(module.merged_adapters)))
     return tuple(parts)
+
+
+@functools.cache
+def _is_tuner_class(cls: type) -> bool:
+    """PEFT's ``BaseTunerLayer`` declares ``merged_adapters`` on the class (its layers also set it per instance)."""
+    return hasattr(cls, "merged_adapters")
 
 
 def _frozen_dict(value: Any) -> Any:
