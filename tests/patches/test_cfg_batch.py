@@ -29,25 +29,39 @@ def images(pipe, steps=3, **values):
 
 
 # the whole NucleusMoE compiles in bfloat16 only (Dynamo's grouped GEMM): there the batch of two rounds apart
-@pytest.mark.parametrize("compile_mode,dtype", [("off", torch.float32), ("full", torch.bfloat16)])
-def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, monkeypatch):
+# warm guards from the first call: the hook's first pair of a shape runs plainly, later pairs reach new graphs
+# (a batch of two) through the same outer call; a key marked warm too early raised "Recompilation triggered with
+# skip_guard_eval_unsafe stance" in the first call (regional) or once warm (full: the hook's frame was traced)
+@pytest.mark.parametrize("compile_mode,dtype,guards", [("off", torch.float32, "full"),
+                                                       ("full", torch.bfloat16, "full"),
+                                                       ("full", torch.bfloat16, "warm"),
+                                                       ("regional", torch.bfloat16, "warm")])
+def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, guards, monkeypatch):
     pipe = fresh(dtype)
     expected = images(pipe)
     batches = []
     real = type(pipe.transformer).forward
 
+    @torch._dynamo.disable  # appended outside the graphs: traced, the list's length becomes a guard, a new graph a call
+    def record(batch):
+        batches.append(batch)
+
     def counting(self, *args, **kwargs):  # the transformer's own forward, inside every hook
-        batches.append(kwargs["hidden_states"].shape[0])
+        record(kwargs["hidden_states"].shape[0])
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(type(pipe.transformer), "forward", counting)
     handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
-    compiled = apply_compile(pipe, compile_mode, backend="eager")
+    compiled = apply_compile(pipe, compile_mode, backend="eager", guards=guards)
     try:
         first = images(pipe)   # learns the output shape: its first pair runs plainly
         again = images(pipe)   # every pair batched
         hook = handle.cfg_hook
         assert hook.stats["plain_pairs"] == 1 and hook.stats["batched_pairs"] == 3 + 2
+        if guards == "warm":
+            # keyed by the forward's own arguments, each warm once a call of it compiled nothing: the first pair's
+            # two calls of one (the prompt and "" padded alike), the later pairs' batch of two
+            assert sorted(dict(key[0])["hidden_states"][1][0] for key in compiled.warm_keys) == [1, 2]
         assert handle.describe_pipeline()["cfg_batch"] == hook.stats  # the server's /v1/calibration
     finally:
         compiled.restore()

@@ -38,9 +38,13 @@ client asking for an odd size costs itself an eager call instead of every user a
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
 
+What compiles is the transformer's own forward: where diffusers hooks wrap it (`cfg_batch`, CFG parallel, the
+sequence-parallel split), they stay Python around the compiled forward (`_innermost_forward`), so a hook's state
+never becomes a guard, and the shape bound and the warm-guard keys see the arguments the graphs are traced with.
+
 Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: every
 argument's structure, tensors by shape and dtype, the rest by value; grad / inference / autocast mode) has
-run compiled, later calls of
+run compiled without compiling anything (Dynamo's count of converted frames unchanged), later calls of
 that key run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo evaluates only the
 guards that told its cache entries apart during warm-up (the ones that ever failed), not every guard of every
 entry. Why: regional compile puts all of a block class's layers on one code object, and NucleusMoE's layers
@@ -209,8 +213,15 @@ def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
         if key in handle.warm_keys:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return compiled(*args, **kwargs)
+        frames = torch._dynamo.utils.counters["frames"]
+        converted = frames["total"]  # Dynamo's count of frames it was asked to convert: a cache miss each
         out = compiled(*args, **kwargs)
-        handle.warm_keys.add(key)  # after the call: a key is warm once every graph it reaches compiled
+        # Warm once a call of the key reached no new frame or graph, not after its first call: what runs inside
+        # can still move on (a hook's state: `cfg_batch` runs its first pair of a shape plainly and later pairs
+        # as one batch, new graphs reached by the same outer key), and a compile needed under the warm stance
+        # raises ("Recompilation triggered with skip_guard_eval_unsafe stance", tiny NucleusMoE, 2026-12-05).
+        if frames["total"] == converted:
+            handle.warm_keys.add(key)
         return out
 
     return call
@@ -301,7 +312,8 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     hows = []
     per_code_object = max_shapes
     for module in targets:
-        eager = module.forward
+        owner, attr = _innermost_forward(module)
+        eager = getattr(owner, attr)
         blocks = set(getattr(module, "_repeated_blocks", None) or ())
         regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
         # Every layer of a block class runs one code object, and layers whose guarded attributes differ (a MoE
@@ -322,9 +334,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
             what = "no repeated blocks, whole" if mode == "regional" else "whole"
             graphs = " under CUDA graphs" if mode == "graphs" else ""
             hows.append(f"{mode}: {what} {type(module).__name__} forward{graphs}")
-        # A forward already on the instance (diffusers hooks: `cfg_batch`, CFG parallel) is what compiles, and
-        # what comes back on restore.
-        handle._undo.append(set_on_instance(module, "forward", _guard(handle, eager, compiled)))
+        handle._undo.append(set_on_instance(owner, attr, _guard(handle, eager, compiled)))
         handle._undo.append(set_on_instance(module, _COMPILED, handle))
     dynamo.recompile_limit = max(saved_limits[0], per_code_object)
     dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
@@ -355,6 +365,20 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
              handle.how)
     return handle
+
+
+def _innermost_forward(module: torch.nn.Module) -> tuple[Any, str]:
+    """(object, attribute) that holds the module's own forward as its calls reach it: the first diffusers hook's
+    reference to it (``original_forward`` where that hook replaces the forward, else ``forward``) where hooks are
+    registered on the module (`cfg_batch`, CFG parallel, the sequence-parallel split), else the instance's
+    ``forward``. What compiles is the forward alone, the hooks around it stay Python: a hook's state (a
+    pending CFG pair) never becomes a Dynamo guard, and the bound and the warm-guard keys see the arguments the
+    graphs are traced with (a CFG pair's batch of two, not the first call's batch of one)."""
+    references = getattr(getattr(module, "_diffusers_hook", None), "_fn_refs", None)
+    if references:
+        first = references[0]  # registered first: it calls the module's own forward
+        return first, "original_forward" if first.original_forward is not None else "forward"
+    return module, "forward"
 
 
 def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
