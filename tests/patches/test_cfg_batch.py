@@ -54,26 +54,58 @@ def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, gu
     handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
     compiled = apply_compile(pipe, compile_mode, backend="eager", guards=guards)
     try:
-        first = images(pipe)   # learns the output shape: its first pair runs plainly
-        again = images(pipe)   # every pair batched
+        first = images(pipe)   # every pair batched, the first too: the placeholder is made like the latents
+        again = images(pipe)
         hook = handle.cfg_hook
-        assert hook.stats["plain_pairs"] == 1 and hook.stats["batched_pairs"] == 3 + 2
+        assert hook.stats["plain_pairs"] == 0 and hook.stats["batched_pairs"] == 3 + 3
         if guards == "warm":
-            # keyed by the forward's own arguments, each warm once a call of it compiled nothing: the first pair's
-            # two calls of one (the prompt and "" padded alike), the later pairs' batch of two
-            assert sorted(dict(key[0])["hidden_states"][1][0] for key in compiled.warm_keys) == [1, 2]
+            # keyed by the forward's own arguments (a batch of two), warm once a call of it compiled nothing
+            assert [dict(key[0])["hidden_states"][1][0] for key in compiled.warm_keys] == [2]
         assert handle.describe_pipeline()["cfg_batch"] == hook.stats  # the server's /v1/calibration
     finally:
         compiled.restore()
         handle.restore()
-    # 3 steps a call: the first step's pair plainly (learning its shape), then one forward of two a step
-    assert batches == [1, 1, 2, 2] + [2, 2, 2]
+    # 3 steps a call: one forward of two a step
+    assert batches == [2, 2, 2] + [2, 2, 2]
     if dtype == torch.float32:
         np.testing.assert_allclose(first, expected, atol=1e-5)  # pixels in [0, 1]
         np.testing.assert_allclose(again, expected, atol=1e-5)
     else:
         assert np.abs(again - expected).mean() < 4e-3 and np.abs(again - expected).max() < 0.1
     assert HookRegistry.check_if_exists_or_initialize(pipe.transformer).get_hook("xstage-cfg-batch") is None
+
+
+def test_a_transformer_without_an_output_like_input_learns_the_shape_from_its_first_pair(monkeypatch):
+    from xstage_dit.patches import cfg_batch
+
+    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {})
+    pipe = fresh()
+    expected = images(pipe)
+    batches = []
+    real = type(pipe.transformer).forward
+    monkeypatch.setattr(type(pipe.transformer), "forward",
+                        lambda self, *a, **kw: batches.append(kw["hidden_states"].shape[0]) or real(self, *a, **kw))
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    try:
+        got = images(pipe)
+        assert handle.cfg_hook.stats == {"batched_pairs": 2, "plain_pairs": 1, "plain_calls": 0}
+    finally:
+        handle.restore()
+    assert batches == [1, 1, 2, 2]  # the first pair plainly, learning the output's shape
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_a_wrong_output_like_entry_fails_loudly_instead_of_casting(monkeypatch):
+    from xstage_dit.patches import cfg_batch
+
+    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {"NucleusMoEImageTransformer2DModel": "encoder_hidden_states"})
+    pipe = fresh()
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    try:
+        with pytest.raises(RuntimeError, match="expected the conditional output of shape"):
+            images(pipe)
+    finally:
+        handle.restore()
 
 
 def test_without_guidance_every_call_runs_plainly():
@@ -101,7 +133,7 @@ def test_inputs_that_do_not_stack_run_one_after_the_other():
     try:
         with torch.no_grad():
             first, second = kw(a), kw(b)
-            want = (pipe.transformer(**first)[0], pipe.transformer(**second)[0])  # learning pair: plain
+            want = (pipe.transformer(**first)[0], pipe.transformer(**second)[0])  # other latents: not stacked
             got_first = pipe.transformer(**first)[0]  # a placeholder ...
             got_second = pipe.transformer(**second)[0]  # ... filled here: other latents, so not batched
         assert hook.stats["plain_pairs"] == 2 and hook.stats["batched_pairs"] == 0

@@ -394,14 +394,15 @@ def _cfg_batch(pipe, handle: ParallelHandle) -> None:
         return
     from diffusers.hooks import HookRegistry
 
-    from xstage_dit.patches.cfg_batch import GUIDANCE, TEXT_INPUTS, CFGBatchHook
+    from xstage_dit.patches.cfg_batch import GUIDANCE, OUTPUT_LIKE, TEXT_INPUTS, CFGBatchHook
 
     guidance = GUIDANCE.get(type(pipe).__name__)
     if guidance is None:
         raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(sorted(GUIDANCE))}) with "
                          f"cfg_batch=True, got {type(pipe).__name__}")
     for transformer in handle.transformers:
-        hook = CFGBatchHook(lambda: guidance(pipe), *TEXT_INPUTS[type(transformer).__name__])
+        name = type(transformer).__name__
+        hook = CFGBatchHook(lambda: guidance(pipe), *TEXT_INPUTS[name], output_like=OUTPUT_LIKE.get(name))
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, "xstage-cfg-batch")
         handle.cfg_hooks.append(hook)

@@ -10,8 +10,11 @@ padding masked out. On the tiny NucleusMoE (CPU, float32) the batched outputs eq
 
 How (as `cfg_parallel`'s paired hook, on one rank group): the first call of a step returns a placeholder tensor
 and keeps its inputs; the second (the pipeline holds the placeholder and reads it only after that call) runs the
-batch, fills the placeholder with the first half and returns the second. The first pair of each input shape runs
-both calls plainly, to learn the output's shape. Pairing is armed only while the pipeline's own guidance is on
+batch, fills the placeholder with the first half and returns the second. The placeholder takes the shape and
+dtype of the input `OUTPUT_LIKE` names (NucleusMoE predicts noise shaped like its latents; checked on every
+filled pair), so even a call's first pair runs batched: a warm-up of one step compiles the batched graph, and the
+graphs of one sample are never needed. Where no input is named, the first pair of each input shape runs both
+calls plainly, to learn the output's shape. Pairing is armed only while the pipeline's own guidance is on
 (`GUIDANCE`: NucleusMoE sets ``pipe._guidance_scale``), so a call without CFG runs plainly; inputs that cannot
 be stacked (different latents, arguments other than the text) run the two forwards one after the other, the same
 values as without this. A placeholder left unfilled (a loop that did not come in pairs) raises RuntimeError at
@@ -32,7 +35,7 @@ from xstage_dit.patches.compile import signature_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CFGBatchHook", "GUIDANCE", "TEXT_INPUTS"]
+__all__ = ["CFGBatchHook", "GUIDANCE", "OUTPUT_LIKE", "TEXT_INPUTS"]
 
 # pipeline class -> whether its current call runs CFG (two transformer calls a step)
 GUIDANCE: dict[str, Callable[[Any], bool]] = {
@@ -42,6 +45,10 @@ GUIDANCE: dict[str, Callable[[Any], bool]] = {
 TEXT_INPUTS: dict[str, tuple[str, str]] = {
     "NucleusMoEImageTransformer2DModel": ("encoder_hidden_states", "encoder_hidden_states_mask"),
 }
+# transformer class -> the input whose shape and dtype its output sample has (the placeholder is made like it)
+OUTPUT_LIKE: dict[str, str] = {
+    "NucleusMoEImageTransformer2DModel": "hidden_states",
+}
 
 
 class CFGBatchHook(ModelHook):
@@ -50,10 +57,12 @@ class CFGBatchHook(ModelHook):
     stats: {"batched_pairs", "plain_pairs" (learning a shape, or inputs that do not stack), "plain_calls"
     (guidance off)}."""
 
-    def __init__(self, guidance_on: Callable[[], bool], text: str, text_mask: str) -> None:
+    def __init__(self, guidance_on: Callable[[], bool], text: str, text_mask: str,
+                 output_like: str | None = None) -> None:
         super().__init__()
         self.guidance_on = guidance_on
         self.text, self.text_mask = text, text_mask
+        self.output_like = output_like
         self.output_shapes: dict[tuple, tuple] = {}
         self.pending: tuple[dict, torch.Tensor | None] | None = None
         self.stats = {"batched_pairs": 0, "plain_pairs": 0, "plain_calls": 0}
@@ -75,6 +84,9 @@ class CFGBatchHook(ModelHook):
         if self.pending is None:
             key = signature_of((), kwargs)
             shape = self.output_shapes.get(key)
+            like = kwargs.get(self.output_like) if self.output_like is not None else None
+            if shape is None and isinstance(like, torch.Tensor):
+                shape = (tuple(like.shape), like.dtype, like.device)
             if shape is None:  # the first pair of this shape: run plainly, learn the output's shape
                 out = forward(**kwargs)
                 sample = _sample(out)
@@ -92,13 +104,13 @@ class CFGBatchHook(ModelHook):
             return forward(**kwargs)
         batched = self._stacked(first, kwargs)
         if batched is None:  # not stackable: the two forwards one after the other, as without batching
-            placeholder.copy_(_sample(forward(**first)))
+            _fill(placeholder, _sample(forward(**first)))
             self.stats["plain_pairs"] += 1
             return forward(**kwargs)
         out = forward(**batched)
         sample = _sample(out)
         n = placeholder.shape[0]
-        placeholder.copy_(sample[:n])
+        _fill(placeholder, sample[:n])
         self.stats["batched_pairs"] += 1
         return _wrap_like(out, sample[n:])
 
@@ -123,6 +135,15 @@ class CFGBatchHook(ModelHook):
             else:
                 return None
         return out
+
+
+def _fill(placeholder: torch.Tensor, sample: torch.Tensor) -> None:
+    """The conditional call's output into the placeholder the pipeline holds, which must match it exactly (a wrong
+    `OUTPUT_LIKE` entry would otherwise broadcast or cast silently)."""
+    if sample.shape != placeholder.shape or sample.dtype != placeholder.dtype:
+        raise RuntimeError(f"CFG batching: expected the conditional output of shape {tuple(placeholder.shape)} and "
+                           f"dtype {placeholder.dtype}, got {tuple(sample.shape)} and {sample.dtype}")
+    placeholder.copy_(sample)
 
 
 def _template(kwargs: dict) -> Any:
