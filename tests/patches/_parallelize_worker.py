@@ -70,6 +70,11 @@ CASES = {
     "flux-cfg": (lambda: _flux(guidance_embeds=False), dict(prompt=PROMPT, negative_prompt=NEG, true_cfg_scale=2.0,
                  height=64, width=64, num_inference_steps=2, max_sequence_length=8),
                  lambda w: dict(sp=w // 2, cfg=2)),
+    # the same under apply_compile (full, dynamo only, warm guards; 3 steps so calls run warm): CFG parallel's
+    # pairing hook stays Python around the compiled forward
+    "flux-cfg-compile": (lambda: _flux(guidance_embeds=False), dict(prompt=PROMPT, negative_prompt=NEG,
+                         true_cfg_scale=2.0, height=64, width=64, num_inference_steps=3, max_sequence_length=8),
+                         lambda w: dict(sp=w // 2, cfg=2)),
     # HunyuanVideo (our plan), transformer only: 3 frames x 4x4 patches = 48 video + 12 text tokens
     "hunyuan": (lambda: _hunyuan(), {}, lambda w: dict(sp=w)),
     "hunyuan-full": (lambda: _hunyuan(padded=False), {}, lambda w: dict(sp=w)),  # no padding: mask dropped
@@ -166,10 +171,16 @@ def main() -> int:
         pipe.set_progress_bar_config(disable=True)
         ref = _output(pipe, kwargs)
         handle = parallelize(pipe, ParallelConfig(**degrees(info.world_size)))
+        compiled = None
         if name.endswith("-compile"):
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
-            pipe.transformer.compile(backend="eager")
+            if "-cfg" in name:
+                from xstage_dit.patches.compile import apply_compile
+
+                compiled = apply_compile(pipe, "full", backend="eager", guards="warm")
+            else:
+                pipe.transformer.compile(backend="eager")
         op_schedules.clear()
         par = _output(pipe, kwargs)
         graph_breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) if name.endswith("-compile") else None
@@ -183,6 +194,9 @@ def main() -> int:
             twice = "no error"
         except RuntimeError as exc:
             twice = str(exc)
+        warm_calls = len(compiled.warm_keys) if compiled is not None else None
+        if compiled is not None:
+            compiled.restore()
         handle.restore()
         back = _output(pipe, kwargs)
         results[name] = {
@@ -198,6 +212,7 @@ def main() -> int:
             "cfg": cfg_stats,
             "moe_layers": moe_layers,
             "graph_breaks": graph_breaks,
+            "warm_keys": warm_calls,
             "seconds": time.perf_counter() - t0,
         }
     if info.rank == 0:

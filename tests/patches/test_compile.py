@@ -435,3 +435,33 @@ def test_on_the_gpu_the_compile_extras_compile_with_inductor():
         compiled.restore()
         handle.restore()
     torch.testing.assert_close(decoded.float(), want.float(), rtol=5e-3, atol=5e-3)  # TF32 convolutions either way
+
+
+def test_what_compiles_is_inside_the_hooks_that_pair_calls_in_python():
+    """A hook with ``outside_compile`` (CFG pairing state) stays Python: the reference it calls through compiles;
+    other hooks (the sequence-parallel split, the input check) stay inside the compiled chain."""
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    from xstage_dit.patches.compile import _innermost_forward
+
+    class Plain(ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            return args, kwargs
+
+    class Pairing(ModelHook):
+        outside_compile = True
+
+        def new_forward(self, module, *args, **kwargs):
+            return self.fn_ref.original_forward(*args, **kwargs)
+
+    module = torch.nn.Linear(2, 2)
+    assert _innermost_forward(module) == (module, "forward")
+    registry = HookRegistry.check_if_exists_or_initialize(module)
+    registry.register_hook(Plain(), "split")
+    assert _innermost_forward(module) == (module, "forward")  # the whole chain, as without hooks
+    chain = module.forward
+    registry.register_hook(Pairing(), "pairs")
+    registry.register_hook(Plain(), "outer")
+    owner, attr = _innermost_forward(module)
+    assert owner is registry.hooks["pairs"].fn_ref and attr == "original_forward"
+    assert getattr(owner, attr) is chain  # the split hook and the module's forward, inside the pairing hook

@@ -57,6 +57,8 @@ class CFGBatchHook(ModelHook):
     stats: {"batched_pairs", "plain_pairs" (learning a shape, or inputs that do not stack), "plain_calls"
     (guidance off)}."""
 
+    outside_compile = True  # its pairing state is Python's: apply_compile compiles what it calls, not it
+
     def __init__(self, guidance_on: Callable[[], bool], text: str, text_mask: str,
                  output_like: str | None = None) -> None:
         super().__init__()

@@ -99,6 +99,8 @@ class BatchedCFGHook(ModelHook):
 class PairedCFGHook(ModelHook):
     """Runs the cond and uncond calls of a step concurrently on the two cfg groups (see module doc)."""
 
+    outside_compile = True  # its pairing state is Python's: apply_compile compiles what it calls, not it
+
     _is_stateful = True  # so diffusers' cache_context() tells us "cond" / "uncond"
 
     def __init__(self, group, cfg_rank: int) -> None:

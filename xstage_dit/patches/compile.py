@@ -38,9 +38,9 @@ client asking for an odd size costs itself an eager call instead of every user a
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
 
-What compiles is the transformer's own forward: where diffusers hooks wrap it (`cfg_batch`, CFG parallel, the
-sequence-parallel split), they stay Python around the compiled forward (`_innermost_forward`), so a hook's state
-never becomes a guard, and the shape bound and the warm-guard keys see the arguments the graphs are traced with.
+What compiles is the transformer's forward inside any hook that pairs calls in Python state (`cfg_batch`, CFG
+parallel: a pending CFG pair), which stays Python around it (`_innermost_forward`), so that state never becomes a
+guard, and the shape bound and the warm-guard keys see the arguments the graphs are traced with.
 
 Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: every
 argument's structure, tensors by shape and dtype, the rest by value; grad / inference / autocast mode) has
@@ -368,16 +368,19 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
 
 
 def _innermost_forward(module: torch.nn.Module) -> tuple[Any, str]:
-    """(object, attribute) that holds the module's own forward as its calls reach it: the first diffusers hook's
-    reference to it (``original_forward`` where that hook replaces the forward, else ``forward``) where hooks are
-    registered on the module (`cfg_batch`, CFG parallel, the sequence-parallel split), else the instance's
-    ``forward``. What compiles is the forward alone, the hooks around it stay Python: a hook's state (a
-    pending CFG pair) never becomes a Dynamo guard, and the bound and the warm-guard keys see the arguments the
-    graphs are traced with (a CFG pair's batch of two, not the first call's batch of one)."""
-    references = getattr(getattr(module, "_diffusers_hook", None), "_fn_refs", None)
-    if references:
-        first = references[0]  # registered first: it calls the module's own forward
-        return first, "original_forward" if first.original_forward is not None else "forward"
+    """(object, attribute) holding what compiles: where a diffusers hook on the module pairs calls in Python state
+    (``outside_compile = True``: `cfg_batch`'s and CFG parallel's, a pending CFG pair), the reference the innermost
+    such hook calls through (its ``original_forward``: the hooks inside it and the module's forward); else the
+    instance's ``forward`` (the whole hook chain, as before: the sequence-parallel split and the input agreement
+    check, which skips itself while compiling, stay inside the graphs). A pairing hook's state never becomes a
+    Dynamo guard, and the bound and the warm-guard keys see the arguments the graphs are traced with (a CFG
+    pair's batch of two, not the first call's batch of one)."""
+    registry = getattr(module, "_diffusers_hook", None)
+    references = getattr(registry, "_fn_refs", None) or []
+    hooks = [registry.hooks[name] for name in getattr(registry, "_hook_order", [])] if references else []
+    for hook, reference in zip(hooks, references):  # registered first = innermost
+        if getattr(hook, "outside_compile", False) and reference.original_forward is not None:
+            return reference, "original_forward"
     return module, "forward"
 
 
