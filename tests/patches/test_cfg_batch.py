@@ -98,7 +98,8 @@ def test_a_transformer_without_an_output_like_input_learns_the_shape_from_its_fi
 def test_a_wrong_output_like_entry_fails_loudly_instead_of_casting(monkeypatch):
     from xstage_dit.patches import cfg_batch
 
-    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {"NucleusMoEImageTransformer2DModel": "encoder_hidden_states"})
+    wrong = lambda module, kwargs: (tuple(kwargs["hidden_states"].shape), torch.float64, torch.device("cpu"))  # noqa: E731
+    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {"NucleusMoEImageTransformer2DModel": wrong})
     pipe = fresh()
     handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
     try:

@@ -11,9 +11,9 @@ padding masked out. On the tiny NucleusMoE (CPU, float32) the batched outputs eq
 How (as `cfg_parallel`'s paired hook, on one rank group): the first call of a step returns a placeholder tensor
 and keeps its inputs; the second (the pipeline holds the placeholder and reads it only after that call) runs the
 batch, fills the placeholder with the first half and returns the second. The placeholder takes the shape and
-dtype of the input `OUTPUT_LIKE` names (NucleusMoE predicts noise shaped like its latents; checked on every
-filled pair), so even a call's first pair runs batched: a warm-up of one step compiles the batched graph, and the
-graphs of one sample are never needed. Where no input is named, the first pair of each input shape runs both
+dtype `OUTPUT_LIKE` predicts from the call's inputs (NucleusMoE: its image tokens through ``proj_out``; checked on
+every filled pair), so even a call's first pair runs batched: a warm-up of one step compiles the batched graph, and the
+graphs of one sample are never needed. Where no prediction is registered, the first pair of each input shape runs both
 calls plainly, to learn the output's shape. Pairing is armed only while the pipeline's own guidance is on
 (`GUIDANCE`: NucleusMoE sets ``pipe._guidance_scale``), so a call without CFG runs plainly; inputs that cannot
 be stacked (different latents, arguments other than the text) run the two forwards one after the other, the same
@@ -45,9 +45,21 @@ GUIDANCE: dict[str, Callable[[Any], bool]] = {
 TEXT_INPUTS: dict[str, tuple[str, str]] = {
     "NucleusMoEImageTransformer2DModel": ("encoder_hidden_states", "encoder_hidden_states_mask"),
 }
-# transformer class -> the input whose shape and dtype its output sample has (the placeholder is made like it)
-OUTPUT_LIKE: dict[str, str] = {
-    "NucleusMoEImageTransformer2DModel": "hidden_states",
+
+
+def _tokens_through_proj_out(module: torch.nn.Module, kwargs: dict) -> tuple | None:
+    """(shape, dtype, device) of the output sample of a transformer whose output is its image tokens
+    (``hidden_states``: batch, tokens, channels) through ``proj_out`` (NucleusMoE: patch² x out_channels)."""
+    tokens, proj_out = kwargs.get("hidden_states"), getattr(module, "proj_out", None)
+    if not isinstance(tokens, torch.Tensor) or not isinstance(proj_out, torch.nn.Linear):
+        return None
+    return (*tokens.shape[:-1], proj_out.out_features), tokens.dtype, tokens.device
+
+
+# transformer class -> (module, call kwargs) -> the output sample's (shape, dtype, device) before the call runs
+# (the placeholder is made from it), or None to learn it from a plain first pair
+OUTPUT_LIKE: dict[str, Callable[[torch.nn.Module, dict], tuple | None]] = {
+    "NucleusMoEImageTransformer2DModel": _tokens_through_proj_out,
 }
 
 
@@ -60,7 +72,7 @@ class CFGBatchHook(ModelHook):
     outside_compile = True  # its pairing state is Python's: apply_compile compiles what it calls, not it
 
     def __init__(self, guidance_on: Callable[[], bool], text: str, text_mask: str,
-                 output_like: str | None = None) -> None:
+                 output_like: Callable[[torch.nn.Module, dict], tuple | None] | None = None) -> None:
         super().__init__()
         self.guidance_on = guidance_on
         self.text, self.text_mask = text, text_mask
@@ -86,9 +98,8 @@ class CFGBatchHook(ModelHook):
         if self.pending is None:
             key = signature_of((), kwargs)
             shape = self.output_shapes.get(key)
-            like = kwargs.get(self.output_like) if self.output_like is not None else None
-            if shape is None and isinstance(like, torch.Tensor):
-                shape = (tuple(like.shape), like.dtype, like.device)
+            if shape is None and self.output_like is not None:
+                shape = self.output_like(module, kwargs)
             if shape is None:  # the first pair of this shape: run plainly, learn the output's shape
                 out = forward(**kwargs)
                 sample = _sample(out)
@@ -141,7 +152,7 @@ class CFGBatchHook(ModelHook):
 
 def _fill(placeholder: torch.Tensor, sample: torch.Tensor) -> None:
     """The conditional call's output into the placeholder the pipeline holds, which must match it exactly (a wrong
-    `OUTPUT_LIKE` entry would otherwise broadcast or cast silently)."""
+    `OUTPUT_LIKE` prediction would otherwise broadcast or cast silently)."""
     if sample.shape != placeholder.shape or sample.dtype != placeholder.dtype:
         raise RuntimeError(f"CFG batching: expected the conditional output of shape {tuple(placeholder.shape)} and "
                            f"dtype {placeholder.dtype}, got {tuple(sample.shape)} and {sample.dtype}")
