@@ -205,3 +205,29 @@ def test_the_bench_contender_runs_cfg_batch_where_it_applies():
     assert contender.check(nucleus) is None and contender.info["parallel_config"]["cfg_batch"] is True
     flux = SimpleNamespace(spec=model_spec("tiny-flux"), world_size=1, args=SimpleNamespace())
     assert "CFG batching does not know FluxPipeline" in contender.check(flux)
+
+
+def test_an_image_does_not_depend_on_its_batch_with_cfg_batching():
+    """The server's promise under --cfg-batch: a request alone (a forward of two: its prompt and "") and batched
+    with another (a forward of four, the texts padded to the longest) give the same bytes."""
+    from xstage_dit.patches.batch_invariance import batch_invariant
+
+    pipe = fresh(torch.bfloat16)
+    handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
+    invariant = batch_invariant(pipe)
+
+    def pixels(prompts, seeds):
+        out = pipe(prompt=prompts, height=128, width=128, num_inference_steps=3, guidance_scale=4.0,
+                   generator=[torch.Generator().manual_seed(s) for s in seeds], output_type="np")
+        return (np.clip(out.images, 0, 1) * 255).round().astype(np.uint8)
+
+    try:
+        alone = pixels(["a red fox in the snow"], [1])
+        # a longer second prompt: the pair's "" is padded further than alone, so the padding must be masked
+        together = pixels(["a red fox in the snow", "a blue whale in a deep ocean at night, under a sky of stars"],
+                          [1, 2])
+        assert handle.cfg_hook.stats["batched_pairs"] == 6
+    finally:
+        invariant.restore()
+        handle.restore()
+    np.testing.assert_array_equal(alone[0], together[0])
