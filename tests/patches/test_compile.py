@@ -442,7 +442,7 @@ def test_what_compiles_is_inside_the_hooks_that_pair_calls_in_python():
     other hooks (the sequence-parallel split, the input check) stay inside the compiled chain."""
     from diffusers.hooks import HookRegistry, ModelHook
 
-    from xstage_dit.patches.compile import _innermost_forward
+    from xstage_dit.patches.compile import _compile_point
 
     class Plain(ModelHook):
         def pre_forward(self, module, *args, **kwargs):
@@ -455,13 +455,13 @@ def test_what_compiles_is_inside_the_hooks_that_pair_calls_in_python():
             return self.fn_ref.original_forward(*args, **kwargs)
 
     module = torch.nn.Linear(2, 2)
-    assert _innermost_forward(module) == (module, "forward")
+    assert _compile_point(module) == (module, "forward")
     registry = HookRegistry.check_if_exists_or_initialize(module)
     registry.register_hook(Plain(), "split")
-    assert _innermost_forward(module) == (module, "forward")  # the whole chain, as without hooks
+    assert _compile_point(module) == (module, "forward")  # the whole chain, as without hooks
     chain = module.forward
     registry.register_hook(Pairing(), "pairs")
     registry.register_hook(Plain(), "outer")
-    owner, attr = _innermost_forward(module)
+    owner, attr = _compile_point(module)
     assert owner is registry.hooks["pairs"].fn_ref and attr == "original_forward"
     assert getattr(owner, attr) is chain  # the split hook and the module's forward, inside the pairing hook

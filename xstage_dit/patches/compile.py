@@ -39,7 +39,7 @@ layers of a regional block class (layers with different guarded attributes need 
 never falls back silently first.
 
 What compiles is the transformer's forward inside any hook that pairs calls in Python state (`cfg_batch`, CFG
-parallel: a pending CFG pair), which stays Python around it (`_innermost_forward`), so that state never becomes a
+parallel: a pending CFG pair), which stays Python around it (`_compile_point`), so that state never becomes a
 guard, and the shape bound and the warm-guard keys see the arguments the graphs are traced with.
 
 Warm guards (``guards="warm"``, off by default): once a call of the same key (`call_key`: every
@@ -79,6 +79,7 @@ import torch
 
 from xstage_dit.patches.instance_attr import set_on_instance
 from xstage_dit.patches.one_frame_vae import one_frame_decode_of
+from xstage_dit.patches.text_depth import llm_decoder
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +313,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     hows = []
     per_code_object = max_shapes
     for module in targets:
-        owner, attr = _innermost_forward(module)
+        owner, attr = _compile_point(module)
         eager = getattr(owner, attr)
         blocks = set(getattr(module, "_repeated_blocks", None) or ())
         regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
@@ -367,7 +368,7 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     return handle
 
 
-def _innermost_forward(module: torch.nn.Module) -> tuple[Any, str]:
+def _compile_point(module: torch.nn.Module) -> tuple[Any, str]:
     """(object, attribute) holding what compiles: where a diffusers hook on the module pairs calls in Python state
     (``outside_compile = True``: `cfg_batch`'s and CFG parallel's, a pending CFG pair), the reference the innermost
     such hook calls through (its ``original_forward``: the hooks inside it and the module's forward); else the
@@ -385,14 +386,11 @@ def _innermost_forward(module: torch.nn.Module) -> tuple[Any, str]:
 
 
 def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
-    """(component name, language model) of every text encoder that is a decoder LLM (``get_decoder()`` with a
-    ``layers`` list: Qwen3-VL, Qwen2.5-VL, Mistral, Gemma); T5 / CLIP encoders have none."""
+    """(component name, language model) of every text encoder that is a decoder LLM (`text_depth.llm_decoder`)."""
     found = []
     for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
-        encoder = getattr(pipe, name, None)
-        decoder = encoder.get_decoder() if isinstance(encoder, torch.nn.Module) and hasattr(encoder, "get_decoder") \
-            else None
-        if isinstance(decoder, torch.nn.Module) and isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList):
+        decoder = llm_decoder(getattr(pipe, name, None))
+        if decoder is not None:
             found.append((name, decoder))
     return found
 

@@ -30,7 +30,7 @@ from xstage_dit.patches.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["READ_INDICES", "skip_unread_layers", "layers_needed"]
+__all__ = ["READ_INDICES", "llm_decoder", "skip_unread_layers", "layers_needed"]
 
 
 def _nucleusmoe(pipe: Any, arguments: dict) -> list[int]:
@@ -62,10 +62,19 @@ def layers_needed(indices: list[int], num_layers: int) -> int:
     return needed
 
 
-def _decoder_layers(text_encoder: torch.nn.Module) -> torch.nn.ModuleList | None:
-    decoder = text_encoder.get_decoder() if hasattr(text_encoder, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    return layers if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0 else None
+def llm_decoder(text_encoder: Any) -> torch.nn.Module | None:
+    """The language model of a text encoder that is a decoder LLM (``get_decoder()`` with a ``layers`` list:
+    Qwen3-VL, Qwen2.5-VL, Mistral, Gemma); None for T5 / CLIP encoders and anything else."""
+    if not isinstance(text_encoder, torch.nn.Module) or not hasattr(text_encoder, "get_decoder"):
+        return None
+    decoder = text_encoder.get_decoder()
+    is_llm = isinstance(decoder, torch.nn.Module) and isinstance(getattr(decoder, "layers", None), torch.nn.ModuleList)
+    return decoder if is_llm else None
+
+
+def _decoder_layers(text_encoder: Any) -> torch.nn.ModuleList | None:
+    decoder = llm_decoder(text_encoder)
+    return decoder.layers if decoder is not None and len(decoder.layers) > 0 else None
 
 
 def _identity(hidden_states, *args, **kwargs):
@@ -78,7 +87,7 @@ def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
     has no decoder layer list."""
     reads = READ_INDICES.get(type(pipe).__name__)
     encoder = getattr(pipe, "text_encoder", None)
-    layers = _decoder_layers(encoder) if reads is not None and isinstance(encoder, torch.nn.Module) else None
+    layers = _decoder_layers(encoder) if reads is not None else None
     if layers is None or not callable(getattr(pipe, "encode_prompt", None)):
         return None
     encode = pipe.encode_prompt
