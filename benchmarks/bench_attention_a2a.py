@@ -28,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import interleaved_times  # noqa: E402
+from xstage_dit.calibration.kernel_sweep import one_call_ms  # noqa: E402
 from xstage_dit.ops.attention import kernel as kern  # noqa: E402
 from xstage_dit.ops.attention import attention_reference, fused_attention_virtual_ranks  # noqa: E402
 from xstage_dit.ops.attention.table import attention_to_buffers  # noqa: E402
@@ -60,16 +61,8 @@ SWEEP_CONFIGS = [  # (block_m, block_n, warps, stages, warp_specialize, tensor d
 
 def cuda_time_ms(fn, target_ms: float = 250.0, min_reps: int = 5, max_reps: int = 100) -> float:
     """Median of CUDA-event timings after two warm-up calls; the repeat count fills ~target_ms."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
+    reps = int(min(max_reps, max(min_reps, target_ms / one_call_ms(fn, warmups=2))))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    est = max(start.elapsed_time(end), 1e-3)
-    reps = int(min(max_reps, max(min_reps, target_ms / est)))
     times = []
     for _ in range(reps):
         start.record()
@@ -83,15 +76,8 @@ def cuda_time_ms(fn, target_ms: float = 250.0, min_reps: int = 5, max_reps: int 
 def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
     """Median GPU time of one call of ``fn``, from CUDA-graph replays of n back-to-back calls (n fills ~2 ms):
     no host launch overhead in the number, unlike per-call events on an idle GPU."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    n = max(1, min(64, int(2.0 / max(start.elapsed_time(end), 1e-3))))
+    one_ms = one_call_ms(fn, warmups=2)
+    n = max(1, min(64, int(2.0 / one_ms)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # capture needs a side stream; warm it there too
@@ -103,8 +89,9 @@ def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(max(3, min(reps, int(target_ms / max(start.elapsed_time(end) * n, 1e-3))))):
+    for _ in range(max(3, min(reps, int(target_ms / (one_ms * n))))):
         start.record()
         graph.replay()
         end.record()

@@ -85,6 +85,34 @@ def test_the_runner_leaves_inductor_as_it_found_it():
         inductor.reorder_for_compute_comm_overlap = before
 
 
+@pytest.mark.parametrize("own", [True, False])
+def test_usp_restore_puts_back_the_transformers_own_forward(own):
+    """xfuser's compile sets a `forward` on the transformer instance; the restore must leave the instance's own
+    `forward` (a diffusers hook's, another patch's) where it had one, and none where it had none."""
+
+    class Pipe:
+        transformer = torch.nn.Linear(2, 2)
+
+    class Holder:
+        pipe = Pipe()
+
+    transformer = Holder.pipe.transformer
+    hook_forward = lambda x: x  # noqa: E731
+    if own:
+        transformer.forward = hook_forward
+    usp = xfuser_stack.XFuserUSP(compile=False, world_size=1)
+    # what apply() records before xfuser's wrapper runs, then what the wrapper does
+    usp.saved = {"transformer": transformer}
+    usp.keep_own_forward(transformer)
+    transformer.forward = lambda x: -x  # xfuser's compiled forward
+    usp.restore(Holder())
+    if own:
+        assert vars(transformer)["forward"] is hook_forward
+    else:
+        assert "forward" not in vars(transformer)
+        assert transformer.forward.__func__ is torch.nn.Linear.forward
+
+
 def test_the_default_timed_module_is_the_pipeline_transformer(tiny_wan):
     class Holder:
         pipe = tiny_wan

@@ -149,7 +149,7 @@ class XFuserUSP(_XFuser):
         self.irreversible = world_size > 1
         self.wrapper = None
         self.saved: dict = {}
-        self.had_forward_attr = False
+        self.own_forward: tuple = ()  # (the transformer's own `forward` before xfuser,) or () where it had none
 
     def check(self, b: Bench) -> str | None:
         reason = super().check(b)
@@ -175,8 +175,9 @@ class XFuserUSP(_XFuser):
         # The wrapper swaps the pipeline's transformer/scheduler/vae for its own: keep them to put back.
         self.saved = {name: getattr(b.pipe, name) for name in ("transformer", "scheduler", "vae")
                       if getattr(b.pipe, name, None) is not None}
-        # With use_torch_compile it sets a compiled `forward` on the transformer instance itself.
-        self.had_forward_attr = "forward" in vars(b.pipe.transformer)
+        # With use_torch_compile it sets a compiled `forward` on the transformer instance itself, over any the
+        # instance held (a diffusers hook's, another patch's): keep that one to put back.
+        self.keep_own_forward(b.pipe.transformer)
         self.wrapper = self.wrapper_class(b.pipe, engine_config)
         if self.compile:
             self.info["compile_mode"] = "xfuser use_torch_compile (torch.compile of the transformer's forward)"
@@ -185,6 +186,10 @@ class XFuserUSP(_XFuser):
             # At degree 1 xfuser runs the unmodified diffusers pipeline: record it, the table says so.
             self.info["xfuser_naive_forward"] = bool(naive())
 
+    def keep_own_forward(self, transformer: torch.nn.Module) -> None:
+        own = vars(transformer)
+        self.own_forward = (own["forward"],) if "forward" in own else ()
+
     def call(self, b: Bench, kwargs: dict):
         return self.wrapper(**kwargs)
 
@@ -192,8 +197,12 @@ class XFuserUSP(_XFuser):
         for name, module in self.saved.items():
             setattr(b.pipe, name, module)
         transformer = self.saved.get("transformer")
-        if transformer is not None and not self.had_forward_attr and "forward" in vars(transformer):
-            del transformer.forward
+        if transformer is not None:
+            if self.own_forward:
+                transformer.forward = self.own_forward[0]
+            elif "forward" in vars(transformer):
+                del transformer.forward
+        self.own_forward = ()
         self.saved, self.wrapper = {}, None
         if self.compile:
             torch._dynamo.reset()

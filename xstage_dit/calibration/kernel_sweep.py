@@ -84,20 +84,31 @@ def run_sweep(cases: dict[str, dict[str, Callable[[], Any]]], time_fn: Callable[
     return timings, errors
 
 
-def cuda_event_ms(fn: Callable[[], Any], *, target_ms: float = 20.0, min_reps: int = 3, max_reps: int = 50) -> float:
-    """Milliseconds per call of ``fn`` on the current CUDA stream: one untimed call first (it compiles: FA4's
-    first call of a shape takes seconds), then enough back-to-back calls between two CUDA events to fill
-    about ``target_ms``. The time function the sweep uses on a GPU."""
+def one_call_ms(fn: Callable[[], Any], *, warmups: int = 1) -> float:
+    """Milliseconds of one call of ``fn`` between two CUDA events, after ``warmups`` untimed calls (the first
+    call compiles: FA4's first call of a shape takes seconds). A rough figure, for choosing how many calls a
+    measurement needs to fill its target time; at least 1 µs, so callers can divide by it."""
     import torch
 
-    fn()
+    for _ in range(warmups):
+        fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
     end.record()
     end.synchronize()
-    reps = int(min(max_reps, max(min_reps, math.ceil(target_ms / max(start.elapsed_time(end), 1e-3)))))
+    return max(start.elapsed_time(end), 1e-3)
+
+
+def cuda_event_ms(fn: Callable[[], Any], *, target_ms: float = 20.0, min_reps: int = 3, max_reps: int = 50) -> float:
+    """Milliseconds per call of ``fn`` on the current CUDA stream: one untimed call first, then enough
+    back-to-back calls between two CUDA events to fill about ``target_ms``. The time function the sweep uses
+    on a GPU."""
+    import torch
+
+    reps = int(min(max_reps, max(min_reps, math.ceil(target_ms / one_call_ms(fn)))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(reps):
         fn()
