@@ -138,7 +138,10 @@ def test_on_the_gpu_the_2d_path_agrees_with_cudnn_3d(model, dtype):
     pipe = load_pipeline(model, dtype=dtype, device=torch.device("cuda"), seed=0)
     vae = pipe.vae.to(dtype)
     latents = torch.randn(2, vae.config.z_dim, 1, 32, 48, generator=torch.Generator().manual_seed(5)).to("cuda", dtype)
-    with torch.inference_mode():
+    # cuDNN convolves float32 in TF32 by default (torch.backends.cudnn.allow_tf32), and the 2-D and 3-D
+    # convolutions then round differently (tiny Wan on an H100: 2.4e-3 max, a third of the values past 1e-4):
+    # the float32 case compares the math in full float32, which is what the 2-D path claims to keep.
+    with torch.inference_mode(), torch.backends.cudnn.flags(enabled=True, allow_tf32=dtype != torch.float32):
         expected = vae.decode(latents).sample.float()
         undo, count = one_frame_convs_as_2d(vae)
         got = vae.decode(latents).sample.float()
