@@ -121,6 +121,40 @@ def test_full_moe_shapes_are_the_published_ones():
     assert n.config.num_attention_heads * n.config.attention_head_dim == 2048
 
 
+def test_plain_tensor_attributes_go_to_the_cpu_parameters_and_buffers_stay():
+    """A build on the GPU puts tensors a module holds as plain attributes on the CPU, where from_pretrained +
+    .to(device) leaves them (fake CUDA tensors here: no GPU needed, no data moved)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from xstage_dit.models.build import _plain_tensors_to_cpu
+
+    class Rope(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(4, 4))
+            self.register_buffer("scale", torch.empty(4))
+            self.pos_freqs = torch.empty(8)  # a plain attribute, as NucleusMoE's and QwenImage's rope tables
+
+    with FakeTensorMode():
+        with torch.device("cuda"):  # what build_module does on a GPU
+            model = torch.nn.Sequential(Rope())
+        assert model[0].pos_freqs.device.type == "cuda"
+        _plain_tensors_to_cpu(model)
+    rope = model[0]
+    assert rope.pos_freqs.device.type == "cpu" and tuple(rope.pos_freqs.shape) == (8,)
+    assert rope.weight.device.type == "cuda" and rope.scale.device.type == "cuda"
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_built_pipeline_keeps_plain_tensor_attributes_on_the_cpu():
+    from xstage_dit.models import load_pipeline
+
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
+    rope = pipe.transformer.pos_embed
+    assert rope.pos_freqs.device.type == "cpu" and rope.neg_freqs.device.type == "cpu"
+    assert next(pipe.transformer.parameters()).is_cuda
+
+
 def test_build_module_rejects_empty_parameters():
     from xstage_dit.models.build import build_module
 

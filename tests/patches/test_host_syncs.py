@@ -133,11 +133,9 @@ def test_on_the_gpu_the_tables_move_and_the_copies_are_gone(monkeypatch):
     call; patched, the rope tables sit on the GPU and a forward of a shape seen before copies none; same bits."""
     pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device=torch.device("cuda"), seed=0)
     model = pipe.transformer
-    # load_pipeline builds under `with torch.device("cuda")`, so the rope tables (plain attributes) start on the
-    # GPU; a pipeline loaded from a folder and moved by `.to("cuda")` has them on the CPU, as here (on an H100 at
-    # e7d4ea3, without this, diffusers' forward made three copies, not four).
-    for name in ("pos_freqs", "neg_freqs"):
-        setattr(model.pos_embed, name, getattr(model.pos_embed, name).cpu())
+    # The rope tables (plain attributes) on the CPU, as a pipeline loaded from a folder and moved by .to("cuda")
+    # has them (build_module puts them there; at e7d4ea3 it built them on the GPU and diffusers copied three).
+    assert model.pos_embed.pos_freqs.device.type == "cpu"
     args = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
             for k, v in inputs("cuda").items()}
     with torch.no_grad():

@@ -94,8 +94,22 @@ def build_module(factory: Callable[[], T], *, seed: int, device: str | torch.dev
     # keep-in-fp32 warning, which is about loading checkpoints, not random init.
     if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
         torch.nn.Module.to(module, dtype=dtype)
+    if device.type not in ("cpu", "meta"):  # meta tensors have no data to move
+        _plain_tensors_to_cpu(module)
     module.eval().requires_grad_(False)
     return module
+
+
+def _plain_tensors_to_cpu(module: torch.nn.Module) -> None:
+    """Put tensors that modules hold as plain attributes (neither parameter nor buffer) on the CPU, where a
+    pipeline loaded from a folder has them: ``from_pretrained`` runs ``__init__`` on the CPU and ``.to(device)``
+    moves parameters and buffers only. Built under ``torch.device(device)`` they would start on the GPU and skip
+    per-forward host copies a real user's pipeline makes (NucleusMoE's and QwenImage's rope tables:
+    ``pos_freqs.to(device)`` every forward), so benchmarks on random weights would time another program."""
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                setattr(sub, name, value.cpu())
 
 
 def check_vocab(tokenizer, vocab_size: int, what: str) -> None:
