@@ -108,7 +108,7 @@ def _plain_tensors_to_cpu(module: torch.nn.Module) -> None:
     ``pos_freqs.to(device)`` every forward), so benchmarks on random weights would time another program."""
     for sub in module.modules():
         for name, value in list(vars(sub).items()):
-            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            if isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta"):  # meta: no data
                 setattr(sub, name, value.cpu())
 
 
