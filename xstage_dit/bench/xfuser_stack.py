@@ -25,11 +25,13 @@ import importlib.metadata
 import inspect
 import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.session import Bench, error_text
+from xstage_dit.patches.instance_attr import keep_instance_attr
 
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
 
@@ -149,7 +151,7 @@ class XFuserUSP(_XFuser):
         self.irreversible = world_size > 1
         self.wrapper = None
         self.saved: dict = {}
-        self.own_forward: tuple = ()  # (the transformer's own `forward` before xfuser,) or () where it had none
+        self.restore_forward: Callable[[], None] | None = None  # puts back the transformer's own `forward`
 
     def check(self, b: Bench) -> str | None:
         reason = super().check(b)
@@ -187,8 +189,7 @@ class XFuserUSP(_XFuser):
             self.info["xfuser_naive_forward"] = bool(naive())
 
     def keep_own_forward(self, transformer: torch.nn.Module) -> None:
-        own = vars(transformer)
-        self.own_forward = (own["forward"],) if "forward" in own else ()
+        self.restore_forward = keep_instance_attr(transformer, "forward")
 
     def call(self, b: Bench, kwargs: dict):
         return self.wrapper(**kwargs)
@@ -196,13 +197,9 @@ class XFuserUSP(_XFuser):
     def restore(self, b: Bench) -> None:
         for name, module in self.saved.items():
             setattr(b.pipe, name, module)
-        transformer = self.saved.get("transformer")
-        if transformer is not None:
-            if self.own_forward:
-                transformer.forward = self.own_forward[0]
-            elif "forward" in vars(transformer):
-                del transformer.forward
-        self.own_forward = ()
+        if self.restore_forward is not None:
+            self.restore_forward()
+        self.restore_forward = None
         self.saved, self.wrapper = {}, None
         if self.compile:
             torch._dynamo.reset()

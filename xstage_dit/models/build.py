@@ -94,8 +94,7 @@ def build_module(factory: Callable[[], T], *, seed: int, device: str | torch.dev
     # keep-in-fp32 warning, which is about loading checkpoints, not random init.
     if any(p.dtype != dtype for p in module.parameters() if p.is_floating_point()):
         torch.nn.Module.to(module, dtype=dtype)
-    if device.type not in ("cpu", "meta"):  # meta tensors have no data to move
-        _plain_tensors_to_cpu(module)
+    _plain_tensors_to_cpu(module)
     module.eval().requires_grad_(False)
     return module
 

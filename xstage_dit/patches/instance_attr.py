@@ -10,15 +10,32 @@ and where there was none, the undo must delete the instance's attribute so the c
     undo = set_on_instance(module, "forward", wrapped)
     ...
     undo()    # module.forward is what it was: its own earlier attribute, or the class's method
+
+``keep_instance_attr(owner, name)`` is the putting back alone, for attributes that other code replaces.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["set_on_instance"]
+__all__ = ["keep_instance_attr", "set_on_instance"]
 
 _NONE_OF_ITS_OWN = object()
+
+
+def keep_instance_attr(owner: Any, name: str) -> Callable[[], None]:
+    """Remember ``owner``'s own ``<name>`` as it is now; returns the function that puts it back: the attribute
+    the instance held, or none of its own (the class's shows through) where it held none. For code that lets
+    someone else replace the attribute (xfuser's compile sets a ``forward`` on the transformer)."""
+    previous = vars(owner).get(name, _NONE_OF_ITS_OWN)
+
+    def restore() -> None:
+        if previous is not _NONE_OF_ITS_OWN:
+            setattr(owner, name, previous)
+        elif name in vars(owner):
+            delattr(owner, name)
+
+    return restore
 
 
 def set_on_instance(owner: Any, name: str, value: Any) -> Callable[[], None]:
@@ -27,15 +44,11 @@ def set_on_instance(owner: Any, name: str, value: Any) -> Callable[[], None]:
     The undo puts back the attribute the instance held before, or deletes the instance's attribute where it had
     none. It does nothing where ``owner.<name>`` is no longer ``value`` (someone set it since: a user's own
     replacement, or a later patch whose undo has not run), so an undo never clobbers what came after it."""
-    previous = vars(owner).get(name, _NONE_OF_ITS_OWN)
+    restore = keep_instance_attr(owner, name)
     setattr(owner, name, value)
 
     def undo() -> None:
-        if vars(owner).get(name, _NONE_OF_ITS_OWN) is not value:
-            return
-        if previous is _NONE_OF_ITS_OWN:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, previous)
+        if vars(owner).get(name, _NONE_OF_ITS_OWN) is value:
+            restore()
 
     return undo
