@@ -62,7 +62,8 @@ class ParallelHandle:
     ``report()``: the kernel sweep's families, source and cache file). attention_paths: the attention paths taken ("ulysses",
     "local", "gather_kv") and the first module that took each. prompt_cache: the empty prompt's embedding kept
     across calls (`prompt_cache.PromptCache`: hits, misses), None for a pipeline that encodes its negative prompt
-    with the positive one. text_layers_skipped: `text_depth` applies. vae_convs_2d / one_frame_decode: what `one_frame_vae` patched in the VAE
+    with the positive one. text_layers_skipped: `text_depth` applies. cfg_batch_reason: whether and why CFG
+    batching runs ("" where the config turned it off). vae_convs_2d / one_frame_decode: what `one_frame_vae` patched in the VAE
     (`describe_pipeline()` reports both and the cache). restore(): puts the pipeline back exactly (idempotent).
     """
 
@@ -78,6 +79,7 @@ class ParallelHandle:
     cfg_hooks: list = field(default_factory=list)  # the CFG hooks (.stats count parallel pairs / split calls)
     prompt_cache: Any = None  # the empty prompt's kept embedding (`prompt_cache.PromptCache`), None where not kept
     text_layers_skipped: bool = False  # the text encoder's unread layers are not run (`text_depth`)
+    cfg_batch_reason: str = ""  # whether and why CFG batching runs (`cfg_batch`)
     vae_convs_2d: int = 0  # the VAE's causal 3-D convolutions that run a one-frame input as 2-D (`one_frame_vae`)
     one_frame_decode: Any = None  # the VAE's `one_frame_vae.OneFrameDecode` (None for other VAEs)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
@@ -101,7 +103,7 @@ class ParallelHandle:
 
         one = self.one_frame_decode
         batched = [dict(h.stats) for h in self.cfg_hooks if isinstance(h, CFGBatchHook)]
-        return {"cfg_batch": batched[0] if batched else None,
+        return {"cfg_batch": batched[0] if batched else None, "cfg_batch_reason": self.cfg_batch_reason,
                 "empty_prompt_cache": self.prompt_cache.describe() if self.prompt_cache is not None else None,
                 "text_layers_unread_skipped": self.text_layers_skipped,
                 "vae_convs_2d": self.vae_convs_2d,
@@ -183,7 +185,7 @@ def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
     plan = plan_for(transformer)
     if plan.check is not None:
         plan.check(transformer, config)
-    if config.cfg_batch:
+    if config.cfg_batch is True:  # "auto" turns itself off where it does not apply (`_cfg_batch`)
         from xstage_dit.patches.cfg_batch import TEXT_INPUTS
 
         if type(transformer).__name__ not in TEXT_INPUTS:
@@ -389,17 +391,32 @@ def _pipeline_patches(pipe, handle: ParallelHandle) -> None:
 
 def _cfg_batch(pipe, handle: ParallelHandle) -> None:
     """``cfg_batch``: each transformer's two guidance calls a step as one batch (`cfg_batch`), armed while the
-    pipeline's guidance is on; registered outermost."""
-    if not handle.config.cfg_batch:
+    pipeline's guidance is on; registered outermost. "auto": the same where it applies, else nothing; the
+    reason either way in ``handle.cfg_batch_reason`` and the log."""
+    if handle.config.cfg_batch is False:
         return
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.patches.cfg_batch import GUIDANCE, OUTPUT_LIKE, TEXT_INPUTS, CFGBatchHook
 
     guidance = GUIDANCE.get(type(pipe).__name__)
-    if guidance is None:
+    if handle.config.cfg_batch == "auto":
+        unknown = sorted({type(t).__name__ for t in handle.transformers} - set(TEXT_INPUTS))
+        why_not = (f"CFG parallel (cfg={handle.config.cfg}) runs the two calls on two rank groups"
+                   if handle.config.cfg != 1 else
+                   f"CFG batching does not know {type(pipe).__name__}" if guidance is None else
+                   f"CFG batching does not know {', '.join(unknown)}" if unknown else None)
+        handle.cfg_batch_reason = (f"off (cfg_batch=auto): {why_not}" if why_not else
+                                   "on (cfg_batch=auto): a step's two guidance calls as one batch of two (NucleusMoE "
+                                   "1024², 4 steps, H100 at b3a1445: 0.90x the time eager, 0.935x compiled)")
+        log.info("CFG batching %s", handle.cfg_batch_reason)
+        if why_not:
+            return
+    elif guidance is None:
         raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(sorted(GUIDANCE))}) with "
                          f"cfg_batch=True, got {type(pipe).__name__}")
+    else:
+        handle.cfg_batch_reason = "on (cfg_batch=True)"
     for transformer in handle.transformers:
         name = type(transformer).__name__
         hook = CFGBatchHook(lambda: guidance(pipe), *TEXT_INPUTS[name], output_like=OUTPUT_LIKE.get(name))
