@@ -1,4 +1,4 @@
-"""CFG's two forwards a step as one batch on the same ranks (``ParallelConfig(cfg_batch=True)``; off by default).
+"""CFG's two forwards a step as one batch on the same ranks (``ParallelConfig(cfg_batch=True | "auto")``).
 
 Why: NucleusMoE's pipeline calls the transformer twice a step, the prompt then ``""``, with the same latents,
 and its compiled call is host-bound (f6c8114 on the H200: 610 ms of host time against 387 ms of GPU work, 8
@@ -6,7 +6,9 @@ forwards a 4-step call). One forward on the pair as a batch of two halves the fo
 each costs, while the GPU work stays about the same: the call moves toward its GPU bound. Expert-choice routing
 picks tokens per sample, so batching does not change it; the two texts are padded to one length with the
 padding masked out. On the tiny NucleusMoE (CPU, float32) the batched outputs equal the two separate ones to
-9.5e-7 (outputs up to 2.5); not measured on the GPU yet, hence off by default.
+9.5e-7 (outputs up to 2.5). Measured (NucleusMoE 1024², 4 steps, H100, b3a1445, one run): 0.601 against 0.667 s
+eager, 0.387 against 0.414 s compiled whole; the commands run it by default (``--cfg-batch auto``), the library
+only when asked (``ParallelConfig`` defaults to False).
 
 How (as `cfg_parallel`'s paired hook, on one rank group): the first call of a step returns a placeholder tensor
 and keeps its inputs; the second (the pipeline holds the placeholder and reads it only after that call) runs the
