@@ -69,8 +69,9 @@ def test_calibration_route_shows_each_shapes_kernel_choice(monkeypatch):
 
 
 def test_calibration_route_shows_the_patches_outside_the_transformer():
-    """NucleusMoE (CFG, Qwen-Image VAE) served at world 1 on the CPU: after the warm-up and one request, the report
-    counts the empty negative prompt's cache use and the VAE's one-frame decodes."""
+    """NucleusMoE (CFG, Qwen-Image VAE) served at world 1 on the CPU, as `serve` configures it (``--cfg-batch
+    auto``): after the warm-up and one request, the report counts the empty negative prompt's cache use, the VAE's
+    one-frame decodes and CFG batching's pairs, and says why CFG batching is on."""
     import httpx
 
     from xstage_dit.patches.config import ParallelConfig
@@ -80,7 +81,7 @@ def test_calibration_route_shows_the_patches_outside_the_transformer():
     from xstage_dit.server.worker import Worker
     from tests.helpers.server import live_server
 
-    worker = Worker(startup.model_loader("tiny-nucleusmoe", ParallelConfig()), ServerConfig(api_key=None),
+    worker = Worker(startup.model_loader("tiny-nucleusmoe", ParallelConfig(cfg_batch="auto")), ServerConfig(api_key=None),
                     join=lambda: RankContext(device=torch.device("cpu"))).start()
     try:
         assert worker.wait_ready(180), worker.reason
@@ -97,3 +98,5 @@ def test_calibration_route_shows_the_patches_outside_the_transformer():
     assert after["empty_prompt_cache"]["hits"] == before["empty_prompt_cache"]["hits"] + 1
     assert after["empty_prompt_cache"]["misses"] == before["empty_prompt_cache"]["misses"]
     assert after["vae_one_frame_decode"]["calls"] == before["vae_one_frame_decode"]["calls"] + 1
+    assert after["cfg_batch_reason"].startswith("on (cfg_batch=auto)")
+    assert after["cfg_batch"]["batched_pairs"] == before["cfg_batch"]["batched_pairs"] + 2  # 2 steps, 1 forward each
