@@ -19,7 +19,10 @@ shapes, text length, device, inference mode) by a diffusers hook registered befo
 (their split of the image frequencies sees the whole table, as before); ``_compute_text_seq_len_from_mask``
 is swapped for the same computation with its fallback length made on the device
 (`_diffusers_private.text_seq_len_without_host_copy`). Outputs are the same bits (tests/patches/test_host_syncs.py,
-which also counts the host-to-device copies per forward on the meta device: four before, none after).
+which also counts the host-to-device copies per forward on the meta device: four before, none after; on the GPU
+it compares under torch's deterministic mode, since diffusers' expert combine, a CUDA ``scatter_add``, is not
+deterministic by itself). Measured on an H100 (14951cd): a compiled 4-step NucleusMoE call made 36
+``cudaMemcpyAsync`` calls, against 100 before (f6c8114, H200).
 """
 
 from __future__ import annotations
