@@ -130,6 +130,44 @@ def test_world4_design_test_runs_at_the_kernels_measured_speed():
     assert d.name == "serial" and "no X-Stage calibration" in d.reason and d.kernel == "fa4"
 
 
+def test_under_cuda_graphs_the_chooser_refuses_what_a_capture_broke():
+    """`apply_compile(mode="graphs")` records the forward in CUDA graphs, where cudnn-frontend's window graph failed
+    (H200, b3a1445): the chooser then refuses it at world > 1 with the reason, and takes it again after the undo;
+    at world 1 ("cudnn" there is torch's own cuDNN SDPA backend) nothing changes."""
+    timings = {"sdpa": 1.00, "fa4": 0.90, "cudnn": 0.80, "triton": 1.20}
+    c = chooser(4, FakeSweep(timings), takes("fa4", "cudnn", "triton"))
+    assert c.choose(**WAN, device=CPU).name == "cudnn"
+    undo = c.for_cuda_graphs()
+    other = dict(WAN, seq_len=8192)  # a shape not chosen yet
+    under_graphs = c.choose(**other, device=CPU)
+    assert under_graphs.name == "fa4" and "CUDA-graph" in under_graphs.refused["cudnn"]
+    undo()
+    assert c.choose(**other, device=CPU).name == "cudnn"
+    one = chooser(1, FakeSweep({"sdpa": 1.0, "fa4": 0.9, "cudnn": 0.8}), takes("sdpa", "fa4", "cudnn"))
+    one.for_cuda_graphs()
+    assert one.choose(**WAN, device=CPU).name == "cudnn"
+
+
+def test_compile_graphs_arms_the_chooser_of_a_parallelized_pipeline():
+    from xstage_dit.models import load_pipeline
+    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.patches.compile import apply_compile
+
+    pipe = load_pipeline("tiny-flux", dtype=torch.float32, device=CPU, seed=0)
+    handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=False))
+    handle.attention_kernels.world = 2  # as a rank of two would have it (one process here): arming is per world
+    try:
+        compiled = apply_compile(pipe, "graphs", backend="eager")
+        assert "cudnn" in handle.attention_kernels.capture_refusals
+        compiled.restore()
+        assert handle.attention_kernels.capture_refusals == {}
+        compiled = apply_compile(pipe, "full", backend="eager")
+        assert handle.attention_kernels.capture_refusals == {}
+        compiled.restore()
+    finally:
+        handle.restore()
+
+
 def test_a_family_is_swept_once_and_failures_leave_it_unmeasured(caplog):
     sweep = FakeSweep({"sdpa": 2.0, "fa4": 1.0})
     c = chooser(1, sweep, takes("sdpa", "fa4"), allow_measure=False)

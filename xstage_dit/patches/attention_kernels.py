@@ -44,6 +44,12 @@ from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, WORLD1_ORDER, B
 
 log = logging.getLogger(__name__)
 
+# Window kernels that a CUDA-graph capture cannot record reliably: cudnn-frontend's window graph failed inside
+# the capture ("operation failed due to a previous error during capture") for 32K x 40 heads / P = 8 on the H200
+# at b3a1445 (benchmarks/results/attention/NOTES.md), and for 4608 x 40 / P = 8 before, where eager runs passed.
+CAPTURE_UNSAFE = {"cudnn": "cudnn-frontend's window graph failed inside CUDA-graph captures on the H200 "
+                           "(b3a1445): not under --compile graphs"}
+
 __all__ = ["KernelChooser"]
 
 # (problem dict, family, allow_measure) -> the sweep holding the family's timings, or None (nothing cached)
@@ -70,6 +76,18 @@ class KernelChooser:
         self._refusals = refusals
         self._sweeps: dict[str, dict] = {}  # family -> {"timings_ms", "source", "path"} (report)
         self._errors: dict[str, str] = {}
+        self.capture_refusals: dict[str, str] = {}  # kernel -> why not, while calls run under CUDA graphs
+
+    def for_cuda_graphs(self) -> Callable[[], None]:
+        """Refuse, from now on, the kernels that failed inside a CUDA-graph capture (``apply_compile(mode=
+        "graphs")`` records the forward); returns the undo. Shapes chosen before keep their choice."""
+        if self.world > 1:  # at world 1 "cudnn" is torch's cuDNN SDPA backend, captured by torch itself
+            self.capture_refusals = dict(CAPTURE_UNSAFE)
+
+        def undo() -> None:
+            self.capture_refusals = {}
+
+        return undo
 
     @property
     def collective(self) -> bool:
@@ -104,6 +122,7 @@ class KernelChooser:
             problem = {**problem, "batch": 1}
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
         refusals = (self._refusals or problem_refusals)(**args, device=problem["device"])
+        refusals = {k: self.capture_refusals.get(k) if r is None else r for k, r in refusals.items()}
         takers = [k for k, r in refusals.items() if r is None]
         timings = None
         # Something to compare only where two candidates take the shape (never on a CPU: the stock kernels
