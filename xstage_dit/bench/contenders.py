@@ -96,7 +96,9 @@ class XStage(Contender):
 
 class XStageCFGBatch(XStage):
     """``xstage-calibrated`` with ``cfg_batch=True``: a step's two guidance calls as one forward on a batch of two
-    (`patches.cfg_batch`), so one run compares it with the calls one by one. Pipelines CFG batching knows only."""
+    (`patches.cfg_batch`). Pipelines CFG batching knows only. The xstage contenders follow ``--cfg-batch``, whose
+    default ("auto") batches those pipelines too: ``--cfg-batch off`` makes ``xstage-calibrated`` the calls one by
+    one, for a run that compares the two."""
 
     def __init__(self, compile: bool):
         super().__init__(compile, "auto")
