@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     import concurrent.futures
 
-    import httpx
+    from xstage_dit.bench.http_client import JsonClient
 
     from xstage_dit.models import load_pipeline, model_spec
     from xstage_dit.models.generation import call_kwargs, request_for, run_pipeline
@@ -165,17 +165,17 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {}
     with serve_pipeline(pipe, args.model, spec, batching="never", max_batch_size=1,
                         warmup_sizes=((item.width, item.height),), request_timeout_s=3600.0) as (url, server):
-        client = httpx.Client(base_url=url, timeout=3600.0)
+        client = JsonClient(url, timeout_s=3600.0)  # as the bench's served rows read the answer (bench.http_client)
         body = {"prompt": PROMPT, "size": f"{item.width}x{item.height}", "seed": 1, "num_inference_steps": args.steps,
                 "guidance_scale": item.guidance, "response_format": "png"}
 
         def served(label="served"):
             started = time.perf_counter()
-            r = client.post("/v1/images/generations", json=body)
+            status, headers, content = client.post("/v1/images/generations", body)
             client_s = time.perf_counter() - started  # the whole answer read
-            if r.status_code != 200:
-                raise RuntimeError(f"expected 200 from the served request, got {r.status_code}: {r.text[:300]}")
-            timings = json.loads(r.headers.get("x-timings") or "{}")
+            if status != 200:
+                raise RuntimeError(f"expected 200 from the served request, got {status}: {content[:300]!r}")
+            timings = json.loads(headers.get("x-timings") or "{}")
             if timings.get("mean_step_s"):
                 step_ms.setdefault(label, []).append(1e3 * timings["mean_step_s"])
             if timings.get("encode_s") is not None and timings.get("total_s") is not None:

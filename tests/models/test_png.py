@@ -111,6 +111,37 @@ def test_incompressible_stripes_are_stored_and_read_back():
     assert fast < slow / 2, f"expected storing noise well under deflating it ({slow:.4f} s), got {fast:.4f} s"
 
 
+@pytest.mark.parametrize("n", [1, 65534, 65535, 65536, 2 * 65535, 200_001])
+def test_stored_blocks_frame_any_length(n):
+    """The stored blocks framed by hand (views, no copy) are deflate's: stdlib zlib inflates them to the bytes,
+    the stream's last block final, a stripe before it left open for the next one."""
+    import zlib
+
+    from xstage_dit.models import png
+
+    data = np.random.default_rng(n).integers(0, 256, size=n, dtype=np.uint8).tobytes()
+    assert zlib.decompress(b"".join(png._stored(memoryview(data), last=True)), -15) == data
+    inflate = zlib.decompressobj(-15)
+    assert inflate.decompress(b"".join(png._stored(memoryview(data), last=False))) == data
+    assert not inflate.eof  # not final: the next stripe continues the stream
+    assert inflate.decompress(b"".join(png._stored(memoryview(b"tail"), last=True))) == b"tail" and inflate.eof
+
+
+def test_a_stored_png_is_a_strictly_valid_zlib_stream():
+    """stdlib zlib (which checks the final block and the Adler-32) inflates the IDAT of a noise PNG, stored
+    stripes all, to the filtered rows."""
+    import struct
+    import zlib
+
+    from xstage_dit.models import png
+
+    noise = np.random.default_rng(9).integers(0, 256, size=(2 * STRIPE_ROWS + 3, 700, 3), dtype=np.uint8)
+    data = encode_png(noise)
+    size, tag = struct.unpack(">I4s", data[33:41])  # after the signature and IHDR
+    assert tag == b"IDAT"
+    assert zlib.decompress(data[41:41 + size]) == png._filtered_rows(noise).tobytes()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts page faults with getrusage (Linux)")
 def test_a_served_image_is_copied_once_not_once_per_chunk():
     """The server encodes on its own thread, a request at a time: there every fresh multi-megabyte bytes object

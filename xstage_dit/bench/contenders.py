@@ -131,6 +131,7 @@ class XStageServed(XStage):
         self.serve = serve
         self._server = None
         self.client = None
+        self.image_client = None
 
     def check(self, b: Bench) -> str | None:
         if self.serve is None:
@@ -142,6 +143,8 @@ class XStageServed(XStage):
     def apply(self, b: Bench) -> None:
         import httpx
 
+        from xstage_dit.bench.http_client import JsonClient
+
         super().apply(b)  # parallelize, then compile (the order the server's loader uses)
         self._server = self.serve(b.pipe, b.args.model, b.spec, batching="never", max_batch_size=1,
                                   warmup_sizes=((b.width, b.height),), max_steps=max(100, b.steps),
@@ -149,7 +152,8 @@ class XStageServed(XStage):
                                   max_pixels=max(2048 * 2048, b.width * b.height),
                                   request_timeout_s=3600.0, max_queue=4)
         url, _ = self._server.__enter__()
-        self.client = httpx.Client(base_url=url, timeout=3600.0)
+        self.client = httpx.Client(base_url=url, timeout=3600.0)  # videos: a job, its event stream, its content
+        self.image_client = JsonClient(url, timeout_s=3600.0)  # images: the answer read as `requests` would
 
     def _body(self, b: Bench, kwargs: dict) -> dict:
         body = {"prompt": kwargs["prompt"], "size": f"{kwargs['width']}x{kwargs['height']}", "seed": b.args.seed,
@@ -168,11 +172,12 @@ class XStageServed(XStage):
             data, timings = self._video(self._body(b, kwargs))
         else:
             # The binary answer: what a client that wants the image (not OpenAI's JSON) asks for.
-            r = self.client.post("/v1/images/generations", json={**self._body(b, kwargs), "response_format": "png"})
-            if r.status_code != 200 or r.headers.get("content-type") != "image/png":
-                raise RuntimeError(f"expected 200 image/png from the served request, got {r.status_code} "
-                                   f"{r.headers.get('content-type')}: {r.text[:300]}")
-            data, timings = r.content, json.loads(r.headers.get("x-timings") or "{}")
+            status, headers, data = self.image_client.post("/v1/images/generations",
+                                                           {**self._body(b, kwargs), "response_format": "png"})
+            if status != 200 or headers.get("content-type") != "image/png":
+                raise RuntimeError(f"expected 200 image/png from the served request, got {status} "
+                                   f"{headers.get('content-type')}: {data[:300]!r}")
+            timings = json.loads(headers.get("x-timings") or "{}")
         # Where a served request's time goes (server: queue, pipeline call, encoding; then HTTP), one entry per
         # call: the overhead over the bare call, located.
         self.info.setdefault("served_timings", []).append({
@@ -206,6 +211,9 @@ class XStageServed(XStage):
         if self.client is not None:
             self.client.close()
             self.client = None
+        if self.image_client is not None:
+            self.image_client.close()
+            self.image_client = None
         server, self._server = self._server, None
         if server is not None:
             server.__exit__(None, None, None)
