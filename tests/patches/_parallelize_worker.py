@@ -87,6 +87,10 @@ CASES = {
     "nucleusmoe": (lambda: _wider(__import__("xstage_dit.models", fromlist=["x"]).load_pipeline("tiny-nucleusmoe", seed=0), 4),
                    dict(prompt=PROMPT, height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
                         max_sequence_length=8), lambda w: dict(sp=w, ep=w)),
+    # CFG's pair as one batch of two over the sharded sequence (the commands' default, --cfg-batch auto)
+    "nucleusmoe-cfgbatch": (lambda: _wider(__import__("xstage_dit.models", fromlist=["x"]).load_pipeline("tiny-nucleusmoe", seed=0), 4),
+                            dict(prompt=PROMPT, height=64, width=64, num_inference_steps=2, guidance_scale=4.0,
+                                 max_sequence_length=8), lambda w: dict(sp=w, ep=w, cfg_batch="auto")),
     "hidream": (lambda: _wider(__import__("xstage_dit.models", fromlist=["x"]).load_pipeline("tiny-hidream", seed=0), 4),
                 dict(prompt=PROMPT, height=64, width=64, num_inference_steps=2, guidance_scale=1.0,
                      max_sequence_length=8), lambda w: dict(sp=w, ep=w)),

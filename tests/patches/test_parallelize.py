@@ -208,8 +208,8 @@ def test_supported_models_table_lists_the_required_families():
 
 # ---------------------------------------------------------------------------------- multi-process
 
-CASES = ["flux", "flux-compile", "flux-uneven", "flux-cfg", "flux-cfg-compile", "wan", "wan-cfg", "nucleusmoe", "hidream", "hidream-cfg",
-         "hunyuan", "hunyuan-full"]
+CASES = ["flux", "flux-compile", "flux-uneven", "flux-cfg", "flux-cfg-compile", "wan", "wan-cfg", "nucleusmoe",
+         "nucleusmoe-cfgbatch", "hidream", "hidream-cfg", "hunyuan", "hunyuan-full"]
 
 
 # At world 4 (4 processes on the 2-core CI machine) only what the issue asks at both sizes.
@@ -268,6 +268,8 @@ def test_parallel_pipelines_match_single_process(world, tmp_path):
         assert compiled_cfg["cfg"] == {"parallel_pairs": 2, "first_pairs": 1}, compiled_cfg
         assert compiled_cfg["warm_keys"] >= 1, compiled_cfg
     assert results["hidream-cfg"]["cfg"]["split_calls"] >= 2, results["hidream-cfg"]
+    if world == 2:  # CFG batching over sp = ep = 2: both steps' pairs ran as one forward each
+        assert results["nucleusmoe-cfgbatch"]["cfg"]["batched_pairs"] == 2, results["nucleusmoe-cfgbatch"]
 
 
 def test_a_dying_rank_stops_the_others(tmp_path):
