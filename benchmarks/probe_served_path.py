@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 
 from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
-from xstage_dit.patches.config import CFG_BATCH_FLAGS, CFG_BATCH_HELP  # noqa: E402
+from xstage_dit.patches.config import add_cfg_batch_option, cfg_batch_of  # noqa: E402
 from xstage_dit.patches.instance_attr import set_on_instance  # noqa: E402
 
 PROMPT = "a red fox in the snow"
@@ -68,8 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", default="regional", choices=COMPILE_MODES)
     p.add_argument("--compile-guards", default="full", choices=GUARD_MODES,
                    help="apply_compile's guards: full, or warm (only the differentiating ones once a call key ran)")
-    p.add_argument("--cfg-batch", nargs="?", const="on", default="auto", choices=tuple(CFG_BATCH_FLAGS),
-                   help="as serve's (default auto): " + CFG_BATCH_HELP)
+    add_cfg_batch_option(p, help_prefix="as serve's: ")
     p.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
                    help="apply_compile's extras: text-encoder, video-vae (default: none)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend (tests: eager, to compile fast)")
@@ -107,7 +106,7 @@ def main(argv=None) -> int:
         raise SystemExit(f"expected an image model (the served mode posts /v1/images/generations), got {spec.kind}")
     pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=0)
     pipe.set_progress_bar_config(disable=True)
-    handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True, cfg_batch=CFG_BATCH_FLAGS[args.cfg_batch]))
+    handle = parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True, cfg_batch=cfg_batch_of(args)))
     invariance = batch_invariant(pipe)  # as the bench's xstage contenders and the server run it
     compiled = apply_compile(pipe, args.compile, guards=args.compile_guards, backend=args.backend,
                              extras=parse_extras(args.compile_extra))

@@ -18,7 +18,7 @@ from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.models.generation import run_pipeline
 from xstage_dit.patches import ParallelConfig, parallelize
-from xstage_dit.patches.config import CFG_BATCH_FLAGS
+from xstage_dit.patches.config import cfg_batch_of
 
 # Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
 MOE_FAMILIES = ("nucleusmoe", "hidream")
@@ -52,7 +52,7 @@ class XStage(Contender):
 
     def _config(self, b: Bench) -> ParallelConfig:
         common = dict(sp=b.world_size, ep=b.world_size if b.spec.family in MOE_FAMILIES else 1, cfg=1,
-                      cfg_batch=CFG_BATCH_FLAGS[getattr(b.args, "cfg_batch", "off")])
+                      cfg_batch=cfg_batch_of(b.args))
         if self.schedule == "serial":
             return ParallelConfig(**common, schedule="serial", calibrate=False)
         return ParallelConfig(**common, schedule="auto", calibrate=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from xstage_dit.errors import UsageError
 from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, parse_extras
-from xstage_dit.patches.config import CFG_BATCH_FLAGS, CFG_BATCH_HELP
+from xstage_dit.patches.config import add_cfg_batch_option
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
@@ -96,8 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-budget-s", type=float, default=0.0,
                         help="wall-clock budget of the whole run, model build included; a contender whose estimated "
                              "cost does not fit is reported 'skipped: time budget' (default: 0 = unlimited)")
-    parser.add_argument("--cfg-batch", nargs="?", const="on", default="auto", choices=tuple(CFG_BATCH_FLAGS),
-                        help="the xstage contenders: " + CFG_BATCH_HELP)
+    add_cfg_batch_option(parser, help_prefix="the xstage contenders: ")
     parser.add_argument("--compile-extra", default="", metavar="NAME[,NAME]",
                         help="the xstage contenders' compiled variants also compile (apply_compile's extras): "
                              "text-encoder = an LLM text encoder's language model whole, video-vae = a video VAE's "

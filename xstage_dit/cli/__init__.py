@@ -26,11 +26,11 @@ _PARALLEL_FIELD = re.compile(r"expected (sp|ep|cfg|timeout_s)\b")
 def parallel_config(args: argparse.Namespace, timeout_flag: str | None = None):
     """The command's one `ParallelConfig`, from --sp/--ep/--cfg (and the timeout option `timeout_flag`,
     e.g. "--collective-timeout"); its validation error becomes a UsageError naming the option."""
-    from xstage_dit.patches.config import CFG_BATCH_FLAGS, ParallelConfig
+    from xstage_dit.patches.config import ParallelConfig, cfg_batch_of
 
     timeout = {} if timeout_flag is None else {"timeout_s": getattr(args, timeout_flag.lstrip("-").replace("-", "_"))}
     try:
-        return ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg, cfg_batch=CFG_BATCH_FLAGS[getattr(args, "cfg_batch", "off")],
+        return ParallelConfig(sp=args.sp, ep=args.ep, cfg=args.cfg, cfg_batch=cfg_batch_of(args),
                               **timeout)
     except ValueError as exc:
         match = _PARALLEL_FIELD.search(str(exc))

@@ -56,9 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE models: 1 or --sp")
     p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree: 1 or 2 (cond/uncond on separate ranks)")
-    from xstage_dit.patches.config import CFG_BATCH_FLAGS, CFG_BATCH_HELP
+    from xstage_dit.patches.config import add_cfg_batch_option
 
-    p.add_argument("--cfg-batch", nargs="?", const="on", default="auto", choices=tuple(CFG_BATCH_FLAGS), help=CFG_BATCH_HELP)
+    add_cfg_batch_option(p)
     from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
 
     add_compile_option(p)

@@ -19,7 +19,7 @@ import os
 import sys
 
 # The defaults of the limits are ServerConfig's own (xstage_dit/server/config.py imports only the standard library).
-from xstage_dit.patches.config import CFG_BATCH_FLAGS, CFG_BATCH_HELP
+from xstage_dit.patches.config import add_cfg_batch_option
 from xstage_dit.server.config import VIDEO_STREAM_POLICIES, ServerConfig as _D
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree, 1 or equal to --sp; default: %(default)s")
     p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree, 1 or 2; default: %(default)s")
-    p.add_argument("--cfg-batch", nargs="?", const="on", default="auto", choices=tuple(CFG_BATCH_FLAGS), help=CFG_BATCH_HELP)
+    add_cfg_batch_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on; default: %(default)s")
     p.add_argument("--port", type=int, default=8000, help="port to listen on; default: %(default)s")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on a GPU, float32 on a CPU")

@@ -309,9 +309,12 @@ def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
     vae_extra = {} if options is None else {"options": dict(options)}  # the VAE decoder: never under graphs
     if mode == "graphs" and backend == "inductor":  # CUDA graphs are Inductor's; other backends test the wiring
         options = {**(options or {}), **GRAPHS_OPTIONS}
-    chooser = getattr(getattr(transformer, "_xstage_parallel_handle", None), "attention_kernels", None)
-    if mode == "graphs" and chooser is not None:  # `parallelize`'s kernel chooser: no kernel a capture breaks
-        handle._undo.append(chooser.for_cuda_graphs())
+    if mode == "graphs":  # `parallelize`'s kernel chooser, where there is one: no kernel a capture breaks
+        from xstage_dit.patches import _MARK
+
+        chooser = getattr(getattr(transformer, _MARK, None), "attention_kernels", None)
+        if chooser is not None:
+            handle._undo.append(chooser.for_cuda_graphs())
     extra = {} if options is None else {"options": dict(options)}
     hows = []
     per_code_object = max_shapes

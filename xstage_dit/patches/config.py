@@ -17,11 +17,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULES = ("auto", "fused", "serial")
-CFG_BATCH = (False, True, "auto")
-# The commands' --cfg-batch values (`xstage-dit generate / serve / bench`; a bare --cfg-batch is "on").
+# The commands' --cfg-batch values (`xstage-dit generate / serve / bench`; a bare --cfg-batch is "on") and the
+# ParallelConfig.cfg_batch each stands for.
 CFG_BATCH_FLAGS = {"auto": "auto", "on": True, "off": False}
+CFG_BATCH = tuple(CFG_BATCH_FLAGS.values())
 CFG_BATCH_HELP = ("a step's two guidance calls as one batch of two (patches.cfg_batch; NucleusMoE, --cfg 1): auto = "
                   "where it applies (default), on = an error where it does not, off")
+
+
+def add_cfg_batch_option(parser, help_prefix: str = "") -> None:
+    """The commands' one ``--cfg-batch [auto|on|off]`` (default auto) on an argparse parser."""
+    parser.add_argument("--cfg-batch", nargs="?", const="on", default="auto", choices=tuple(CFG_BATCH_FLAGS),
+                        help=help_prefix + CFG_BATCH_HELP)
+
+
+def cfg_batch_of(args) -> bool | str:
+    """``ParallelConfig.cfg_batch`` for parsed arguments (`add_cfg_batch_option`'s; "off" where they have none)."""
+    return CFG_BATCH_FLAGS[getattr(args, "cfg_batch", "off")]
 
 
 @dataclass(frozen=True)
