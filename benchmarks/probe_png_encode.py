@@ -6,7 +6,8 @@ page-faults once per 4 KB (the H200 host's served NucleusMoE calls spent 8.6-9.1
 that stores in about 1 ms). This times, in the same run, ``models.png.encode_png`` (one join) against the same
 stripes assembled the old way, each in a process of its own (as the server's), on one long-lived thread with
 ``--pause-ms`` between calls (as requests arrive), for 1024² noise (what random weights make) and a smooth 1024²
-image: median ms and minor page faults a call.
+image: median ms and minor page faults a call; and the one join again with glibc told to keep freed memory
+(`xstage_dit.server.malloc_heap`, what the server applies after warm-up).
 
     python benchmarks/probe_png_encode.py --out-dir benchmarks/results/serving --tag cpu-2core
 
@@ -49,7 +50,8 @@ def images(size: int) -> dict[str, np.ndarray]:
     return {"noise": rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8), "smooth": smooth}
 
 
-ENCODERS = {"one join (encode_png)": "encode_png", "chained + (before 0a74973)": "chained"}
+ENCODERS = {"one join (encode_png)": "encode_png", "chained + (before 0a74973)": "chained",
+            "one join, malloc keeps freed memory (server.malloc_heap)": "encode_png_kept"}
 
 
 def main(argv=None) -> int:
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
                   ("image", "encoder", "median_ms", "min_ms", "faults_per_call", "bytes", "calls"),
                   notes=f"Each encoder in a process of its own ({args.rounds} rounds, alternating), on one long-lived "
                         f"thread, one call every {args.pause_ms:g} ms; median and fastest of the timed calls, minor "
-                        "page faults a call (getrusage, the whole process). Both write the same bytes (checked).",
+                        "page faults a call (getrusage, the whole process). The encoders write the same bytes (checked).",
                   env=environment())
     return 0
 
@@ -111,7 +113,12 @@ def _worker(args) -> int:
     PNG's copies are all about the image's size, so after freeing one the next one of the same size is still
     mapped afresh; after freeing something larger (a 16 MB temporary), they come from the heap, without faults.
     Which of the two a server is in depends on its history; the first is the one that costs."""
-    encode = png.encode_png if args.worker[0] == "encode_png" else chained
+    encode = chained if args.worker[0] == "chained" else png.encode_png
+    if args.worker[0] == "encode_png_kept":  # as the server after its warm-up
+        from xstage_dit.server.malloc_heap import keep_freed_memory
+
+        if not keep_freed_memory()["applied"]:
+            raise RuntimeError(f"malloc_heap.keep_freed_memory did nothing here: {keep_freed_memory()}")
     pixels = np.load(args.worker[1])
     got = []
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xstage-encode") as thread:

@@ -63,6 +63,10 @@ def test_serve_batching_options_reach_the_config(capsys):
     assert _argv(extra)[_argv(extra).index("--compile-extra") + 1] == "text-encoder"
     args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--no-gc-freeze"])
     assert not _config(args).gc_freeze and "--no-gc-freeze" in _argv(args)  # every rank leaves its heap alone
+    assert config.keep_freed_memory and "--no-keep-freed-memory" not in _argv(build_parser().parse_args(
+        ["serve", "--model", "tiny-flux"]))
+    args = build_parser().parse_args(["serve", "--model", "tiny-flux", "--no-keep-freed-memory"])
+    assert not _config(args).keep_freed_memory and "--no-keep-freed-memory" in _argv(args)
     _fails(["serve", "--model", "tiny-flux", "--batching", "sometimes"], capsys, "--batching", "'sometimes'")
     _fails(["serve", "--model", "tiny-flux", "--batch-margin", "-1"], capsys, "--batch-margin", "-1")
 

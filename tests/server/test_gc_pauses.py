@@ -72,6 +72,8 @@ def test_server_freezes_after_warmup_and_reports_pauses(served):
     client, worker = served
     assert gc.get_freeze_count() > 1000, "expected the heap frozen once the server is ready"
     assert worker.model.report["gc_freeze"]["frozen_objects"] > 1000
+    malloc = worker.model.report["malloc"]  # `keep_freed_memory`, applied before the warm-up
+    assert malloc["applied"] or "not glibc" in malloc["reason"], malloc
     r = client.post("/v1/images/generations", json={"prompt": "a red cat", "size": "32x32", "seed": 1,
                                                     "num_inference_steps": 2, "response_format": "png"})
     assert r.status_code == 200, r.text[:300]

@@ -68,6 +68,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="leave the heap alive after warm-up to Python's garbage collector (by default it is frozen "
                         "out of its way: a full collection of a loaded pipeline pauses every thread for a few "
                         "hundred ms)")
+    p.add_argument("--no-keep-freed-memory", action="store_true",
+                   help="leave glibc's malloc thresholds as they are (by default, after warm-up, freed blocks under "
+                        "32 MiB stay mapped so each answer's image buffers do not page-fault: "
+                        "xstage_dit.server.malloc_heap)")
     p.add_argument("--video-stream", choices=VIDEO_STREAM_POLICIES, default=_D.video_stream,
                    help="encode a video's MP4 while its VAE decodes: where the pipeline runs on a GPU (gpu), "
                         "always, or never (encode after the call); default: %(default)s")
@@ -114,8 +118,9 @@ def _config(args: argparse.Namespace):
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
             exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,
-            gc_freeze=not args.no_gc_freeze, video_stream=args.video_stream, warmup_sizes=warmup_sizes,
-            batching=args.batching, batch_margin=args.batch_margin)
+            gc_freeze=not args.no_gc_freeze, keep_freed_memory=not args.no_keep_freed_memory,
+            video_stream=args.video_stream, warmup_sizes=warmup_sizes, batching=args.batching,
+            batch_margin=args.batch_margin)
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None

@@ -100,6 +100,8 @@ class ServerConfig:
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
         (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
         pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
+    keep_freed_memory: after warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.server.malloc_heap`) so
+        each answer's multi-megabyte buffers reuse the heap instead of page-faulting on fresh mappings; process-wide.
     video_stream: encode a video's MP4 while its VAE decodes (`xstage_dit.server.video_stream`): "gpu" where
         the pipeline runs on a GPU (the decode is GPU work and the host's cores are free for x264), "always",
         "never". On a 2-core CPU machine, where the VAE decodes on the same cores, tiny Wan at 832x480 x 81 took
@@ -134,6 +136,7 @@ class ServerConfig:
     warmup: bool = True
     warmup_sizes: tuple = ()
     gc_freeze: bool = True
+    keep_freed_memory: bool = True
     video_stream: str = "gpu"
     batching: str = "auto"
     batch_margin: float = 0.10
@@ -155,6 +158,8 @@ class ServerConfig:
         _check(isinstance(self.stop_check_steps, int) and self.stop_check_steps >= 1, "stop_check_steps",
                "an integer >= 1", self.stop_check_steps)
         _check(isinstance(self.gc_freeze, bool), "gc_freeze", "True or False", self.gc_freeze)
+        _check(isinstance(self.keep_freed_memory, bool), "keep_freed_memory", "True or False",
+               self.keep_freed_memory)
         _check(self.video_stream in VIDEO_STREAM_POLICIES, "video_stream", "gpu, always or never",
                self.video_stream)
         for size in self.warmup_sizes:

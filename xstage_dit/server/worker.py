@@ -42,6 +42,7 @@ from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
 from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
 from xstage_dit.server.jobs import Batch, JobQueue
+from xstage_dit.server.malloc_heap import keep_freed_memory
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store
@@ -146,8 +147,12 @@ class Worker:
 
     def _warmup(self, runner: BatchRunner) -> None:
         """Every rank: warm up (`_warm_sizes`), then freeze the heap alive now out of the garbage collector's
-        way (`gc_pauses`; a full collection would stop a request for a few hundred ms) and count its pauses."""
+        way (`gc_pauses`; a full collection would stop a request for a few hundred ms) and count its pauses.
+        Before the warm-up, malloc is told to keep freed memory (`malloc_heap`): the warm-up's answers then leave
+        the heap that later answers reuse without page faults."""
         self._gc.install()
+        if self.config.keep_freed_memory:
+            self.model.report["malloc"] = keep_freed_memory()
         if self.config.warmup:
             self._warm_sizes(runner)
         if self.config.gc_freeze:
