@@ -6,7 +6,7 @@ Every image answer allocates a few buffers about the image's size: the PNG's fil
 JSON's base64, the client's read of the body (3-12 MB each for 1024² to 2048²). glibc maps a block that large
 afresh (``mmap`` at or above its mmap threshold: 128 KiB at first, raised only when a mapped block is freed) and
 hands a heap top above its trim threshold back to the kernel, so a server that answers now and then touches fresh
-pages on every request and faults once per 4 KiB. Measured on the 2-core machine (2026-12-06): a 1024² PNG of
+pages on every request and faults once per 4 KiB. Measured on the 2-core machine (2026-12-05): a 1024² PNG of
 noise encoded on the main thread (where ``xstage-dit serve``'s event loop writes the JSON answer), one call every
 50 ms, took 4.5 ms and 1504 minor faults a call, against 1.7 ms and none once this is applied (the same encode on
 a worker thread: 1.7-1.8 ms and no faults either way; `tests/server/test_malloc_heap.py` holds the bound).
