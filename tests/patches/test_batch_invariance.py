@@ -123,3 +123,43 @@ def test_batch_invariant_for_patches_images_only(tiny_flux):
     handle.restore()
     with pytest.raises(ValueError, match="'audio'"):
         batch_invariant_for(tiny_flux, "audio")
+
+
+def test_padded_text_attention_runs_each_sample_at_its_own_text_length():
+    """NucleusMoE's attention (image queries over image + padded text keys): each sample alone, its text cut after
+    its last real token; the same values as the padded call (masked keys add nothing), one mask read a forward, and
+    restore() puts the processors back."""
+    from xstage_dit.patches.batch_invariance import _TrimmedTextAttention
+
+    pipe = load_pipeline("tiny-nucleusmoe", seed=0)
+    blocks = [m for m in pipe.transformer.modules() if hasattr(m, "set_processor")]
+    originals = [m.processor for m in blocks]
+    handle = batch_invariant(pipe)
+    try:
+        assert handle.describe()["per_sample_trimmed_attentions"] == len(blocks) > 0
+        attn, wrapper = blocks[0], blocks[0].processor
+        assert isinstance(wrapper, _TrimmedTextAttention)
+        g = torch.Generator().manual_seed(0)
+        image, text = 16, 7
+        hidden = torch.randn(3, image, pipe.transformer.config.num_attention_heads
+                             * pipe.transformer.config.attention_head_dim, generator=g)
+        context = torch.randn(3, text, attn.add_k_proj.in_features, generator=g)
+        mask = torch.ones(3, image + text, dtype=torch.bool)
+        mask[0, image + 4:] = False  # 4 real text tokens, then padding
+        mask[2, image + 6:] = False
+        half = attn.inner_dim // attn.heads // 2
+        rotary = (torch.polar(torch.ones(image, half), torch.rand(image, half, generator=g)),
+                  torch.polar(torch.ones(text, half), torch.rand(text, half, generator=g)))
+        seen = []
+        inner = wrapper.inner
+        wrapper.inner = lambda a, h, c, m, r: seen.append((h.shape[0], c.shape[1], m.shape[1])) or inner(a, h, c, m, r)
+        with torch.no_grad():
+            got = wrapper(attn, hidden, context, mask, rotary)
+            want = inner(attn, hidden, context, mask, rotary)
+        wrapper.inner = inner
+        assert seen == [(1, 4, image + 4), (1, 7, image + 7), (1, 6, image + 6)]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert wrapper._lengths["mask"] is mask and wrapper._lengths["lengths"] == [4, 7, 6]
+    finally:
+        handle.restore()
+    assert [m.processor for m in blocks] == originals

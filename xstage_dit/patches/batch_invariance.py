@@ -29,7 +29,17 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
 - **VAE decode**: one image at a time (``enable_slicing``): cuDNN may pick another convolution algorithm for
   another batch size.
 
-Attention, norms and elementwise ops are per sample already. The server still checks the result at warm-up
+- **Attention over padded text** (NucleusMoE: image queries attend to image + text keys, the text padded to the
+  longest prompt of the call and masked): the keys a sample's softmax sums over grow with its neighbours' prompts,
+  and a kernel that blocks its reduction by the key length sums the real keys in another order (the CPU's, on an
+  AMD EPYC in float32: one pixel of a 128² tiny NucleusMoE image one level apart, alone against batched with a
+  longer prompt under CFG batching). Each sample's attention runs alone with its text cut after its last real token
+  (`_TrimmedTextAttention`), the length it has alone whatever it is batched with. On the CPU only: a GPU's flash
+  kernels (cuDNN, FlashAttention, torch's memory-efficient SDPA) block the keys in fixed tiles, where masked
+  padding adds exact zeros after the real keys' sums, so the padding changes nothing there; and a per-sample,
+  data-dependent cut would cost the GPU a host read a forward and recompile a compiled block per text length.
+
+Norms and elementwise ops are per sample already. The server still checks the result at warm-up
 (`server.batcher`): a size whose batched images differ from its single ones runs first come, first served.
 """
 
@@ -50,6 +60,8 @@ SMALL_ROWS = 16  # batches up to this many images share one kernel for their few
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
 NARROW_FEATURES = 256  # a linear layer with fewer outputs runs one sample at a time (few output tiles)
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+# transformer classes whose attention takes padded text keys and a (batch, image + text) mask
+_PADDED_TEXT_ATTENTION = ("NucleusMoEImageTransformer2DModel",)
 
 
 class BatchInvarianceHandle:
@@ -59,11 +71,13 @@ class BatchInvarianceHandle:
         self._undo: list[Callable[[], None]] = []
         self.linears = 0
         self.convs = 0
+        self.trimmed_attentions = 0
         self.encoders: list[str] = []
         self.vae_sliced = False
 
     def describe(self) -> dict:
         return {"small_row_linears": self.linears, "per_sample_convs": self.convs,
+                "per_sample_trimmed_attentions": self.trimmed_attentions,
                 "per_prompt_encoders": list(self.encoders),
                 "vae_one_image_at_a_time": self.vae_sliced}
 
@@ -100,6 +114,53 @@ def _per_sample_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _one_sample_at_a_time(forward, x)
 
 
+class _TrimmedTextAttention:
+    """An attention processor's call made per sample, each with its text cut after its last real token.
+
+    Takes the processor's (attn, hidden_states (B, N_img, C), encoder_hidden_states (B, N_txt, C_txt),
+    attention_mask (B, N_img + N_txt) bool, image_rotary_emb (img_freqs, txt_freqs with N_txt rows)); anything else
+    (no mask, other shapes, extra arguments) goes to the processor as it is. The text lengths are read once per
+    mask (every block of a forward gets the same mask tensor): one host read a forward, not one a block."""
+
+    def __init__(self, inner: Any, lengths: dict) -> None:
+        self.inner, self._lengths = inner, lengths
+
+    def __getattr__(self, name: str) -> Any:  # the processor's own attributes (backend, parallel config)
+        if name in ("inner", "_lengths"):  # not set yet (a copy being built): no recursion through here
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None,
+                 **kwargs):
+        plain = (attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb)
+        if kwargs or not self._trimmable(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb):
+            return self.inner(*plain, **kwargs)
+        image = hidden_states.shape[1]
+        img_freqs, txt_freqs = image_rotary_emb
+        outs = []
+        for i, length in enumerate(self._text_lengths(attention_mask, image)):
+            outs.append(self.inner(attn, hidden_states[i:i + 1], encoder_hidden_states[i:i + 1, :length],
+                                   attention_mask[i:i + 1, :image + length], (img_freqs, txt_freqs[:length])))
+        return torch.cat(outs)
+
+    @staticmethod
+    def _trimmable(hidden_states, text, mask, rotary) -> bool:
+        return (hidden_states.device.type == "cpu" and isinstance(text, torch.Tensor) and text.dim() == 3
+                and text.shape[1] > 0 and isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+                and mask.shape == (hidden_states.shape[0], hidden_states.shape[1] + text.shape[1])
+                and isinstance(rotary, (tuple, list)) and len(rotary) == 2 and isinstance(rotary[1], torch.Tensor)
+                and rotary[1].shape[0] == text.shape[1])
+
+    def _text_lengths(self, mask: torch.Tensor, image: int) -> list[int]:
+        """Each sample's text through its last real token; cached on the mask tensor itself (a slice of it would be
+        a new tensor every call)."""
+        if self._lengths.get("mask") is not mask:
+            text_mask = mask[:, image:]
+            positions = torch.arange(1, text_mask.shape[1] + 1, device=mask.device)
+            self._lengths.update(mask=mask, lengths=(text_mask * positions).amax(dim=1).tolist())
+        return self._lengths["lengths"]
+
+
 def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
     handle._undo.append(set_on_instance(module, "forward", forward))
 
@@ -134,6 +195,17 @@ def _per_prompt(forward: Callable) -> Callable:
         return _merge(parts)
 
     return run
+
+
+def _trim_text_attention(model: torch.nn.Module, handle: BatchInvarianceHandle) -> None:
+    lengths: dict = {}  # shared by the blocks: one read of the text lengths a forward
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if processor is None or isinstance(processor, _TrimmedTextAttention) or not hasattr(module, "set_processor"):
+            continue
+        module.processor = _TrimmedTextAttention(processor, lengths)
+        handle._undo.append(functools.partial(setattr, module, "processor", processor))
+        handle.trimmed_attentions += 1
 
 
 def batch_invariant_for(pipe: Any, kind: str) -> BatchInvarianceHandle | None:
@@ -174,6 +246,8 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
                 elif type(module) in _CONVS:
                     _patch_forward(module, functools.partial(_per_sample_conv, module), handle)
                     handle.convs += 1
+            if type(model).__name__ in _PADDED_TEXT_ATTENTION:
+                _trim_text_attention(model, handle)
         for name in _TEXT_ENCODERS:
             encoder = getattr(pipe, name, None)
             if isinstance(encoder, torch.nn.Module):
