@@ -7,7 +7,7 @@ that stores in about 1 ms). This times, in the same run, ``models.png.encode_png
 stripes assembled the old way, each in a process of its own (as the server's), on one long-lived thread with
 ``--pause-ms`` between calls (as requests arrive), for 1024² noise (what random weights make) and a smooth 1024²
 image: median ms and minor page faults a call; and the one join again with glibc told to keep freed memory
-(`xstage_dit.server.malloc_heap`, what the server applies after warm-up).
+(`xstage_dit.models.malloc_heap`, what the server applies after warm-up).
 
     python benchmarks/probe_png_encode.py --out-dir benchmarks/results/serving --tag cpu-2core
 
@@ -51,7 +51,7 @@ def images(size: int) -> dict[str, np.ndarray]:
 
 
 ENCODERS = {"one join (encode_png)": "encode_png", "chained + (before 0a74973)": "chained",
-            "one join, malloc keeps freed memory (server.malloc_heap)": "encode_png_kept"}
+            "one join, malloc keeps freed memory (models.malloc_heap)": "encode_png_kept"}
 
 
 def main(argv=None) -> int:
@@ -115,7 +115,7 @@ def _worker(args) -> int:
     Which of the two a server is in depends on its history; the first is the one that costs."""
     encode = chained if args.worker[0] == "chained" else png.encode_png
     if args.worker[0] == "encode_png_kept":  # as the server after its warm-up
-        from xstage_dit.server.malloc_heap import keep_freed_memory
+        from xstage_dit.models.malloc_heap import keep_freed_memory
 
         if not keep_freed_memory()["applied"]:
             raise RuntimeError(f"malloc_heap.keep_freed_memory did nothing here: {keep_freed_memory()}")

@@ -328,6 +328,8 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     expected = ({n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
                 | {n + "+compile:full" for n in ("xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served")})
     assert set(rows) == expected
+    malloc = record["summary"]["settings"]["malloc_keeps_freed_memory"]  # a served row: set before every row
+    assert malloc["applied"] or "not glibc" in malloc["reason"], malloc
 
     base = rows["diffusers"]
     assert base["status"] == "ok"

@@ -71,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-keep-freed-memory", action="store_true",
                    help="leave glibc's malloc thresholds as they are (by default, after warm-up, freed blocks under "
                         "32 MiB stay mapped so each answer's image buffers do not page-fault: "
-                        "xstage_dit.server.malloc_heap)")
+                        "xstage_dit.models.malloc_heap)")
     p.add_argument("--video-stream", choices=VIDEO_STREAM_POLICIES, default=_D.video_stream,
                    help="encode a video's MP4 while its VAE decodes: where the pipeline runs on a GPU (gpu), "
                         "always, or never (encode after the call); default: %(default)s")

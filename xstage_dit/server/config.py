@@ -100,7 +100,7 @@ class ServerConfig:
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
         (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
         pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
-    keep_freed_memory: after warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.server.malloc_heap`) so
+    keep_freed_memory: before warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.models.malloc_heap`) so
         each answer's multi-megabyte buffers reuse the heap instead of page-faulting on fresh mappings; process-wide.
     video_stream: encode a video's MP4 while its VAE decodes (`xstage_dit.server.video_stream`): "gpu" where
         the pipeline runs on a GPU (the decode is GPU work and the host's cores are free for x264), "always",

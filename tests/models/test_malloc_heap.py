@@ -1,4 +1,4 @@
-"""`server.malloc_heap.keep_freed_memory`: an image's buffers stop page-faulting once it is applied.
+"""`models.malloc_heap.keep_freed_memory`: an image's buffers stop page-faulting once it is applied.
 
 Each case runs in a child process: the setting is process-wide and must not change the rest of the suite."""
 
@@ -17,7 +17,7 @@ _CHILD = r"""
 import json, resource, sys, time
 import numpy as np
 from xstage_dit.models.png import encode_png
-from xstage_dit.server.malloc_heap import keep_freed_memory
+from xstage_dit.models.malloc_heap import keep_freed_memory
 report = keep_freed_memory() if sys.argv[1] == "kept" else None
 again = keep_freed_memory() if sys.argv[1] == "kept" else None
 pixels = np.random.default_rng(0).integers(0, 256, size=(1024, 1024, 3), dtype=np.uint8)

@@ -9,7 +9,7 @@ hands a heap top above its trim threshold back to the kernel, so a server that a
 pages on every request and faults once per 4 KiB. Measured on the 2-core machine (2026-12-05): a 1024² PNG of
 noise encoded on the main thread (where ``xstage-dit serve``'s event loop writes the JSON answer), one call every
 50 ms, took 4.5 ms and 1504 minor faults a call, against 1.7 ms and none once this is applied (the same encode on
-a worker thread: 1.7-1.8 ms and no faults either way; `tests/server/test_malloc_heap.py` holds the bound).
+a worker thread: 1.7-1.8 ms and no faults either way; `tests/models/test_malloc_heap.py` holds the bound).
 
 ``keep_freed_memory()`` fixes the mmap threshold at 32 MiB (glibc's largest, half its 64 MiB arena heap on
 64-bit) and the trim threshold at `TRIM_BYTES`: blocks under 32 MiB come from the heap, and up to `TRIM_BYTES`
@@ -17,9 +17,10 @@ of free memory at an arena's top stays mapped for the next request. The price is
 `TRIM_BYTES` per malloc arena that held such buffers (a serving process uses a handful of threads). Blocks of 32
 MiB and more (video frames, host copies of latents) are still mapped and unmapped as before.
 
-It is process-wide and not undone on shutdown (glibc cannot restore its dynamic threshold); the server applies
-it after warm-up unless ``ServerConfig.keep_freed_memory`` is False. On a C library other than glibc it does
-nothing and says so.
+It is process-wide and not undone on shutdown (glibc cannot restore its dynamic threshold). The server applies it
+before its warm-up unless ``ServerConfig.keep_freed_memory`` is False; ``xstage-dit bench`` applies it at its start
+where a served contender runs, so the bare and the served rows of one run allocate alike. On a C library other
+than glibc it does nothing and says so.
 """
 
 from __future__ import annotations
