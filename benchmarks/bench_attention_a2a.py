@@ -84,7 +84,11 @@ def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    # Captured on the stream just warmed: without `stream=`, torch.cuda.graph captures on its own class-wide side
+    # stream, where a library that keeps per-stream state (a cuDNN handle's workspace for the stream it is set to)
+    # may first set it up mid-capture, which invalidates the capture: the suspected cause, not yet confirmed on the
+    # GPU, of cudnn-frontend's failed 32K x 40 / P = 8 row at b3a1445 ("a previous error during capture").
+    with torch.cuda.graph(graph, stream=stream):
         for _ in range(n):
             fn()
     graph.replay()
