@@ -7,7 +7,7 @@ that stores in about 1 ms). This times, in the same run, ``models.png.encode_png
 stripes assembled the old way, each in a process of its own (as the server's), on one long-lived thread with
 ``--pause-ms`` between calls (as requests arrive), for 1024² noise (what random weights make) and a smooth 1024²
 image: median ms and minor page faults a call; and the one join again with glibc told to keep freed memory
-(`xstage_dit.models.malloc_heap`, what the server applies after warm-up).
+(`xstage_dit.models.malloc_heap`, what the server applies before its warm-up).
 
     python benchmarks/probe_png_encode.py --out-dir benchmarks/results/serving --tag cpu-2core
 
@@ -114,11 +114,12 @@ def _worker(args) -> int:
     mapped afresh; after freeing something larger (a 16 MB temporary), they come from the heap, without faults.
     Which of the two a server is in depends on its history; the first is the one that costs."""
     encode = chained if args.worker[0] == "chained" else png.encode_png
-    if args.worker[0] == "encode_png_kept":  # as the server after its warm-up
+    if args.worker[0] == "encode_png_kept":  # as the server from before its warm-up
         from xstage_dit.models.malloc_heap import keep_freed_memory
 
-        if not keep_freed_memory()["applied"]:
-            raise RuntimeError(f"malloc_heap.keep_freed_memory did nothing here: {keep_freed_memory()}")
+        kept = keep_freed_memory()
+        if not kept["applied"]:
+            raise RuntimeError(f"malloc_heap.keep_freed_memory did nothing here: {kept}")
     pixels = np.load(args.worker[1])
     got = []
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="xstage-encode") as thread:

@@ -69,7 +69,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "out of its way: a full collection of a loaded pipeline pauses every thread for a few "
                         "hundred ms)")
     p.add_argument("--no-keep-freed-memory", action="store_true",
-                   help="leave glibc's malloc thresholds as they are (by default, after warm-up, freed blocks under "
+                   help="leave glibc's malloc thresholds as they are (by default, from before warm-up, freed blocks under "
                         "32 MiB stay mapped so each answer's image buffers do not page-fault: "
                         "xstage_dit.models.malloc_heap)")
     p.add_argument("--video-stream", choices=VIDEO_STREAM_POLICIES, default=_D.video_stream,
