@@ -84,10 +84,9 @@ def graph_time_ms(fn, target_ms: float = 30.0, reps: int = 7) -> float:
         fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    # Captured on the stream just warmed: without `stream=`, torch.cuda.graph captures on its own class-wide side
-    # stream, where a library that keeps per-stream state (a cuDNN handle's workspace for the stream it is set to)
-    # may first set it up mid-capture, which invalidates the capture: the suspected cause, not yet confirmed on the
-    # GPU, of cudnn-frontend's failed 32K x 40 / P = 8 row at b3a1445 ("a previous error during capture").
+    # Captured on the stream just warmed (torch.cuda.graph would otherwise capture on its own class-wide stream,
+    # where a library with per-stream state sets it up mid-capture). Not the cause of cudnn-frontend's capture
+    # failures: 4608 x 40 / P = 2 still failed this way on an H100 at c5f5f69 (attention NOTES).
     with torch.cuda.graph(graph, stream=stream):
         for _ in range(n):
             fn()
