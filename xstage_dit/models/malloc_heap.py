@@ -45,27 +45,28 @@ def keep_freed_memory() -> dict:
 
     {"applied": bool, "mmap_threshold": bytes, "trim_threshold": bytes} or {"applied": False, "reason": str}."""
     global _APPLIED
-    if _APPLIED is not None:
-        return dict(_APPLIED)
+    if _APPLIED is None:
+        _APPLIED = _set_thresholds()
+    return dict(_APPLIED)
+
+
+def _set_thresholds() -> dict:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)
         mallopt, version = libc.mallopt, libc.gnu_get_libc_version
     except (OSError, AttributeError, TypeError):
-        _APPLIED = {"applied": False, "reason": f"not glibc (C library {name!r}): malloc left as it is"}
-        return dict(_APPLIED)
+        return {"applied": False, "reason": f"not glibc (C library {name!r}): malloc left as it is"}
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     version.restype = ctypes.c_char_p
     # The mmap threshold first: glibc refuses one above its limit without touching anything, while the trim
     # threshold, once set, turns the dynamic thresholds off and would leave every image buffer mapped afresh.
     if not mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
-        _APPLIED = {"applied": False, "reason": f"glibc {version().decode()} refused an mmap threshold of "
-                                                f"{MMAP_THRESHOLD} bytes: malloc left as it is"}
-        log.warning("%s", _APPLIED["reason"])
-        return dict(_APPLIED)
+        reason = f"glibc {version().decode()} refused an mmap threshold of {MMAP_THRESHOLD} bytes: malloc left as it is"
+        log.warning("%s", reason)
+        return {"applied": False, "reason": reason}
     mallopt(_M_TRIM_THRESHOLD, TRIM_BYTES)  # always accepted
-    _APPLIED = {"applied": True, "glibc": version().decode(), "mmap_threshold": MMAP_THRESHOLD,
-                "trim_threshold": TRIM_BYTES}
     log.info("malloc keeps freed memory: blocks under %d MiB from the heap, %d MiB of free heap kept per arena",
              MMAP_THRESHOLD >> 20, TRIM_BYTES >> 20)
-    return dict(_APPLIED)
+    return {"applied": True, "glibc": version().decode(), "mmap_threshold": MMAP_THRESHOLD,
+            "trim_threshold": TRIM_BYTES}
