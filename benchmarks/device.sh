@@ -6,7 +6,7 @@
 #
 # Steps (each writes under $OUT/<step>/, then everything is packed into $OUT/device.tgz, since at most
 # 8 files come back from a device call):
-#   env          GPU, driver, torch/triton/cuDNN/diffusers versions
+#   env          GPU, driver, torch/triton/cuDNN/diffusers versions; the host's load, steal, GPU neighbours, core jitter
 #   tests        the gpu/multigpu-marked tests (scripts/gpu_tests.sh; TESTS="tests/ops ..." narrows them)
 #   calibration  burst-kernel build, calibration GPU tests, bench_calibration.py (local + host targets)
 #   attention    bench_attention_a2a.py (ATTN_ARGS adds options)
@@ -66,6 +66,22 @@ limit() { local var="${1^^}_S"; var="${var//-/_}"; echo "${!var:-$2}"; }
 
 step_env() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.total --format=csv
+  # How busy the host is besides us: its load, CPU time stolen by a hypervisor, other processes on the GPU, and
+  # how steady one core's speed is (a host-bound call, NucleusMoE's, is only as steady as this).
+  echo "loadavg $(cat /proc/loadavg) nproc $(nproc)"
+  nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv
+  "$py" - <<'EOF'
+import statistics, time
+def cpu():
+    with open("/proc/stat") as f:
+        return [int(x) for x in f.readline().split()[1:]]
+a = cpu(); ms = []
+for _ in range(40):
+    t0 = time.perf_counter(); sum(i * i for i in range(200_000)); ms.append(1e3 * (time.perf_counter() - t0))
+b = cpu(); d = [y - x for x, y in zip(a, b)]
+print(f"host: one-core loop {statistics.median(ms):.1f} ms median, {min(ms):.1f}-{max(ms):.1f} over 40; "
+      f"steal {100 * d[7] / max(1, sum(d)):.2f} % iowait {100 * d[4] / max(1, sum(d)):.2f} % of all CPU time meanwhile")
+EOF
   "$py" - <<'EOF'
 import importlib.metadata as md, torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version())
