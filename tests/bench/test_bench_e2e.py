@@ -765,3 +765,37 @@ def test_served_video_is_timed_through_the_job_api(tmp_path):
 def test_the_report_says_how_often_each_prompt_was_timed():
     assert report._repeats({"repeats": 5}) == ", each timed 5 times in a row"
     assert report._repeats({"repeats": 1}) == report._repeats({}) == ""  # older results: no such key
+
+
+def test_served_rows_are_paired_with_the_bare_row_of_their_configuration():
+    """Issue 15's served / bare: each served sample over the bare sample of the same round, prompt and repeat
+    (xstage-calibrated, else xstage-serial; the same compile setting), as a geometric mean with its interval,
+    in the row, its note and the summary; recomputed, never stale."""
+    bare, served = [0.573, 0.5725, 0.5741], [0.5802, 0.5787, 0.579]
+    records = [_ok("diffusers", 0.7, latencies=[0.7, 0.7, 0.7]),
+               _ok("xstage-serial", 0.9, latencies=[0.9, 0.9, 0.9]),
+               _ok("xstage-calibrated", 0.573, latencies=bare),
+               _ok("xstage-served", 0.579, latencies=served),
+               _ok("xstage-serial+compile", 0.40, compile=True, latencies=[0.40]),
+               _ok("xstage-served+compile", 0.41, compile=True, latencies=[0.41], family="xstage-served")]
+    stats.add_comparisons(records, default_steps=4, steps=4)
+    rec = {r["name"]: r for r in records}
+    eager, compiled = rec["xstage-served"], rec["xstage-served+compile"]
+    assert eager["served_bare_row"] == "xstage-calibrated" and eager["served_over_bare_pairs"] == 3
+    assert eager["served_over_bare"] == pytest.approx(math.prod(s / b for s, b in zip(served, bare)) ** (1 / 3))
+    lo, hi = eager["served_over_bare_ci95"]
+    assert 1 < lo < eager["served_over_bare"] < hi < 1.02
+    # no xstage-calibrated+compile row: the compiled served row pairs with the serial one; one pair, no interval
+    assert compiled["served_bare_row"] == "xstage-serial+compile" and compiled["served_over_bare_ci95"] is None
+    assert compiled["served_over_bare"] == pytest.approx(0.41 / 0.40)
+    assert "served_over_bare" not in rec["xstage-calibrated"]
+    report.add_notes(records, {"default_steps": 4})
+    assert f"served / bare {eager['served_over_bare']:.3f}x (95% CI {lo:.3f}-{hi:.3f}, 3 pair(s) with " \
+           "xstage-calibrated): within 1.02" in eager["note"]
+    assert "served / bare 1.025x (1 pair(s) with xstage-serial+compile): over 1.02" in compiled["note"]
+    summary = stats.build_summary(records, {"steps": 4})["contenders"]
+    assert summary["xstage-served"]["served_over_bare_ci95"] == [lo, hi]
+    # without its bare rows, a served row has no such field (not a stale one)
+    records = [r for r in records if not r["name"].startswith(("xstage-calibrated", "xstage-serial"))]
+    stats.add_comparisons(records, default_steps=4, steps=4)
+    assert all("served_over_bare" not in r for r in records)

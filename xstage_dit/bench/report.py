@@ -10,7 +10,7 @@ from pathlib import Path
 
 from xstage_dit.bench.results import git_commit, write_results
 from xstage_dit.bench.session import Bench, error_text
-from xstage_dit.bench.stats import add_comparisons, build_summary
+from xstage_dit.bench.stats import SERVED_OVER_BARE_TARGET, add_comparisons, build_summary
 from xstage_dit.errors import UsageError
 
 
@@ -50,10 +50,21 @@ def add_notes(rows: list[dict], settings: dict) -> None:
         if "baseline_round_spread_pct" in r:
             notes.append(f"round medians {', '.join(f'{m:.3f}' for m in r['round_medians_s'])} s "
                          f"(spread {r['baseline_round_spread_pct']:.1f}%)")
+        if r.get("served_over_bare") is not None:
+            notes.append(served_note(r))
         if "latency_s_at_default_steps_extrapolated" in r:
             notes.append(f"{r['latency_s_at_default_steps_extrapolated']:.2f} s at {settings['default_steps']} "
                          "steps (extrapolated from the measured step time, not measured)")
         r["note"] = "; ".join(n for n in notes if n).replace("|", "/").replace("\n", " ")
+
+
+def served_note(row: dict) -> str:
+    """``served / bare 1.011x (95% CI 1.009-1.013, 24 pairs with xstage-calibrated): within 1.02``."""
+    ratio, ci = row["served_over_bare"], row.get("served_over_bare_ci95")
+    spread = f"95% CI {ci[0]:.3f}-{ci[1]:.3f}, " if ci else ""
+    within = "within" if ratio <= SERVED_OVER_BARE_TARGET else "over"
+    return (f"served / bare {ratio:.3f}x ({spread}{row['served_over_bare_pairs']} pair(s) with "
+            f"{row['served_bare_row']}): {within} {SERVED_OVER_BARE_TARGET}")
 
 
 def rounds_text(settings: dict) -> str:
@@ -85,6 +96,11 @@ def notes_text(settings: dict) -> str:
         "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
         "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
         "speedup_vs_xstage_serial: the difference the calibrated schedule makes. " + rounds_text(s),
+        "",
+        "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
+        "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "
+        "prompt and repeat, with its 95% t-interval, against issue 15's bound of "
+        f"{SERVED_OVER_BARE_TARGET} (by the ratio itself).",
         "",
         "verdict (eager xstage rows): the geometric mean of the paired latency ratios xstage / diffusers (same "
         "round, same prompt; below 1 = faster) with its 95% t-interval; \"slower\" or \"faster\" only when the "

@@ -84,7 +84,14 @@ def paired_ratios(row: dict, baselines: Sequence[dict]) -> list[float]:
 # it has seen (after every contender, and on --rerender) without leaving a stale value behind.
 DERIVED_FIELDS = ("speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compile", "speedup_vs_xstage_serial",
                   "baseline_drift_pct", "baseline_round_spread_pct", "ratio_vs_diffusers", "ratio_ci95",
-                  "ratio_pairs", "verdict", "not_slower_than_diffusers", "latency_s_at_default_steps_extrapolated")
+                  "ratio_pairs", "verdict", "not_slower_than_diffusers", "latency_s_at_default_steps_extrapolated",
+                  "served_over_bare", "served_over_bare_ci95", "served_over_bare_pairs", "served_bare_row")
+
+#: Issue 15's bound on what serving may add: a served request at most this many times the bare call.
+SERVED_OVER_BARE_TARGET = 1.02
+#: The bare row a served row is compared with: the same configuration (`xstage-served` is `xstage-calibrated`
+#: behind the server), else the serial schedule (the same at world 1 but for the attention kernel's choice).
+SERVED_BARE_ROWS = ("xstage-calibrated", "xstage-serial")
 
 
 def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
@@ -132,10 +139,25 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
                      verdict=stats["verdict"])
             if stats["pairs"] >= 2:  # one pair has no spread: no claim either way
                 r["not_slower_than_diffusers"] = stats["verdict"] != "slower"
+        if r["family"] == "xstage-served":
+            _served_over_bare(r, [row for row in (ok_row(name + suffix) for name in SERVED_BARE_ROWS) if row])
         if steps != default_steps:
             # Not measured: the measured latency plus the missing steps at the measured step time.
             r["latency_s_at_default_steps_extrapolated"] = (
                 r["median_s"] + (default_steps - steps) * r["transformer_step_ms"] / 1e3)
+
+
+def _served_over_bare(row: dict, bare_rows: list[dict]) -> None:
+    """What the server costs: the served row's latencies over the first of `bare_rows` (same compile setting)
+    that has samples to pair, paired as `paired_ratios` pairs (same round, prompt and repeat; in interleaved
+    rounds a slow spell of the machine then lands in both), as the geometric mean with its 95 % interval."""
+    for bare in bare_rows:
+        pairs = paired_ratios(row, [bare])
+        if pairs:
+            stats = ratio_verdict(pairs)
+            row.update(served_over_bare=stats["ratio"], served_over_bare_ci95=stats["ci95"],
+                       served_over_bare_pairs=stats["pairs"], served_bare_row=bare["name"])
+            return
 
 
 def build_summary(rows: list[dict], settings: dict) -> dict:
@@ -148,7 +170,7 @@ def build_summary(rows: list[dict], settings: dict) -> dict:
             contenders[r["name"]] = {"status": "ok", "median_latency_s": r["median_s"],
                                      "speedup_vs_diffusers_1gpu": r.get("speedup_vs_diffusers_1gpu")}
             for key in ("baseline_drift_pct", "baseline_round_spread_pct", "not_slower_than_diffusers", "verdict",
-                        "ratio_vs_diffusers", "ratio_ci95"):
+                        "ratio_vs_diffusers", "ratio_ci95", "served_over_bare", "served_over_bare_ci95"):
                 if key in r:
                     contenders[r["name"]][key] = r[key]
         else:
