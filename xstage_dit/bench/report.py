@@ -59,7 +59,7 @@ def add_notes(rows: list[dict], settings: dict) -> None:
 
 
 def served_note(row: dict) -> str:
-    """``served / bare 1.011x (95% CI 1.009-1.013, 24 pairs with xstage-calibrated): within 1.02``."""
+    """``served / bare 1.011x (95% CI 1.009-1.013, 24 pair(s) with xstage-calibrated): within 1.02``."""
     ratio, ci = row["served_over_bare"], row.get("served_over_bare_ci95")
     spread = f"95% CI {ci[0]:.3f}-{ci[1]:.3f}, " if ci else ""
     within = "within" if ratio <= SERVED_OVER_BARE_TARGET else "over"
