@@ -64,13 +64,13 @@ def parse_variant(name: str) -> tuple[str, dict | None, bool, str]:
 
 def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, frames: int, dtype, device):
     if model == "flux":
-        from xstage_dit.models.flux import build_transformer
-        from xstage_dit.models.flux_inputs import transformer_inputs
+        from xstage_dit.families.flux import build_transformer
+        from xstage_dit.families.flux_inputs import transformer_inputs
 
         t = build_transformer(size, dtype=dtype, device=device)
         return t, transformer_inputs(t.config, height=height, width=width, text_tokens=512, dtype=dtype,
                                      device=device, seed=0)
-    from xstage_dit.models.wan import build_transformer
+    from xstage_dit.families.wan import build_transformer
 
     t = build_transformer(size, dtype=dtype, device=device)
     cfg = t.config
@@ -84,8 +84,8 @@ def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, f
 
 def measure_transformer(args, variants: list[str], device, dtype, rows: list[dict], save) -> list[dict]:
     """Appends one row per variant to ``rows`` and calls ``save()`` after each (a run cut short keeps them)."""
-    from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.compile import apply_compile
+    from xstage_dit.features import ParallelConfig, parallelize
+    from xstage_dit.features.compile import apply_compile
 
     transformer, inputs = _transformer_and_inputs(args.model, args.size, height=args.height, width=args.width,
                                                   frames=args.frames, dtype=dtype, device=device)
@@ -153,8 +153,8 @@ class _Pipe:
 def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
     from diffusers import AutoencoderKL
 
-    from xstage_dit.models.build import build_module
-    from xstage_dit.models.flux import VAE
+    from xstage_dit.families.build import build_module
+    from xstage_dit.families.flux import VAE
 
     vae = build_module(lambda: AutoencoderKL(**VAE[args.size]), seed=3, device=device, dtype=dtype)
     gen = torch.Generator(device="cpu").manual_seed(0)

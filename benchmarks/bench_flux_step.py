@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, time_ms, write_results  # noqa: E402
-from xstage_dit.models.flux import build_transformer  # noqa: E402
-from xstage_dit.models.flux_inputs import transformer_inputs  # noqa: E402
+from xstage_dit.families.flux import build_transformer  # noqa: E402
+from xstage_dit.families.flux_inputs import transformer_inputs  # noqa: E402
 
 COLUMNS = ("model", "variant", "resolution", "image_tokens", "text_tokens", "dtype", "median_ms", "p20_ms",
            "p80_ms", "reps", "params_million", "peak_mem_gib", "build_s")

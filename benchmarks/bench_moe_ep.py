@@ -31,7 +31,7 @@ from bench_moe_combine import env_info  # noqa: E402
 
 from xstage_dit.comm.distributed import init_distributed  # noqa: E402
 from xstage_dit.ops.moe import MoEKernelConfig  # noqa: E402
-from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer  # noqa: E402
+from xstage_dit.features.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer  # noqa: E402
 
 
 def build(model: str, tiny: bool, device, dtype):

@@ -2,7 +2,7 @@
 expert-choice path (``ops.moe.expert_choice``: static offsets, fused kernel, no host sync), eager and
 compiled, on one GPU.
 
-Shape (``xstage_dit/models/nucleusmoe.py`` "full"): hidden 2048, 64 experts x 1344, the two capacity factors
+Shape (``xstage_dit/families/nucleusmoe.py`` "full"): hidden 2048, 64 experts x 1344, the two capacity factors
 of its MoE blocks (4.0 in two blocks, 2.0 in 27); 1024^2 -> 4096 image tokens, batch 2 (CFG). Random
 weights (timing does not depend on their values), bf16. Rows, per capacity factor: ``diffusers`` (eager,
 the baseline column), ``ep-world1/fused`` (eager), and both under ``torch.compile`` (Inductor,
@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
-from xstage_dit.models.nucleusmoe import TRANSFORMER  # noqa: E402
-from xstage_dit.patches.compile_fixes import fix_grouped_mm_offsets  # noqa: E402
-from xstage_dit.patches.ep_layers import NucleusMoEEPLayer  # noqa: E402
+from xstage_dit.families.nucleusmoe import TRANSFORMER  # noqa: E402
+from xstage_dit.features.compile_fixes import fix_grouped_mm_offsets  # noqa: E402
+from xstage_dit.features.ep_layers import NucleusMoEEPLayer  # noqa: E402
 
 BATCH = 2  # classifier-free guidance: the conditional and unconditional rows in one call
 TOKENS = 4096  # 1024^2 image: (1024 / 8 / 2)^2 patches

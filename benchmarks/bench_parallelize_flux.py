@@ -65,7 +65,7 @@ def _inputs(device, dtype, seed=0):
 
 
 def _build(device, dtype):
-    from xstage_dit.models.flux import build_transformer
+    from xstage_dit.families.flux import build_transformer
 
     return build_transformer("tiny" if SMOKE else "full", dtype=dtype, device=device, seed=0)
 
@@ -94,7 +94,7 @@ def _time_ms(fn, warmup: int, reps: int) -> tuple[float, list[float]]:
 
 def single(args) -> dict:
     """World-1 rows; saves the world-1 outputs for the 2-rank comparison."""
-    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.features import ParallelConfig, parallelize
 
     device, dtype = (torch.device("cpu"), torch.float32) if SMOKE else (torch.device("cuda"), torch.bfloat16)
     t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def single(args) -> dict:
 def rank_main(args) -> int:
     """One of the 2 ranks sharing the GPU: parallelize(sp=2), check, time; rank 0 saves its output."""
     from xstage_dit.comm.distributed import init_distributed
-    from xstage_dit.patches import ParallelConfig, parallelize
+    from xstage_dit.features import ParallelConfig, parallelize
 
     info = init_distributed(timeout_s=300)
     dtype = torch.float32 if SMOKE else torch.bfloat16

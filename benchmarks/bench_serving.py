@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when run as a script
 
 from _common import environment, write_results  # noqa: E402
-from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
+from xstage_dit.features.compile import COMPILE_MODES  # noqa: E402
 
 COLUMNS = ["size", "concurrency", "policy", "status", "mean_s", "p95_s", "images_per_s", "max_batch", "reason"]
 
@@ -85,9 +85,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.compile import apply_compile, default_compile_mode
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.features import ParallelConfig, parallelize
+    from xstage_dit.features.compile import apply_compile, default_compile_mode
     from xstage_dit.server.inprocess import serve_pipeline
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else

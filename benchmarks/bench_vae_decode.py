@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, whe
 from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
 
 # model -> (VAE builder module, dtype the pipeline gives its VAE, spatial compression)
-VAES = {"nucleusmoe": ("xstage_dit.models.nucleusmoe", torch.bfloat16, 8), "wan": ("xstage_dit.models.wan", torch.float32, 8)}
+VAES = {"nucleusmoe": ("xstage_dit.families.nucleusmoe", torch.bfloat16, 8), "wan": ("xstage_dit.families.wan", torch.float32, 8)}
 
 
 def parse_case(text: str) -> tuple[str, int, int, int]:
@@ -52,7 +52,7 @@ def build_vae(model: str, device, size: str = "full"):
 
     from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
-    from xstage_dit.models.build import build_module
+    from xstage_dit.families.build import build_module
 
     module_name, dtype, _ = VAES[model]
     config = importlib.import_module(module_name).VAE[size]
@@ -68,7 +68,7 @@ def variant_vae(model: str, variant: str, device, size: str, backend: str):
     convolutions in 2-D, a one-frame latent decoded without the frame cache); ``2d+compile`` those with the
     one-frame decoder compiled, as `apply_compile` leaves it. Each variant has its own VAE (same seed, same
     weights), so switching between them in the rounds changes nothing Dynamo guards on."""
-    from xstage_dit.patches.one_frame_vae import one_frame_convs_as_2d, one_frame_decode
+    from xstage_dit.features.one_frame_vae import one_frame_convs_as_2d, one_frame_decode
 
     vae, dtype = build_vae(model, device, size)
     if variant.startswith("3d"):

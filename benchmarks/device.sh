@@ -156,7 +156,7 @@ step_moe() {
 
 step_moe_world1() {
   timeout "$(limit moe-world1 400)" bash -c "
-    '$py' -m pytest -q -s -rs --tb=short -p no:cacheprovider -o addopts='' tests/patches/test_ep_world1.py -m gpu;
+    '$py' -m pytest -q -s -rs --tb=short -p no:cacheprovider -o addopts='' tests/features/test_ep_world1.py -m gpu;
     '$py' benchmarks/bench_moe_world1.py --out-dir '$1' --commit '$XSTAGE_GIT_COMMIT' ${MOE_WORLD1_ARGS:-}"
 }
 

@@ -7,7 +7,7 @@ that stores in about 1 ms). This times, in the same run, ``models.png.encode_png
 stripes assembled the old way, each in a process of its own (as the server's), on one long-lived thread with
 ``--pause-ms`` between calls (as requests arrive), for 1024² noise (what random weights make) and a smooth 1024²
 image: median ms and minor page faults a call; and the one join again with glibc told to keep freed memory
-(`xstage_dit.models.malloc_heap`, what the server applies before its warm-up).
+(`xstage_dit.runtime.malloc_heap`, what the server applies before its warm-up).
 
     python benchmarks/probe_png_encode.py --out-dir benchmarks/results/serving --tag cpu-2core
 
@@ -32,7 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.models import png  # noqa: E402
+from xstage_dit.runtime import png  # noqa: E402
 
 
 def chained(pixels: np.ndarray) -> bytes:
@@ -115,7 +115,7 @@ def _worker(args) -> int:
     Which of the two a server is in depends on its history; the first is the one that costs."""
     encode = chained if args.worker[0] == "chained" else png.encode_png
     if args.worker[0] == "encode_png_kept":  # as the server from before its warm-up
-        from xstage_dit.models.malloc_heap import keep_freed_memory
+        from xstage_dit.runtime.malloc_heap import keep_freed_memory
 
         kept = keep_freed_memory()
         if not kept["applied"]:

@@ -54,9 +54,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
-from xstage_dit.patches.config import add_cfg_batch_option, cfg_batch_of  # noqa: E402
-from xstage_dit.patches.instance_attr import set_on_instance  # noqa: E402
+from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
+from xstage_dit.features.config import add_cfg_batch_option, cfg_batch_of  # noqa: E402
+from xstage_dit.features.instance_attr import set_on_instance  # noqa: E402
 
 PROMPT = "a red fox in the snow"
 
@@ -87,11 +87,11 @@ def main(argv=None) -> int:
 
     from xstage_dit.bench.http_client import JsonClient
 
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.models.generation import call_kwargs, request_for, run_pipeline
-    from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.batch_invariance import batch_invariant
-    from xstage_dit.patches.compile import apply_compile
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.runtime.generation import call_kwargs, request_for, run_pipeline
+    from xstage_dit.features import ParallelConfig, parallelize
+    from xstage_dit.features.batch_invariance import batch_invariant
+    from xstage_dit.features.compile import apply_compile
     from xstage_dit.server.config import ServedModel
     from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
     from xstage_dit.server.inprocess import serve_pipeline

@@ -101,7 +101,7 @@ def group_sync_points(stacks: list[list[traceback.FrameSummary]], context: int =
 
 
 def main(argv=None) -> int:
-    from xstage_dit.patches.compile import COMPILE_MODES
+    from xstage_dit.features.compile import COMPILE_MODES
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="full-nucleusmoe")
@@ -114,17 +114,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("expected a CUDA GPU: torch.cuda.set_sync_debug_mode needs one")
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.models.generation import call_kwargs, run_pipeline
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.runtime.generation import call_kwargs, run_pipeline
 
     device = torch.device("cuda")
     spec = model_spec(args.model)
     pipe = load_pipeline(args.model, dtype=torch.bfloat16, device=device, seed=0)
     pipe.set_progress_bar_config(disable=True)
     if args.variant == "xstage":
-        from xstage_dit.patches import ParallelConfig, parallelize
-        from xstage_dit.patches.batch_invariance import batch_invariant_for
-        from xstage_dit.patches.compile import apply_compile
+        from xstage_dit.features import ParallelConfig, parallelize
+        from xstage_dit.features.batch_invariance import batch_invariant_for
+        from xstage_dit.features.compile import apply_compile
 
         parallelize(pipe, ParallelConfig(schedule="auto", calibrate=True))
         batch_invariant_for(pipe, spec.kind)

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.patches.compile import COMPILE_MODES  # noqa: E402
+from xstage_dit.features.compile import COMPILE_MODES  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -37,10 +37,10 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=4)
     p.add_argument("--out-dir", default="benchmarks/results/serving")
     args = p.parse_args(argv)
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.models.generation import call_kwargs, run_pipeline
-    from xstage_dit.patches import ParallelConfig, parallelize
-    from xstage_dit.patches.compile import apply_compile
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.runtime.generation import call_kwargs, run_pipeline
+    from xstage_dit.features import ParallelConfig, parallelize
+    from xstage_dit.features.compile import apply_compile
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -2,7 +2,7 @@
 # Runs the GPU-marked tests (`pytest -m "gpu or multigpu"`) on a GPU machine and writes a report.
 #
 #   scripts/gpu_tests.sh                      # every gpu/multigpu test
-#   scripts/gpu_tests.sh tests/models         # only some files (extra arguments go to pytest)
+#   scripts/gpu_tests.sh tests/families         # only some files (extra arguments go to pytest)
 #   scripts/gpu_tests.sh --multi              # only the multigpu tests (NCCL serial attention, the fused
 #                                             # path and EP between separate GPUs, the NVLink peer target)
 #

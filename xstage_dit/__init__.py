@@ -19,9 +19,9 @@ _LAZY = {
     "XStageParams": "xstage_dit.xstage",
     "calibrate": "xstage_dit.calibration.runner",
     "CalibrationConfig": "xstage_dit.calibration.runner",
-    "parallelize": "xstage_dit.patches",
-    "ParallelConfig": "xstage_dit.patches",
-    "load_pipeline": "xstage_dit.models",
+    "parallelize": "xstage_dit.features",
+    "ParallelConfig": "xstage_dit.features",
+    "load_pipeline": "xstage_dit.families",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -54,7 +54,7 @@ def test_bench_flux_step_writes_json_and_markdown(tmp_path):
 def test_transformer_inputs_validate_and_match_the_pipeline():
     from diffusers import FluxPipeline
 
-    from xstage_dit.models.flux_inputs import image_ids, transformer_inputs
+    from xstage_dit.families.flux_inputs import image_ids, transformer_inputs
 
     ours = image_ids(3, 5, device="cpu", dtype=torch.float32)
     theirs = FluxPipeline._prepare_latent_image_ids(1, 3, 5, "cpu", torch.float32)

@@ -15,7 +15,7 @@ import torch
 
 from xstage_dit import cli
 from xstage_dit.bench import contenders, xfuser_stack
-from xstage_dit.models import load_pipeline
+from xstage_dit.families import load_pipeline
 
 
 @pytest.fixture(scope="module")

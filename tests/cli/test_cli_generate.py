@@ -93,7 +93,7 @@ def test_generate_video_as_mp4_and_as_frame_grid(tmp_path, capsys):
 
 
 def test_generate_from_a_local_diffusers_folder(tmp_path, capsys):
-    from xstage_dit.models import load_pipeline
+    from xstage_dit.families import load_pipeline
 
     load_pipeline("tiny-flux", seed=2).save_pretrained(tmp_path / "my-flux")
     out = tmp_path / "local.png"

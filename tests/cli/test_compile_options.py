@@ -10,7 +10,7 @@ import pytest
 from xstage_dit.cli import build_parser, main
 from xstage_dit.cli.compile_options import compile_mode, parse_warmup_sizes
 from xstage_dit.errors import UsageError
-from xstage_dit.models import model_spec
+from xstage_dit.families import model_spec
 
 
 def _fails(argv, capsys, *needles):

@@ -16,10 +16,10 @@ import pytest
 import xstage_dit
 from xstage_dit.errors import UsageError
 from xstage_dit.cli.validate import check_parallel
-from xstage_dit.models import load_transformer, model_names, model_spec
-from xstage_dit.models.experts import FAMILIES, ExpertShard
-from xstage_dit.patches import check_degrees
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.families import load_transformer, model_names, model_spec
+from xstage_dit.families.experts import FAMILIES, ExpertShard
+from xstage_dit.features import check_degrees
+from xstage_dit.features.config import ParallelConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGET_S = 3.0

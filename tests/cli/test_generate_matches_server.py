@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from xstage_dit.cli import main
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.features.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.startup import model_loader
@@ -70,7 +70,7 @@ def test_generate_and_server_give_the_same_png_on_cuda(tmp_path):
 def test_the_one_request_and_generator_rule():
     from dataclasses import replace
 
-    from xstage_dit.models.generation import GenerationRequest, generators_for, pipeline_kwargs
+    from xstage_dit.runtime.generation import GenerationRequest, generators_for, pipeline_kwargs
 
     request = GenerationRequest(kind="image", prompt="a fox", width=16, height=16, steps=1, guidance=1.0, seed=5, n=3)
     generators = generators_for(request)

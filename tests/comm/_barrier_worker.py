@@ -119,7 +119,7 @@ def failing_forward(info, group, mode: str) -> dict:
     from diffusers.hooks import HookRegistry
 
     from xstage_dit.comm.agreement import RankFailed
-    from xstage_dit.patches.collective_safety import CollectiveSafetyHook
+    from xstage_dit.features.collective_safety import CollectiveSafetyHook
 
     model = TwoFusedCalls(group, info.rank, mode)
     HookRegistry.check_if_exists_or_initialize(model).register_hook(

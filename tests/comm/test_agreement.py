@@ -1,5 +1,5 @@
 """`xstage_dit.comm.agreement` in one process (world 1: nothing exchanged); the multi-rank behaviour
-(same error on every rank within 10 s) is tested end to end in tests/patches/test_families.py."""
+(same error on every rank within 10 s) is tested end to end in tests/features/test_families.py."""
 
 from __future__ import annotations
 

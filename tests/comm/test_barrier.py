@@ -295,7 +295,7 @@ class Tiny(torch.nn.Module):
 def _hooked(check_inputs=False):
     from diffusers.hooks import HookRegistry
 
-    from xstage_dit.patches.collective_safety import CollectiveSafetyHook
+    from xstage_dit.features.collective_safety import CollectiveSafetyHook
 
     model = Tiny()
     HookRegistry.check_if_exists_or_initialize(model).register_hook(

@@ -22,7 +22,7 @@ def _nbytes(*tensors) -> int:
 
 @contextmanager
 def count_expert_loads():
-    from xstage_dit.models import experts
+    from xstage_dit.families import experts
 
     seen = {"expert_bytes": 0, "expert_tensors_read": 0}
 

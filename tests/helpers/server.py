@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xstage_dit.models.generation import to_uint8
+from xstage_dit.runtime.generation import to_uint8
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.ranks import LoadedModel
 from xstage_dit.server.worker import Worker
@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def tiny(model: str = "tiny-flux", seed: int = 0):
     """(pipeline, ServedModel) of a built-in tiny model: real diffusers classes, random weights."""
-    from xstage_dit.models import load_pipeline, model_spec
+    from xstage_dit.families import load_pipeline, model_spec
 
     pipe = load_pipeline(model, dtype=torch.float32, device="cpu", seed=seed)
     return pipe, ServedModel.from_spec(model, model_spec(model))

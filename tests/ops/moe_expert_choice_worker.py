@@ -14,7 +14,7 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 import torch  # noqa: E402
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer  # noqa: E402
 
-import xstage_dit.patches.ep_layers as ep_layers  # noqa: E402
+import xstage_dit.features.ep_layers as ep_layers  # noqa: E402
 from tests.helpers.host_syncs import count_host_syncs  # noqa: E402
 from xstage_dit.ops.moe import MoEKernelConfig  # noqa: E402
 from xstage_dit.schedule.facts import DeviceFacts  # noqa: E402

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.comm.launcher import run_rank_processes
-from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
+from xstage_dit.features.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
 from tests.helpers.tolerances import rel_err
 
 BF16_REL_TOL = 2e-2
@@ -169,7 +169,7 @@ def test_ep_layer_rejects_indivisible_experts():
     class FakeGroup:
         pass
 
-    with mock.patch("xstage_dit.patches.ep_layers.world_of", return_value=(0, 3)):
+    with mock.patch("xstage_dit.features.ep_layers.world_of", return_value=(0, 3)):
         with pytest.raises(ValueError, match="num_experts=8, world_size=3"):
             NucleusMoEEPLayer.from_layer(layer, FakeGroup())
 

@@ -2,7 +2,7 @@
 (`ops.moe.expert_choice`) against diffusers' own ``NucleusMoELayer`` on fresh random inputs, with no host
 sync per forward and no graph break under ``torch.compile``. CPU: the reference and grouped paths in fp32;
 the fused Triton path under ``TRITON_INTERPRET=1`` in a subprocess (the flag must be set before triton is
-imported). The GPU comparison and timing: tests/patches/test_ep_world1.py."""
+imported). The GPU comparison and timing: tests/features/test_ep_world1.py."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import torch
 from tests.helpers.host_syncs import count_host_syncs
 from xstage_dit.ops.moe import EXPERT_CHOICE_PATHS, expert_choice_moe, ep_moe_forward
 from xstage_dit.ops.moe.expert_choice import expert_choice_slots
-from xstage_dit.patches.ep_layers import NucleusMoEEPLayer
-from xstage_dit.patches.nucleus_routing import nucleus_routing
+from xstage_dit.features.ep_layers import NucleusMoEEPLayer
+from xstage_dit.features.nucleus_routing import nucleus_routing
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,7 +162,7 @@ def test_token_score_sums_table_form_equals_diffusers_scatter_add(shape):
     """The fixed-order form CUDA uses (a dense (B, E, S) table summed over experts, since the scatter-add is
     atomic there and changed the last bit of a gate between two H200 runs) against diffusers' scatter-add,
     both run here; the scatter-add is what the CPU keeps (bit-equal to the unsharded layer)."""
-    from xstage_dit.patches.nucleus_routing import token_score_sums
+    from xstage_dit.features.nucleus_routing import token_score_sums
 
     B, S, E, cf = shape
     capacity = max(1, math.ceil(cf * S / E))

@@ -104,7 +104,7 @@ def _inputs(batch=2, seq=300, hidden=256):
 
 def test_ep_layer_fused_world1_matches_diffusers():
     pytest.importorskip("diffusers")
-    from xstage_dit.patches.ep_layers import NucleusMoEEPLayer
+    from xstage_dit.features.ep_layers import NucleusMoEEPLayer
 
     layer = _nucleus_layer()
     x, xu, t = _inputs()
@@ -119,7 +119,7 @@ def _shared_gpu_worker(rank, world, port, queue):
         os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
         import torch.distributed as dist
 
-        from xstage_dit.patches.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
+        from xstage_dit.features.ep_layers import HiDreamMoEEPLayer, NucleusMoEEPLayer
 
         torch.cuda.set_device(0)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.batching import Batcher, Probe, decide
 from xstage_dit.server.jobs import Job, JobQueue
 from xstage_dit.server.metrics import Metrics

@@ -60,7 +60,7 @@ def test_with_cfg_batching_an_image_is_the_same_bytes_alone_or_among_concurrent_
     longest; the bytes must not move (or the batcher must have kept the requests apart)."""
     import torch
 
-    from xstage_dit.patches.config import ParallelConfig
+    from xstage_dit.features.config import ParallelConfig
     from xstage_dit.server import startup
     from xstage_dit.server.ranks import RankContext
     from xstage_dit.server.worker import Worker

@@ -37,9 +37,9 @@ def test_calibration_route_shows_each_shapes_kernel_choice(monkeypatch):
     faster), and the sweep's families."""
     import httpx
 
-    import xstage_dit.patches.attention_kernels as ak
+    import xstage_dit.features.attention_kernels as ak
     from xstage_dit.calibration.kernel_sweep import KernelSweep
-    from xstage_dit.patches.config import ParallelConfig
+    from xstage_dit.features.config import ParallelConfig
     from xstage_dit.server.app import create_app
     from xstage_dit.server.config import ServerConfig
     from xstage_dit.server.ranks import RankContext
@@ -74,7 +74,7 @@ def test_calibration_route_shows_the_patches_outside_the_transformer():
     one-frame decodes and CFG batching's pairs, and says why CFG batching is on."""
     import httpx
 
-    from xstage_dit.patches.config import ParallelConfig
+    from xstage_dit.features.config import ParallelConfig
     from xstage_dit.server.app import create_app
     from xstage_dit.server.config import ServerConfig
     from xstage_dit.server.ranks import RankContext

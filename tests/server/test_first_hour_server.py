@@ -16,8 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from xstage_dit.models import load_pipeline, model_spec
-from xstage_dit.models.generation import call_kwargs
+from xstage_dit.families import load_pipeline, model_spec
+from xstage_dit.runtime.generation import call_kwargs
 from xstage_dit.server.announce import ready_lines
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServedModel, ServerConfig

@@ -10,7 +10,7 @@ import time
 import httpx
 
 from tests.helpers.server import one_torch_thread, tiny
-from xstage_dit.models import model_spec
+from xstage_dit.families import model_spec
 from xstage_dit.server.inprocess import loopback_listener, serve_pipeline
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-from xstage_dit.models.generation import to_uint8
+from xstage_dit.runtime.generation import to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from tests.helpers.server import (assert_same_image, decode_png, live_server, one_torch_thread, reference_image,
@@ -301,7 +301,7 @@ def test_the_json_answer_written_once_equals_the_payload(sizes):
     import os
     import types
 
-    from xstage_dit.models.generation import GenerationRequest
+    from xstage_dit.runtime.generation import GenerationRequest
     from xstage_dit.server.jobs import COMPLETED, Job
     from xstage_dit.server.routes.images import image_json, image_payload
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from xstage_dit.models import model_spec
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.families import model_spec
+from xstage_dit.features.config import ParallelConfig
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.startup import model_loader
 from xstage_dit.server.ranks import RankContext

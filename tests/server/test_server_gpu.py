@@ -7,7 +7,7 @@ import httpx
 import pytest
 import torch
 
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.features.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.startup import model_loader
@@ -37,8 +37,8 @@ def test_tiny_flux_server_on_gpu():
 def test_video_stream_on_gpu():
     """Tiny Wan on the GPU: each decoded chunk is copied to pinned host memory without a wait in the pipeline's
     thread (the encoder thread waits on its event), and the MP4 is the output's, byte for byte."""
-    from xstage_dit.models import load_pipeline, model_spec
-    from xstage_dit.models.generation import GenerationRequest
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.runtime.generation import GenerationRequest
     from xstage_dit.server.config import ServedModel
     from xstage_dit.server.media import mp4_bytes
     from xstage_dit.server.runner import BatchRunner

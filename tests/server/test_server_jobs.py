@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobQueue, QueueFull, Unavailable
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from xstage_dit.models.generation import to_uint8
+from xstage_dit.runtime.generation import to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from tests.helpers.server import (assert_same_image, decode_png, live_server, one_torch_thread, reference_image,

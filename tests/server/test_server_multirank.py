@@ -30,7 +30,7 @@ def test_two_ranks_answer_with_the_single_process_image(two_rank_server):
     assert health["world_size"] == 2 and [r["rank"] for r in health["ranks"]] == [0, 1]
     report = client.get("/v1/calibration").json()
     assert report["parallel"]["world_size"] == 2 and "schedules" in report and "calibration" in report
-    if importlib.util.find_spec("xstage_dit.patches") is not None:
+    if importlib.util.find_spec("xstage_dit.features") is not None:
         assert report["parallel"]["mode"] == "parallelized", report["parallel"]  # not two copies of one pipeline
     r = client.post("/v1/images/generations", json={"prompt": "a red cat", "seed": 3, "size": "32x32",
                                                     "num_inference_steps": 2})

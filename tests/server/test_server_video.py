@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from xstage_dit.models.generation import read_mp4, to_uint8
+from xstage_dit.runtime.generation import read_mp4, to_uint8
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.media import mp4_bytes
@@ -26,7 +26,7 @@ def _one_torch_thread():
 
 
 def _has_tiny_wan() -> bool:
-    from xstage_dit.models import model_names
+    from xstage_dit.families import model_names
 
     return "tiny-wan" in model_names()
 

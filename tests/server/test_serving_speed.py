@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server import worker as worker_module
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote

@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server import media, video_stream
 from xstage_dit.server.runner import BatchRunner, BatchStopped
 from tests.helpers.server import one_torch_thread, tiny

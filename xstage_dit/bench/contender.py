@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.bench.session import Bench
-from xstage_dit.patches.compile import parse_extras
+from xstage_dit.features.compile import parse_extras
 
 
 class Contender:

@@ -16,9 +16,9 @@ from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
 from xstage_dit.jsonable import to_jsonable
-from xstage_dit.models.generation import run_pipeline
-from xstage_dit.patches import ParallelConfig, parallelize
-from xstage_dit.patches.config import cfg_batch_of
+from xstage_dit.runtime.generation import run_pipeline
+from xstage_dit.features import ParallelConfig, parallelize
+from xstage_dit.features.config import cfg_batch_of
 
 # Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
 MOE_FAMILIES = ("nucleusmoe", "hidream")
@@ -66,7 +66,7 @@ class XStage(Contender):
 
     def apply(self, b: Bench) -> None:
         self.handle = parallelize(b.pipe, self._config(b))
-        from xstage_dit.patches.batch_invariance import batch_invariant_for
+        from xstage_dit.features.batch_invariance import batch_invariant_for
 
         # the pipeline `serve` and `generate` run: a batch of images computed as its images alone
         self.invariance = batch_invariant_for(b.pipe, b.spec.kind)
@@ -108,7 +108,7 @@ class XStageCFGBatch(XStage):
         return dataclasses.replace(super()._config(b), cfg_batch=True)
 
     def check(self, b: Bench) -> str | None:
-        from xstage_dit.patches.cfg_batch import GUIDANCE
+        from xstage_dit.features.cfg_batch import GUIDANCE
 
         if b.spec.pipeline_class not in GUIDANCE:
             return f"CFG batching does not know {b.spec.pipeline_class} (it knows {', '.join(sorted(GUIDANCE))})"
@@ -230,7 +230,7 @@ class _EncodedOutput:
     def _decode(self) -> np.ndarray:
         if self._pixels is None:
             if self.kind == "video":
-                from xstage_dit.models.generation import read_mp4
+                from xstage_dit.runtime.generation import read_mp4
 
                 self._pixels = read_mp4(self.data).astype(np.float32)[None] / 255.0
             else:

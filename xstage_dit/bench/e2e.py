@@ -54,8 +54,8 @@ from xstage_dit.bench.session import TORCH_DTYPES, Bench, gpu_label, load_prompt
 from xstage_dit.comm.distributed import init_distributed
 from xstage_dit.comm.launcher import launch
 from xstage_dit.errors import UsageError
-from xstage_dit.models import load_pipeline, model_spec
-from xstage_dit.models.malloc_heap import keep_freed_memory
+from xstage_dit.families import load_pipeline, model_spec
+from xstage_dit.runtime.malloc_heap import keep_freed_memory
 
 
 def launch_ranks(args: argparse.Namespace, gpus: int) -> int:

@@ -16,8 +16,8 @@ import shlex
 from pathlib import Path
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, parse_extras
-from xstage_dit.patches.config import add_cfg_batch_option
+from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, parse_extras
+from xstage_dit.features.config import add_cfg_batch_option
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
@@ -80,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contenders", default=",".join(CONTENDERS),
                         help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
     parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full,graphs}",
-                        help="also run each contender with torch.compile of the transformer (xstage_dit.patches.compile): "
+                        help="also run each contender with torch.compile of the transformer (xstage_dit.features.compile): "
                              "regional = diffusers' compile_repeated_blocks (each repeated block compiled once; the "
                              "whole module where a model has none), full = torch.compile of the whole transformer, "
                              "graphs = full under CUDA graphs; "

@@ -57,7 +57,7 @@ class Bench:
     """Everything a contender needs: the pipeline, the settings, where this rank sits, the clock."""
 
     args: argparse.Namespace
-    spec: object  # xstage_dit.models.ModelSpec
+    spec: object  # xstage_dit.families.ModelSpec
     pipe: object  # diffusers.DiffusionPipeline
     device: torch.device
     dtype: torch.dtype
@@ -79,7 +79,7 @@ class Bench:
         """Drop the pipeline and build it again (after a contender that cannot be undone)."""
         import gc
 
-        from xstage_dit.models import load_pipeline
+        from xstage_dit.families import load_pipeline
 
         self.pipe = None
         self.compiled = None
@@ -93,7 +93,7 @@ class Bench:
         self.dirty = None
 
     def call_kwargs(self, prompt: str, steps: int) -> dict:
-        from xstage_dit.models.generation import call_kwargs
+        from xstage_dit.runtime.generation import call_kwargs
 
         return call_kwargs(self.pipe, self.spec, prompt=prompt, height=self.height, width=self.width,
                            frames=self.frames if self.spec.kind == "video" else None, steps=steps,
@@ -110,7 +110,7 @@ class Bench:
         ``compile_repeated_blocks``; full: the whole forward; graphs: full under CUDA graphs), with the image
         VAE's decoder where `vae`, under `guards` ("full" or "warm", `apply_compile`'s), with `extras`
         (`apply_compile`'s: text-encoder, video-vae); returns how."""
-        from xstage_dit.patches.compile import apply_compile
+        from xstage_dit.features.compile import apply_compile
 
         self.compiled = apply_compile(self.pipe, mode or self.args.compile, vae=vae, guards=guards,
                                       extras=extras)

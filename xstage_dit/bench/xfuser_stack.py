@@ -31,7 +31,7 @@ import torch
 
 from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.session import Bench, error_text
-from xstage_dit.patches.instance_attr import keep_instance_attr
+from xstage_dit.features.instance_attr import keep_instance_attr
 
 XFUSER_PIN = "0.7.0"  # pyproject.toml, extra "bench"
 

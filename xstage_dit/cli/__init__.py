@@ -26,7 +26,7 @@ _PARALLEL_FIELD = re.compile(r"expected (sp|ep|cfg|timeout_s)\b")
 def parallel_config(args: argparse.Namespace, timeout_flag: str | None = None):
     """The command's one `ParallelConfig`, from --sp/--ep/--cfg (and the timeout option `timeout_flag`,
     e.g. "--collective-timeout"); its validation error becomes a UsageError naming the option."""
-    from xstage_dit.patches.config import ParallelConfig, cfg_batch_of
+    from xstage_dit.features.config import ParallelConfig, cfg_batch_of
 
     timeout = {} if timeout_flag is None else {"timeout_s": getattr(args, timeout_flag.lstrip("-").replace("-", "_"))}
     try:

@@ -1,6 +1,6 @@
 """The options `serve`, `generate` and `bench` share for torch.compile and warm-up, and their checks.
 
---compile {off,regional,full,graphs}: `xstage_dit.patches.compile` (default: regional on a GPU, off on a CPU).
+--compile {off,regional,full,graphs}: `xstage_dit.features.compile` (default: regional on a GPU, off on a CPU).
 --warmup-sizes WxH[,WxH...]: extra sizes compiled (and, for serve, measured by the batcher) at warm-up.
 --max-compiled-shapes N: transformer input shapes compiled before further ones run eager.
 --compile-guards {full,warm}: Dynamo's guards on every call, or only the differentiating ones once warm.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from xstage_dit.errors import UsageError
-from xstage_dit.patches.compile import COMPILE_MODES as COMPILE_CHOICES, GUARD_MODES, GUARDS_HELP
+from xstage_dit.features.compile import COMPILE_MODES as COMPILE_CHOICES, GUARD_MODES, GUARDS_HELP
 
 
 def add_compile_option(parser: argparse.ArgumentParser, *, optional_value: bool = False) -> None:
@@ -40,7 +40,7 @@ def add_compile_extra_option(parser: argparse.ArgumentParser) -> None:
 
 def compile_extras(args: argparse.Namespace) -> tuple[str, ...]:
     """The --compile-extra names as a tuple; UsageError naming one that is not known."""
-    from xstage_dit.patches.compile import parse_extras
+    from xstage_dit.features.compile import parse_extras
 
     try:
         return parse_extras(getattr(args, "compile_extra", ""))
@@ -87,6 +87,6 @@ def check_compile_args(args: argparse.Namespace) -> None:
 
 def compile_mode(args: argparse.Namespace, device) -> str:
     """The --compile value, or its default for `device` (regional on a GPU, off on a CPU)."""
-    from xstage_dit.patches.compile import default_compile_mode
+    from xstage_dit.features.compile import default_compile_mode
 
     return args.compile or default_compile_mode(device)

@@ -18,7 +18,7 @@ DEFAULT_PROMPT = "a photo of a red fox sitting in the snow at sunrise, high qual
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from xstage_dit.models import model_names
+    from xstage_dit.families import model_names
 
     p = subparsers.add_parser(
         "generate",
@@ -56,7 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel (Ulysses) degree; default: %(default)s")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel degree for MoE models: 1 or --sp")
     p.add_argument("--cfg", type=int, default=1, help="CFG-parallel degree: 1 or 2 (cond/uncond on separate ranks)")
-    from xstage_dit.patches.config import add_cfg_batch_option
+    from xstage_dit.features.config import add_cfg_batch_option
 
     add_cfg_batch_option(p)
     from xstage_dit.cli.compile_options import add_compile_option, add_warmup_sizes_option
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     # transformers warns at import about optional vision backends no pipeline here uses.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from xstage_dit.cli import UsageError, parallel_config
-    from xstage_dit.models import model_spec
+    from xstage_dit.families import model_spec
 
     parallel = parallel_config(args)
     try:
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
 
     check_compile_args(args)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec)
-    from xstage_dit.models.generation import request_for
+    from xstage_dit.runtime.generation import request_for
 
     try:
         request = request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     default_suffix = ".mp4" if spec.kind == "video" else ".png"
     stem = Path(spec.name).name if spec.size == "local" else spec.name
     output = Path(args.output) if args.output else Path("out") / f"{stem}-seed{args.seed}{default_suffix}"
-    from xstage_dit.models.generation import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+    from xstage_dit.runtime.generation import IMAGE_SUFFIXES, VIDEO_SUFFIXES
 
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
@@ -167,8 +167,8 @@ def run(args: argparse.Namespace) -> int:
         device = rank_info.device  # one GPU per local rank (ranks share it where there are fewer)
     rank = 0 if rank_info is None else rank_info.rank
 
-    from xstage_dit.models import load_pipeline
-    from xstage_dit.models.generation import fixed_kwargs, pipeline_kwargs, run_pipeline, save_output, to_pil_frames
+    from xstage_dit.families import load_pipeline
+    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline, save_output, to_pil_frames
 
     t0 = time.perf_counter()
     # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
@@ -184,15 +184,15 @@ def run(args: argparse.Namespace) -> int:
     pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
                                  leave=False)
     from xstage_dit.cli.compile_options import compile_extras, compile_mode
-    from xstage_dit.patches import parallelize
-    from xstage_dit.patches.compile import apply_compile
+    from xstage_dit.features import parallelize
+    from xstage_dit.features.compile import apply_compile
 
     # World 1 too: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
     try:
         parallelize(pipe, parallel)
     except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
         raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
-    from xstage_dit.patches.batch_invariance import batch_invariant_for
+    from xstage_dit.features.batch_invariance import batch_invariant_for
 
     batch_invariant_for(pipe, spec.kind)  # as the server runs it: the same bytes for the same request
     mode = compile_mode(args, device)

@@ -19,7 +19,7 @@ import os
 import sys
 
 # The defaults of the limits are ServerConfig's own (xstage_dit/server/config.py imports only the standard library).
-from xstage_dit.patches.config import add_cfg_batch_option
+from xstage_dit.features.config import add_cfg_batch_option
 from xstage_dit.server.config import VIDEO_STREAM_POLICIES, ServerConfig as _D
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -71,7 +71,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-keep-freed-memory", action="store_true",
                    help="leave glibc's malloc thresholds as they are (by default, from before warm-up, freed blocks under "
                         "32 MiB stay mapped so each answer's image buffers do not page-fault: "
-                        "xstage_dit.models.malloc_heap)")
+                        "xstage_dit.runtime.malloc_heap)")
     p.add_argument("--video-stream", choices=VIDEO_STREAM_POLICIES, default=_D.video_stream,
                    help="encode a video's MP4 while its VAE decodes: where the pipeline runs on a GPU (gpu), "
                         "always, or never (encode after the call); default: %(default)s")
@@ -99,7 +99,7 @@ def _config(args: argparse.Namespace):
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port: expected 0..65535, got {args.port}")
     try:
-        from xstage_dit.models import model_spec
+        from xstage_dit.families import model_spec
 
         spec = model_spec(args.model)
     except ValueError as exc:

@@ -5,8 +5,8 @@ pipeline, print it once per rank and add "rank exited" lines, 10-14 s later.
 
 The facts come from the transformer's config (a built-in model's config dict, or a local folder's
 `transformer/config.json`), never from building it: importing diffusers alone takes longer than the
-whole budget on a 2-core machine. The rules are those of `xstage_dit.patches.check_degrees` and of the
-expert shards (`xstage_dit.models.experts.ExpertShard`), said in the same words;
+whole budget on a 2-core machine. The rules are those of `xstage_dit.features.check_degrees` and of the
+expert shards (`xstage_dit.families.experts.ExpertShard`), said in the same words;
 tests/cli/test_first_hour_validate.py holds both to the same verdict on every built-in model.
 
 Example::
@@ -22,15 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from xstage_dit.errors import UsageError
-from xstage_dit.models.registry import FAMILY_MODULES
-from xstage_dit.models.spec import ModelSpec
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.families.registry import FAMILY_MODULES
+from xstage_dit.families.spec import ModelSpec
+from xstage_dit.features.config import ParallelConfig
 
-#: config key of the expert count, per MoE family (the families `xstage_dit.models.experts` shards).
+#: config key of the expert count, per MoE family (the families `xstage_dit.families.experts` shards).
 _EXPERT_KEYS = {"nucleusmoe": "num_experts", "hidream": "num_routed_experts"}
 #: families whose pipeline runs CFG as a second branch (cfg=2 needs guidance on), all but FLUX.1's.
 _CFG_NEEDS_GUIDANCE = ("wan", "nucleusmoe", "hidream")
-#: families whose plan has no CFG parallelism (`xstage_dit.patches.plans`: cfg=None).
+#: families whose plan has no CFG parallelism (`xstage_dit.features.plans`: cfg=None).
 _NO_CFG_PARALLEL = ("sd3", "cogvideox", "z-image", "wan-vace", "skyreels-v2", "ltx", "ltx2", "qwenimage21",
                     "hunyuanvideo15", "hunyuanimage")
 #: config key of the head count where it is not ``num_attention_heads`` (Z-Image).

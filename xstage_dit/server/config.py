@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from xstage_dit.patches.config import ParallelConfig
+from xstage_dit.features.config import ParallelConfig
 
 if TYPE_CHECKING:
     import torch
@@ -35,7 +35,7 @@ class ServedModel:
     default_width/default_height, default_steps, default_guidance: used when a request omits them.
     default_frames / frame_multiple: video only; valid frame counts are `k * frame_multiple + 1`.
     pipeline_kwargs: fixed extra keyword arguments for every pipeline call (e.g. max_sequence_length),
-        `xstage_dit.models.generation.fixed_kwargs` of the spec.
+        `xstage_dit.runtime.generation.fixed_kwargs` of the spec.
     weights_notice: set when the weights are random (a built-in model): what to tell users, and how to
         use real weights; None for real weights.
     """
@@ -67,8 +67,8 @@ class ServedModel:
 
     @classmethod
     def from_spec(cls, name: str, spec: Any) -> "ServedModel":
-        """Build from `xstage_dit.models.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults)."""
-        from xstage_dit.models.generation import fixed_kwargs
+        """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults)."""
+        from xstage_dit.runtime.generation import fixed_kwargs
 
         return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
                    default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
@@ -100,7 +100,7 @@ class ServerConfig:
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
         (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
         pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
-    keep_freed_memory: before warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.models.malloc_heap`) so
+    keep_freed_memory: before warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.runtime.malloc_heap`) so
         each answer's multi-megabyte buffers reuse the heap instead of page-faulting on fresh mappings; process-wide.
     video_stream: encode a video's MP4 while its VAE decodes (`xstage_dit.server.video_stream`): "gpu" where
         the pipeline runs on a GPU (the decode is GPU work and the host's cores are free for x264), "always",

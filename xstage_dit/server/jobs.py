@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from xstage_dit.models.generation import GenerationRequest
+from xstage_dit.runtime.generation import GenerationRequest
 
 QUEUED, RUNNING, COMPLETED, FAILED, CANCELLED = "queued", "in_progress", "completed", "failed", "cancelled"
 TERMINAL = (COMPLETED, FAILED, CANCELLED)

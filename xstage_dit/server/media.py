@@ -1,6 +1,6 @@
 """Encoding generated pixels for HTTP: PNG for images, MP4 (H.264, yuv420p) for videos.
 
-Arrays come from the pipeline as floats in [0, 1]; `xstage_dit.models.generation.to_uint8` rounds them once,
+Arrays come from the pipeline as floats in [0, 1]; `xstage_dit.runtime.generation.to_uint8` rounds them once,
 the same way for every image and for `xstage-dit generate`, so an image's bytes depend only on its pixels.
 """
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from xstage_dit.models.generation import to_uint8
-from xstage_dit.models.mp4 import encode_mp4
-from xstage_dit.models.png import encode_png
+from xstage_dit.runtime.generation import to_uint8
+from xstage_dit.runtime.mp4 import encode_mp4
+from xstage_dit.runtime.png import encode_png
 
 
 def png_bytes(image: np.ndarray) -> bytes:

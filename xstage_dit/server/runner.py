@@ -1,6 +1,6 @@
 """Runs one batch of compatible items through a diffusers pipeline, with no synchronization per step.
 
-The batch is one pipeline call built by `xstage_dit.models.generation.pipeline_kwargs` (the rule
+The batch is one pipeline call built by `xstage_dit.runtime.generation.pipeline_kwargs` (the rule
 `xstage-dit generate` uses too): a list of prompts and one CPU `torch.Generator` per item, seeded with the
 item's seed (diffusers draws each item's initial noise from its own generator). With ``one_at_a_time`` the
 items run as consecutive calls of one image each: what the batcher asks for where a batched image would
@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from xstage_dit.models.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
+from xstage_dit.runtime.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.video_stream import StreamedVideo, streams
 

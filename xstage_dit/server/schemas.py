@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from xstage_dit.models.generation import MAX_SEED, GenerationRequest
+from xstage_dit.runtime.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")

@@ -15,8 +15,8 @@ import torch.distributed as dist
 
 from xstage_dit.calibration.provider import params_for
 from xstage_dit.jsonable import to_jsonable
-from xstage_dit.patches import ParallelConfig, parallelize
-from xstage_dit.patches.compile import DEFAULT_MAX_SHAPES, apply_compile, check_compile_mode, default_compile_mode
+from xstage_dit.features import ParallelConfig, parallelize
+from xstage_dit.features.compile import DEFAULT_MAX_SHAPES, apply_compile, check_compile_mode, default_compile_mode
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.ranks import LoadedModel, RankContext
 
@@ -77,7 +77,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
     parallel: the command's one ParallelConfig (its world size must be the ranks'), handed to `parallelize`.
     dtype: None picks bfloat16 on a GPU and float32 on a CPU.
     weights_seed: seed of a built-in model's random weights (not of the images: requests carry their seeds).
-    compile: a mode of `xstage_dit.patches.compile.COMPILE_MODES`; None: regional on a GPU, off on a CPU.
+    compile: a mode of `xstage_dit.features.compile.COMPILE_MODES`; None: regional on a GPU, off on a CPU.
         Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
     max_compiled_shapes: transformer input shapes compiled before further ones run eager.
     compile_guards: "full" or "warm" (`apply_compile`'s guards).
@@ -87,7 +87,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         check_compile_mode(compile)
 
     def load(ctx: RankContext) -> LoadedModel:
-        from xstage_dit.models import load_pipeline, model_spec
+        from xstage_dit.families import load_pipeline, model_spec
 
         parallel.check_world(ctx.world_size)
         spec = model_spec(model)

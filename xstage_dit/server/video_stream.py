@@ -28,8 +28,8 @@ import threading
 import numpy as np
 import torch
 
-from xstage_dit.models.generation import to_uint8_tensor
-from xstage_dit.models.mp4 import Mp4Writer
+from xstage_dit.runtime.generation import to_uint8_tensor
+from xstage_dit.runtime.mp4 import Mp4Writer
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from xstage_dit.models.generation import GenerationRequest
-from xstage_dit.models.malloc_heap import keep_freed_memory
+from xstage_dit.runtime.generation import GenerationRequest
+from xstage_dit.runtime.malloc_heap import keep_freed_memory
 from xstage_dit.server.batching import Batcher, Probe
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
@@ -138,7 +138,7 @@ class Worker:
     def _runner(self) -> BatchRunner:
         """The runner; an image pipeline computes a batch as its images alone (`patches.batch_invariance`, as
         `generate` does: the same bytes), so batching can keep the README's promise. Same on every rank."""
-        from xstage_dit.patches.batch_invariance import batch_invariant_for
+        from xstage_dit.features.batch_invariance import batch_invariant_for
 
         handle = batch_invariant_for(self.model.pipe, self.model.served.kind)
         if handle is not None:

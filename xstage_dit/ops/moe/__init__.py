@@ -12,7 +12,7 @@
 - ``expert_choice``: ``expert_choice_moe`` (an expert-choice layer at world 1: static offsets, no host sync);
 - ``custom_ops``: the torch custom ops, registered on import of this package.
 
-The diffusers layers that use them live in ``xstage_dit.patches.ep_layers``; the path and lead are
+The diffusers layers that use them live in ``xstage_dit.features.ep_layers``; the path and lead are
 chosen by ``xstage_dit.schedule.moe``.
 """
 

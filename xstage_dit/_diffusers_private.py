@@ -1,0 +1,225 @@
+"""The ONLY module that touches private diffusers API (behind a version check).
+
+What we use and why:
+
+- ``diffusers.models._modeling_parallel.ContextParallelInput / ContextParallelOutput``: the entries of
+  the ``_cp_plan`` class attributes that diffusers ships (FLUX.1, FLUX.2, QwenImage, Wan, LTX, ...).
+  We read those plans (and write ours in the same vocabulary) instead of re-describing each model.
+- ``AttentionBackendName`` / ``_AttentionBackendRegistry`` in ``diffusers.models.attention_dispatch``:
+  registering the ``xstage_ulysses`` attention backend, so every processor that calls
+  ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``.
+- ``diffusers.hooks.hooks.StateManager``: the only way a hook learns the ``cache_context`` name
+  ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel).
+- ``transformer_nucleusmoe_image._compute_text_seq_len_from_mask``: swapped for the same computation without
+  its host-to-device copy (`text_seq_len_without_host_copy`, for `patches.host_syncs`).
+
+Tested with diffusers 0.42.x. Any other version fails with a clear message at `parallelize` time,
+before any collective or GPU work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from typing import Any, Callable, Iterator
+
+import torch
+
+SUPPORTED_DIFFUSERS = ("0.42.",)
+XSTAGE_BACKEND = "xstage_ulysses"
+
+
+def check_diffusers_version() -> str:
+    """Return the diffusers version, or raise RuntimeError naming it if untested."""
+    import diffusers
+
+    version = diffusers.__version__
+    if not version.startswith(SUPPORTED_DIFFUSERS):
+        raise RuntimeError(
+            f"expected diffusers {' or '.join(v + 'x' for v in SUPPORTED_DIFFUSERS)} (xstage_dit.features uses its "
+            f"private context-parallel and attention-dispatch API), got diffusers {version}"
+        )
+    return version
+
+
+def cp_types() -> tuple[type, type]:
+    """(ContextParallelInput, ContextParallelOutput) of this diffusers."""
+    check_diffusers_version()
+    from diffusers.models._modeling_parallel import ContextParallelInput, ContextParallelOutput
+
+    return ContextParallelInput, ContextParallelOutput
+
+
+def shipped_cp_plan(model_cls: type) -> dict | None:
+    """The ``_cp_plan`` diffusers ships on `model_cls`, or None."""
+    return getattr(model_cls, "_cp_plan", None)
+
+
+def register_attention_backend(fn: Callable[..., Any]) -> Any:
+    """Register `fn` as diffusers attention backend ``xstage_ulysses``; returns its enum member.
+
+    ``AttentionBackendName`` is a closed ``str`` Enum, so the member is added the way ``Enum`` builds
+    its own members (the registry is keyed by members). Idempotent.
+    """
+    check_diffusers_version()
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+
+    member = AttentionBackendName._value2member_map_.get(XSTAGE_BACKEND)
+    if member is None:
+        member = str.__new__(AttentionBackendName, XSTAGE_BACKEND)
+        member._name_ = XSTAGE_BACKEND.upper()
+        member._value_ = XSTAGE_BACKEND
+        # Keep every Enum lookup table consistent: by value, by name, and iteration order.
+        AttentionBackendName._value2member_map_[XSTAGE_BACKEND] = member
+        AttentionBackendName._member_map_[member._name_] = member
+        AttentionBackendName._member_names_.append(member._name_)
+    if _AttentionBackendRegistry._backends.get(member) is not fn:
+        _AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(fn)
+    return member
+
+
+def is_backend_member(value: Any) -> bool:
+    return isinstance(value, enum.Enum) and getattr(value, "value", None) == XSTAGE_BACKEND
+
+
+class _NoState:
+    def reset(self, *args, **kwargs) -> None:
+        pass
+
+
+def context_tracker() -> Any:
+    """An object on which diffusers' ``cache_context(name)`` records the current context.
+
+    Put it as an attribute of a hook whose ``_is_stateful`` is True; read it with `context_name`.
+    """
+    check_diffusers_version()
+    from diffusers.hooks.hooks import StateManager
+
+    return StateManager(_NoState)
+
+
+def context_name(tracker: Any) -> str | None:
+    """The ``cache_context`` name active now ("cond", "uncond", ...) or None outside any context."""
+    ctx = getattr(tracker, "_context", None)
+    return None if ctx is None else ctx.name
+
+
+# ------------------------------------------------------------- meta-device construction of routed experts
+# Used by xstage_dit/families/experts.py to build MoE transformers whose routed experts are never
+# materialised (each rank then reads or creates only its own): it wraps the __init__ of diffusers' MoE
+# expert classes for the duration of one construction.
+
+
+@contextlib.contextmanager
+def _patched_init(cls, wrap):
+    original = cls.__dict__["__init__"]
+    cls.__init__ = wrap(original)
+    try:
+        yield
+    finally:
+        cls.__init__ = original
+
+
+@contextlib.contextmanager
+def nucleus_meta_experts() -> Iterator[None]:
+    """Build NucleusMoE's ``SwiGLUExperts`` on the meta device (its tensors are plain ``torch.empty``)."""
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    def wrap(original):
+        def __init__(self, *args, **kwargs):
+            with torch.device("meta"):
+                original(self, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.SwiGLUExperts, wrap):
+        yield
+
+
+_HIDREAM_EXPERT_WIDTH: contextvars.ContextVar[int | None] = contextvars.ContextVar("hidream_expert_width", default=None)
+
+
+@contextlib.contextmanager
+def hidream_meta_experts() -> Iterator[None]:
+    """Build the routed experts of HiDream's ``MOEFeedForwardSwiGLU`` on the meta device.
+
+    Its shared expert and its routed experts are the same class; the routed ones are built with the
+    layer's ``hidden_dim``, the shared one with ``hidden_dim // 2``, which is how they are told apart here.
+    Meta construction draws no random numbers, so the other modules' weights do not depend on the sharding.
+    """
+    from diffusers.models.transformers import transformer_hidream_image as mod
+
+    def wrap_moe(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            token = _HIDREAM_EXPERT_WIDTH.set(hidden_dim)
+            try:
+                original(self, dim, hidden_dim, *args, **kwargs)
+            finally:
+                _HIDREAM_EXPERT_WIDTH.reset(token)
+
+        return __init__
+
+    def wrap_ff(original):
+        def __init__(self, dim, hidden_dim, *args, **kwargs):
+            if _HIDREAM_EXPERT_WIDTH.get() == hidden_dim:
+                token = _HIDREAM_EXPERT_WIDTH.set(None)  # nothing below a routed expert is one
+                try:
+                    with torch.device("meta"):
+                        original(self, dim, hidden_dim, *args, **kwargs)
+                finally:
+                    _HIDREAM_EXPERT_WIDTH.reset(token)
+            else:
+                original(self, dim, hidden_dim, *args, **kwargs)
+
+        return __init__
+
+    with _patched_init(mod.MOEFeedForwardSwiGLU, wrap_moe), _patched_init(mod.HiDreamImageFeedForwardSwiGLU, wrap_ff):
+        yield
+
+
+
+# ------------------------------------------------------------- NucleusMoE's text length without a host copy
+_TEXT_LEN_USERS = [0]  # patched transformers that rely on the swap; the original returns with the last undo
+_TEXT_LEN_ORIGINAL: list[Callable | None] = [None]
+
+
+def _text_seq_len_on_device(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
+    """diffusers 0.42's ``_compute_text_seq_len_from_mask`` with the fallback length made by a fill on the
+    device instead of ``torch.as_tensor(text_seq_len, device=...)`` (a host copy that waits for the stream).
+    Returns (text_seq_len, per-sample lengths (B,) int64 or None, the mask as bool or None)."""
+    batch_size, text_seq_len = encoder_hidden_states.shape[:2]
+    if encoder_hidden_states_mask is None:
+        return text_seq_len, None, None
+    if encoder_hidden_states_mask.shape[:2] != (batch_size, text_seq_len):
+        raise ValueError(f"`encoder_hidden_states_mask` shape {encoder_hidden_states_mask.shape} must match "
+                         f"(batch_size, text_seq_len)=({batch_size}, {text_seq_len}).")
+    mask = encoder_hidden_states_mask.to(torch.bool)
+    position_ids = torch.arange(text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    active_positions = torch.where(mask, position_ids, position_ids.new_zeros(()))
+    whole = torch.full((), text_seq_len, device=encoder_hidden_states.device, dtype=torch.long)
+    per_sample_len = torch.where(mask.any(dim=1), active_positions.max(dim=1).values + 1, whole)
+    return text_seq_len, per_sample_len, mask
+
+
+def text_seq_len_without_host_copy() -> Callable[[], None]:
+    """Swap NucleusMoE's module-level text-length helper for `_text_seq_len_on_device` (same values; every
+    NucleusMoE transformer of the process sees it). Returns the undo; the original is back after the undo of
+    the last swap."""
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    if _TEXT_LEN_USERS[0] == 0:
+        _TEXT_LEN_ORIGINAL[0] = mod._compute_text_seq_len_from_mask
+        mod._compute_text_seq_len_from_mask = _text_seq_len_on_device
+    _TEXT_LEN_USERS[0] += 1
+    done = [False]
+
+    def undo() -> None:
+        if done[0]:
+            return
+        done[0] = True
+        _TEXT_LEN_USERS[0] -= 1
+        if _TEXT_LEN_USERS[0] == 0:
+            mod._compute_text_seq_len_from_mask = _TEXT_LEN_ORIGINAL[0]
+
+    return undo

@@ -1,0 +1,94 @@
+"""FLUX.1 text-to-image (`FluxPipeline`): tiny (CPU seconds) and full (FLUX.1-dev dimensions).
+
+Full size: transformer 19 double + 38 single blocks, 24 heads x 128, joint attention dim 4096 (T5-XXL),
+pooled dim 768 (CLIP-L), guidance embedding; VAE 16 latent channels, 8x down; scheduler as FLUX.1-dev.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.tokenizers import clip_tokenizer, t5_tokenizer
+
+TRANSFORMER = {
+    "full": dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    ),
+    "tiny": dict(
+        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    ),
+}
+
+VAE = {
+    "full": dict(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=2, norm_num_groups=32, sample_size=1024, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ),
+    # Four levels as in the real VAE, so the 8x spatial factor (and the 16-pixel patch multiple) is real.
+    "tiny": dict(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 16, 16),
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1, norm_num_groups=4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ),
+}
+
+CLIP = {
+    "full": dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, max_position_embeddings=77, hidden_act="quick_gelu",
+                 projection_dim=768, bos_token_id=0, eos_token_id=1, pad_token_id=1),
+    "tiny": dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=2, max_position_embeddings=77, hidden_act="quick_gelu",
+                 projection_dim=32, bos_token_id=0, eos_token_id=1, pad_token_id=1),
+}
+
+T5 = {
+    "full": dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 dense_act_fn="gelu_new", relative_attention_num_buckets=32),
+    "tiny": dict(vocab_size=1024, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 dense_act_fn="gelu_new", relative_attention_num_buckets=8),
+}
+
+SCHEDULER = dict(
+    num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+    base_image_seq_len=256, max_image_seq_len=4096,
+)
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+    """The `FluxTransformer2DModel` alone (what a denoising-step benchmark needs)."""
+    from diffusers import FluxTransformer2DModel
+
+    return build_module(lambda: FluxTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int):
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    tokenizer = clip_tokenizer(77)
+    tokenizer_2 = t5_tokenizer(512)
+    check_vocab(tokenizer, CLIP[size]["vocab_size"], "CLIP")
+    check_vocab(tokenizer_2, T5[size]["vocab_size"], "T5")
+    text_encoder = build_module(lambda: CLIPTextModel(CLIPTextConfig(**CLIP[size])), seed=seed + 1, device=device, dtype=dtype)
+    text_encoder_2 = build_module(lambda: T5EncoderModel(T5Config(**T5[size])), seed=seed + 2, device=device, dtype=dtype)
+    vae = build_module(lambda: AutoencoderKL(**VAE[size]), seed=seed + 3, device=device, dtype=dtype)
+    transformer = build_transformer(size, dtype=dtype, device=device, seed=seed)
+    return FluxPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )

@@ -1,0 +1,72 @@
+"""Qwen-Image text-to-image (`QwenImagePipeline`), tiny: 1 block, 4 heads x 16, a Qwen2.5-VL text encoder
+(language model and a 1-layer vision tower) over the in-code Qwen tokenizer, the tiny Qwen-Image VAE of
+NucleusMoE; random weights, CPU seconds.
+
+The pipeline drops its prompt template's first 34 tokens and passes the prompt's padding mask
+(``encoder_hidden_states_mask``); a batch of prompts of different lengths is padded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.nucleusmoe import VAE, VISION_TOKENS
+from xstage_dit.families.tokenizers import qwen_tokenizer
+
+TRANSFORMER = {
+    "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
+                 num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
+}
+
+TEXT = {
+    "tiny": dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                 rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
+}
+
+VISION = {"tiny": dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, out_hidden_size=32, window_size=112, fullatt_block_indexes=[0])}
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+    from diffusers import QwenImageTransformer2DModel
+
+    return build_module(lambda: QwenImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+
+
+def qwen25vl_text_encoder(text_config: dict, vision_config: dict | None, *, seed: int, device, dtype: torch.dtype):
+    """(the in-code Qwen tokenizer with the vision tokens, a Qwen2.5-VL text encoder of these configs with random
+    weights): ``Qwen2_5_VLForConditionalGeneration`` (language model and vision tower, as Qwen-Image and
+    HunyuanImage 2.1 load it), or with ``vision_config=None`` the language model alone (``Qwen2_5_VLTextModel``,
+    as HunyuanVideo 1.5 loads it)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    tokenizer = qwen_tokenizer(4096, extra_special_tokens=VISION_TOKENS)
+    check_vocab(tokenizer, text_config["vocab_size"], "Qwen2.5-VL")
+    # bos/eos in the in-code vocabulary (the config's defaults are the real one's 151643/151645)
+    text_config = dict(text_config, bos_token_id=None, eos_token_id=tokenizer.eos_token_id)
+    if vision_config is None:
+        config = Qwen2_5_VLTextConfig(**text_config)
+        return tokenizer, build_module(lambda: Qwen2_5_VLTextModel(config), seed=seed, device=device, dtype=dtype)
+    config = Qwen2_5_VLConfig(
+        text_config=text_config, vision_config=vision_config,
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+    )
+    return tokenizer, build_module(lambda: Qwen2_5_VLForConditionalGeneration(config), seed=seed, device=device,
+                                   dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int):
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+
+    tokenizer, text_encoder = qwen25vl_text_encoder(TEXT[size], VISION[size], seed=seed + 1, device=device, dtype=dtype)
+    return QwenImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False),
+        vae=build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+    )

@@ -1,0 +1,75 @@
+"""Wan 2.1 text-to-video (`WanPipeline`): tiny (CPU seconds) and full (Wan2.1-T2V-14B dimensions).
+
+Full size: transformer 40 blocks, 40 heads x 128 (5120 wide), FFN 13824, patch (1, 2, 2), text dim 4096
+(UMT5-XXL); Wan VAE (8x spatial, 4x temporal, 16 latent channels); UniPC flow scheduler, shift 3 (480p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.tokenizers import t5_tokenizer
+
+TRANSFORMER = {
+    "full": dict(
+        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024,
+    ),
+    "tiny": dict(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+        text_dim=32, freq_dim=32, ffn_dim=64, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
+    ),
+}
+
+_LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
+                 0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
+_LATENTS_STD = [2.8184, 1.4541, 2.3275, 2.6558, 1.2196, 1.7708, 2.6052, 2.0743,
+                3.2687, 2.1526, 2.8652, 1.5579, 1.6382, 1.1253, 2.8251, 1.9160]
+
+VAE = {
+    "full": dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                 temperal_downsample=[False, True, True], latents_mean=_LATENTS_MEAN, latents_std=_LATENTS_STD),
+    # Same depth (8x spatial, 4x temporal), a few channels.
+    "tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=[False, True, True], latents_mean=_LATENTS_MEAN[:4],
+                 latents_std=_LATENTS_STD[:4]),
+}
+
+UMT5 = {
+    "full": dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 relative_attention_num_buckets=32, pad_token_id=0, eos_token_id=1),
+    "tiny": dict(vocab_size=1024, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                 feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+                 relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1),
+}
+
+SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0)
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+    """The `WanTransformer3DModel` alone."""
+    from diffusers import WanTransformer3DModel
+
+    return build_module(lambda: WanTransformer3DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int):
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = t5_tokenizer(512)
+    check_vocab(tokenizer, UMT5[size]["vocab_size"], "UMT5")
+    # The Wan VAE stays in float32 as in the published pipeline (its causal 3D convs lose detail in bf16).
+    vae = build_module(lambda: AutoencoderKLWan(**VAE[size]), seed=seed + 2, device=device, dtype=torch.float32)
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=build_module(lambda: UMT5EncoderModel(UMT5Config(**UMT5[size])), seed=seed + 1, device=device,
+                                  dtype=dtype),
+        vae=vae,
+        scheduler=UniPCMultistepScheduler(**SCHEDULER),
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+    )
