@@ -186,7 +186,7 @@ def test_qwenimage21_refuses_the_flex_processor_and_needs_the_prefix_fact():
 
     from xstage_dit.features.attention_backend import AttentionContext, xstage_attention
     from xstage_dit.features.plans import plan_for
-    from xstage_dit.features.sequence_parallel import SequenceState
+    from xstage_dit.families.sp_plan import SequenceState
 
     model = QwenImage21Transformer2DModel(in_channels=4, out_channels=4, num_layers=2, attention_head_dim=8,
                                           num_attention_heads=2, context_in_dim=16, axes_dims_rope=(2, 2, 4))

@@ -63,7 +63,7 @@ def test_split_rule_is_the_ops_rule_where_the_op_gets_shards():
     """Balanced shards (no empty one while total >= parts); equal to the op's chunks when total divides,
     the only case in which the backend hands shards to the Ulysses op."""
     from xstage_dit.ops.attention import shard_bounds
-    from xstage_dit.features.sharding import check_splittable, split_offsets, split_sizes
+    from xstage_dit.families.sharding import check_splittable, split_offsets, split_sizes
 
     assert split_sizes(9, 4) == [3, 2, 2, 2]  # issue 18: was 3, 3, 3, 0 (an empty shard)
     for total in range(0, 40):
@@ -80,8 +80,8 @@ def test_split_rule_is_the_ops_rule_where_the_op_gets_shards():
 
 
 def test_exit_gather_decision_is_the_same_on_every_rank():
-    from xstage_dit.features.sequence_parallel import SequenceState
-    from xstage_dit.features.sharding import split_sizes
+    from xstage_dit.families.sp_plan import SequenceState
+    from xstage_dit.families.sharding import split_sizes
 
     for totals in ([4096, 512], [9, 7], [8, 8], [5], [12, 13], [48, 12]):
         for world in (2, 3, 4):

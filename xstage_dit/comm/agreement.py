@@ -13,7 +13,7 @@ Three tools, each for one way a multi-rank program hangs:
 - `publish_failure(exc, group)` / `wait(work, group)`: for errors in the middle of a forward, where
   the other ranks may already sit in a collective. The failing rank writes its error to the
   process group's key-value store; `wait` (used instead of ``work.wait()`` by the collectives of
-  `xstage_dit.features.sharding`) polls the store while its collective is pending and raises the same
+  `xstage_dit.families.sharding`) polls the store while its collective is pending and raises the same
   `RankFailed` as soon as a peer has published one. After such a failure the process group is
   unusable (the abandoned collective never completes): the program should exit, as it would after a
   collective timeout, only at once and with the peer's error.

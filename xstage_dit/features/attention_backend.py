@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from xstage_dit.ops.attention import ulysses_attention
-from xstage_dit.features import sharding
+from xstage_dit.families import sharding
 from xstage_dit.features.attention_schedules import AttentionSchedules
 
 log = logging.getLogger(__name__)

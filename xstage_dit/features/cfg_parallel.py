@@ -27,7 +27,7 @@ from diffusers.hooks import ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.features.sharding import all_gather_dim0
+from xstage_dit.families.sharding import all_gather_dim0
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import torch
 from diffusers.hooks import ModelHook
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.features import sharding
-from xstage_dit.features.sequence_parallel import SequenceParallelSpec, SequenceState
+from xstage_dit.families import sharding
+from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 
 
 def _rope_split(cpi, split_dim: int, expected_dims: int) -> dict:

@@ -22,7 +22,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.comm.group_names import group_name
 from xstage_dit import _diffusers_private as private
-from xstage_dit.features import sharding
+from xstage_dit.families import sharding
+from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 from xstage_dit.features.attention_backend import AttentionContext, xstage_attention
 from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.features.collective_safety import check_dispatching
@@ -30,39 +31,6 @@ from xstage_dit.features.collective_safety import check_dispatching
 log = logging.getLogger(__name__)
 
 _HOOK_PREFIX = "xstage-sp"
-
-
-@dataclass
-class SequenceState:
-    """Per-forward bookkeeping shared by the hooks of one transformer: the full lengths that were
-    split this forward (so the exit gather needs no size exchange)."""
-
-    rank: int
-    world: int
-    group: Any
-    totals: list[int] = field(default_factory=list)
-    named: dict[str, Any] = field(default_factory=dict)  # model-specific facts (plans.py hooks)
-
-    def record(self, total: int) -> None:
-        if total not in self.totals:
-            self.totals.append(total)
-
-    def total_for(self, local: int) -> int | None:
-        """The recorded full length whose shard on this rank has `local` tokens, or None.
-
-        The decision must be the same on every rank (it decides whether a size exchange, a
-        collective, happens): a total is used only if no other recorded total could give a shard of
-        the same size on any rank.
-        """
-        def possible(total: int) -> set[int]:
-            return set(sharding.split_sizes(total, self.world))
-
-        candidates = [t for t in self.totals if local in possible(t)]
-        for t in self.totals:
-            for u in self.totals:
-                if t != u and possible(t) & possible(u):
-                    return None  # ambiguous somewhere: exchange sizes (same decision on all ranks)
-        return candidates[0] if len(candidates) == 1 else None
 
 
 class _ForwardArgs:
@@ -210,18 +178,6 @@ def check_heads(model: torch.nn.Module, sp: int) -> None:
                 f"expected at least sp={sp} heads in every attention (Ulysses gives each rank >= 1 head), got "
                 f"heads={heads} in {type(model).__name__}.{name}"
             )
-
-
-@dataclass
-class SequenceParallelSpec:
-    """What `apply_sequence_parallel` needs from a model plan."""
-
-    cp_plan: dict
-    kv_layouts: dict[str, str] = field(default_factory=dict)  # module-name pattern -> layout
-    processor_swaps: dict[str, Callable[[Any], Any]] = field(default_factory=dict)  # processor class -> factory
-    extra_hooks: list[tuple[str, Callable[[SequenceState], ModelHook]]] = field(default_factory=list)
-    # attention modules that run before the split on whole sequences (left as they are)
-    local_attention: tuple[str, ...] = ()
 
 
 def _layout_for(name: str, kv_layouts: dict[str, str]) -> str:
