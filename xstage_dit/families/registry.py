@@ -6,7 +6,12 @@ Model facts live here, in one table, not in isinstance chains. A family module (
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+
 from xstage_dit.families.hunyuan_video import PROMPT_TEMPLATE as HUNYUAN_VIDEO_TEMPLATE
+from xstage_dit.families.record import FamilyRecord
 from xstage_dit.families.spec import ModelSpec
 
 # family -> module with build(size, ...)
@@ -179,3 +184,66 @@ def _specs() -> dict[str, ModelSpec]:
 
 
 MODELS: dict[str, ModelSpec] = _specs()
+
+
+# ---- family records (one file per family: families/<family>.py with RECORD = FamilyRecord(...)) -----------------
+
+
+@functools.cache
+def records() -> dict[str, FamilyRecord]:
+    """Every family record of this package, by family name: each module of `xstage_dit.families` that defines
+    ``RECORD`` (found, not listed, so a new family is one new file)."""
+    import xstage_dit.families as package
+
+    found: dict[str, FamilyRecord] = {}
+    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        record = getattr(module, "RECORD", None)
+        if not isinstance(record, FamilyRecord):
+            continue
+        if record.name in found:
+            raise ValueError(f"expected one record per family, got two named {record.name!r}")
+        found[record.name] = record
+    return found
+
+
+def record(family: str) -> FamilyRecord:
+    """The record of `family`; ValueError naming the known families otherwise."""
+    known = records()
+    if family not in known:
+        raise ValueError(f"expected a family in {sorted(known)}, got {family!r}")
+    return known[family]
+
+
+def record_for_pipeline(class_name: str) -> FamilyRecord | None:
+    """The record whose pipelines include the diffusers pipeline class `class_name` (model_index.json's
+    ``_class_name``), or None."""
+    return next((r for r in records().values() if class_name in r.pipelines), None)
+
+
+def record_for_transformer(model) -> FamilyRecord | None:
+    """The record of `model`'s transformer class or of its nearest diffusers base class (a user's subclass
+    resolves to its family); None if no record names one. `model`: a module or a class."""
+    cls = model if isinstance(model, type) else type(model)
+    by_class = {name: r for r in records().values() for name in r.transformers}
+    for base in cls.__mro__:
+        found = by_class.get(base.__name__)
+        if found is not None and base.__module__.startswith("diffusers."):
+            return found
+    return None
+
+
+def _merge_records() -> None:
+    """The records' built-in models, pipelines and builders join the tables above (the bridge until every family
+    is a record)."""
+    for r in records().values():
+        for spec in r.specs:
+            MODELS[spec.name] = spec
+        for pipeline in r.pipelines:
+            PIPELINE_FAMILIES.setdefault(pipeline, r.name)
+        FAMILY_MODULES.setdefault(r.name, r.build.__module__ if r.build is not None else "")
+
+
+_merge_records()

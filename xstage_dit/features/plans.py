@@ -21,6 +21,7 @@ from diffusers.hooks import ModelHook
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families import sharding
+from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 
 
@@ -287,6 +288,9 @@ def plan_for(model: torch.nn.Module) -> ModelPlan:
         # the name must be the registered diffusers class itself, not an unrelated class of the same name
         if plan is not None and cls.__module__.startswith("diffusers."):
             return plan
+    record = record_for_transformer(model)
+    if record is not None:
+        return plan_of_record(record, type(model).__name__)
     name = type(model).__name__
     why = NOT_SUPPORTED.get(name)
     raise ValueError(
@@ -295,9 +299,20 @@ def plan_for(model: torch.nn.Module) -> ModelPlan:
     )
 
 
+def plan_of_record(record, class_name: str) -> ModelPlan:
+    """The `ModelPlan` a family record's parallel facts stand for (the bridge until every family is a record)."""
+    sp = record.sp
+    return ModelPlan(class_name, record.title, sp.plan_source, sp.build, moe_layers=sp.moe_layers, cfg=sp.cfg,
+                     cfg_batch_dims=dict(sp.cfg_batch_dims), check=sp.check, tested=True,
+                     pipeline_worlds=record.pipeline_worlds)
+
+
 def supported_models() -> list[ModelPlan]:
-    """Every transformer `parallelize` supports, in registry order."""
-    return list(_PLANS.values())
+    """Every transformer `parallelize` supports, in registry order (then the family records' not listed above)."""
+    from xstage_dit.families.registry import records
+
+    extra = [plan_of_record(r, name) for r in records().values() for name in r.transformers if name not in _PLANS]
+    return list(_PLANS.values()) + extra
 
 
 def supported_models_markdown() -> str:
@@ -306,7 +321,7 @@ def supported_models_markdown() -> str:
         "| transformer | family | sequence plan | expert parallel | CFG parallel | CPU-tested | pipeline test (CPU) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for p in _PLANS.values():
+    for p in supported_models():
         ep = ", ".join(c for c, _ in p.moe_layers) or "-"
         worlds = "world " + " and ".join(map(str, p.pipeline_worlds)) if p.pipeline_worlds else "-"
         rows.append(
