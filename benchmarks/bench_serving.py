@@ -13,12 +13,21 @@ Example::
 
     python benchmarks/bench_serving.py --model full-flux --sizes 1024x1024,512x512 --concurrency 4,16 \\
         --steps 10 --time-budget-s 240 --out .gpu_out/serving
+
+The load test is the default (``load`` may also be named); the other parts of a served request are measured by
+subcommands, each with its own ``--help`` and module beside this script:
+
+    python benchmarks/bench_serving.py served-path ...       # bare call vs the server's runner / worker / HTTP
+    python benchmarks/bench_serving.py transport ...         # keep-alive HTTP round trips by answer size
+    python benchmarks/bench_serving.py png ...               # the server's PNG encode on its own thread
+    python benchmarks/bench_serving.py batch-invariance ...  # is a batched bf16 GEMM the one-sample GEMM (GPU)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import statistics
 import sys
 import time
@@ -27,9 +36,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, when run as a script
 
-from _common import environment, write_results  # noqa: E402
+from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.features.compile import COMPILE_MODES  # noqa: E402
 
+# subcommand -> its module in benchmarks/ (each has main(argv) -> exit status)
+SUBCOMMANDS = {
+    "served-path": "_serving_served_path",
+    "transport": "_serving_transport",
+    "png": "_serving_png",
+    "batch-invariance": "_serving_batch_invariance",
+}
 COLUMNS = ["size", "concurrency", "policy", "status", "mean_s", "p95_s", "images_per_s", "max_batch", "reason"]
 
 
@@ -67,7 +83,19 @@ async def _burst(url: str, bodies: list[dict]) -> tuple[list[float], list[int], 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    """The load test, or the subcommand named first (`SUBCOMMANDS`)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        return importlib.import_module(f"benchmarks.{SUBCOMMANDS[argv[0]]}").main(argv[1:])
+    if argv and argv[0] == "load":
+        argv = argv[1:]
+    return load_test(argv)
+
+
+def load_test(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog=f"subcommands (each with --help): load (this, the default), "
+                                       f"{', '.join(SUBCOMMANDS)}")
     p.add_argument("--model", default="tiny-flux")
     p.add_argument("--sizes", default="1024x1024,512x512", help="WxH[,WxH...]")
     p.add_argument("--concurrency", default="4,16", help="requests sent at once, comma-separated")

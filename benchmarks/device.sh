@@ -30,19 +30,19 @@
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
-#   served-path  probe_served_path.py: bare call vs the server's runner (main thread, worker thread) vs HTTP
+#   served-path  bench_serving.py served-path: bare call vs the server's runner (main thread, worker thread) vs HTTP
 #                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile, then 16 adjacent bare / served
 #                pairs: the served / bare ratio's 95 % interval against 1.02)
-#   transport    probe_http_transport.py: keep-alive HTTP round trips by answer size, per listener (in-process server)
+#   transport    bench_serving.py transport: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode of one frame as a 2-D network
-#                (patches.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
-#   sync-points  probe_sync_points.py: every synchronizing CUDA operation of one warm call, by the line that asked
+#                (features.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
+#   sync-points  bench_e2e.py sync-points: every synchronizing CUDA operation of one warm call, by the line that asked
 #                (SYNC_ARGS; default NucleusMoE 4 steps, xstage, regional compile)
-#   png          probe_png_encode.py: the server's PNG encode on its own thread, one-join vs the old chained copies
+#   png          bench_serving.py png: the server's PNG encode on its own thread, one-join vs the old chained copies
 #   load         bench_serving.py alone (the serving step's load test; LOAD_ARGS, LOAD_S)
-#   batch-invariance  probe_batch_invariance.py: is a batched bf16 GEMM row-for-row the one-sample GEMM, per BLAS
-#                setting (what lets the server batch images and keep them byte-identical)
-#   worker-thread  probe_worker_thread.py: a pipeline call from the main thread vs a worker thread (the server's)
+#   batch-invariance  bench_serving.py batch-invariance: is a batched bf16 GEMM row-for-row the one-sample GEMM,
+#                per BLAS setting (what lets the server batch images and keep them byte-identical)
+#   (worker-thread, the main thread vs a worker thread, is served-path's bare / runner-thread / runner-worker rows)
 #   serving      (a) bench e2e FLUX.1-dev 1024^2 28 steps: diffusers, xstage bare and served (eager and
 #                compiled, interleaved rounds for the eager ones), xfuser (compiled); (b) bench_serving.py:
 #                4 and 16 concurrent FLUX requests at 1024^2 and 512^2, FIFO vs batched, and the batcher's
@@ -223,30 +223,25 @@ step_load() {
 }
 
 step_batch_invariance() {
-  timeout -k 10 "$(limit batch-invariance 120)" "$py" benchmarks/probe_batch_invariance.py --out-dir "$1"
-}
-
-step_worker_thread() {
-  # shellcheck disable=SC2086
-  timeout -k 10 "$(limit worker-thread 120)" "$py" benchmarks/probe_worker_thread.py --out-dir "$1" ${WORKER_THREAD_ARGS:-}
+  timeout -k 10 "$(limit batch-invariance 120)" "$py" benchmarks/bench_serving.py batch-invariance --out-dir "$1"
 }
 
 step_served_path() {
   # shellcheck disable=SC2086
-  timeout -k 10 "$(limit served-path 240)" "$py" benchmarks/probe_served_path.py --out-dir "$1" ${SERVED_PATH_ARGS:---pairs 16}
+  timeout -k 10 "$(limit served-path 240)" "$py" benchmarks/bench_serving.py served-path --out-dir "$1" ${SERVED_PATH_ARGS:---pairs 16}
 }
 
 step_transport() {
-  timeout -k 10 "$(limit transport 90)" "$py" benchmarks/probe_http_transport.py --out-dir "$1" --tag gpu-host
+  timeout -k 10 "$(limit transport 90)" "$py" benchmarks/bench_serving.py transport --out-dir "$1" --tag gpu-host
 }
 
 step_png() {
-  timeout -k 10 "$(limit png 120)" "$py" benchmarks/probe_png_encode.py --out-dir "$1" --tag gpu-host
+  timeout -k 10 "$(limit png 120)" "$py" benchmarks/bench_serving.py png --out-dir "$1" --tag gpu-host
 }
 
 step_sync_points() {
   # shellcheck disable=SC2086
-  timeout -k 10 "$(limit sync-points 240)" "$py" benchmarks/probe_sync_points.py --out-dir "$1" --tag gpu ${SYNC_ARGS:-}
+  timeout -k 10 "$(limit sync-points 240)" "$py" benchmarks/bench_e2e.py sync-points --out-dir "$1" --tag gpu ${SYNC_ARGS:-}
 }
 
 step_vae_decode() {
@@ -264,7 +259,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance worker-thread)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

@@ -1,5 +1,5 @@
-"""benchmarks/probe_sync_points.py: warnings captured with their stacks, grouped by the line that asked (the
-GPU run itself needs CUDA: on a CPU the probe refuses with a clear error)."""
+"""benchmarks/bench_e2e.py sync-points: warnings captured with their stacks, grouped by the line that asked (the
+GPU run itself needs CUDA: on a CPU it refuses with a clear error)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from benchmarks.probe_sync_points import SYNC_MESSAGE, asker, captured_warnings, group_sync_points
+from benchmarks._e2e_sync_points import SYNC_MESSAGE, asker, captured_warnings, group_sync_points
 
 
 def _copy_to_gpu_like():
@@ -49,9 +49,9 @@ def test_a_torch_frame_is_skipped_for_the_caller_outside_torch():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
-def test_without_a_gpu_the_probe_says_why():
-    from benchmarks.probe_sync_points import main
+def test_without_a_gpu_sync_points_says_why():
+    from benchmarks.bench_e2e import main
 
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", "tiny-nucleusmoe"])
+        main(["sync-points", "--model", "tiny-nucleusmoe"])
     assert exit_info.value.code == 2

@@ -9,7 +9,7 @@ GETs from one httpx client (median of ``--reps`` round trips):
 - ``loopback_listener``: the socket ``serve_pipeline`` hands uvicorn now (IPPROTO_TCP, TCP_NODELAY);
 - ``socket.socket()``: the socket it handed uvicorn before 88755df (protocol 0: asyncio left Nagle on).
 
-    python benchmarks/probe_http_transport.py --out-dir benchmarks/results/serving
+    python benchmarks/bench_serving.py transport --out-dir benchmarks/results/serving
 
 Writes <out-dir>/http-transport-<host tag>.{json,md}.
 """
@@ -20,13 +20,10 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
-
-from benchmarks._common import environment, write_results  # noqa: E402
+from benchmarks._common import environment, write_results
 
 SIZES = (100, 46_000, 2_700_000, 8_000_000)
 
@@ -97,6 +94,3 @@ def main(argv=None) -> int:
                   env=environment())
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

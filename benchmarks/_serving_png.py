@@ -3,13 +3,13 @@
 The encoder once assembled its file by chaining ``+`` over the chunks, five copies of the image's bytes; on a
 thread that encodes one image now and then, each fresh multi-megabyte bytes object is mapped anew, so every copy
 page-faults once per 4 KB (the H200 host's served NucleusMoE calls spent 8.6-9.1 ms encoding a 1024² PNG of noise
-that stores in about 1 ms). This times, in the same run, ``models.png.encode_png`` (one join) against the same
+that stores in about 1 ms). This times, in the same run, ``runtime.png.encode_png`` (one join) against the same
 stripes assembled the old way, each in a process of its own (as the server's), on one long-lived thread with
 ``--pause-ms`` between calls (as requests arrive), for 1024² noise (what random weights make) and a smooth 1024²
 image: median ms and minor page faults a call; and the one join again with glibc told to keep freed memory
 (`xstage_dit.runtime.malloc_heap`, what the server applies before its warm-up).
 
-    python benchmarks/probe_png_encode.py --out-dir benchmarks/results/serving --tag cpu-2core
+    python benchmarks/bench_serving.py png --out-dir benchmarks/results/serving --tag cpu-2core
 
 Writes <out-dir>/png-encode-<tag>.{json,md}.
 """
@@ -51,7 +51,7 @@ def images(size: int) -> dict[str, np.ndarray]:
 
 
 ENCODERS = {"one join (encode_png)": "encode_png", "chained + (before 0a74973)": "chained",
-            "one join, malloc keeps freed memory (models.malloc_heap)": "encode_png_kept"}
+            "one join, malloc keeps freed memory (runtime.malloc_heap)": "encode_png_kept"}
 
 
 def main(argv=None) -> int:

@@ -33,7 +33,7 @@ each, so a slower mode shows which section grew, with each call's host and GPU m
 lookups in the summary (``profiles``), and each phase's host and GPU milliseconds (text encoding, the transformer
 forwards, the VAE decode: profiler ranges around them, ``profiles[...]["phases"]``).
 
-    python benchmarks/probe_served_path.py --model full-nucleusmoe --steps 4 --compile regional
+    python benchmarks/bench_serving.py served-path --model full-nucleusmoe --steps 4 --compile regional
 
 Writes <out-dir>/served-path-<model>.{json,md}.
 """
@@ -45,18 +45,15 @@ import contextlib
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
-
-from benchmarks._common import environment, write_results  # noqa: E402
-from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, parse_extras  # noqa: E402
-from xstage_dit.features.config import add_cfg_batch_option, cfg_batch_of  # noqa: E402
-from xstage_dit.features.instance_attr import set_on_instance  # noqa: E402
+from benchmarks._common import environment, write_results
+from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, parse_extras
+from xstage_dit.features.config import add_cfg_batch_option, cfg_batch_of
+from xstage_dit.features.instance_attr import set_on_instance
 
 PROMPT = "a red fox in the snow"
 
@@ -418,6 +415,3 @@ def _profiled(fn, *fn_args) -> tuple[str, dict]:
              "phases": _phase_stats(averages)}
     return text, stats
 
-
-if __name__ == "__main__":
-    sys.exit(main())

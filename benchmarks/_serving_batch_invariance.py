@@ -1,13 +1,13 @@
 """Is a bf16 ``F.linear`` row-for-row the same whether its rows run alone or in a batch of n samples? (issue 15)
 
 The server batches image requests only where a batched image is byte-identical to the image made alone
-(README's promise; the warm-up probe checks it). Attention, norms and elementwise ops are per sample; the
+(the server's promise, docs/serving.md; its warm-up checks it). Attention, norms and elementwise ops are per sample; the
 GEMMs are where a batch of n (M = n * tokens rows) can pick another cuBLAS algorithm than one sample (split-K
 or stream-K, whose partial sums may be added in bf16 where reduced-precision reductions are allowed). This
 probe times and compares, for FLUX's GEMM shapes at 512^2 and 1024^2 tokens per sample, each BLAS library and
 reduced-precision setting:
 
-    python benchmarks/probe_batch_invariance.py --out-dir benchmarks/results/serving
+    python benchmarks/bench_serving.py batch-invariance --out-dir benchmarks/results/serving
 
 Writes <out-dir>/batch-invariance-<gpu>.{json,md}: per (setting, tokens, K, N, n) whether every sample's
 rows equal its one-sample call bit for bit, the max abs difference, and the GEMM's median time at M = tokens
@@ -23,9 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
-
-from benchmarks._common import environment, time_ms, write_results  # noqa: E402
+from benchmarks._common import environment, time_ms, write_results
 
 # (K, N) of FLUX.1-dev's linear layers: q/k/v/out (3072 -> 3072), MLP up (3072 -> 12288), MLP down
 # (12288 -> 3072), the single block's fused proj_out (15360 -> 3072), AdaLN modulation rows are M = 1; the
@@ -102,6 +100,3 @@ def main(argv=None) -> int:
     print(summary)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""benchmarks/probe_http_transport.py on the CPU: every listener and answer size is timed and written, and the
+"""benchmarks/bench_serving.py transport on the CPU: every listener and answer size is timed and written, and the
 in-process server's listener answers a small POST without the delayed-ACK stall the old socket had."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 
 
-def test_transport_probe_times_every_listener_and_size(tmp_path):
-    from benchmarks.probe_http_transport import SIZES, main
+def test_transport_times_every_listener_and_size(tmp_path):
+    from benchmarks._serving_transport import SIZES
+    from benchmarks.bench_serving import main
 
-    assert main(["--reps", "5", "--out-dir", str(tmp_path), "--tag", "test"]) == 0
+    assert main(["transport", "--reps", "5", "--out-dir", str(tmp_path), "--tag", "test"]) == 0
     data = json.loads((tmp_path / "http-transport-test.json").read_text())
     rows = {(r["listener"], r["answer_bytes"]): r for r in data["rows"]}
     assert set(rows) == {(way, size) for way in ("uvicorn binds", "loopback_listener", "socket.socket()")

@@ -1,4 +1,4 @@
-"""benchmarks/probe_served_path.py on the CPU with the tiny NucleusMoE: every mode runs, the table and the
+"""benchmarks/bench_serving.py served-path on the CPU with the tiny NucleusMoE: every mode runs, the table and the
 profiles are written (the GPU numbers are in benchmarks/results/serving/)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 
 
 @pytest.mark.slow
-def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
-    from benchmarks.probe_served_path import main
+def test_served_path_times_every_mode_and_profiles(tmp_path):
+    from benchmarks.bench_serving import main
 
-    assert main(["--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "off", "--reps", "1", "--rounds", "1",
+    assert main(["served-path", "--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "off", "--reps", "1", "--rounds", "1",
                  "--profile", "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "served-path-tiny-nucleusmoe.json").read_text())
     rows = {r["how"]: r for r in data["rows"]}
@@ -37,10 +37,10 @@ def test_served_path_probe_times_every_mode_and_profiles(tmp_path):
 
 
 @pytest.mark.slow
-def test_served_path_probe_compares_the_guard_modes_on_the_same_graphs(tmp_path):
-    from benchmarks.probe_served_path import main
+def test_served_path_compares_the_guard_modes_on_the_same_graphs(tmp_path):
+    from benchmarks.bench_serving import main
 
-    assert main(["--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "regional", "--backend", "eager",
+    assert main(["served-path", "--model", "tiny-nucleusmoe", "--steps", "2", "--compile", "regional", "--backend", "eager",
                  "--dtype", "bfloat16", "--reps", "1", "--rounds", "1", "--profile", "--pairs", "2",
                  "--out-dir", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "served-path-tiny-nucleusmoe.json").read_text())
@@ -61,15 +61,15 @@ def test_served_path_probe_compares_the_guard_modes_on_the_same_graphs(tmp_path)
     assert (tmp_path / "served-path-tiny-nucleusmoe-profile-bare-warm-guards.txt").is_file()
 
 
-def test_served_path_probe_refuses_a_video_model(tmp_path):
-    from benchmarks.probe_served_path import main
+def test_served_path_refuses_a_video_model(tmp_path):
+    from benchmarks.bench_serving import main
 
     with pytest.raises(SystemExit, match="expected an image model"):
-        main(["--model", "tiny-wan", "--out-dir", str(tmp_path)])
+        main(["served-path", "--model", "tiny-wan", "--out-dir", str(tmp_path)])
 
 
 def test_paired_ratio_alternates_the_order_and_judges_the_target():
-    from benchmarks.probe_served_path import paired_ratio
+    from benchmarks._serving_served_path import paired_ratio
 
     calls = []
     clock = {"bare": [0.50, 0.52, 0.70, 0.51], "served": [0.505, 0.525, 0.707, 0.515]}

@@ -1,4 +1,4 @@
-"""benchmarks/probe_png_encode.py on the CPU: both encoders write the same bytes and are timed, each in a process
+"""benchmarks/bench_serving.py png on the CPU: both encoders write the same bytes and are timed, each in a process
 of its own, and the old chained assembly of a 1024² image of noise page-faults for its copies where the one join
 does not (the H200 host's 8.6-9.1 ms encodes; benchmarks/results/serving/NOTES.md)."""
 
@@ -12,10 +12,11 @@ import pytest
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="counts page faults with getrusage (Linux)")
-def test_png_probe_times_the_encoders_and_counts_the_faults(tmp_path):
-    from benchmarks.probe_png_encode import ENCODERS, main
+def test_png_encode_times_the_encoders_and_counts_the_faults(tmp_path):
+    from benchmarks._serving_png import ENCODERS
+    from benchmarks.bench_serving import main
 
-    assert main(["--calls", "6", "--rounds", "1", "--pause-ms", "5", "--out-dir", str(tmp_path), "--tag", "test"]) == 0
+    assert main(["png", "--calls", "6", "--rounds", "1", "--pause-ms", "5", "--out-dir", str(tmp_path), "--tag", "test"]) == 0
     data = json.loads((tmp_path / "png-encode-test.json").read_text())
     rows = {(r["image"], r["encoder"]): r for r in data["rows"]}
     assert set(rows) == {(f"{image} 1024x1024", name) for image in ("noise", "smooth") for name in ENCODERS}

@@ -4,7 +4,7 @@ by the line that asked for it.
 Why: a host-bound call loses twice at each synchronization: the host waits until the GPU's queue drains, then
 the GPU idles while the host prepares the next work. NucleusMoE's compiled 4-step call is host-bound (host 610 ms
 against 387 ms of GPU work at f6c8114) and torch's profiler counted 100 ``cudaMemcpyAsync`` of 0.5 ms each a
-call without saying whose they were (``patches.host_syncs`` removed the transformer's four a forward; the rest
+call without saying whose they were (``features.host_syncs`` removed the transformer's four a forward; the rest
 were not identified). ``torch.cuda.set_sync_debug_mode("warn")`` makes torch warn at every synchronizing
 operation (a copy from pageable host memory to the GPU, a copy back, ``.item()``, ``nonzero``, a stream
 synchronize); here each warning's Python stack is kept and the warnings are grouped by the first frame outside
@@ -14,7 +14,7 @@ One warm call (after ``--warmup`` calls), the pipeline as the bench's contenders
 batch invariance, ``--compile``) or ``diffusers`` (plain). A CUDA GPU is required (the mode does not exist
 without CUDA).
 
-    python benchmarks/probe_sync_points.py --model full-nucleusmoe --steps 4 --compile regional
+    python benchmarks/bench_e2e.py sync-points --model full-nucleusmoe --steps 4 --compile regional
 
 Writes <out-dir>/sync-points-<model>-<variant>-<tag>.{json,md}.
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import traceback
 import warnings
 from collections import Counter
@@ -32,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
-
-from benchmarks._common import environment, write_results  # noqa: E402
+from benchmarks._common import environment, write_results
 
 PROMPT = "a red fox in the snow"
 SYNC_MESSAGE = "synchronizing CUDA operation"  # torch's sync-debug warning text
@@ -153,6 +150,3 @@ def main(argv=None) -> int:
     write_results(str(stem), "sync-points", rows, summary, ["count", "where", "line", "context"], env=environment())
     return 0
 
-
-if __name__ == "__main__":
-    raise SystemExit(main())
