@@ -18,6 +18,7 @@ the uncond call in late steps) cannot run with cfg=2: the unpaired call is refus
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,8 +26,10 @@ from xstage_dit.families.build import build_module
 from xstage_dit.families.flux import VAE as FLUX_VAE
 from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sana import gemma2_text_encoder
-from xstage_dit.families.sp_plan import SequenceParallelSpec
 from xstage_dit.families.spec import ModelSpec
+
+if TYPE_CHECKING:  # diffusers (through sp_plan) is imported when the plan is built, not with the record
+    from xstage_dit.families.sp_plan import SequenceParallelSpec
 
 TRANSFORMER = {
     # Lumina-Image-2.0/transformer/config.json
@@ -126,11 +129,12 @@ class Lumina2DispatchingAttention:
 def lumina2_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     """The plan of `Lumina2Transformer2DModel` (see the module docstring); ValueError naming what does not fit."""
     from xstage_dit import _diffusers_private as private
+    from xstage_dit.families.sp_plan import SequenceParallelSpec
 
     cpi, cpo = private.cp_types()
     for name in ("layers", "context_refiner", "noise_refiner"):
         blocks = getattr(model, name, None)
-        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0 and name == "layers":
+        if not isinstance(blocks, torch.nn.ModuleList) or (len(blocks) == 0 and name == "layers"):
             raise ValueError(f"expected {type(model).__name__}.{name} to be a non-empty ModuleList, got "
                              f"{type(blocks).__name__}")
     return SequenceParallelSpec(

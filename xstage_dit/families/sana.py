@@ -19,15 +19,20 @@ the size it names (a multiple of 32), not at the nearest trained aspect ratio th
 
 from __future__ import annotations
 
+import functools
+from typing import TYPE_CHECKING
+
 import torch
-from diffusers.hooks import ModelHook
 
 from xstage_dit.families import sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
-from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import gemma_tokenizer
+
+if TYPE_CHECKING:  # diffusers (through sp_plan) is imported when a plan is built, not with the record: the CLI's
+    # pre-checks read the records and must answer before diffusers would have loaded
+    from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 
 TRANSFORMER = {
     # Sana_1600M_1024px_diffusers/transformer/config.json
@@ -113,9 +118,18 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
 
 
 # ---- sequence parallel: rows split, linear attention summed over the ranks, cross-attention local --------------
+# The hooks below are plain classes, made diffusers `ModelHook`s (`_hook`) when a plan is built.
 
 
-class _RowSplit(ModelHook):
+@functools.cache
+def _hook(cls: type) -> type:
+    """`cls` with diffusers' ``ModelHook`` as its base (imported here, on first use)."""
+    from diffusers.hooks import ModelHook
+
+    return type(cls.__name__, (cls, ModelHook), {"__doc__": cls.__doc__})
+
+
+class _RowSplit:
     """On ``patch_embed``: reads the latent grid (rows x cols after patching) from its input and keeps this rank's
     whole rows of its output tokens ``(batch, rows * cols, dim)``, rows split by the one split rule."""
 
@@ -140,7 +154,7 @@ class _RowSplit(ModelHook):
         return output.narrow(1, first * cols, rows * cols)
 
 
-class _BlockRows(ModelHook):
+class _BlockRows:
     """On each block: its ``height`` argument (the rows its feed-forward unflattens the tokens into) becomes this
     rank's row count. Block signature: (hidden_states, attention_mask, encoder_hidden_states,
     encoder_attention_mask, timestep, height, width)."""
@@ -163,7 +177,7 @@ class _BlockRows(ModelHook):
         return args, kwargs
 
 
-class _RowHalo(ModelHook):
+class _RowHalo:
     """On the feed-forward's depthwise convolution (``(batch, channels, rows_local, cols)``): the rows of the
     neighbouring ranks its kernel reaches are fetched before it (zeros at the image's own edges, as its padding)
     and the output rows they produce are cropped after it. One all-gather of every rank's first and last rows."""
@@ -189,7 +203,7 @@ class _RowHalo(ModelHook):
         return output[:, :, halo:-halo]
 
 
-class _NoControlNet(ModelHook):
+class _NoControlNet:
     def pre_forward(self, module, *args, **kwargs):
         if kwargs.get("controlnet_block_samples") is not None:
             raise NotImplementedError("SANA under sequence parallelism takes no controlnet_block_samples (the ControlNet "
@@ -261,6 +275,7 @@ def _check_row_convs(model: torch.nn.Module) -> None:
 def sana_sp(model: torch.nn.Module) -> SequenceParallelSpec:
     """The plan of `SanaTransformer2DModel` (see the module docstring); ValueError naming what does not fit."""
     from xstage_dit import _diffusers_private as private
+    from xstage_dit.families.sp_plan import SequenceParallelSpec
 
     _, cpo = private.cp_types()
     if not isinstance(getattr(model, "transformer_blocks", None), torch.nn.ModuleList) or not model.transformer_blocks:
@@ -270,10 +285,10 @@ def sana_sp(model: torch.nn.Module) -> SequenceParallelSpec:
         cp_plan={"proj_out": cpo(gather_dim=1, expected_dims=3)},  # per token, after the last block
         processor_swaps={"SanaLinearAttnProcessor2_0": SanaLinearAttention.from_processor},
         extra_hooks=[
-            ("patch_embed", _RowSplit),
-            ("transformer_blocks.*", _BlockRows),
-            ("transformer_blocks.*.ff.conv_depth", _RowHalo),
-            ("", lambda state: _NoControlNet()),
+            ("patch_embed", _hook(_RowSplit)),
+            ("transformer_blocks.*", _hook(_BlockRows)),
+            ("transformer_blocks.*.ff.conv_depth", _hook(_RowHalo)),
+            ("", lambda state: _hook(_NoControlNet)()),
         ],
         # the image queries attend the whole text, which every rank holds: nothing to exchange
         local_attention=("transformer_blocks.*.attn2",),
