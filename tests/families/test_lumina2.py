@@ -156,7 +156,8 @@ def test_parallel_pipeline_matches_one_process(world, tmp_path):
             for config_name, config in CONFIGS[world].items():
                 r = results[f"{case_name}/{config_name}"]
                 if rank == 0:
-                    print(f"world {world} {case_name} {config_name}: max abs error {r['max_abs']:.2e} (pixels in [0, 1])")
+                    print(f"world {world} {case_name} {config_name}: max abs error {r['max_abs']:.2e} "
+                          "(pixels in [0, 1])")
                 assert r["ref_std"] > 1e-3 and r["max_abs"] <= TOL.fp32_pipeline, (case_name, config_name, r)
                 assert r["restored"] == 0.0, (case_name, config_name, r)  # restore gives the pipeline back exactly
                 if config.get("sp", 1) > 1:
@@ -229,8 +230,8 @@ def test_a_saved_folder_generates_through_the_cli_and_the_server(tmp_path):
         try:
             assert worker.wait_ready(300), worker.reason
             with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=300) as client:
-                r = client.post("/v1/images/generations", json={"prompt": prompt, "seed": seed, "size": f"{width}x{height}",
-                                                                 "num_inference_steps": 2})
+                r = client.post("/v1/images/generations", json={
+                    "prompt": prompt, "seed": seed, "size": f"{width}x{height}", "num_inference_steps": 2})
                 assert r.status_code == 200, r.text
                 served = r.json()["data"][0]["b64_json"]
                 bad = client.post("/v1/images/generations", json={"prompt": prompt, "size": f"{width}x{height + 8}"})

@@ -94,7 +94,8 @@ class Lumina2DispatchingAttention:
         if base_sequence_length is not None and getattr(self._parallel_config, "world", 1) > 1:
             # its scale reads the sequence length, which is this rank's shard here
             raise NotImplementedError("Lumina-Image 2.0's proportional attention (base_sequence_length) under "
-                                      f"sequence parallelism is not supported, got base_sequence_length={base_sequence_length}")
+                                      "sequence parallelism is not supported, got "
+                                      f"base_sequence_length={base_sequence_length}")
         batch_size, sequence_length, _ = hidden_states.shape
         query, key, value = attn.to_q(hidden_states), attn.to_k(encoder_hidden_states), attn.to_v(encoder_hidden_states)
         head_dim = query.shape[-1] // attn.heads

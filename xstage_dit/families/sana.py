@@ -10,8 +10,9 @@ needs its neighbour rows, one halo row from each neighbouring rank before it and
 self-attention sums ``K^T V`` over this rank's tokens, and the sums of all ranks are added (one small all-gather
 of ``(batch, heads, head_dim + 1, head_dim)`` per block, whatever the token count); the cross-attention to the
 text needs no exchange (every rank holds the whole text): it stays diffusers' own. Nothing goes through the
-Ulysses op, so the head count does not bound sp; the rows do (at least one latent row a rank). CFG is one
-call on an (uncond, cond) batch ("batched").
+Ulysses op; sp is bounded by the rows (at least one latent row a rank) and, by `parallelize`'s general rule, by
+the fewest heads of any attention (the 20 cross-attention heads at full size). CFG is one call on an (uncond,
+cond) batch ("batched").
 
 The pipeline's resolution binning is turned off (``use_resolution_binning=False``): a request is generated at
 the size it names (a multiple of 32), not at the nearest trained aspect ratio then resized.
@@ -206,8 +207,8 @@ class _RowHalo:
 class _NoControlNet:
     def pre_forward(self, module, *args, **kwargs):
         if kwargs.get("controlnet_block_samples") is not None:
-            raise NotImplementedError("SANA under sequence parallelism takes no controlnet_block_samples (the ControlNet "
-                                      "residuals are whole-image tokens); got some")
+            raise NotImplementedError("SANA under sequence parallelism takes no controlnet_block_samples (the "
+                                      "ControlNet residuals are whole-image tokens); got some")
         return args, kwargs
 
 
@@ -268,8 +269,9 @@ def _check_row_convs(model: torch.nn.Module) -> None:
         if (pad is None or k != 2 * pad + 1 or conv.stride != (1, 1) or conv.dilation != (1, 1)
                 or conv.padding_mode != "zeros"):
             raise ValueError(
-                f"expected SANA's feed-forward conv to keep the grid (odd kernel, padding k // 2, stride 1, zero padding), "
-                f"got kernel {conv.kernel_size}, padding {conv.padding}, stride {conv.stride} in transformer_blocks.{i}")
+                f"expected SANA's feed-forward conv to keep the grid (odd kernel, padding k // 2, stride 1, zero "
+                f"padding), got kernel {conv.kernel_size}, padding {conv.padding}, stride {conv.stride} in "
+                f"transformer_blocks.{i}")
 
 
 def sana_sp(model: torch.nn.Module) -> SequenceParallelSpec:
