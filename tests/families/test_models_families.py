@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, load_pipeline, model_spec
+from xstage_dit.families.registry import records
 from xstage_dit.runtime.generation import call_kwargs, output_pixels, to_pil_frames
 
 TINY = [name for name, spec in MODELS.items() if spec.size == "tiny"]
@@ -44,13 +45,18 @@ def test_registry_covers_every_family_in_both_sizes():
         assert {s.size for s in MODELS.values() if s.family == family} == {"tiny"}, family
 
 
+# families with a record (families/<family>.py): the pipeline class of each of its built-in models, which the record
+# must list among its pipelines
+RECORD_CLASSES = {r.name: s.pipeline_class for r in records().values() for s in r.specs if s.pipeline_class in r.pipelines}
+
+
 @pytest.mark.parametrize("name", [n for n in TINY if n != "tiny-flux"])  # tiny-flux: tests/test_models.py
 def test_tiny_pipeline_runs_end_to_end(name):
     import diffusers
 
     spec = model_spec(name)
     pipe = load_pipeline(name, seed=0)
-    classes = {**PIPELINE_CLASSES, **TINY_ONLY_CLASSES}
+    classes = {**PIPELINE_CLASSES, **TINY_ONLY_CLASSES, **RECORD_CLASSES}
     assert type(pipe) is getattr(diffusers, classes[spec.family]) is getattr(diffusers, spec.pipeline_class)
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}

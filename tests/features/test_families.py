@@ -88,10 +88,17 @@ def test_family_pipelines_match_single_process(world, tmp_path):
 def test_readme_pipeline_column_is_what_this_file_tests():
     from xstage_dit.features.plans import supported_models
 
+    from xstage_dit.families.registry import records
+
     claimed = {p.class_name for p in supported_models() if p.pipeline_worlds}
     tested_here = set(FAMILY_CLASSES.values())
     tested_elsewhere = {"FluxTransformer2DModel", "WanTransformer3DModel", "NucleusMoEImageTransformer2DModel",
                         "HiDreamImageTransformer2DModel"}  # tests/features/test_parallelize.py, world 2 and 4
+    # a family record's pipeline worlds are tested in its own file, tests/families/test_<family>.py
+    for r in records().values():
+        if r.pipeline_worlds:
+            assert (ROOT / "tests" / "families" / f"test_{r.name}.py").is_file(), r.name
+            tested_elsewhere |= set(r.transformers)
     assert claimed == tested_here | tested_elsewhere
     for p in supported_models():
         if p.class_name in tested_here:

@@ -33,8 +33,9 @@ _CFG_NEEDS_GUIDANCE = ("wan", "nucleusmoe", "hidream")
 #: families whose plan has no CFG parallelism (`xstage_dit.features.plans`: cfg=None).
 _NO_CFG_PARALLEL = ("sd3", "cogvideox", "z-image", "wan-vace", "skyreels-v2", "ltx", "ltx2", "qwenimage21",
                     "hunyuanvideo15", "hunyuanimage")
-#: config key of the head count where it is not ``num_attention_heads`` (Z-Image).
-_HEADS_KEYS = {"z-image": "n_heads"}
+#: config key of the fewest heads of any attention where it is not ``num_attention_heads`` (Z-Image; SANA: its
+#: cross-attention has fewer heads than its linear self-attention).
+_HEADS_KEYS = {"z-image": "n_heads", "sana": "num_cross_attention_heads"}
 
 
 @dataclass(frozen=True)

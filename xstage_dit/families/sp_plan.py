@@ -6,11 +6,12 @@ feature that applies them, so a family file never imports a feature."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
-
-from diffusers.hooks import ModelHook
+from typing import TYPE_CHECKING, Any, Callable
 
 from xstage_dit.families import sharding
+
+if TYPE_CHECKING:  # only a type here: importing diffusers costs seconds that the CLI's pre-checks must not pay
+    from diffusers.hooks import ModelHook
 
 
 @dataclass
@@ -54,6 +55,6 @@ class SequenceParallelSpec:
     kv_layouts: dict[str, str] = field(default_factory=dict)  # module-name pattern -> layout
     # processor class -> factory, or "module:attribute" of one (resolved by the sequence-parallel feature)
     processor_swaps: dict[str, Callable[[Any], Any] | str] = field(default_factory=dict)
-    extra_hooks: list[tuple[str, Callable[[SequenceState], ModelHook]]] = field(default_factory=list)
+    extra_hooks: list[tuple[str, Callable[[SequenceState], "ModelHook"]]] = field(default_factory=list)
     # attention modules that run before the split on whole sequences (left as they are)
     local_attention: tuple[str, ...] = ()
