@@ -291,12 +291,12 @@ def save_output(frames: list[Image.Image], path: str | Path, *, kind: str, fps: 
         raise ValueError(f"expected an image suffix {IMAGE_SUFFIXES} for an image model, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix in VIDEO_SUFFIXES:
-        # The server's encoder (models.mp4): the same bytes as a served MP4 of the same frames.
+        # The server's encoder (runtime.mp4): the same bytes as a served MP4 of the same frames.
         path.write_bytes(encode_mp4(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]), fps))
     else:
         image = frames[0] if len(frames) == 1 else image_grid(frames)
         if suffix == ".png":
-            # The server's encoder (models.png): the same bytes as a served PNG of the same pixels.
+            # The server's encoder (runtime.png): the same bytes as a served PNG of the same pixels.
             pixels = np.asarray(image)
             path.write_bytes(encode_png(pixels[..., None] if pixels.ndim == 2 else pixels))
         else:

@@ -98,7 +98,7 @@ class ServerConfig:
         only afterwards.
     warmup_sizes: extra (width, height) sizes to warm up (and, with batching "auto", to measure).
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
-        (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
+        (`xstage_dit.runtime.gc_pauses`): a full collection then walks only what requests allocated, instead of
         pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
     keep_freed_memory: before warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.runtime.malloc_heap`) so
         each answer's multi-megabyte buffers reuse the heap instead of page-faulting on fresh mappings; process-wide.

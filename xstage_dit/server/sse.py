@@ -1,4 +1,4 @@
-"""Server-sent events of one job: `progress` after every step, then `completed` (or `error`)."""
+"""Server-sent events of one job (images, videos and jobs stream them): `progress` after every step, then `completed` (or `error`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from xstage_dit.server.jobs import COMPLETED, TERMINAL, Job
+from xstage_dit.server.job_queue import COMPLETED, TERMINAL, Job
 from xstage_dit.server.worker import Worker
 
 SSE_KEEPALIVE_S = 2.0
