@@ -176,8 +176,8 @@ def run_pipeline(pipe, **kwargs):
     """``pipe(**kwargs)`` the way xstage runs every generation (server, ``generate``, the bench's xstage
     contenders): under ``torch.inference_mode``. diffusers' ``__call__`` only disables grad; inference mode also
     skips the autograd bookkeeping each op pays (version counters, view tracking), which a launch-bound eager
-    step feels: NucleusMoE 1024² on the H200 ran 139 ms a step served (inference mode) against 189 ms for the
-    same patched pipeline called plainly, in one run (benchmarks/results/e2e/nucleusmoe-1xh200-ee97a9b.md).
+    step feels: NucleusMoE's served eager steps (inference mode) ran faster than the same patched pipeline called
+    plainly, in one run (benchmarks/results/e2e/NOTES.md, "NucleusMoE at world 1, 2026-12-04").
     Outputs are inference tensors (no autograd), which nothing downstream needs."""
     with torch.inference_mode():
         return pipe(**kwargs)
