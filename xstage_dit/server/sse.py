@@ -1,4 +1,5 @@
-"""Server-sent events of one job (images, videos and jobs stream them): `progress` after every step, then `completed` (or `error`)."""
+"""Server-sent events of one job: `progress` after every step, then `completed` (or `error`); the images, videos
+and jobs endpoints stream them."""
 
 from __future__ import annotations
 
