@@ -13,7 +13,7 @@ One patched (and optionally compiled) pipeline, timed these ways in interleaved 
 - ``worker queue``: the same job handed to the server's queue directly (worker thread and PNG, no HTTP);
 - ``bare, server up``: ``bare`` again while the server idles in the same process (its threads alone);
 - ``bare, heap unfrozen`` and ``served, heap unfrozen``: the same with the garbage collector walking the whole
-  heap again (the server freezes it after warm-up, `xstage_dit.server.gc_pauses`; these undo that for the
+  heap again (the server freezes it after warm-up, `xstage_dit.runtime.gc_pauses`; these undo that for the
   call and freeze it again after);
 - ``bare, warm guards`` and ``served, warm guards`` (compiled runs whose --compile-guards is full): the same
   graphs with only Dynamo's differentiating guards once a call key ran (``apply_compile``'s ``guards="warm"``,
@@ -90,9 +90,9 @@ def main(argv=None) -> int:
     from xstage_dit.features.batch_invariance import batch_invariant
     from xstage_dit.features.compile import apply_compile
     from xstage_dit.server.config import ServedModel
-    from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
+    from xstage_dit.runtime.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
     from xstage_dit.server.inprocess import serve_pipeline
-    from xstage_dit.server.jobs import Job, new_job_id
+    from xstage_dit.server.job_queue import Job, new_job_id
     from xstage_dit.server.runner import BatchRunner
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -105,10 +105,12 @@ def test_world1_choice_by_layer_kind_unless_a_path_is_requested():
     assert choose_moe_world1(CPU, num_experts=64, routing="expert_choice").name == "diffusers"
     nucleus = choose_moe_world1(H200, num_experts=64, routing="expert_choice")
     # measured: diffusers' layer compiled (offsets fix) beat the fused EP path at both NucleusMoE shapes
-    assert nucleus.name == "diffusers" and "0.90 / 1.38 ms" in nucleus.reason and "compiled" in nucleus.reason, nucleus
+    assert nucleus.name == "diffusers" and "compiled" in nucleus.reason, nucleus
+    assert "benchmarks/results/moe/NOTES.md" in nucleus.reason, nucleus  # the measurement, in its results file
     assert choose_moe_world1(H200, num_experts=4, routing="expert_choice").name == "diffusers"
     hidream = choose_moe_world1(H200, num_experts=4, routing="top_k")
-    assert hidream.name == "diffusers" and "2.2x" in hidream.reason and "top-k" in hidream.reason  # measured
+    assert hidream.name == "diffusers" and "top-k" in hidream.reason and "measured slower" in hidream.reason
+    assert "benchmarks/results/e2e/NOTES.md" in hidream.reason, hidream
     assert choose_moe_world1(H200, num_experts=128, routing="top_k", requested="fused").name == "fused"
     assert choose_moe_world1(H200, num_experts=64, routing="expert_choice", requested="serial").name == "serial"
     with pytest.raises(ValueError, match="fast"):

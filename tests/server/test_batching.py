@@ -10,7 +10,7 @@ import pytest
 
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.batching import Batcher, Probe, decide
-from xstage_dit.server.jobs import Job, JobQueue
+from xstage_dit.server.job_queue import Job, JobQueue
 from xstage_dit.server.metrics import Metrics
 
 SIZE = (1024, 1024, 1)

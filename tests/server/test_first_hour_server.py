@@ -21,7 +21,8 @@ from xstage_dit.runtime.generation import call_kwargs
 from xstage_dit.server.announce import ready_lines
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.schemas import ImageGenerationRequest, RequestError, image_params
+from xstage_dit.server.images.protocol import ImageGenerationRequest, image_params
+from xstage_dit.server.protocol import RequestError
 from tests.helpers.server import free_port, live_server, one_torch_thread, start_worker
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""The garbage collector in the server (`xstage_dit.server.gc_pauses`): the heap alive after warm-up is frozen
+"""The garbage collector in the server (`xstage_dit.runtime.gc_pauses`): the heap alive after warm-up is frozen
 out of the collector's way, unfrozen on stop; every collection's pause is counted, per batch (`Timings.gc_s`)
 and in /metrics."""
 
@@ -14,7 +14,7 @@ import pytest
 from tests.helpers.server import live_server, one_torch_thread, start_worker
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
+from xstage_dit.runtime.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
 
 
 class _Cycle:

@@ -142,7 +142,7 @@ def test_validation_errors_name_the_field(server, body, param):
 def test_a_streamed_request_listens_before_its_job_is_queued(server, monkeypatch):
     """The stream subscribes to its job before the job is queued, so a first step that runs at once is still
     an event its client gets (a stream on a loaded 2-core CI machine once began at step 3 of 4)."""
-    from xstage_dit.server.routes import images
+    from xstage_dit.server.images import serving as images
 
     client, _ = server
     listening = []
@@ -302,8 +302,8 @@ def test_the_json_answer_written_once_equals_the_payload(sizes):
     import types
 
     from xstage_dit.runtime.generation import GenerationRequest
-    from xstage_dit.server.jobs import COMPLETED, Job
-    from xstage_dit.server.routes.images import image_json, image_payload
+    from xstage_dit.server.job_queue import COMPLETED, Job
+    from xstage_dit.server.images.serving import image_json, image_payload
 
     job = Job(id="img-test", deadline=time.time() + 60,
               items=[GenerationRequest(kind="image", prompt="x", width=32, height=32, steps=2, guidance=3.5, seed=s)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from xstage_dit.runtime.generation import GenerationRequest
-from xstage_dit.server.jobs import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobQueue, QueueFull, Unavailable
+from xstage_dit.server.job_queue import CANCELLED, COMPLETED, FAILED, QUEUED, RUNNING, Job, JobQueue, QueueFull, Unavailable
 
 
 def params(seed=0, width=32, steps=2, kind="image", negative=None, prompt="a cat"):

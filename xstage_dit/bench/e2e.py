@@ -107,7 +107,7 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 
-    # The served rows run a server, which tells malloc to keep freed memory (models.malloc_heap) before its
+    # The served rows run a server, which tells malloc to keep freed memory (runtime.malloc_heap) before its
     # warm-up; set here, before any row, every row of the run allocates alike (not the bare rows of round 1 one way
     # and the rest the other).
     malloc = keep_freed_memory() if "xstage-served" in names else None

@@ -5,13 +5,12 @@
 
 Why not httpx (what the served rows used before): its pure-Python HTTP/1.1 parser (h11) copies a large body in
 64 KB pieces, and in the benchmark that client runs in the server's own process, on the GIL the server's threads
-need. A 3.1 MB answer (a 1024² PNG of noise) took 4.5-4.9 ms to arrive through httpx against 1.5-1.6 ms through
-``http.client`` (which reads a known-length body with C-level reads) from the same in-process uvicorn on the
-2-core CPU machine (2026-12-05); on the H100 host the served NucleusMoE rows spent 7.5-10 ms between the job's
-end and the client holding the bytes. ``requests`` / ``urllib3``, what most Python clients use, read bodies
-through ``http.client`` too, so these rows now time what such a client waits for. The connection is kept for
-the next request only within ``REUSE_S`` of the last answer: uvicorn closes an idle one after 5 s, and a POST that
-makes an image is not one to send twice after finding it closed (a new connection costs ~0.5 ms on loopback).
+need. A multi-megabyte answer arrived several times slower through httpx than through ``http.client`` (which
+reads a known-length body with C-level reads) from the same in-process uvicorn (benchmarks/results/serving/NOTES.md,
+"After these calls"). ``requests`` / ``urllib3``, what most Python clients use, read bodies through
+``http.client`` too, so these rows now time what such a client waits for. The connection is kept for the next
+request only within ``REUSE_S`` of the last answer: uvicorn closes an idle one after 5 s, and a POST that makes
+an image is not one to send twice after finding it closed (a new connection is cheap on loopback).
 """
 
 from __future__ import annotations

@@ -75,8 +75,8 @@ class SweepPlan:
 # issue-limited above).
 _FINE_GAPS = tuple(i / 8 for i in range(17))
 _QUICK_GAPS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0)
-# Remote targets: the knee sits near 32 KiB per producer on the reference system and on the H200 over
-# PCIe (DESIGN §4), so the isolated sweep is dense there.
+# Remote targets: the isolated sweep is dense around the knee measured on the reference system and on the GPU
+# over PCIe (DESIGN §4).
 _REMOTE_ISO_FULL = (4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256)
 _REMOTE_ISO_QUICK = (8, 16, 24, 32, 40, 48, 64, 96, 128, 192)
 _LOCAL_ISO_FULL = (16, 32, 64, 128, 256, 512, 768, 1024)
@@ -105,14 +105,15 @@ def _periodic_point(target, *, kib: int, k: int, gap_s: float, plan: SweepPlan, 
     (start to stores accepted), gap (issue end to next start: the work, the loop's overhead, the wait at the
     per-burst alignment barrier and any stall that lands after the issue window) and period (= issue + gap).
 
-    Every burst starts aligned (``align_every_burst``), the setting of the X-Stage laws. Free-running
-    producers (run 3 on the H200) stagger after the first backed-up burst: long-gap bursts of 8.65 MB then
-    issued in 1.27 us against 85 us for the same burst aligned, and near G = V/R the issue time depended on
-    the stagger (18 us measured vs 1.2 us predicted), which R, T_iss0 and Q do not determine.
+    Every burst starts aligned (``align_every_burst``), the setting of the X-Stage laws. Free-running producers
+    stagger after the first backed-up burst: their long-gap bursts then issue far faster than the same burst
+    aligned, and near G = V/R the issue time depends on the stagger, which R, T_iss0 and Q do not determine
+    (calibration runs 1-3: benchmarks/results/figures-from-code.md; their files in git history,
+    benchmarks/results/README.md).
 
     The model's G is the measured gap, not the work's nominal time (``gap_work_s``): ``period - work``
-    subtracts two large numbers at long gaps (0.5 % clock error = the whole plateau issue time), which
-    made the T_iss0 fit fail on the H200 (benchmarks/results/calibration-h200-1gpu-run2-*)."""
+    subtracts two large numbers at long gaps (a clock error of a fraction of a percent is the whole plateau
+    issue time), which made the T_iss0 fit of calibration run 2 fail (benchmarks/results/README.md)."""
     import numpy as np
 
     from xstage_dit.calibration.csrc.burst import run_bursts

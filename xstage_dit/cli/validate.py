@@ -1,7 +1,8 @@
 """The checks of `--sp / --ep / --cfg` (and guidance) that the model's config alone decides, made in the
 command's own process before any rank starts: one line, exit status 2, in about the time of
 `--help`. Without them each rank would find the same error after importing diffusers and building the
-pipeline, print it once per rank and add "rank exited" lines, 10-14 s later.
+pipeline, print it once per rank and add "rank exited" lines, seconds later
+(benchmarks/results/figures-from-code.md).
 
 The facts come from the transformer's config (a built-in model's config dict, or a local folder's
 `transformer/config.json`), never from building it: importing diffusers alone takes longer than the

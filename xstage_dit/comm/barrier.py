@@ -24,10 +24,11 @@ Design (chosen over CUDA stream memory operations):
 - The host-mapped ``state = (entered, done)`` epochs let the watchdog see a wait without progress (a dead
   peer) and raise after ``XSTAGE_BARRIER_TIMEOUT_S``.
 
-Host cost of a call: the failure check and the call of the prepared launch measured 0.5 µs on the 2-core
-CPU machine (``tests/comm/test_barrier.py``, the launch replaced by a no-op); the real launch adds one
-ctypes call (~1 µs) and the raw-stream lookup, then ``cuLaunchKernel``'s own cost (a few µs), of the order
-of torch's ``handle.barrier()``, which is a kernel launch too. Nothing is allocated per call (checked there).
+Host cost of a call: the failure check and the call of the prepared launch (printed by
+``tests/comm/test_barrier.py``, the launch replaced by a no-op); the real launch adds one ctypes call and the
+raw-stream lookup, then ``cuLaunchKernel``'s own cost, of the order of torch's ``handle.barrier()``, which is a
+kernel launch too (the figures: benchmarks/results/figures-from-code.md). Nothing is allocated per call (checked
+there).
 
 Fallback: torch's barrier where this one cannot run on some rank (no libcuda entry points, a PTX load
 failure): decided on every rank together at creation (one ``all_gather_object``) and logged once.

@@ -176,8 +176,8 @@ def run_pipeline(pipe, **kwargs):
     """``pipe(**kwargs)`` the way xstage runs every generation (server, ``generate``, the bench's xstage
     contenders): under ``torch.inference_mode``. diffusers' ``__call__`` only disables grad; inference mode also
     skips the autograd bookkeeping each op pays (version counters, view tracking), which a launch-bound eager
-    step feels: NucleusMoE 1024² on the H200 ran 139 ms a step served (inference mode) against 189 ms for the
-    same patched pipeline called plainly, in one run (benchmarks/results/e2e/nucleusmoe-1xh200-ee97a9b.md).
+    step feels: NucleusMoE's served eager steps (inference mode) ran faster than the same patched pipeline called
+    plainly, in one run (benchmarks/results/e2e/NOTES.md, "NucleusMoE at world 1, 2026-12-04").
     Outputs are inference tensors (no autograd), which nothing downstream needs."""
     with torch.inference_mode():
         return pipe(**kwargs)
@@ -291,12 +291,12 @@ def save_output(frames: list[Image.Image], path: str | Path, *, kind: str, fps: 
         raise ValueError(f"expected an image suffix {IMAGE_SUFFIXES} for an image model, got {str(path)!r}")
     path.parent.mkdir(parents=True, exist_ok=True)
     if suffix in VIDEO_SUFFIXES:
-        # The server's encoder (models.mp4): the same bytes as a served MP4 of the same frames.
+        # The server's encoder (runtime.mp4): the same bytes as a served MP4 of the same frames.
         path.write_bytes(encode_mp4(np.stack([np.asarray(frame.convert("RGB")) for frame in frames]), fps))
     else:
         image = frames[0] if len(frames) == 1 else image_grid(frames)
         if suffix == ".png":
-            # The server's encoder (models.png): the same bytes as a served PNG of the same pixels.
+            # The server's encoder (runtime.png): the same bytes as a served PNG of the same pixels.
             pixels = np.asarray(image)
             path.write_bytes(encode_png(pixels[..., None] if pixels.ndim == 2 else pixels))
         else:

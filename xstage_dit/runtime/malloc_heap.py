@@ -6,10 +6,10 @@ Every image answer allocates a few buffers about the image's size: the PNG's fil
 JSON's base64, the client's read of the body (3-12 MB each for 1024² to 2048²). glibc maps a block that large
 afresh (``mmap`` at or above its mmap threshold: 128 KiB at first, raised only when a mapped block is freed) and
 hands a heap top above its trim threshold back to the kernel, so a server that answers now and then touches fresh
-pages on every request and faults once per 4 KiB. Measured on the 2-core machine (2026-12-05): a 1024² PNG of
-noise encoded on the main thread (where ``xstage-dit serve``'s event loop writes the JSON answer), one call every
-50 ms, took 4.5 ms and 1504 minor faults a call, against 1.7 ms and none once this is applied (the same encode on
-a worker thread: 1.7-1.8 ms and no faults either way; `tests/families/test_malloc_heap.py` holds the bound).
+pages on every request and faults once per 4 KiB. A PNG encoded on the main thread (where ``xstage-dit serve``'s
+event loop writes the JSON answer) page-faults on every call without this and not once with it; on a worker
+thread it does not fault either way (the timings: benchmarks/results/serving/NOTES.md, "glibc's malloc keeps
+freed memory"; `tests/runtime/test_malloc_heap.py` holds the bound).
 
 ``keep_freed_memory()`` fixes the mmap threshold at 32 MiB (glibc's largest, half its 64 MiB arena heap on
 64-bit) and the trim threshold at `TRIM_BYTES`: blocks under 32 MiB come from the heap, and up to `TRIM_BYTES`

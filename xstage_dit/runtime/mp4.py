@@ -14,9 +14,9 @@ import tempfile
 import numpy as np
 
 # x264 at CRF 10 (imageio's quality 8, kept) with the veryfast preset instead of x264's default medium: the
-# encode sits on every video request's critical path, after the GPU is done. Wan 480p x 81 frames took 1.83 s
-# to encode on the H200 host at preset medium, 11 % of a 2-step request; on 2 cores, 27 frames of 832x480 encode
-# 2.5x (noise) to 3.1x (smooth content) faster at veryfast, files of the same size or smaller.
+# encode sits on every video request's critical path, after the GPU is done, and veryfast encodes several times
+# faster for files of the same size or smaller (benchmarks/results/serving/NOTES.md, "Video: the MP4 encode";
+# benchmarks/results/figures-from-code.md, "runtime/mp4.py").
 X264_CRF = 10
 X264_PRESET = "veryfast"
 

@@ -2,26 +2,25 @@
 
     data = encode_png(pixels)         # pixels: (H, W, C) uint8, C in 1, 2, 3, 4 (floats: `generation.to_uint8` first)
 
-Why not Pillow's ``Image.save(format="PNG")``: on the H200 host a 1024² FLUX image took Pillow 0.15-0.48 s
-at its default level (its adaptive per-row filter search plus zlib level 6 on one core), about 6 % of a
-whole 28-step request, paid after the GPU finished. Here every row gets PNG's "Sub" filter (one numpy
-subtraction: generated images are smooth, so horizontal differences are small), and the filtered rows are
-deflated at level 1 in stripes of ``STRIPE_ROWS`` rows on a thread pool (the deflate releases the GIL), each
-stripe ending on a sync flush so the stripes concatenate into one valid zlib stream (the way pigz does).
-Measured on a 2-core machine for a smooth 1024² RGB image: 0.02 s and 1.67 MB, against Pillow's 0.48 s and
-1.42 MB. The deflate is zlib-ng's (``zlib-ng``, the zlib API over zlib-ng, pinned): per 128-row stripe of a
-1024-wide RGB image 2.8 ms instead of stdlib zlib's 5.7 ms on noise (what random weights make; a 1024² FLUX
-answer spent 36-44 ms encoding on the H200 host) and 0.36 instead of 1.6 ms on a smooth image, for ~5 % more
-bytes (same 2-core machine). Its SIMD CRC-32 and Adler-32 take 0.05 ms each over those 3 MB, against the
-stdlib's 0.5-0.7 ms.
+Why not Pillow's ``Image.save(format="PNG")``: its adaptive per-row filter search plus zlib level 6 runs on
+one core, a visible share of a whole request, paid after the GPU finished. Here every row gets PNG's "Sub"
+filter (one numpy subtraction: generated images are smooth, so horizontal differences are small), and the
+filtered rows are deflated at level 1 in stripes of ``STRIPE_ROWS`` rows on a thread pool (the deflate
+releases the GIL), each stripe ending on a sync flush so the stripes concatenate into one valid zlib stream
+(the way pigz does). The deflate is zlib-ng's (``zlib-ng``, the zlib API over zlib-ng, pinned): faster than
+stdlib zlib's on noise and on smooth images for a few percent more bytes, and so are its SIMD CRC-32 and
+Adler-32.
 
 A stripe that does not compress is stored instead (deflate's stored blocks, level 0): before deflating, three
 8 KB samples of the filtered stripe (start, middle, end) are deflated; when none comes out under 97 % of its
-size, the stripe is stored. Noise (what random weights make) deflates to 105 % of its size at level 1 in
-2.8 ms a 1024-wide stripe; stored it is smaller and takes 0.02 ms (2-core machine); a smooth stripe's samples
-compress (65 %), so it deflates as before, for ~0.1 ms of sampling. Stored blocks are framed here as views of the
-filtered rows (`_stored`), so a noise PNG's bytes are copied once, by the final join: 2.4 ms a 1024² encode
-against 3.2 ms through zlib's level 0 (on a thread, one every 50 ms, 2-core machine, 2026-12-05).
+size, the stripe is stored. Noise (what random weights make) grows under level-1 deflate, and stored it is
+smaller and far faster; a smooth stripe's samples compress, so it deflates as before, for a little sampling.
+Stored blocks are framed here as views of the filtered rows (`_stored`), so a noise PNG's bytes are copied
+once, by the final join.
+
+The timings of each choice (Pillow, stdlib zlib, zlib-ng, stored vs deflated, the copies):
+benchmarks/results/serving/png-encode-cpu-2core.md, NOTES.md there ("The PNG of noise: stored, not deflated",
+"The PNG assembled in one join") and benchmarks/results/figures-from-code.md ("runtime/png.py").
 
 The bytes depend only on the pixels (the stripe size is fixed, not the thread count; the store decision reads
 only the stripe), so ``xstage-dit generate`` and the server write the same file for the same image. Any PNG
@@ -99,7 +98,8 @@ def _stored(stripe: memoryview, last: bool) -> list:
     """Deflate's stored blocks over `stripe`, framed here: each block a 5-byte header (BFINAL on the stream's last
     one, type 00, then LEN and its complement, little-endian) and a view of up to 65535 of the stripe's bytes. No
     copy until the PNG's one join: zlib at level 0 copied each stripe twice (its output, then the flush appended),
-    1 ms of a noise PNG's 2.3 on the 2-core machine, more on hosts where fresh pages fault slowly."""
+    a large share of a noise PNG's encode, more on hosts where fresh pages fault slowly
+    (benchmarks/results/figures-from-code.md, "runtime/png.py")."""
     pieces = []
     for at in range(0, len(stripe), _STORED_MAX):
         block = stripe[at:at + _STORED_MAX]

@@ -17,8 +17,9 @@ __all__ = ["choose_attention_schedule", "FUSED_GPU_VALIDATED_HEAD_DIMS", "FUSED_
            "ATTENTION_CUDNN_FLOPS"]
 
 
-# Measured on the H200 (benchmarks/results/attention-a2a-h200.json): dense bf16 attention throughput
-# of cuDNN SDPA (586-605 TFLOP/s), and our fused kernel's throughput relative to it (min 0.88), >= 16K tokens.
+# Dense bf16 attention throughput of cuDNN SDPA, and our fused kernel's relative to it (the minimum over >= 16K
+# tokens), rounded from the attention sweep (benchmarks/results/attention/, DESIGN §4): defaults of the design
+# test where the machine's own sweep has not run.
 ATTENTION_CUDNN_FLOPS = 600e12
 FUSED_OVER_CUDNN = 0.88
 # Fixed cost of one library All-to-All call (launch + handshake) on NVLink: an assumption (typical NCCL
@@ -31,7 +32,7 @@ def _check_int(name: str, value: int, minimum: int = 1) -> None:
         raise ValueError(f"expected {name} to be an int >= {minimum}, got {value!r}")
 
 
-# `auto` picks the fused kernel only at head dims the GPU tests passed on the H200 (triton 3.6). Head_dim 64
+# `auto` picks the fused kernel only at head dims the GPU tests passed (benchmarks/results/gpu-tests/). Head_dim 64
 # once left rows unwritten; the cause was the 4-warp warp-specialized loop on shards of at most one tile
 # (any head_dim), now routed to the plain loop in `_attention_kernel.launch_attention`.
 FUSED_GPU_VALIDATED_HEAD_DIMS = (64, 128)

@@ -24,11 +24,9 @@ from dataclasses import dataclass, field
 
 # World size > 1: the kernels the sweep times through the window, and their order where nothing was measured
 # (one owner: ``ops.attention.kernels`` and the sweep read this tuple). fa4-gqa (the owners as GQA query heads
-# of one launch) measured 1.07-1.12x cuDNN on the H200 and won at 4608 x P = 8 and from 32K
-# (benchmarks/results/attention/h200-44c49d2-graph.md); fa4-gqa-unpacked (owner heads unpacked, slots of whole
-# 128-row tiles only) passed the GPU tests and was the fastest window kernel on 15 of 35 rows from 4608 to 64K
-# tokens at f6c8114 (h200-f6c8114-graph.md), so the sweep times it too. FA4 plain-batched stays first where
-# unmeasured.
+# of one launch) and fa4-gqa-unpacked (owner heads unpacked, slots of whole 128-row tiles only) each won rows
+# of the window table, so the sweep times both (benchmarks/results/attention/NOTES.md: "fa4-gqa measured",
+# "fa4-gqa-unpacked measured"). FA4 plain-batched stays first where unmeasured.
 DEFAULT_ORDER = ("fa4", "fa4-gqa", "fa4-gqa-unpacked", "cudnn", "triton")
 # The call that runs when no kernel is chosen: torch SDPA (diffusers' own call at world 1; the serial
 # schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).

@@ -14,7 +14,7 @@ logs it once with its reason and is shared by the EP layers of one model (``patc
     s = choose_moe_schedule(xparams, DeviceFacts.from_device(x.device), requested="auto", hidden=2048,
                             intermediate=1344, rows_per_expert=256, num_experts_per_rank=128, dtype_bytes=2,
                             block_m=128, block_n1=128, block_n2=128)
-    s.path, s.lead, s.reason   # ("fused", 2, "...") on an H200
+    s.path, s.lead, s.reason   # ("fused", 2, "...") on a GPU, with a calibration
 """
 
 from __future__ import annotations
@@ -33,16 +33,15 @@ __all__ = ["EP_PATHS", "FUSED_AUTO_MIN_LOCAL_EXPERTS", "MOE_ROUTINGS", "MoESched
 
 EP_PATHS = ("auto", "fused", "serial", "reference")
 
-# `auto` runs the fused kernel only where it was measured faster (benchmarks/results/moe-combine-h200.md):
-# with >= 16 local experts (NucleusMoE: 1.30x at 128 local experts with TMA descriptors, moe-tma-h200.md;
-# 1.21-1.39x at 64/32/16 per rank with pointer loads, moe-combine-h200.md).
-# Few large experts (HiDream: 4/2/1 per rank) ran 0.84-1.00x, so they take the serial path. The
-# multi-process fused path matches diffusers' layer on the GPU (two processes sharing the H200:
-# benchmarks/diag_moe_two_procs.py, 0.5 % vs diffusers, 0.1 % vs the EP reference path).
+# `auto` runs the fused kernel only where it was measured faster than grouped matmul: with many local experts
+# (NucleusMoE's 128 to 16 per rank), not with few large ones (HiDream's 4/2/1 per rank), which take the serial
+# path. The threshold sits between the two; the timings and the multi-process agreement with diffusers' layer:
+# benchmarks/results/moe/NOTES.md ("TMA descriptors", "Two processes sharing one GPU").
 FUSED_AUTO_MIN_LOCAL_EXPERTS = 16
 
-# Per-SM bf16 tensor-core rate our expert kernel is assumed to sustain when timing a tile from its FLOPs:
-# ~600 TFLOP/s for a Triton tile on the H200 spread over its SMs (DESIGN §4: cuBLAS bmm 732-784 TFLOP/s).
+# Per-SM bf16 tensor-core rate our expert kernel is assumed to sustain when timing a tile from its FLOPs: a
+# Triton tile's rate below cuBLAS's bmm, spread over the SMs (the measured rates: DESIGN §4 and
+# benchmarks/results/moe/NOTES.md, "Floors").
 MOE_TILE_FLOPS_PER_SM = 4.545e12
 # Share of the L2 cache (``DeviceFacts.l2_bytes``) the SwiGLU output of in-flight waves may take before the
 # lead costs locality (the ceiling on the lead).
@@ -85,26 +84,24 @@ def choose_moe_path(facts: DeviceFacts, *, num_experts_per_rank: int, requested:
         "fused kernel was measured faster than grouped matmul there", {})
 
 
-# Measured on one H200 (2026-12-03, benchmarks/results/e2e/nucleusmoe-1xh200-9ba8745.*): NucleusMoE 1024²,
-# 4 steps, world 1: diffusers' own layer 134 ms a step, the EP layer with the fused kernel on the general EP
-# plan 285-370 ms. The kernel alone is faster than grouped matmul (benchmarks/results/moe), but the general
-# plan reads the routed counts on the host behind a sync every layer (~5 ms a layer for 32K routed rows), and
-# at world 1 nothing hides it. A top-k layer (HiDream) has data-dependent counts, so it would need that plan.
-WORLD1_MEASURED = ("measured on the H200 for NucleusMoE at world 1: the EP layer's step 2.2x diffusers' own "
-                   "(its host-side routing plan, ~5 ms a layer behind a sync, outweighs the faster kernel)")
+# At world 1 the EP layer on the general EP plan made NucleusMoE's step slower than diffusers' own layer: the
+# kernel alone is faster than grouped matmul, but the general plan reads the routed counts on the host behind
+# a sync every layer, and at world 1 nothing hides it. A top-k layer (HiDream) has data-dependent counts, so
+# it would need that plan. The timings: benchmarks/results/e2e/NOTES.md ("NucleusMoE at world 1: the EP layer
+# made it slower").
+WORLD1_MEASURED = ("the EP layer's step was measured slower than diffusers' own at world 1 (its host-side "
+                   "routing plan, behind a sync every layer, outweighs the faster kernel; "
+                   "benchmarks/results/e2e/NOTES.md)")
 MOE_ROUTINGS = ("expert_choice", "top_k")
 
-# Measured on one H200 (2026-12-04, benchmarks/results/moe/world1-nucleusmoe-h200-{177d33e,dab03c9}.*): NucleusMoE's
-# full-size layer, 2 x 4096 tokens, 64 experts, per call (ms): capacity factor 2 (256 rows per expert, 27 of
-# its 29 MoE blocks) / capacity factor 4 (512 rows, 2 blocks):
-#   diffusers' layer eager 1.51 / 2.46; EP world-1 fused eager 1.52-2.02 / 1.80;
-#   compiled: diffusers' layer with patches.compile_fixes 0.90 / 1.38, EP world-1 fused 1.38-1.49 / 1.58-1.69.
-# Compiled (the server's default on a GPU), diffusers' grouped matmul fused by Inductor beats the fused kernel
-# at both shapes; eager, the fused path wins only on the two capacity-4 blocks.
+# NucleusMoE's full-size layer at world 1, per call, at capacity factor 2 (256 rows per expert, 27 of its 29
+# MoE blocks) and 4 (512 rows, 2 blocks): compiled (the server's default on a GPU), diffusers' grouped matmul
+# fused by Inductor beats the fused kernel at both shapes; eager, the fused path wins only on the two
+# capacity-4 blocks. The timings: benchmarks/results/moe/NOTES.md ("World 1, per layer").
 WORLD1_EXPERT_CHOICE_MEASURED = (
-    "measured on the H200 for NucleusMoE at world 1, per layer: compiled, diffusers' layer (int32-offsets fix) "
-    "0.90 / 1.38 ms against the fused EP path's 1.38 / 1.69 ms at 256 / 512 rows per expert; eager, the fused "
-    "path 1.00x / 1.36x diffusers' layer")
+    "per layer at world 1, compiled, diffusers' layer (int32-offsets fix) was measured faster than the fused EP "
+    "path at 256 and 512 rows per expert; eager, the fused path wins only at 512 "
+    "(benchmarks/results/moe/NOTES.md, \"World 1, per layer\")")
 
 
 def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, requested: str = "auto") -> ScheduleChoice:
@@ -112,7 +109,7 @@ def choose_moe_world1(facts: DeviceFacts, *, num_experts: int, routing: str, req
 
     routing: "expert_choice" (NucleusMoE: static expert offsets, the EP layer's world-1 path has no host plan)
     or "top_k" (HiDream: data-dependent counts, the general EP plan with its host sync).
-    requested: "auto" keeps diffusers' layer (measured faster on the H200 in both cases:
+    requested: "auto" keeps diffusers' layer (measured faster on a GPU in both cases:
     ``WORLD1_EXPERT_CHOICE_MEASURED``, ``WORLD1_MEASURED``); an explicit "fused" | "serial" | "reference" swaps
     in the EP layer on that path (`choose_moe_path` rules).
     """

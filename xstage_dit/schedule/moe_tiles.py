@@ -133,8 +133,8 @@ def build_schedule(
     block_n2=128, lead=2, num_programs=facts.num_sms)``.
 
     Built with array operations: it runs on every MoE layer call (the routing changes the offsets), and the
-    Python loop it replaced took 5-16 ms a layer for NucleusMoE's ~8.5K tiles, behind a host sync, so the
-    GPU waited for it (2.2x diffusers' step time on the H200, 2026-12-03).
+    Python loop it replaced, behind a host sync, kept the GPU waiting on NucleusMoE's ~8.5K tiles
+    (benchmarks/results/e2e/NOTES.md, "NucleusMoE at world 1: the EP layer made it slower").
     """
     for name, v in (("hidden", hidden), ("intermediate", intermediate), ("block_n1", block_n1), ("block_n2", block_n2)):
         if v <= 0:

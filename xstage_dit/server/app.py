@@ -1,5 +1,7 @@
-"""The HTTP app of rank 0: middlewares, the error handlers and the routers of `xstage_dit.server.routes`
-(images, videos, jobs, health + metrics, models + calibration, the web page at `/`).
+"""The HTTP app of rank 0: middlewares, the error handlers and one router per endpoint (`ROUTERS`: the web
+page at `/`, health + metrics, models + calibration, images, videos, jobs). Each endpoint is a package of
+`xstage_dit.server`: its `router` (the routes), `protocol` (pydantic request and response models) and
+`serving` (the handler), after vLLM's entrypoints.
 
 The app only talks to a `Worker` (rank 0's side of the multi-rank worker) and its `JobQueue`; it never
 touches the pipeline. Errors always have the shape `{"error": {"message", "type", "param", "code"}}`,
@@ -12,11 +14,19 @@ from fastapi import FastAPI
 
 from xstage_dit import __version__
 from xstage_dit.server.config import ServerConfig
-from xstage_dit.server.http_layer import BodyLimitMiddleware, RequestCountMiddleware, install_error_handlers
 from xstage_dit.server.assets import install_offline_docs
-from xstage_dit.server.routes import ROUTERS
-from xstage_dit.server.schemas import error_responses
+from xstage_dit.server.health.router import router as health_router
+from xstage_dit.server.http_layer import BodyLimitMiddleware, RequestCountMiddleware, install_error_handlers
+from xstage_dit.server.images.router import router as images_router
+from xstage_dit.server.jobs.router import router as jobs_router
+from xstage_dit.server.models.router import router as models_router
+from xstage_dit.server.page.router import router as page_router
+from xstage_dit.server.protocol import error_responses
+from xstage_dit.server.videos.router import router as videos_router
 from xstage_dit.server.worker import Worker
+
+#: In this order in the OpenAPI schema's paths.
+ROUTERS = (page_router, health_router, models_router, images_router, videos_router, jobs_router)
 
 
 def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:

@@ -98,14 +98,14 @@ class ServerConfig:
         only afterwards.
     warmup_sizes: extra (width, height) sizes to warm up (and, with batching "auto", to measure).
     gc_freeze: after warm-up, move every object alive into the garbage collector's permanent generation
-        (`xstage_dit.server.gc_pauses`): a full collection then walks only what requests allocated, instead of
-        pausing a request for the whole loaded heap (~430 K objects, a few hundred ms).
+        (`xstage_dit.runtime.gc_pauses`): a full collection then walks only what requests allocated, instead of
+        pausing a request for the whole loaded heap (benchmarks/results/serving/NOTES.md, "The heap frozen").
     keep_freed_memory: before warm-up, fix glibc's mmap and trim thresholds (`xstage_dit.runtime.malloc_heap`) so
         each answer's multi-megabyte buffers reuse the heap instead of page-faulting on fresh mappings; process-wide.
     video_stream: encode a video's MP4 while its VAE decodes (`xstage_dit.server.video_stream`): "gpu" where
         the pipeline runs on a GPU (the decode is GPU work and the host's cores are free for x264), "always",
-        "never". On a 2-core CPU machine, where the VAE decodes on the same cores, tiny Wan at 832x480 x 81 took
-        67.2 s streamed against 62.2 s encoding after the call: x264's threads slow the decode more than they save.
+        "never". On a 2-core CPU machine, where the VAE decodes on the same cores, streaming made tiny Wan's
+        request slower: x264's threads slow the decode more than they save (benchmarks/results/serving/NOTES.md).
     batching: "auto" batches a size only where warm-up measured a batch of max_batch_size at >= 1 +
         batch_margin times the images per second of single images, with bit-identical images (else FIFO,
         one pipeline call per image); "always" batches every compatible request; "never" is FIFO.

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from xstage_dit.server.schemas import RequestError
+from xstage_dit.server.protocol import RequestError
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "method_not_allowed", 409: "conflict_error", 413: "request_too_large",

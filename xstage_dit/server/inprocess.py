@@ -28,9 +28,10 @@ def loopback_listener() -> socket.socket:
 
     IPPROTO_TCP is named explicitly: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on sockets whose
     protocol says TCP, and ``socket.socket()`` says 0. With Nagle on, an answer's body waited for the client's
-    delayed ACK of its headers: every POST to the in-process server took 42-46 ms more than the same app bound
-    by uvicorn itself (as ``xstage-dit serve`` does), measured on the CPU machine, which the served benchmark
-    contenders counted as serving overhead. TCP_NODELAY is also set here, for accepted sockets to inherit."""
+    delayed ACK of its headers: every POST to the in-process server took tens of milliseconds more than the same app
+    bound by uvicorn itself (as ``xstage-dit serve`` does), which the served benchmark contenders counted as serving
+    overhead (benchmarks/results/serving/http-transport-cpu-2core.md). TCP_NODELAY is also set here, for accepted
+    sockets to inherit."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind(("127.0.0.1", 0))

@@ -14,14 +14,14 @@ from xstage_dit.runtime.png import encode_png
 
 
 def png_bytes(image: np.ndarray) -> bytes:
-    """image: (height, width, 1|3|4) float in [0, 1] or uint8 -> PNG bytes (`models.png.encode_png`)."""
+    """image: (height, width, 1|3|4) float in [0, 1] or uint8 -> PNG bytes (`runtime.png.encode_png`)."""
     if image.ndim != 3 or image.shape[-1] not in (1, 3, 4):
         raise ValueError(f"expected an image of shape (height, width, 1|3|4), got {tuple(image.shape)}")
     return encode_png(to_uint8(image))
 
 
 def mp4_bytes(frames: np.ndarray, fps: int) -> bytes:
-    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (`models.mp4`)."""
+    """frames: (num_frames, height, width, 3) float in [0, 1] or uint8 -> H.264 MP4 bytes (`runtime.mp4`)."""
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"expected frames of shape (num_frames, height, width, 3), got {tuple(frames.shape)}")
     return encode_mp4(to_uint8(frames), fps)

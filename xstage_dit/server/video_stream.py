@@ -1,13 +1,13 @@
 """Encode a video while its VAE still decodes it: the MP4 off the request's critical path.
 
 A served video request used to end with the pipeline call (denoising, then the VAE decoding every frame), then the
-MP4 encode of all frames: 0.47-0.50 s for Wan 2.1 480p x 81 frames on the H200 host's 16 cores at x264's
-veryfast preset, 3.6 % of a compiled 2-step request (13.8 s), against a 2 % budget for serving over the bare call
-(issue 15). Wan's VAE (``AutoencoderKLWan``) decodes one latent frame at a time (1 video frame, then 4 per
+MP4 encode of all frames, over issue 15's 2 % budget for serving over the bare call on its own (the timings:
+benchmarks/results/serving/NOTES.md, "the video encode off the critical path"). Wan's VAE
+(``AutoencoderKLWan``) decodes one latent frame at a time (1 video frame, then 4 per
 latent frame, its causal cache carried between calls of ``vae.decoder``); its decode of 81 frames takes seconds.
 `StreamedVideo` hooks ``vae.decoder``: each chunk it returns is post-processed the way the pipeline will
-post-process the whole video (the pipeline's own ``video_processor``, then `models.generation.to_uint8_tensor`),
-copied to the host without a synchronization, and handed to a thread that feeds x264 (`models.mp4.Mp4Writer`,
+post-process the whole video (the pipeline's own ``video_processor``, then `runtime.generation.to_uint8_tensor`),
+copied to the host without a synchronization, and handed to a thread that feeds x264 (`runtime.mp4.Mp4Writer`,
 its own process) as soon as the copy has landed. When the pipeline returns, the encoder has the frames but the
 last few; `StreamedVideo.finish` checks that the frames it encoded are the pipeline's output, byte for byte, and
 returns the MP4 (else None and a logged reason: the caller encodes the output as before).
@@ -16,7 +16,7 @@ Only where a decoder call is a run of whole frames (`streams`): ``AutoencoderKLW
 parts of frames) and without a patch size (Wan 2.2 5B unpatchifies after the loop), one video per call. The
 server asks for it per its ``ServerConfig.video_stream`` (``--video-stream``): by default only where the
 pipeline runs on a GPU, since on a 2-core CPU machine, where the VAE decodes on the same cores as x264, it made
-the request slower (tiny Wan 832x480 x 81 frames: 67.2 s against 62.2 s).
+the request slower (same notes).
 """
 
 from __future__ import annotations

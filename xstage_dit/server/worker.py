@@ -41,8 +41,8 @@ from xstage_dit.runtime.malloc_heap import keep_freed_memory
 from xstage_dit.server.batching import Batcher, Probe
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
-from xstage_dit.server.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
-from xstage_dit.server.jobs import Batch, JobQueue
+from xstage_dit.runtime.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
+from xstage_dit.server.job_queue import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store

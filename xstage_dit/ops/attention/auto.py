@@ -30,7 +30,8 @@ def resolve_attention_schedule(xparams, *, batch: int, seq_len: int, heads: int,
 
     xparams: the calibrated ``XStageParams`` of the ranks' target (``calibration.params_for``), or None.
     dtype / device: q's. facts: the device's facts (None = read off ``device``). fused_over_cudnn: the fused
-    kernel's speed relative to cuDNN SDPA (default: our Triton kernel's, measured on the H200).
+    kernel's speed relative to cuDNN SDPA (default: ``schedule.attention.FUSED_OVER_CUDNN``, our Triton
+    kernel's, from benchmarks/results/attention/).
     Example: ``resolve_attention_schedule(None, batch=1, seq_len=4608, heads=24, head_dim=128, world_size=1,
     dtype=torch.bfloat16, device="cuda:0").name == "serial"``.
     """

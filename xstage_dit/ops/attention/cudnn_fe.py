@@ -11,9 +11,9 @@ buffer past the shard, which the window path never does. The padded graph is kep
 One graph per (shape, strides, dtype, scale), built on first use and cached; the cuDNN version the
 frontend runs on is ``backend_version()``. Every execution plan the heuristics offer (modes A and B) is built,
 and the first real call times each on its own tensors and keeps the fastest (`_autotune`): heuristic mode A's
-first plan alone read 100 us where torch's cuDNN SDPA took 87 us at FLUX's 4608 tokens / 3 heads (H200, cuDNN
-9.19), under one wave of the GPU where the tile shape decides. No timing inside a CUDA graph capture: the
-first built plan runs there.
+first plan alone was slower than torch's cuDNN SDPA at FLUX's 4608 tokens / 3 heads, under one wave of the GPU
+where the tile shape decides (benchmarks/results/figures-from-code.md). No timing inside a CUDA graph
+capture: the first built plan runs there.
 """
 
 from __future__ import annotations

@@ -96,13 +96,12 @@ class FA4Kernel:
 class FA4HalfTileKernel(FA4Kernel):
     """FA4 on 64-row tiles, for window slots whose L ends in at most half a 128-row tile.
 
-    With 128-row tiles each slot of L = 128 k + r rows (0 < r <= 64) runs a last tile at most half full:
-    at FLUX 1024², P = 8 (L = 576) all heads in one launch make 24 x 8 x 5 = 960 tiles for the work of 864,
-    one more wave of 132 SMs. 64-row tiles launch no empty rows there, but one MMA warpgroup per CTA runs
-    each tile at well under half the rate: on the H200 (4135c19, CUDA-graph timing) that row took 0.72x
-    cuDNN against FA4's 0.97x, and 3 heads at P = 8 0.77x against 1.12x. Kept as an explicit choice
-    (``fused:fa4-m64``) and a benchmark column, out of the default sweep. Elsewhere it has nothing to
-    save, and refuses.
+    With 128-row tiles each slot of L = 128 k + r rows (0 < r <= 64) runs a last tile at most half full: at FLUX
+    1024², P = 8 (L = 576) all heads in one launch make 24 x 8 x 5 = 960 tiles for the work of 864, one more wave of
+    132 SMs. 64-row tiles launch no empty rows there, but one MMA warpgroup per CTA runs each tile at well under
+    half the rate: measured slower than FA4's own tiles on those rows (benchmarks/results/attention/NOTES.md, "The
+    whole graph-timed window table, and FA4 on 64-row tiles"). Kept as an explicit choice (``fused:fa4-m64``) and a
+    benchmark column, out of the default sweep. Elsewhere it has nothing to save, and refuses.
     """
 
     name = "fa4-m64"
@@ -121,17 +120,15 @@ class FA4HalfTileKernel(FA4Kernel):
 class FA4SplitTileKernel(FA4Kernel):
     """FA4 in two launches: every slot's whole 128-row tiles, then its tail rows on 64-row tiles.
 
-    Where L = 128 k + r (0 < r <= 64) and the heads fill many waves (FLUX 1024², P = 8, all heads in one
-    launch: L = 576), FA4's one launch runs a half-empty last tile per slot: 40 x 8 x 5 = 1600 tiles for the
-    work of 1440, and read 0.923x cuDNN on the H200 where FA4 on the local layout read 1.10x (4135c19). Here
-    rows [0, 128 k) of every slot run on FA4's own 128-row tiles (no empty rows) and rows [128 k, L) on
-    64-row tiles (``fa4-m64``'s configuration, full there): the tail is 1/9 of the rows at 4608 / P = 8, so
-    its slower tiles cost less than the empty halves did, if the second launch's partial wave does not eat
-    the difference. It does not: on the H200 (44c49d2, CUDA-graph timing) 0.65-0.80x cuDNN for H / P heads and
-    0.97-1.03x for all heads at 4608 / P = 8, below ``fa4-gqa`` (1.09-1.12x) on each; out of the default sweep,
-    ask for it by name (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a
-    tile, there is no whole tile, or S is not divisible by P (each owner's valid rows in the range would need
-    their own ``seqused_q``).
+    Where L = 128 k + r (0 < r <= 64) and the heads fill many waves (FLUX 1024², P = 8, all heads in one launch: L =
+    576), FA4's one launch runs a half-empty last tile per slot: 40 x 8 x 5 = 1600 tiles for the work of 1440,
+    slower than FA4 on the local layout. Here rows [0, 128 k) of every slot run on FA4's own 128-row tiles (no empty
+    rows) and rows [128 k, L) on 64-row tiles (``fa4-m64``'s configuration, full there): the tail is 1/9 of the rows
+    at 4608 / P = 8, so its slower tiles cost less than the empty halves did, if the second launch's partial wave
+    does not eat the difference. It does not: measured below ``fa4-gqa`` on every shape it took
+    (benchmarks/results/attention/NOTES.md, "fa4-gqa measured"); out of the default sweep, ask for it by name
+    (``fused:fa4-split``). Refuses where the slots fill whole tiles, the tail is over half a tile, there is no whole
+    tile, or S is not divisible by P (each owner's valid rows in the range would need their own ``seqused_q``).
     """
 
     name = "fa4-split"
@@ -168,14 +165,14 @@ class FA4SplitTileKernel(FA4Kernel):
 class FA4OwnerHeadsKernel(FA4Kernel):
     """FA4 with the window's P owner blocks as P query heads of one KV head (GQA), the rank's heads as the batch.
 
-    The owner-batch launch (``fa4``) runs P slots of L rows: where L ends in a part tile every slot runs one
-    (FLUX 1024², P = 8: L = 576, 0.923x cuDNN against plain FA4's 1.10x, all heads, 4135c19), and its tile
-    order visits one head's K/V once per owner block. As GQA query heads, FA4 packs the owners' rows into its
-    M tiles (``pack_gqa``): S / 128 full tiles a head, in plain FA4's order, each tile's rows stored to their
-    owners through the same window view (permuted, no copy). On the H200 (44c49d2) 1.04-1.14x cuDNN on every
-    shape measured (4608-32K, P = 2-8), 1.09-1.11x at 4608 / P = 8 all heads, where the owner-batch launch read
-    0.95-0.96x: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``). Refuses S not divisible by P
-    (each owner's valid rows would need a ``seqused_q`` per query head).
+    The owner-batch launch (``fa4``) runs P slots of L rows: where L ends in a part tile every slot runs one (FLUX
+    1024², P = 8: L = 576, slower than plain FA4 on the local layout), and its tile order visits one head's K/V once
+    per owner block. As GQA query heads, FA4 packs the owners' rows into its M tiles (``pack_gqa``): S / 128 full
+    tiles a head, in plain FA4's order, each tile's rows stored to their owners through the same window view
+    (permuted, no copy). Measured faster than cuDNN on every shape of the window table, and than the owner-batch
+    launch at 4608 / P = 8 (benchmarks/results/attention/NOTES.md, "fa4-gqa measured"): swept by default
+    (``schedule.attention_kernel.DEFAULT_ORDER``). Refuses S not divisible by P (each owner's valid rows would need
+    a ``seqused_q`` per query head).
     """
 
     name = "fa4-gqa"
@@ -192,15 +189,15 @@ class FA4OwnerHeadsKernel(FA4Kernel):
 class FA4OwnerHeadsUnpackedKernel(FA4OwnerHeadsKernel):
     """``fa4-gqa`` without packing (``pack_gqa=False``), for slots of whole 128-row tiles.
 
-    Where L is a multiple of 128 packing has no part tiles to fill, and unpacked the launch is plain FA4's work
-    in plain FA4's order: per rank head, owner after owner, each owner's L / 128 tiles against the head's K/V
-    (hot in L2 across the owners), each tile stored whole into its owner's slot. Packed, every tile gathers
-    rows of P owners (128 / P each). Why it exists: at 32K (L a multiple of 128) the packed launch measured
-    up to 4.0 % slower than plain FA4 on the local layout (3.95 / 3.37 / 4.01 % at P = 2 rank, 2 all, 8 rank)
-    and the owner-batch launch 2.5-4.6 % (H200, 44c49d2: ``residual_fa4gqa_pct``, ``residual_fa4_pct``), over
-    issue 14's 2 % residual target. On the H200 (f6c8114) 1.054-1.167x cuDNN from 16K, the fastest window kernel
-    on 15 of 35 rows: swept by default (``schedule.attention_kernel.DEFAULT_ORDER``; the benchmark's
-    ``fa4gqaunpacked_window`` column). Refuses slots ending in a part tile (``fa4-gqa`` packs those).
+    Where L is a multiple of 128 packing has no part tiles to fill, and unpacked the launch is plain FA4's work in
+    plain FA4's order: per rank head, owner after owner, each owner's L / 128 tiles against the head's K/V (hot in
+    L2 across the owners), each tile stored whole into its owner's slot. Packed, every tile gathers rows of P owners
+    (128 / P each). Why it exists: at 32K (L a multiple of 128) the packed launch and the owner-batch launch
+    measured slower than plain FA4 on the local layout by more than issue 14's 2 % residual target
+    (``residual_fa4gqa_pct``, ``residual_fa4_pct``); unpacked, it was the fastest window kernel on several rows from
+    16K (benchmarks/results/attention/NOTES.md, "fa4-gqa-unpacked measured"): swept by default
+    (``schedule.attention_kernel.DEFAULT_ORDER``; the benchmark's ``fa4gqaunpacked_window`` column). Refuses slots
+    ending in a part tile (``fa4-gqa`` packs those).
     """
 
     name = "fa4-gqa-unpacked"
@@ -236,10 +233,10 @@ KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4Split
            "fa4-gqa": FA4OwnerHeadsKernel, "fa4-gqa-unpacked": FA4OwnerHeadsUnpackedKernel, "cudnn": CudnnKernel,
            "triton": TritonTableKernel}
 # The kernels the sweep times and, where nothing was measured, their order of preference: DEFAULT_ORDER, owned
-# by `schedule.attention_kernel` (the chooser reads the same tuple). fa4-m64 is not swept by default: on the
-# H200 it measured 0.71-1.01x cuDNN on the half-tile slots it takes, below FA4's own 128-row tiles (0.92-1.12x)
-# on every one (benchmarks/results/attention/h200-4135c19-graph.md); nor is fa4-split (0.65-1.03x at 4608 x P = 8,
-# below fa4-gqa on every shape it took, h200-44c49d2-graph.md). Ask for either by name ("fused:fa4-m64").
+# by `schedule.attention_kernel` (the chooser reads the same tuple). fa4-m64 is not swept by default: it
+# measured below FA4's own 128-row tiles on every half-tile slot it takes; nor is fa4-split (below fa4-gqa on
+# every shape it took). The tables: benchmarks/results/attention/ (h200-4135c19-graph.md, h200-44c49d2-graph.md).
+# Ask for either by name ("fused:fa4-m64").
 
 
 def make_kernel(name: str, **kwargs):

@@ -4,11 +4,10 @@ Per call on rank r of P (batch B, sequence S, heads H, head_dim D, L = ceil(S/P)
 
 1. pre-attention All-to-All: the push kernel stores this rank's tokens of head h into the owner of h's
    (3, B, P*L, Hr_max, D) symmetric input buffer (zeroed once, so padding rows read as 0), then a device
-   barrier. The push kernel, not the copy engine: on one H200 (2026-12-03, `bench_attention_a2a.py --window
-   --pre-a2a`, `benchmarks/results/attention/h200-3106c07-pre-a2a.md`) it was the fastest form at all 27
-   shapes (4608-64K tokens, 24/40 heads, P = 2, 4, 8): the same slices as `cuMemcpy2DAsync`
-   (`window.pre_a2a_copies`) took 1.4-1.5x as long at P = 2 and 2-7x at P = 8 (one pitched copy per
-   rank, owner, tensor and batch element: many small copies), torch ``copy_`` per head slice the same;
+   barrier. The push kernel, not the copy engine: it was the fastest form at every shape of
+   `bench_attention_a2a.py --window --pre-a2a` (`benchmarks/results/attention/h200-3106c07-pre-a2a.md`); the
+   same slices as `cuMemcpy2DAsync` (`window.pre_a2a_copies`) are one pitched copy per rank, owner, tensor and
+   batch element (many small copies), torch ``copy_`` per head slice the same;
 2. the chosen kernel (``kernels.py``) attends the rank's heads over the whole sequence with Q viewed as
    (B*P, L, Hr, D) and ``out`` the peer window's view at head offset h0: every row lands in its owner's
    (L, H, D) buffer (window slot b*P + o); padding rows are never written;

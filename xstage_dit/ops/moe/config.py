@@ -24,10 +24,9 @@ class MoEKernelConfig:
     Triton 3.6 does not specialize a K loop inside the persistent tile loop (see ``kernel.py``).
     """
 
-    # Defaults: the fastest of the configs timed on the H200 (benchmarks/results/moe-tma-h200.md, NucleusMoE
-    # shape: TMA descriptors with 4 stages 1.30x the grouped-matmul reference at 1 rank, 1.43-1.47x at 4;
-    # pointer loads with 3 stages 1.12x). The static stride was faster still at 1 rank (1.37x) but needs
-    # every program resident, so the atomic ticket stays the default.
+    # Defaults: the fastest of the configs timed at the NucleusMoE shape (TMA descriptors with 4 stages; pointer
+    # loads with 3), benchmarks/results/moe/NOTES.md ("TMA descriptors"). The static stride was faster still at
+    # 1 rank but needs every program resident, so the atomic ticket stays the default.
     block_m: int = 128
     block_n1: int = 128
     block_n2: int = 128

@@ -94,13 +94,29 @@ def build_ep_plan(
         raise ValueError(f"expected num_experts divisible by world size, got {E} experts on {P} ranks")
     if not 0 <= rank < P:
         raise ValueError(f"expected 0 <= rank < {P}, got {rank}")
-    El = E // P
-    device = token_idx.device
     mine = torch.bincount(expert_idx.to("cpu"), minlength=E)
     if mine.shape[0] != E or not torch.equal(mine, counts[rank]):
         raise ValueError(f"expected counts[{rank}] to match this rank's pairs, got {counts[rank].tolist()} vs {mine.tolist()}")
+    return EPPlan(
+        rank=rank,
+        world_size=P,
+        num_experts=E,
+        num_tokens=num_tokens,
+        counts=counts,
+        **_source_side(token_idx, expert_idx, weight, counts, rank, num_tokens),
+        **_expert_side(counts, rank, token_idx.device),
+        capacity_recv=int(counts.reshape(P, P, E // P).sum((0, 2)).max()) if P else 0,
+        capacity_slots=int(counts.sum(1).max()),
+    )
 
-    # Source side: send order sorted by (expert, token): groups by destination rank, slot = position.
+
+def _source_side(token_idx: torch.Tensor, expert_idx: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor,
+                 rank: int, num_tokens: int) -> dict:
+    """The `EPPlan` fields of this rank's pairs: send order sorted by (expert, token) (grouped by destination
+    rank, slot = position), each pair's row on its expert rank, and the slots of each token."""
+    P, E = counts.shape
+    El = E // P
+    device = token_idx.device
     key = expert_idx.to(torch.int64) * max(num_tokens, 1) + token_idx.to(torch.int64)
     order = torch.argsort(key, stable=True)
     send_token_idx = token_idx[order].to(torch.int64)
@@ -115,16 +131,22 @@ def build_ep_plan(
     dest = send_expert.to("cpu") // El
     i_e = torch.arange(send_expert.numel()) - myprefix[send_expert.to("cpu")]
     push_row = colsum_prefix[send_expert.to("cpu")] - colsum_prefix[dest * El] + rowprefix[rank][send_expert.to("cpu")] + i_e
-    push_dest_rank = dest.to(torch.int32).to(device)
-    push_dest_row = push_row.to(torch.int32).to(device)
 
     tok_order = torch.argsort(send_token_idx, stable=True)
     per_tok = torch.bincount(send_token_idx, minlength=num_tokens) if num_tokens else torch.zeros(0, dtype=torch.int64)
     slot_offsets = torch.zeros(num_tokens + 1, dtype=torch.int32, device=device)
     slot_offsets[1:] = torch.cumsum(per_tok, 0).to(torch.int32)
-    slots = tok_order.to(torch.int32)
+    return dict(send_token_idx=send_token_idx, send_expert=send_expert, send_weight=send_weight,
+                send_splits=send_splits, push_dest_rank=dest.to(torch.int32).to(device),
+                push_dest_row=push_row.to(torch.int32).to(device), slot_offsets=slot_offsets,
+                slots=tok_order.to(torch.int32).to(device))
 
-    # Expert side.
+
+def _expert_side(counts: torch.Tensor, rank: int, device: torch.device) -> dict:
+    """The `EPPlan` fields of the rows this rank computes: expert-major offsets, the received order's
+    permutation to expert-major and back, and the source rank and slot each row is combined into."""
+    P, E = counts.shape
+    El = E // P
     Cm = counts[:, rank * El : (rank + 1) * El]  # (P, El)
     expert_offsets = [0] + torch.cumsum(Cm.sum(0), 0).tolist()
     recv_splits = Cm.sum(1).tolist()
@@ -144,27 +166,6 @@ def build_ep_plan(
     combine_dest_row = torch.empty(n_recv, dtype=torch.int32)
     combine_dest_rank[em_pos] = src.to(torch.int32)
     combine_dest_row[em_pos] = slot_on_src.to(torch.int32)
-
-    return EPPlan(
-        rank=rank,
-        world_size=P,
-        num_experts=E,
-        num_tokens=num_tokens,
-        counts=counts,
-        send_token_idx=send_token_idx,
-        send_expert=send_expert,
-        send_weight=send_weight,
-        send_splits=send_splits,
-        push_dest_rank=push_dest_rank,
-        push_dest_row=push_dest_row,
-        slot_offsets=slot_offsets,
-        slots=slots.to(device),
-        expert_offsets=expert_offsets,
-        recv_splits=recv_splits,
-        em_from_recv=em_from_recv.to(device),
-        em_to_recv=em_pos.to(device),
-        combine_dest_rank=combine_dest_rank.to(device),
-        combine_dest_row=combine_dest_row.to(device),
-        capacity_recv=int(counts.reshape(P, P, El).sum((0, 2)).max()) if P else 0,
-        capacity_slots=int(counts.sum(1).max()),
-    )
+    return dict(expert_offsets=expert_offsets, recv_splits=recv_splits, em_from_recv=em_from_recv.to(device),
+                em_to_recv=em_pos.to(device), combine_dest_rank=combine_dest_rank.to(device),
+                combine_dest_row=combine_dest_row.to(device))

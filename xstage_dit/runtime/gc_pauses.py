@@ -1,10 +1,10 @@
 """Python's cyclic garbage collector in a serving process: frozen after warm-up, its pauses counted.
 
 A full (generation 2) collection walks every object the collector tracks. With torch, diffusers and a
-pipeline loaded that is ~430 K objects (`full-nucleusmoe` or `full-flux` built on the meta device: 433 K),
-and one ``gc.collect()`` of them took 245-356 ms on the 2-core CI machine. Every thread stands still
-meanwhile (the collector holds the GIL), so a full collection that falls inside a request costs that
-request the whole pause: on the H200 a 4-step NucleusMoE call takes 0.53 s.
+pipeline loaded that is hundreds of thousands of objects, and one ``gc.collect()`` of them is a pause of the
+order of a whole short request (benchmarks/results/serving/NOTES.md, "The heap frozen after warm-up"). Every
+thread stands still meanwhile (the collector holds the GIL), so a full collection that falls inside a request
+costs that request the whole pause.
 
 ``freeze_heap()`` after warm-up (what vLLM does after its CUDA-graph capture) collects once, then moves
 everything alive into the permanent generation, which collections skip: the modules, the imported

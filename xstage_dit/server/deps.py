@@ -1,5 +1,5 @@
-"""What every router needs from the app: the worker and config (kept on `app.state` by `create_app`),
-the API-key check, the ready model, job submission and lookup. Routers never touch the pipeline."""
+"""What every endpoint needs from the app: the worker and config (kept on `app.state` by `create_app`),
+the API-key check, the ready model, job submission and lookup. Endpoints never touch the pipeline."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from fastapi.responses import JSONResponse
 
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.http_layer import error_response
-from xstage_dit.server.jobs import Job, QueueFull, Unavailable, new_job_id
-from xstage_dit.server.schemas import RequestError
+from xstage_dit.server.job_queue import Job, QueueFull, Unavailable, new_job_id
+from xstage_dit.server.protocol import RequestError
 from xstage_dit.server.worker import READY, Worker
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
+from xstage_dit.server.deps import worker_of
 from xstage_dit.server.metrics import CONTENT_TYPE_LATEST
-from xstage_dit.server.routes.deps import worker_of
 from xstage_dit.server.worker import READY, Worker
 
 router = APIRouter()

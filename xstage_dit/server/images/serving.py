@@ -1,4 +1,5 @@
-"""`POST /v1/images/generations`: synchronous (the client waits; leaving cancels the job) or streamed."""
+"""`POST /v1/images/generations`, the handler: queue the job, then answer synchronously (the client waits;
+leaving cancels the job), as server-sent events, or as the one PNG; and the answer's JSON, written once."""
 
 from __future__ import annotations
 
@@ -9,21 +10,19 @@ import json
 import secrets
 import time
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import Response
 
 from xstage_dit.server.config import ServerConfig
+from xstage_dit.server.deps import enqueue, failure, new_job, served
 from xstage_dit.server.http_layer import error_response
-from xstage_dit.server.jobs import COMPLETED, Job
-from xstage_dit.server.routes.deps import config_of, enqueue, failure, new_job, require_key, served, worker_of
-from xstage_dit.server.routes.events import events, sse_response
-from xstage_dit.server.schemas import (ImageData, ImageGenerationRequest, ImageGenerationResponse, Timings,
-                                       error_responses, image_params)
+from xstage_dit.server.images.protocol import ImageData, ImageGenerationRequest, ImageGenerationResponse, image_params
+from xstage_dit.server.job_queue import COMPLETED, Job
+from xstage_dit.server.protocol import Timings
+from xstage_dit.server.sse import events, sse_response
 from xstage_dit.server.worker import Worker
 
 DISCONNECT_POLL_S = 0.25
-
-router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 429, 499, 503, 504))
 
 
 def _image_response(worker: Worker, job: Job, b64: list[str]) -> ImageGenerationResponse:
@@ -47,10 +46,9 @@ def image_json(worker: Worker, job: Job) -> memoryview:
     """`image_payload` as the JSON body, written once. pydantic renders the small fields around a placeholder
     per image; each PNG's base64 goes straight into the one output buffer, in chunks (base64's alphabet needs
     no JSON escaping). Why: through ``JSONResponse`` the answer's base64 was copied five times (encode, decode
-    to str, the dump, its encoding), each multi-megabyte copy mapped afresh by malloc, on the HTTP thread: 12.8
-    ms and 4067 page faults for a 1024² PNG of noise on the 2-core machine, 2.15 ms and none this way
-    (benchmarks/results/serving/NOTES.md); tests/server/test_server_api.py holds the equality with
-    `image_payload`."""
+    to str, the dump, its encoding), each multi-megabyte copy mapped afresh by malloc, on the HTTP thread
+    (the times and page faults of both ways: benchmarks/results/serving/NOTES.md);
+    tests/server/test_server_api.py holds the equality with `image_payload`."""
     token = secrets.token_hex(8)
     shell = _image_response(worker, job, [f"{token}-{i}" for i in range(len(job.results))]).model_dump_json().encode()
     pieces, rest = [], shell
@@ -75,13 +73,10 @@ def png_response(job: Job) -> Response:
         "X-Timings": json.dumps(Timings(**job.timings()).model_dump(), separators=(",", ":"))})
 
 
-@router.post("/v1/images/generations", response_model=ImageGenerationResponse,
-             responses={200: {"content": {"text/event-stream": {}, "image/png": {}}}})
-async def generate_images(req: ImageGenerationRequest, request: Request, worker: Worker = Depends(worker_of),
-                          config: ServerConfig = Depends(config_of)):
-    """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`
-    after every step, then `completed` with this endpoint's usual JSON (or `error`). With
-    `"response_format": "png"` the body is the one image's PNG (`image/png`)."""
+async def generate(req: ImageGenerationRequest, request: Request, worker: Worker, config: ServerConfig) -> Response:
+    """Queue the images of `req` as one job and answer it: JSON (`image_json`), the PNG itself
+    (`response_format: png`) or server-sent events (`stream: true`). A client that leaves before the end
+    cancels its job (499)."""
     job = new_job(config, image_params(req, served(worker), config))
     # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
     # loaded 2-core CI machine began at step 3 of 4).

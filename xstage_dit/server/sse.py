@@ -1,4 +1,5 @@
-"""Server-sent events of one job: `progress` after every step, then `completed` (or `error`)."""
+"""Server-sent events of one job: `progress` after every step, then `completed` (or `error`); the images, videos
+and jobs endpoints stream them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
 
-from xstage_dit.server.jobs import COMPLETED, TERMINAL, Job
+from xstage_dit.server.job_queue import COMPLETED, TERMINAL, Job
 from xstage_dit.server.worker import Worker
 
 SSE_KEEPALIVE_S = 2.0

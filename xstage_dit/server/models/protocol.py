@@ -1,0 +1,25 @@
+"""`GET /v1/models`: the list of served models (one) and its card."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "xstage_dit"
+    kind: Literal["image", "video"]
+    default_size: str
+    size_multiple: int
+    default_steps: int
+    default_frames: int | None = None
+    random_weights: bool = Field(..., description="True for a built-in model: its outputs are noise, whatever the prompt.")
+    weights_notice: str | None = Field(None, description="With random weights: what that means and how to use real ones.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,2 @@
+"""`/v1/videos`: `router` (the routes), `protocol` (request and job models, the request's checks), `serving`
+(the handlers)."""
