@@ -227,3 +227,18 @@ def test_the_server_answers_a_non_square_hidream_size_at_sp_2_with_422_naming_si
             assert r.status_code == 200, r.text
     finally:
         worker.stop()
+
+
+def test_reading_every_record_imports_neither_diffusers_nor_transformers():
+    """The CLI's pre-checks read the records before any rank starts, in about the time of --help: a family file
+    imports diffusers and transformers only inside its build functions."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = ("import sys; from xstage_dit.families.registry import records; from xstage_dit.families import MODELS; "
+            "records(); print(sorted(m for m in ('diffusers', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

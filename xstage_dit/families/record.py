@@ -13,13 +13,19 @@ Example (``families/flux.py``, shortened)::
         name="flux", title="FLUX.1", kind="image",
         pipelines={"FluxPipeline": "t2i"},
         transformers=("FluxTransformer2DModel",),
-        sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=_check_flux,
+        sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=check_parallel,
                                  guidance_distilled_key="guidance_embeds"),
         limits=SizeLimits(patch_multiple=16),
         specs=(ModelSpec(name="tiny-flux", family="flux", ...), ModelSpec(name="full-flux", family="flux", ...)),
         build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
         real_weights_example="FLUX.1-dev", pipeline_worlds=(2, 4),
     )
+
+A MoE family adds ``experts=ExpertFacts(...)`` (`families/nucleusmoe.py`, `families/hidream.py`); the facts the
+features read go in ``facts=FeatureFacts(...)``; a plan of our own is a function of the transformer returning a
+`sp_plan.SequenceParallelSpec` (its hooks are `sp_plan.PlanHook` subclasses). A family module must import neither
+diffusers nor transformers at module level (build functions import them when called): the CLI's pre-checks read
+every record in about the time of ``--help``.
 """
 
 from __future__ import annotations
