@@ -17,7 +17,8 @@ import xstage_dit
 from xstage_dit.errors import UsageError
 from xstage_dit.cli.validate import check_parallel
 from xstage_dit.families import load_transformer, model_names, model_spec
-from xstage_dit.families.experts import FAMILIES, ExpertShard
+from xstage_dit.families.experts import ExpertShard
+from xstage_dit.families.registry import record
 from xstage_dit.features import check_degrees
 from xstage_dit.features.config import ParallelConfig
 
@@ -58,8 +59,9 @@ def _ranks_verdict(transformer, spec, sp: int, ep: int, cfg: int) -> bool:
         config = ParallelConfig(sp=sp, ep=ep, cfg=cfg)
         check_degrees(transformer, config)
         if ep > 1:
-            layers = [m for m in transformer.modules() if type(m).__name__ == FAMILIES[spec.family].moe_class]
-            ExpertShard(0, ep).experts(FAMILIES[spec.family].num_experts(layers[0]))
+            experts = record(spec.family).experts
+            layers = [m for m in transformer.modules() if type(m).__name__ == experts.layer_class]
+            ExpertShard(0, ep).experts(experts.num_experts(layers[0]))
     except ValueError:
         return False
     return True

@@ -8,46 +8,22 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, load_pipeline, model_spec
-from xstage_dit.families.registry import records
+from xstage_dit.families.registry import record, records
 from xstage_dit.runtime.generation import call_kwargs, output_pixels, to_pil_frames
 
 TINY = [name for name, spec in MODELS.items() if spec.size == "tiny"]
-PIPELINE_CLASSES = {
-    "flux": "FluxPipeline",
-    "wan": "WanPipeline",
-    "hidream": "HiDreamImagePipeline",
-    "nucleusmoe": "NucleusMoEImagePipeline",
-}
-# the families parallelize supports beyond the served ones: tiny pipelines only (tests/features/test_families.py)
-TINY_ONLY_CLASSES = {
-    "ltx": "LTXPipeline",
-    "cogvideox": "CogVideoXPipeline",
-    "sd3": "StableDiffusion3Pipeline",
-    "z-image": "ZImagePipeline",
-    "wan-vace": "WanVACEPipeline",
-    "skyreels-v2": "SkyReelsV2DiffusionForcingPipeline",
-    "qwenimage": "QwenImagePipeline",
-    "helios": "HeliosPipeline",
-    "flux2": "Flux2Pipeline",
-    "qwenimage21": "QwenImage21Pipeline",
-    "ltx2": "LTX2Pipeline",
-    "hunyuanvideo": "HunyuanVideoPipeline",
-    "hunyuanvideo15": "HunyuanVideo15Pipeline",
-    "hunyuanimage": "HunyuanImagePipeline",
-}
 
 
-def test_registry_covers_every_family_in_both_sizes():
-    for family in PIPELINE_CLASSES:
-        sizes = {s.size for s in MODELS.values() if s.family == family}
-        assert sizes == {"tiny", "full"}, family
-    for family in TINY_ONLY_CLASSES:
-        assert {s.size for s in MODELS.values() if s.family == family} == {"tiny"}, family
-
-
-# families with a record (families/<family>.py): the pipeline class of each of its built-in models, which the record
-# must list among its pipelines
-RECORD_CLASSES = {r.name: s.pipeline_class for r in records().values() for s in r.specs if s.pipeline_class in r.pipelines}
+def test_every_served_family_has_a_tiny_and_a_full_model():
+    """A family `generate` / `serve` run (a text-to-image or text-to-video pipeline) has both built-in sizes; the
+    Python-only ones (ChronoEdit's edit pipeline, MiniMax-H3's modular one) have none."""
+    served = {name for name, r in records().items() if r.served_pipelines}
+    assert served >= {"flux", "wan", "hidream", "nucleusmoe", "ltx", "cogvideox", "sd3", "z-image", "wan-vace",
+                      "skyreels-v2", "qwenimage", "helios", "flux2", "qwenimage21", "ltx2", "hunyuanvideo",
+                      "hunyuanvideo15", "hunyuanimage"}
+    for name, r in records().items():
+        assert {s.size for s in r.specs} == ({"tiny", "full"} if name in served else set()), name
+        assert {s.name for s in r.specs} == ({f"tiny-{name}", f"full-{name}"} if name in served else set()), name
 
 
 @pytest.mark.parametrize("name", [n for n in TINY if n != "tiny-flux"])  # tiny-flux: tests/test_models.py
@@ -56,8 +32,8 @@ def test_tiny_pipeline_runs_end_to_end(name):
 
     spec = model_spec(name)
     pipe = load_pipeline(name, seed=0)
-    classes = {**PIPELINE_CLASSES, **TINY_ONLY_CLASSES, **RECORD_CLASSES}
-    assert type(pipe) is getattr(diffusers, classes[spec.family]) is getattr(diffusers, spec.pipeline_class)
+    assert type(pipe) is getattr(diffusers, spec.pipeline_class)
+    assert spec.pipeline_class in record(spec.family).served_pipelines
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}
     kwargs = lambda: call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small)  # noqa: E731
@@ -68,7 +44,7 @@ def test_tiny_pipeline_runs_end_to_end(name):
     assert np.array_equal(output_pixels(as_tensor, spec.kind), output_pixels(out, spec.kind))
     if spec.kind == "image":
         assert len(frames) == 1
-    elif spec.family in PIPELINE_CLASSES:
+    elif spec.family == "wan":
         assert len(frames) == frames_in
     else:  # CogVideoX pads its latent frames, Helios makes whole windows: more frames than asked for
         assert len(frames) >= frames_in
@@ -95,7 +71,8 @@ def test_wan_video_frame_rule():
         spec.check_size(64, 64, 8)
 
 
-# Published parameter counts (billions) of every component of the full-size pipelines.
+# Parameter counts (billions) of the components of the full-size pipelines: the published sizes (the comment's
+# rounded figure) of the checkpoint each family record names.
 FULL_PARAMS = {
     "full-flux": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},  # FLUX.1-dev, CLIP-L, T5-XXL
     "full-wan": {"transformer": 14.29, "text_encoder": 5.68},  # Wan2.1-T2V-14B, UMT5-XXL
@@ -103,7 +80,29 @@ FULL_PARAMS = {
     "full-hidream": {"transformer": 17.11, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76,
                      "text_encoder_4": 8.03},
     "full-nucleusmoe": {"transformer": 16.92, "text_encoder": 8.77},  # Nucleus-Image (17B), Qwen3-VL-8B
+    "full-ltx": {"transformer": 1.92, "text_encoder": 4.76},  # LTX-Video 0.9 (2B), T5-XXL
+    "full-cogvideox": {"transformer": 5.57, "text_encoder": 4.76},  # CogVideoX-5b, T5-XXL
+    # SD3.5 Large (8.1B), CLIP-L, CLIP-G, T5-XXL
+    "full-sd3": {"transformer": 8.06, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76},
+    "full-z-image": {"transformer": 6.15, "text_encoder": 4.02},  # Z-Image-Turbo (6B), Qwen3-4B
+    "full-wan-vace": {"transformer": 17.34, "text_encoder": 5.68},  # Wan2.1-VACE-14B (14B + VACE blocks), UMT5-XXL
+    "full-skyreels-v2": {"transformer": 14.29, "text_encoder": 5.68},  # SkyReels-V2-DF-14B, UMT5-XXL
+    "full-qwenimage": {"transformer": 20.43, "text_encoder": 8.29},  # Qwen-Image (20B), Qwen2.5-VL-7B
+    "full-helios": {"transformer": 14.31, "text_encoder": 5.68},  # Helios-Base (14B), UMT5-XXL
+    "full-flux2": {"transformer": 32.22, "text_encoder": 23.34},  # FLUX.2-dev (32B), Mistral-Small-3.2-24B
+    "full-qwenimage21": {"transformer": 7.12, "text_encoder": 8.77},  # Qwen-Image-2.1 (class defaults), Qwen3-VL-8B
+    # LTX-2 (19B: 14B video + 5B audio), Gemma-3-12B
+    "full-ltx2": {"transformer": 18.88, "text_encoder": 12.20},
+    "full-hunyuanvideo": {"transformer": 12.82, "text_encoder": 7.50, "text_encoder_2": 0.123},  # HunyuanVideo (13B)
+    # HunyuanVideo-1.5 (8.3B), Qwen2.5-VL-7B's language model, ByT5-small
+    "full-hunyuanvideo15": {"transformer": 8.33, "text_encoder": 7.07, "text_encoder_2": 0.218},
+    # HunyuanImage-2.1 (17B), Qwen2.5-VL-7B, ByT5-small
+    "full-hunyuanimage": {"transformer": 17.43, "text_encoder": 8.29, "text_encoder_2": 0.218},
 }
+
+
+def test_every_full_model_is_counted():
+    assert set(FULL_PARAMS) == {name for name, spec in MODELS.items() if spec.size == "full"}
 
 
 @pytest.mark.parametrize("name", sorted(FULL_PARAMS))

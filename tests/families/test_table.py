@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
-from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts
+from xstage_dit.families.record import ExpertFacts, FamilyRecord, SequenceParallelFacts
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.table import BEGIN, END, model_table_markdown, rewrite_block, row
 
@@ -22,7 +24,12 @@ def _image_record() -> FamilyRecord:
         sp=SequenceParallelFacts(plan_source="diffusers", build=_build, cfg="paired"),
         specs=(ModelSpec(name="tiny-pix", size="tiny", height=64, width=64, **spec),
                ModelSpec(name="full-pix", size="full", height=1024, width=1024, **spec)),
+        build=_unused,
     )
+
+
+def _unused(*args):
+    raise AssertionError("the table never builds experts")
 
 
 def _video_moe_record() -> FamilyRecord:
@@ -30,8 +37,10 @@ def _video_moe_record() -> FamilyRecord:
         name="mov", title="Mov", kind="video",
         pipelines={"MovPipeline": "t2v", "MovImageToVideoPipeline": "i2v"},
         transformers=("MovTransformer3DModel", "MovLiteTransformer3DModel"),
-        sp=SequenceParallelFacts(plan_source="xstage", build=_build, cfg=None,
-                                 moe_layers=(("MovMoELayer", "somewhere:MovEPLayer"),)),
+        sp=SequenceParallelFacts(plan_source="xstage", build=_build, cfg=None),
+        experts=ExpertFacts(layer_class="MovMoELayer", ep_layer="somewhere:MovEPLayer", count_key="num_experts",
+                            meta_experts=contextlib.nullcontext, num_experts=len, dims=lambda layer: (8, 16),
+                            random_experts=_unused, read_experts=_unused, materialize=_unused),
     )
 
 

@@ -1,4 +1,4 @@
-"""`patches.cfg_batch`: a step's two guidance calls as one batch (NucleusMoE), the same images to float rounding,
+"""`features.cfg_batch`: a step's two guidance calls as one batch (NucleusMoE), the same images to float rounding,
 plain calls without guidance, a clear error for a loop that does not pair, refused where it does not apply."""
 
 from __future__ import annotations
@@ -76,9 +76,9 @@ def test_the_pair_runs_as_one_batch_with_the_same_images(compile_mode, dtype, gu
 
 
 def test_a_transformer_without_an_output_like_input_learns_the_shape_from_its_first_pair(monkeypatch):
-    from xstage_dit.features import cfg_batch
+    from tests.helpers.records import with_facts
 
-    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {})
+    with_facts(monkeypatch, "nucleusmoe", cfg_batch_output_like=None)
     pipe = fresh()
     expected = images(pipe)
     batches = []
@@ -96,10 +96,10 @@ def test_a_transformer_without_an_output_like_input_learns_the_shape_from_its_fi
 
 
 def test_a_wrong_output_like_entry_fails_loudly_instead_of_casting(monkeypatch):
-    from xstage_dit.features import cfg_batch
+    from tests.helpers.records import with_facts
 
     wrong = lambda module, kwargs: (tuple(kwargs["hidden_states"].shape), torch.float64, torch.device("cpu"))  # noqa: E731
-    monkeypatch.setattr(cfg_batch, "OUTPUT_LIKE", {"NucleusMoEImageTransformer2DModel": wrong})
+    with_facts(monkeypatch, "nucleusmoe", cfg_batch_output_like=wrong)
     pipe = fresh()
     handle = parallelize(pipe, ParallelConfig(cfg_batch=True))
     try:

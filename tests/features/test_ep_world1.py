@@ -99,20 +99,22 @@ def test_world1_on_a_gpu_keeps_diffusers_layer_for_top_k(monkeypatch, caplog):
     measured reason; world1_path="fused" still swaps it in."""
     from diffusers.models.transformers.transformer_hidream_image import MOEFeedForwardSwiGLU
 
+    from xstage_dit.families.hidream import EXPERTS
     from xstage_dit.features import expert_parallel
-    from xstage_dit.features.plans import _HIDREAM_EP
+
+    hidream_ep = (EXPERTS.layer_class, EXPERTS.ep_layer)
 
     monkeypatch.setattr(expert_parallel.DeviceFacts, "from_device", staticmethod(lambda device=None: H200))
     model = torch.nn.Sequential(MOEFeedForwardSwiGLU(32, 64, 4, 2))
     original = model[0]
     with caplog.at_level(logging.INFO, logger="xstage_dit.features.expert_parallel"):
-        undo, num = expert_parallel.apply_expert_parallel(model, (_HIDREAM_EP,), None)
+        undo, num = expert_parallel.apply_expert_parallel(model, (hidream_ep,), None)
     assert num == 0 and model[0] is original
     lines = _world1_lines(caplog)
     assert len(lines) == 1 and "diffusers -> diffusers' layer kept" in lines[0], lines
     assert "top-k" in lines[0] and "2.2x" in lines[0], lines
     undo()
-    undo, num = expert_parallel.apply_expert_parallel(model, (_HIDREAM_EP,), None, world1_path="fused")
+    undo, num = expert_parallel.apply_expert_parallel(model, (hidream_ep,), None, world1_path="fused")
     assert num == 1 and type(model[0]).__name__ == "HiDreamMoEEPLayer" and model[0].path == "fused"
     undo()
     assert model[0] is original

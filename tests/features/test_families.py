@@ -225,7 +225,7 @@ def test_minimax_h3_plan_keeps_the_token_refiner_local():
 
     from tests.helpers.minimax_h3 import build_transformer
     from xstage_dit import _diffusers_private as private
-    from xstage_dit.features import family_plans
+    from xstage_dit.families import minimax_h3
     from xstage_dit.features.plans import plan_for
     from xstage_dit.features.sequence_parallel import attention_modules
 
@@ -238,7 +238,7 @@ def test_minimax_h3_plan_keeps_the_token_refiner_local():
     broken = {k: v for k, v in private.shipped_cp_plan(type(model)).items() if k != "norm_out"}
     with mock.patch.object(private, "shipped_cp_plan", lambda cls: broken):
         with pytest.raises(ValueError, match="expected MiniMax-H3's _cp_plan to name .*got"):
-            family_plans.minimax_h3_sp(model)
+            minimax_h3.sequence_plan(model)
 
 
 def test_parallelize_takes_the_minimax_h3_modular_pipeline_and_its_ref2va_partition():

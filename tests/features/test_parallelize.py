@@ -145,10 +145,10 @@ def test_untested_diffusers_version_is_refused(monkeypatch):
 
 def test_nucleusmoe_needs_ep_equal_sp():
     from xstage_dit.features import ParallelConfig
-    from xstage_dit.features.plans import _check_nucleusmoe
+    from xstage_dit.families.nucleusmoe import check_parallel
 
     with pytest.raises(ValueError, match="expected ep == sp == 2, got ep=1"):
-        _check_nucleusmoe(None, ParallelConfig(sp=2, ep=1))
+        check_parallel(None, ParallelConfig(sp=2, ep=1))
 
 
 def test_world1_same_output_restore_and_twice_is_an_error():

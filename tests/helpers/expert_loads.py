@@ -6,7 +6,8 @@
 
 expert_bytes: bytes of the expert tensors the per-family random init returned (built-in models) plus those
 read from safetensors files (local folders); expert_tensors_read: expert tensors or slices read from the
-files. Both wrap the loader's two sources: each family's ``random_experts`` and the safetensors reader.
+files. Both wrap the loader's two sources: each family record's ``experts.random_experts`` and the safetensors
+reader.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def _nbytes(*tensors) -> int:
 @contextmanager
 def count_expert_loads():
     from xstage_dit.families import experts
+    from xstage_dit.families.registry import records
 
     seen = {"expert_bytes": 0, "expert_tensors_read": 0}
 
@@ -50,8 +52,10 @@ def count_expert_loads():
         seen["expert_bytes"] += _nbytes(t)
         return t
 
-    families = {name: dataclasses.replace(fam, random_experts=counting_random(fam.random_experts))
-                for name, fam in experts.FAMILIES.items()}
-    with mock.patch.dict(experts.FAMILIES, families), mock.patch.object(reader, "read", read), \
+    known = records()  # the families' ExpertFacts are read from here on every load (`experts.family_of`)
+    counting = {name: dataclasses.replace(r, experts=dataclasses.replace(
+                    r.experts, random_experts=counting_random(r.experts.random_experts)))
+                for name, r in known.items() if r.experts is not None}
+    with mock.patch.dict(known, counting), mock.patch.object(reader, "read", read), \
             mock.patch.object(reader, "read_slice", read_slice):
         yield seen

@@ -15,13 +15,11 @@ from xstage_dit.bench.contender import Contender
 from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
+from xstage_dit.families.registry import record
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.runtime.generation import run_pipeline
 from xstage_dit.features import ParallelConfig, parallelize
 from xstage_dit.features.config import cfg_batch_of
-
-# Families whose MoE layers get expert parallelism sharing the sequence-parallel ranks.
-MOE_FAMILIES = ("nucleusmoe", "hidream")
 
 
 class PlainDiffusers(Contender):
@@ -51,7 +49,8 @@ class XStage(Contender):
         self.invariance = None
 
     def _config(self, b: Bench) -> ParallelConfig:
-        common = dict(sp=b.world_size, ep=b.world_size if b.spec.family in MOE_FAMILIES else 1, cfg=1,
+        moe = record(b.spec.family).experts is not None  # its MoE layers share the sequence-parallel ranks (EP)
+        common = dict(sp=b.world_size, ep=b.world_size if moe else 1, cfg=1,
                       cfg_batch=cfg_batch_of(b.args))
         if self.schedule == "serial":
             return ParallelConfig(**common, schedule="serial", calibrate=False)
@@ -108,10 +107,10 @@ class XStageCFGBatch(XStage):
         return dataclasses.replace(super()._config(b), cfg_batch=True)
 
     def check(self, b: Bench) -> str | None:
-        from xstage_dit.features.cfg_batch import GUIDANCE
+        from xstage_dit.features.cfg_batch import batching_pipelines
 
-        if b.spec.pipeline_class not in GUIDANCE:
-            return f"CFG batching does not know {b.spec.pipeline_class} (it knows {', '.join(sorted(GUIDANCE))})"
+        if b.spec.pipeline_class not in batching_pipelines():
+            return f"CFG batching does not know {b.spec.pipeline_class} (it knows {', '.join(batching_pipelines())})"
         return super().check(b)
 
 

@@ -103,7 +103,7 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
     frames = (args.frames or spec.frames) if spec.kind == "video" else 1
     try:
         prompts = load_prompts(args.prompts, args.num_prompts)
-        spec.check_size(height, width, frames)  # a bad size fails here, before the model is built
+        spec.check_size(height, width, frames, sp=gpus)  # a bad size fails here, before the model is built
     except ValueError as exc:
         raise UsageError(str(exc)) from None
 

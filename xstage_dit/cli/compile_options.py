@@ -54,9 +54,9 @@ def add_warmup_sizes_option(parser: argparse.ArgumentParser) -> None:
                              "default, e.g. 512x512,768x1024; default: none")
 
 
-def parse_warmup_sizes(text: str, spec=None) -> tuple:
+def parse_warmup_sizes(text: str, spec=None, sp: int = 1) -> tuple:
     """((width, height), ...) of a --warmup-sizes value; UsageError naming a bad entry (and, with the
-    model's `spec`, a size the model cannot make)."""
+    model's `spec`, a size the model cannot make at `sp` sequence-parallel ranks)."""
     sizes = []
     for part in [p.strip() for p in str(text or "").split(",") if p.strip()]:
         width, sep, height = part.lower().partition("x")
@@ -65,7 +65,7 @@ def parse_warmup_sizes(text: str, spec=None) -> tuple:
         size = (int(width), int(height))
         if spec is not None:
             try:
-                spec.check_size(size[1], size[0], spec.frames)
+                spec.check_size(size[1], size[0], spec.frames, sp=sp)
             except ValueError as exc:
                 raise UsageError(f"--warmup-sizes: {part}: {exc}") from None
         sizes.append(size)

@@ -135,13 +135,13 @@ def run(args: argparse.Namespace) -> int:
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
-    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec)
+    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     from xstage_dit.runtime.generation import request_for
 
     try:
         request = request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
                               width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                              seed=args.seed)
+                              seed=args.seed, sp=parallel.sp)
     except ValueError as exc:
         text = str(exc)
         flag = next((f for word, f in (("height", "--height"), ("width", "--width"), ("frames", "--frames"),

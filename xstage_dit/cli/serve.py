@@ -110,7 +110,7 @@ def _config(args: argparse.Namespace):
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
-    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec)
+    warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,

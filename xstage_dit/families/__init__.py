@@ -1,8 +1,10 @@
-"""Offline diffusers pipelines: real pipeline classes with random weights and in-code tokenizers.
+"""Model families: one record per family (``families/<family>.py``, `registry`), their built-in pipelines (real
+pipeline classes with random weights and in-code tokenizers) and local diffusers folders.
 
 ``load_pipeline("tiny-flux")`` builds a FLUX.1 pipeline that runs in seconds on a CPU; ``full-*`` models
 have the published architecture dimensions (for latency benchmarks on a GPU; timing does not depend on
-weight values); a path to a local diffusers folder loads real weights with the same call.
+weight values); a path to a local diffusers folder whose model_index.json names a pipeline class of a family
+record loads real weights with the same call.
 
 Example::
 
@@ -14,14 +16,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 from pathlib import Path
 
 import torch
 
-from xstage_dit.families.registry import FAMILY_MODULES, MODELS, PIPELINE_FAMILIES
+from xstage_dit.families.record import SERVED_TASKS
+from xstage_dit.families.registry import MODELS, record, record_for_pipeline, supported_pipelines
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import quiet_prompt_truncation
 
@@ -50,8 +52,9 @@ def _is_local(model: str) -> bool:
 def model_spec(model: str) -> ModelSpec:
     """The `ModelSpec` of a built-in model name or of a local diffusers folder.
 
-    A local folder takes the defaults of the full-size model of its pipeline family (size ``local``).
-    Raises ValueError naming the model when it is neither.
+    A local folder takes the defaults of the full-size model of its pipeline's family record (size ``local``).
+    Raises ValueError naming the model when it is neither, and naming the pipeline class when no family record
+    serves it (unknown, or a task `generate` / `serve` do not run).
     """
     if not isinstance(model, str) or not model:
         raise ValueError(f"expected a model name or a folder path, got {model!r}")
@@ -60,12 +63,16 @@ def model_spec(model: str) -> ModelSpec:
     if _is_local(model):
         path = Path(model).expanduser()
         class_name = _local_class_name(path)
-        family = PIPELINE_FAMILIES.get(class_name)
-        if family is None:
-            raise ValueError(
-                f"expected a pipeline class in {sorted(PIPELINE_FAMILIES)}, got {class_name!r} in {str(path)!r}"
-            )
-        full = next(s for s in MODELS.values() if s.family == family and s.size == "full")
+        found = record_for_pipeline(class_name)
+        if found is None or class_name not in found.served_pipelines:
+            why = ("" if found is None else f" (an {found.pipelines[class_name]!r} pipeline of the family "
+                   f"{found.name!r}; `generate` and `serve` run the {' and '.join(SERVED_TASKS)} ones)")
+            raise ValueError(f"expected a pipeline class in {sorted(supported_pipelines())}, got {class_name!r} in "
+                             f"{str(path)!r}{why}")
+        full = found.spec("full")
+        if full is None:
+            raise ValueError(f"expected a full-size built-in model of the family {found.name!r} for the defaults of "
+                             f"{str(path)!r}, got none")
         return dataclasses.replace(full, name=str(path), size="local", description=f"{class_name} from {path}")
     raise ValueError(f"expected a model in {model_names()} or a local diffusers folder, got {model!r}")
 
@@ -74,10 +81,10 @@ def _check_expert_shard(spec: ModelSpec, expert_shard):
     """None, or the validated `ExpertShard` of a MoE family (ValueError naming the model otherwise)."""
     if expert_shard is None:
         return None
-    from xstage_dit.families.experts import FAMILIES, ExpertShard
+    from xstage_dit.families.experts import ExpertShard
 
     shard = ExpertShard.of(expert_shard)
-    if spec.family not in FAMILIES:
+    if record(spec.family).experts is None:
         raise ValueError(f"expected expert_shard=None for {spec.name} (no MoE layers to shard), got {expert_shard!r}")
     return shard
 
@@ -117,9 +124,8 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
 
         pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype).to(device)
     else:
-        builder = importlib.import_module(FAMILY_MODULES[spec.family])
         extra = {} if shard is None else {"expert_shard": shard}
-        pipe = builder.build(spec.size, dtype=dtype, device=device, seed=int(seed), **extra)
+        pipe = record(spec.family).build(spec.size, dtype=dtype, device=device, seed=int(seed), **extra)
     pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     quiet_prompt_truncation(pipe)
     return pipe
@@ -137,6 +143,6 @@ def load_transformer(model: str, *, dtype: torch.dtype = torch.float32, device: 
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
     shard = _check_expert_shard(spec, expert_shard)
-    builder = importlib.import_module(FAMILY_MODULES[spec.family])
     extra = {} if shard is None else {"expert_shard": shard}
-    return builder.build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed), **extra)
+    return record(spec.family).build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed),
+                                                 **extra)

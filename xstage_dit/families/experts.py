@@ -14,14 +14,15 @@ Where the experts come from:
   every non-expert tensor is read from its safetensors files, and only this rank's experts are read
   (NucleusMoE's packed ``experts.gate_up_proj (E, H, 2I)`` / ``experts.down_proj (E, I, H)`` through
   ``safe_open(...).get_slice(name)[lo:hi]``; HiDream's ``experts.{e}.w1/w2/w3`` only for e in the range).
+
+How a family's experts are laid out, made and read is its record's `ExpertFacts` (``families/<family>.py``);
+this module is the mechanism they plug into.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,116 +71,31 @@ class ExpertShard:
         return self.rank, self.world
 
 
-def _private():
-    """The one module on diffusers internals (imported lazily: the patches package imports the models)."""
-    from xstage_dit import _diffusers_private
-
-    return _diffusers_private
-
-
 def expert_seed(seed: int, layer_name: str, expert: int) -> int:
     """A 63-bit seed for one expert of one layer: stable across runs, processes and shardings."""
     digest = hashlib.sha256(f"{int(seed)}/{layer_name}/{int(expert)}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Per-family layout: which diffusers class is the MoE layer, how its experts are stored, how to pack them.
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Family:
-    moe_class: str  # diffusers class name of the MoE layer
-    ep_class: str  # "module:Class" of its EP layer
-    meta_experts: Callable[[], contextlib.AbstractContextManager]  # construction with the experts on meta
-    num_experts: Callable[[nn.Module], int]
-    dims: Callable[[nn.Module], tuple[int, int]]  # (hidden, inter)
-    random_experts: Callable  # (layer_name, lo, hi, seed, hidden, inter, device, dtype) -> (gate_up, down)
-    read_experts: Callable  # (reader, layer_name, lo, hi) -> (gate_up, down)
-    materialize: Callable  # (layer, gate_up, down) -> None: the full diffusers layer (world 1)
-
-
-def _normal(gen, shape, std, device):
+def normal_(gen: torch.Generator, shape, std: float, device) -> torch.Tensor:
+    """An fp32 tensor of `shape` drawn from normal(0, std) with `gen` (a family's random experts)."""
     return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=gen)
 
 
-def _uniform(gen, shape, bound, device):
+def uniform_(gen: torch.Generator, shape, bound: float, device) -> torch.Tensor:
+    """An fp32 tensor of `shape` drawn from uniform(-bound, bound) with `gen` (a family's random experts)."""
     return torch.empty(shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=gen)
 
 
-def _nucleus_random(layer_name, lo, hi, seed, hidden, inter, device, dtype):
-    """normal(0, 1/sqrt(fan_in)) per expert, as `build._init_left_uninitialized` initialises stacked matrices.
+def family_of(family: str):
+    """The `ExpertFacts` of a MoE family's record (how its experts are stored, made and read); ValueError naming
+    the MoE families otherwise."""
+    from xstage_dit.families.registry import records
 
-    Drawn in fp32 and rounded to ``dtype`` one expert at a time (no fp32 copy of the whole layer)."""
-    gate_up, down = [], []
-    for e in range(lo, hi):
-        gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
-        gate_up.append(_normal(gen, (hidden, 2 * inter), 1.0 / math.sqrt(hidden), device).to(dtype))
-        down.append(_normal(gen, (inter, hidden), 1.0 / math.sqrt(inter), device).to(dtype))
-    return torch.stack(gate_up), torch.stack(down)
-
-
-def _hidream_random(layer_name, lo, hi, seed, hidden, inter, device, dtype):
-    """uniform(+-1/sqrt(fan_in)) per expert (nn.Linear's default bound), packed as the EP layer stores them."""
-    gate_up, down = [], []
-    for e in range(lo, hi):
-        gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
-        w1 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
-        w2 = _uniform(gen, (hidden, inter), 1.0 / math.sqrt(inter), device)
-        w3 = _uniform(gen, (inter, hidden), 1.0 / math.sqrt(hidden), device)
-        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1).to(dtype))
-        down.append(w2.t().to(dtype))
-    return torch.stack(gate_up), torch.stack(down)
-
-
-def _nucleus_read(reader, layer_name, lo, hi):
-    return (reader.read_slice(f"{layer_name}.experts.gate_up_proj", lo, hi),
-            reader.read_slice(f"{layer_name}.experts.down_proj", lo, hi))
-
-
-def _hidream_read(reader, layer_name, lo, hi):
-    gate_up, down = [], []
-    for e in range(lo, hi):
-        w1, w2, w3 = (reader.read(f"{layer_name}.experts.{e}.{w}.weight") for w in ("w1", "w2", "w3"))
-        gate_up.append(torch.cat([w1.t(), w3.t()], dim=1))
-        down.append(w2.t())
-    return torch.stack(gate_up), torch.stack(down)
-
-
-def _nucleus_materialize(layer, gate_up, down):
-    layer.experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
-    layer.experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
-
-
-def _hidream_materialize(layer, gate_up, down):
-    inter = down.shape[1]
-    for e, m in enumerate(layer.experts):
-        m.w1.weight = nn.Parameter(gate_up[e, :, :inter].t().contiguous(), requires_grad=False)
-        m.w3.weight = nn.Parameter(gate_up[e, :, inter:].t().contiguous(), requires_grad=False)
-        m.w2.weight = nn.Parameter(down[e].t().contiguous(), requires_grad=False)
-
-
-FAMILIES: dict[str, _Family] = {
-    "nucleusmoe": _Family(
-        moe_class="NucleusMoELayer", ep_class="xstage_dit.features.ep_layers:NucleusMoEEPLayer",
-        meta_experts=lambda: _private().nucleus_meta_experts(), num_experts=lambda layer: layer.num_experts,
-        dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim),
-        random_experts=_nucleus_random, read_experts=_nucleus_read, materialize=_nucleus_materialize,
-    ),
-    "hidream": _Family(
-        moe_class="MOEFeedForwardSwiGLU", ep_class="xstage_dit.features.ep_layers:HiDreamMoEEPLayer",
-        meta_experts=lambda: _private().hidream_meta_experts(), num_experts=lambda layer: len(layer.experts),
-        dims=lambda layer: (layer.experts[0].w1.in_features, layer.experts[0].w1.out_features),
-        random_experts=_hidream_random, read_experts=_hidream_read, materialize=_hidream_materialize,
-    ),
-}
-
-
-def family_of(family: str) -> _Family:
-    if family not in FAMILIES:
-        raise ValueError(f"expected a MoE model family in {sorted(FAMILIES)} for expert_shard, got {family!r}")
-    return FAMILIES[family]
+    moe = {name: r.experts for name, r in records().items() if r.experts is not None}
+    if family not in moe:
+        raise ValueError(f"expected a MoE model family in {sorted(moe)} for expert_shard, got {family!r}")
+    return moe[family]
 
 
 def _ep_cls(path: str):
@@ -189,22 +105,22 @@ def _ep_cls(path: str):
     return getattr(importlib.import_module(module), name)
 
 
-def _moe_layers(model: nn.Module, fam: _Family) -> list[tuple[str, nn.Module, str, nn.Module]]:
+def _moe_layers(model: nn.Module, fam) -> list[tuple[str, nn.Module, str, nn.Module]]:
     """(qualified name, parent, attribute, layer) of every MoE layer of ``fam`` in ``model``."""
     found = []
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
-            if type(child).__name__ == fam.moe_class:
+            if type(child).__name__ == fam.layer_class:
                 found.append((f"{parent_name}.{child_name}" if parent_name else child_name, parent, child_name, child))
     return found
 
 
-def _install_experts(model: nn.Module, fam: _Family, shard: ExpertShard | None, get_experts, *, dtype, device) -> int:
+def _install_experts(model: nn.Module, fam, shard: ExpertShard | None, get_experts, *, dtype, device) -> int:
     """Give every MoE layer of ``model`` its experts: the full diffusers layer (``shard`` None or world 1)
     or the EP layer with this rank's experts. get_experts(layer_name, lo, hi, hidden, inter) -> (gate_up, down)."""
     layers = _moe_layers(model, fam)
     if not layers:
-        raise ValueError(f"expected {fam.moe_class} layers in {type(model).__name__}, found none")
+        raise ValueError(f"expected {fam.layer_class} layers in {type(model).__name__}, found none")
     for name, parent, attr, layer in layers:
         num_experts = fam.num_experts(layer)
         hidden, inter = fam.dims(layer)
@@ -215,7 +131,7 @@ def _install_experts(model: nn.Module, fam: _Family, shard: ExpertShard | None, 
         if shard is None or shard.world == 1:
             fam.materialize(layer, gate_up, down)
         else:
-            setattr(parent, attr, _ep_cls(fam.ep_class).from_shard(layer, gate_up, down, shard.pair))
+            setattr(parent, attr, _ep_cls(fam.ep_layer).from_shard(layer, gate_up, down, shard.pair))
     return len(layers)
 
 
@@ -250,15 +166,15 @@ def build_with_experts(factory: Callable[[], nn.Module], family: str, *, seed: i
     return model
 
 
-def _check_meta_experts(model: nn.Module, fam: _Family) -> None:
+def _check_meta_experts(model: nn.Module, fam) -> None:
     """The routed experts, and only they, were built on meta (else diffusers' MoE classes changed)."""
     for name, _, _, layer in _moe_layers(model, fam):
         for pname, p in layer.named_parameters():
             if (p.device.type == "meta") != pname.startswith("experts."):
                 raise RuntimeError(
-                    f"expected only the routed experts of {name} ({fam.moe_class}) on the meta device during "
+                    f"expected only the routed experts of {name} ({fam.layer_class}) on the meta device during "
                     f"construction, got {pname} on {p.device}: diffusers' MoE layer changed; update "
-                    "xstage_dit/families/experts.py"
+                    "the family's ExpertFacts (xstage_dit/families/<family>.py)"
                 )
 
 

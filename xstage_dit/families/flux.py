@@ -2,6 +2,9 @@
 
 Full size: transformer 19 double + 38 single blocks, 24 heads x 128, joint attention dim 4096 (T5-XXL),
 pooled dim 768 (CLIP-L), guidance embedding; VAE 16 latent channels, 8x down; scheduler as FLUX.1-dev.
+
+The record: diffusers' own sequence plan, paired CFG (true CFG with a negative prompt; none for the
+guidance-distilled FLUX.1-dev).
 """
 
 from __future__ import annotations
@@ -9,6 +12,9 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import shipped_plan
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import clip_tokenizer, t5_tokenizer
 
 TRANSFORMER = {
@@ -92,3 +98,42 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+GUIDANCE_DISTILLED_KEY = "guidance_embeds"
+
+
+def check_parallel(model: torch.nn.Module, config) -> None:
+    """FLUX.1-dev is guidance-distilled: its pipeline runs one branch per step, nothing for cfg=2."""
+    if config.cfg > 1 and getattr(model.config, GUIDANCE_DISTILLED_KEY, False):
+        raise ValueError(
+            "CFG parallel does not apply to guidance-distilled FLUX (guidance_embeds=True, e.g. FLUX.1-dev): its "
+            f"pipeline runs one branch per step; expected cfg=1, got cfg={config.cfg}"
+        )
+
+
+SPECS = (
+    ModelSpec(
+        name="tiny-flux", family="flux", size="tiny", kind="image", pipeline_class="FluxPipeline",
+        patch_multiple=16, height=128, width=128, steps=4, guidance=3.5, max_sequence_length=64,
+        description="FLUX.1 architecture, 1+1 blocks, 2 heads x 16, random weights (CPU seconds)",
+    ),
+    ModelSpec(
+        name="full-flux", family="flux", size="full", kind="image", pipeline_class="FluxPipeline",
+        patch_multiple=16, height=1024, width=1024, steps=28, guidance=3.5, max_sequence_length=512,
+        description="FLUX.1-dev dimensions (12B transformer: 19 double + 38 single blocks, 24 x 128), random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="flux", title="FLUX.1", kind="image",
+    pipelines={"FluxPipeline": "t2i"},
+    transformers=("FluxTransformer2DModel",),
+    sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=check_parallel,
+                             guidance_distilled_key=GUIDANCE_DISTILLED_KEY),
+    limits=SizeLimits(patch_multiple=16), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="FLUX.1-dev", pipeline_worlds=(2, 4),
+)

@@ -1,8 +1,10 @@
-"""HunyuanVideo 1.5 text-to-video (`HunyuanVideo15Pipeline`), tiny: 2 double-stream blocks, 4 heads x 16, a
+"""HunyuanVideo 1.5 text-to-video (`HunyuanVideo15Pipeline`): tiny (2 double-stream blocks, 4 heads x 16, a
 3-layer Qwen2.5-VL language model (the pipeline reads the hidden state 3rd from the end) over the in-code Qwen
 tokenizer and its chat template, a ByT5 glyph encoder (a 1-layer `T5EncoderModel` over transformers' own
 byte-level `ByT5Tokenizer`, which needs no files), the HunyuanVideo 1.5 VAE with 3 levels (4x spatial, 4x
-temporal), classifier-free guidance through the pipeline's guider; random weights, CPU seconds.
+temporal), classifier-free guidance through the pipeline's guider; random weights, CPU seconds) and full
+(HunyuanVideo-1.5-480p_t2v dimensions, diffusers' class defaults with task "t2v": the 8.3B transformer, 54
+blocks, 16 heads x 128; Qwen2.5-VL-7B's language model, the ByT5-small glyph encoder; the HunyuanVideo 1.5 VAE).
 
 What the pipeline passes the transformer, every call: the latents with the (zero, for T2V) condition latents
 and mask as channels, the LLM prompt padded to ``tokenizer_max_length`` with its mask, the ByT5 embedding of
@@ -13,35 +15,50 @@ CFG is the guider's: two calls per step (cond, then the negative prompt).
 
 The real pipeline hard-codes 1000 LLM / 256 ByT5 / 729 image tokens and crops the chat template's first 108
 tokens (counted under the real tokenizer) as instance attributes; `build` sets them on the instance for the
-tiny model (`SEQUENCE`) and counts the crop under the in-code tokenizer.
+tiny model (`SEQUENCE`) and counts the crop under the in-code tokenizer (both sizes: the tokenizer is in code).
+
+The record: our plan (the [video, reordered text] joint sequence split at the first block; the token refiner
+attends the whole prompt before it), no CFG parallel (the guider's two calls).
 """
 
 from __future__ import annotations
 
 import torch
 
+from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.nucleusmoe import CHAT_TEMPLATE
 from xstage_dit.families.qwenimage import TEXT as QWEN25VL_TEXT
 from xstage_dit.families.qwenimage import qwen25vl_text_encoder
+from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import SequenceParallelSpec, blocks_of, rope_split
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import template_prefix_tokens
 
-# the pipeline reads hidden_states[-3]: 3 layers
-TEXT = {"tiny": dict(QWEN25VL_TEXT["tiny"], num_hidden_layers=3)}
+# the pipeline reads hidden_states[-3]: 3 layers (tiny)
+TEXT = {"full": QWEN25VL_TEXT["full"], "tiny": dict(QWEN25VL_TEXT["tiny"], num_hidden_layers=3)}
 
 # ByT5 (a T5 encoder over bytes): transformers' ByT5Tokenizer has 3 specials + 256 bytes + 125 extra ids = 384
-BYT5 = {"tiny": dict(vocab_size=384, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+BYT5 = {
+    # ByT5-small (the glyph encoder)
+    "full": dict(vocab_size=384, d_model=1472, d_kv=64, d_ff=3584, num_layers=12, num_heads=6, feed_forward_proj="gated-gelu",
+                 is_encoder_decoder=False, use_cache=False),
+    "tiny": dict(vocab_size=384, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
                      feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)}
 
 # in_channels: latents + condition latents + mask (2 * latent_channels + 1), as the pipeline concatenates them
 TRANSFORMER = {
+    "full": dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128, num_layers=54,
+                 num_refiner_layers=2, text_embed_dim=TEXT["full"]["hidden_size"], text_embed_2_dim=BYT5["full"]["d_model"],
+                 image_embed_dim=1152, rope_axes_dim=(16, 56, 56), target_size=640, task_type="t2v"),
     "tiny": dict(in_channels=9, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
                  num_refiner_layers=1, text_embed_dim=TEXT["tiny"]["hidden_size"], text_embed_2_dim=BYT5["tiny"]["d_model"],
                  image_embed_dim=16, rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v"),
 }
 
 # 3 levels, the first two downsampling 2x in space and time: 4x spatial, 4x temporal
-VAE = {"tiny": dict(latent_channels=4, block_out_channels=(8, 8, 8), layers_per_block=1, spatial_compression_ratio=4,
+VAE = {"full": dict(),  # the class defaults: HunyuanVideo 1.5's VAE (32 latent channels, 16x spatial, 4x temporal)
+       "tiny": dict(latent_channels=4, block_out_channels=(8, 8, 8), layers_per_block=1, spatial_compression_ratio=4,
                     temporal_compression_ratio=4)}
 
 # the pipeline's token counts (instance attributes it reads), for the tiny model: 24 LLM + 16 ByT5 + 9 image
@@ -83,7 +100,57 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         tokenizer_2=tokenizer_2,
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE),
     )
-    for name, value in SEQUENCE[size].items():
+    for name, value in SEQUENCE.get(size, {}).items():  # full: the pipeline's own token counts
         setattr(pipe, name, value)
     pipe.prompt_template_encode_start_idx = template_prefix_tokens(tokenizer, prompt_template(tokenizer, pipe.system_message))
     return pipe
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
+    """[video, reordered text] blocks; the processor masks valid_q & valid_k."""
+    cpi, cpo = private.cp_types()
+    blocks_of(model, "transformer_blocks")
+    rope = rope_split(cpi, 0, 2)
+    return SequenceParallelSpec(
+        cp_plan={
+            "rope": rope,  # (cos, sin), (S_video, d)
+            "transformer_blocks.0": {
+                "hidden_states": cpi(split_dim=1, expected_dims=3),
+                "encoder_hidden_states": cpi(split_dim=1, expected_dims=3),
+            },
+            # the forward hands every block the (batch, text) mask of its reordered [image, ByT5, LLM] text;
+            # the processor pads it with the (local) video tokens and masks valid_q & valid_k
+            "transformer_blocks.*": {"attention_mask": cpi(split_dim=1, expected_dims=2)},
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        local_attention=("context_embedder.*",),  # the token refiner, on the whole prompt before the split
+    )
+
+
+SPECS = (
+    ModelSpec(
+        name="tiny-hunyuanvideo15", family="hunyuanvideo15", size="tiny", kind="video",
+        pipeline_class="HunyuanVideo15Pipeline", patch_multiple=4, height=32, width=32, frames=5, frame_multiple=4,
+        steps=2, guidance=1.0, fps=24,  # CFG is its guider's (scale 6), not a call argument
+        description="HunyuanVideo 1.5 architecture, 2 blocks, 4 heads x 16, Qwen2.5-VL + ByT5 text encoders, "
+        "random weights",
+    ),
+    ModelSpec(
+        name="full-hunyuanvideo15", family="hunyuanvideo15", size="full", kind="video",
+        pipeline_class="HunyuanVideo15Pipeline", patch_multiple=16, height=480, width=848, frames=121, frame_multiple=4,
+        steps=50, guidance=1.0, fps=24,  # CFG is its guider's, not a call argument
+        description="HunyuanVideo-1.5 480p T2V dimensions (8.3B transformer: 54 blocks, 16 heads x 128), random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="hunyuanvideo15", title="HunyuanVideo 1.5", kind="video",
+    pipelines={"HunyuanVideo15Pipeline": "t2v"},
+    transformers=("HunyuanVideo15Transformer3DModel",),
+    sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
+    limits=SizeLimits(patch_multiple=16, frame_multiple=4), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="HunyuanVideo-1.5-480p_t2v", pipeline_worlds=(2, 4),
+)

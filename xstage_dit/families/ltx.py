@@ -1,8 +1,11 @@
-"""LTX-Video text-to-video (`LTXPipeline`), tiny: a 1-block transformer, a 4-level LTX VAE (32x spatial,
-8x temporal as in the real one), T5 text encoder; random weights, CPU seconds.
+"""LTX-Video text-to-video (`LTXPipeline`): tiny (a 1-block transformer, a 4-level LTX VAE: 32x spatial, 8x
+temporal as in the real one, T5 text encoder; random weights, CPU seconds) and full (LTX-Video 0.9 dimensions:
+the 2B transformer, 28 blocks, 32 heads x 64, cross-attention 2048, captions 4096 from T5-XXL; diffusers' class
+defaults of `LTXVideoTransformer3DModel` and `AutoencoderKLLTXVideo` are that checkpoint's).
 
 The pipeline pads the prompt to ``max_sequence_length`` and passes its mask, which the transformer
-expands per head, ``(batch, heads, 1, text)``: the shape the sequence-parallel backend must take.
+expands per head, ``(batch, heads, 1, text)``: the shape the sequence-parallel backend must take. The record:
+diffusers' own sequence plan; no CFG parallel (the pipeline runs CFG as one (uncond, cond) batch).
 """
 
 from __future__ import annotations
@@ -11,14 +14,20 @@ import torch
 
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.flux import T5
+from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import shipped_plan
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
 
 TRANSFORMER = {
+    "full": dict(in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+                 attention_head_dim=64, cross_attention_dim=2048, num_layers=28, caption_channels=4096),
     "tiny": dict(in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=4,
                  attention_head_dim=8, cross_attention_dim=32, num_layers=1, caption_channels=32),
 }
 
 VAE = {
+    "full": dict(),  # the class defaults: LTX-Video 0.9's VAE (128 latent channels, 32x spatial, 8x temporal)
     "tiny": dict(in_channels=3, out_channels=3, latent_channels=8, block_out_channels=(8, 8, 8, 8),
                  decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
                  decoder_layers_per_block=(1, 1, 1, 1, 1), spatio_temporal_scaling=(True, True, True, False),
@@ -50,3 +59,29 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         tokenizer=tokenizer,
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
     )
+
+
+SPECS = (
+    ModelSpec(
+        name="tiny-ltx", family="ltx", size="tiny", kind="video", pipeline_class="LTXPipeline",
+        patch_multiple=32, height=64, width=96, frames=9, frame_multiple=8, steps=2, guidance=3.0,
+        max_sequence_length=16, fps=24,
+        description="LTX-Video architecture, 1 block, 4 heads x 8, LTX VAE (32x, 8x), random weights",
+    ),
+    ModelSpec(
+        name="full-ltx", family="ltx", size="full", kind="video", pipeline_class="LTXPipeline",
+        patch_multiple=32, height=512, width=704, frames=161, frame_multiple=8, steps=50, guidance=3.0,
+        max_sequence_length=128, fps=25,
+        description="LTX-Video 0.9 dimensions (2B transformer: 28 blocks, 32 heads x 64), random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="ltx", title="LTX-Video", kind="video",
+    pipelines={"LTXPipeline": "t2v"},
+    transformers=("LTXVideoTransformer3DModel",),
+    sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), cfg=None),
+    limits=SizeLimits(patch_multiple=32, frame_multiple=8), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="LTX-Video", pipeline_worlds=(2, 4),
+)

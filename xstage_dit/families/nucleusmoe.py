@@ -5,13 +5,26 @@ Full size (the published Nucleus-Image config, 17B parameters, ~2B active): 32 b
 (capacity factor 4, 4, then 2), joint attention dim 4096 from the Qwen3-VL-8B text encoder (hidden state
 8th from the end); Qwen-Image VAE (16 latent channels, 8x). The Qwen3-VL vision tower is built too (the
 real class has one) but the pipeline feeds it no image.
+
+The record: our sequence plan (image tokens split, the text whole on every rank as keys/values), expert
+parallelism with ep == sp (expert-choice routing over the whole sequence), paired CFG, and the facts CFG
+batching, text depth, batch invariance, the host-copy fixes, compile fixes and the one-frame VAE decode read.
 """
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
+from torch import nn
+
+from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.experts import expert_seed, normal_
+from xstage_dit.families.record import (ExpertFacts, FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits,
+                                        VideoVAEFacts)
+from xstage_dit.families.sp_plan import SequenceParallelSpec
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import qwen_tokenizer
 
 TRANSFORMER = {
@@ -78,25 +91,16 @@ CHAT_TEMPLATE = (
 
 
 def processor():
-    """A `Qwen3VLProcessor` over the in-code tokenizer and the PIL image processor, without a video processor.
+    """A `TextImageQwen3VLProcessor` (a Qwen3-VL processor without a video processor: no torchvision here) over
+    the in-code tokenizer and the PIL image processor."""
+    from transformers import Qwen2VLImageProcessorPil
 
-    transformers' video processors require torchvision, which this project does not install; the
-    text-to-image pipeline only tokenizes text, so the processor is built without one (calling it with
-    videos raises).
-    """
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLProcessor
-
-    class TextImageQwen3VLProcessor(Qwen3VLProcessor):
-        def check_argument_for_proper_class(self, argument_name, argument):
-            if argument_name == "video_processor" and argument is None:
-                return None
-            return super().check_argument_for_proper_class(argument_name, argument)
+    from xstage_dit.families._qwen3vl_processor import TextImageQwen3VLProcessor
 
     tokenizer = qwen_tokenizer(4096, extra_special_tokens=VISION_TOKENS)
     return TextImageQwen3VLProcessor(
         image_processor=Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2),
         tokenizer=tokenizer,
-        video_processor=None,
         chat_template=CHAT_TEMPLATE,
     )
 
@@ -145,3 +149,118 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int, expert_shard=None
         text_encoder=text_encoder,
         processor=proc,
     )
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+#: the Qwen-Image VAE (NucleusMoE, Qwen-Image): causal 3-D convolutions, one latent frame a decoder call
+QWEN_IMAGE_VAE = VideoVAEFacts(vae_class="AutoencoderKLQwenImage", causal_conv_class="QwenImageCausalConv3d")
+
+
+def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    return SequenceParallelSpec(
+        cp_plan={
+            # image tokens are the sequence; the text stays whole on every rank (it is only keys/values)
+            "": {"hidden_states": cpi(split_dim=1, expected_dims=3)},
+            # (image freqs (S_img, d), text freqs (T, d)): split the image ones like the tokens
+            "pos_embed": {0: cpi(split_dim=0, expected_dims=2, split_output=True)},
+            "proj_out": cpo(gather_dim=1, expected_dims=3),
+        },
+        # keys/values = [image shard, whole text]: the backend cuts the text to this rank's share
+        kv_layouts={"transformer_blocks.*.attn": "replicated_tail"},
+    )
+
+
+def check_parallel(model: torch.nn.Module, config) -> None:
+    """Expert-choice routing sees the whole sequence: under sp the MoE layers must be the EP layers, ep == sp."""
+    if config.sp > 1 and config.ep != config.sp:
+        raise ValueError(
+            "NucleusMoE routes by expert choice over the whole sequence: under sequence parallelism the MoE "
+            f"layers must be the EP layers over the sp group; expected ep == sp == {config.sp}, got ep={config.ep}"
+        )
+
+
+def _random_experts(layer_name, lo, hi, seed, hidden, inter, device, dtype):
+    """normal(0, 1/sqrt(fan_in)) per expert, as `build._init_left_uninitialized` initialises stacked matrices.
+
+    Drawn in fp32 and rounded to ``dtype`` one expert at a time (no fp32 copy of the whole layer)."""
+    gate_up, down = [], []
+    for e in range(lo, hi):
+        gen = torch.Generator(device).manual_seed(expert_seed(seed, layer_name, e))
+        gate_up.append(normal_(gen, (hidden, 2 * inter), 1.0 / math.sqrt(hidden), device).to(dtype))
+        down.append(normal_(gen, (inter, hidden), 1.0 / math.sqrt(inter), device).to(dtype))
+    return torch.stack(gate_up), torch.stack(down)
+
+
+def _read_experts(reader, layer_name, lo, hi):
+    # packed as (E, H, 2I) / (E, I, H): read rows [lo, hi) only
+    return (reader.read_slice(f"{layer_name}.experts.gate_up_proj", lo, hi),
+            reader.read_slice(f"{layer_name}.experts.down_proj", lo, hi))
+
+
+def _materialize(layer, gate_up, down):
+    layer.experts.gate_up_proj = nn.Parameter(gate_up.contiguous(), requires_grad=False)
+    layer.experts.down_proj = nn.Parameter(down.contiguous(), requires_grad=False)
+
+
+EXPERTS = ExpertFacts(
+    layer_class="NucleusMoELayer", ep_layer="xstage_dit.features.ep_layers:NucleusMoEEPLayer", count_key="num_experts",
+    ep_equals_sp=True, meta_experts=lambda: private.nucleus_meta_experts(), num_experts=lambda layer: layer.num_experts,
+    dims=lambda layer: (layer.hidden_size, layer.moe_intermediate_dim), random_experts=_random_experts,
+    read_experts=_read_experts, materialize=_materialize,
+)
+
+
+def _output_like(module: torch.nn.Module, kwargs: dict) -> tuple | None:
+    """(shape, dtype, device) of the output sample: the image tokens (``hidden_states``: batch, tokens, channels)
+    through ``proj_out`` (patch² x out_channels)."""
+    tokens, proj_out = kwargs.get("hidden_states"), getattr(module, "proj_out", None)
+    if not isinstance(tokens, torch.Tensor) or not isinstance(proj_out, torch.nn.Linear):
+        return None
+    return (*tokens.shape[:-1], proj_out.out_features), tokens.dtype, tokens.device
+
+
+def _read_indices(pipe, arguments: dict) -> list[int]:
+    index = arguments.get("return_index")
+    return [index or pipe.default_return_index]  # diffusers' own fallback (`return_index or default`)
+
+
+FACTS = FeatureFacts(
+    # the pipeline sets _guidance_scale per call; its second (empty-prompt) call runs only above 1
+    cfg_batch_guidance=lambda pipe: (getattr(pipe, "_guidance_scale", None) or 0) > 1,
+    cfg_batch_text_inputs=("encoder_hidden_states", "encoder_hidden_states_mask"),
+    cfg_batch_output_like=_output_like,
+    text_read_indices=_read_indices,
+    padded_text_attention=True,  # padded text keys and a (batch, image + text) mask
+    rope_host_sync_classes=("NucleusMoEEmbedRope",),
+    grouped_mm_expert_classes=("SwiGLUExperts",),
+    video_vae=QWEN_IMAGE_VAE,
+)
+
+SPECS = (
+    ModelSpec(
+        name="tiny-nucleusmoe", family="nucleusmoe", size="tiny", kind="image",
+        pipeline_class="NucleusMoEImagePipeline", patch_multiple=16, height=128, width=128, steps=4,
+        guidance=4.0, max_sequence_length=128,
+        description="NucleusMoE-Image architecture (3 dense + 1 MoE block, 4 experts), 2 heads x 32, random weights",
+    ),
+    ModelSpec(
+        name="full-nucleusmoe", family="nucleusmoe", size="full", kind="image",
+        pipeline_class="NucleusMoEImagePipeline", patch_multiple=16, height=1024, width=1024, steps=50,
+        guidance=4.0, max_sequence_length=1024,
+        description="Nucleus-Image dimensions (17B MoE transformer: 32 blocks, 64 experts x 1344, 16 x 128), "
+        "random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="nucleusmoe", title="NucleusMoE", kind="image",
+    pipelines={"NucleusMoEImagePipeline": "t2i"},
+    transformers=("NucleusMoEImageTransformer2DModel",),
+    sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, check=check_parallel, cfg="paired",
+                             cfg_needs_guidance=True),
+    experts=EXPERTS, limits=SizeLimits(patch_multiple=16), facts=FACTS, specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="Nucleus-Image", pipeline_worlds=(2, 4),
+)

@@ -1,9 +1,11 @@
-"""Qwen-Image text-to-image (`QwenImagePipeline`), tiny: 1 block, 4 heads x 16, a Qwen2.5-VL text encoder
+"""Qwen-Image text-to-image (`QwenImagePipeline`): tiny (1 block, 4 heads x 16, a Qwen2.5-VL text encoder
 (language model and a 1-layer vision tower) over the in-code Qwen tokenizer, the tiny Qwen-Image VAE of
-NucleusMoE; random weights, CPU seconds.
+NucleusMoE; random weights, CPU seconds) and full (Qwen-Image dimensions, diffusers' class defaults: the 20B
+transformer, 60 blocks, 24 heads x 128, joint attention 3584 from Qwen2.5-VL-7B; the Qwen-Image VAE).
 
 The pipeline drops its prompt template's first 34 tokens and passes the prompt's padding mask
-(``encoder_hidden_states_mask``); a batch of prompts of different lengths is padded.
+(``encoder_hidden_states_mask``); a batch of prompts of different lengths is padded. The record: diffusers'
+own plan, paired CFG (true CFG with a negative prompt).
 """
 
 from __future__ import annotations
@@ -11,21 +13,32 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
-from xstage_dit.families.nucleusmoe import VAE, VISION_TOKENS
+from xstage_dit.families.nucleusmoe import QWEN_IMAGE_VAE, VAE, VISION_TOKENS
+from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import shipped_plan
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import qwen_tokenizer
 
 TRANSFORMER = {
+    "full": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                 num_attention_heads=24, joint_attention_dim=3584, axes_dims_rope=(16, 56, 56)),
     "tiny": dict(patch_size=2, in_channels=16, out_channels=4, num_layers=1, attention_head_dim=16,
                  num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6)),
 }
 
 TEXT = {
+    # Qwen2.5-VL-7B's language model
+    "full": dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                 rope_scaling=dict(type="mrope", mrope_section=[16, 24, 24])),
     "tiny": dict(vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
                  rope_scaling=dict(type="mrope", mrope_section=[2, 3, 3])),
 }
 
-VISION = {"tiny": dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=14, spatial_merge_size=2,
+VISION = {"full": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, out_hidden_size=3584, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+          "tiny": dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=14, spatial_merge_size=2,
                        temporal_patch_size=2, out_hidden_size=32, window_size=112, fullatt_block_indexes=[0])}
 
 
@@ -70,3 +83,29 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         tokenizer=tokenizer,
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
     )
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+SPECS = (
+    ModelSpec(
+        name="tiny-qwenimage", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImagePipeline",
+        patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
+        description="Qwen-Image architecture, 1 block, 4 heads x 16, Qwen2.5-VL text encoder, random weights",
+    ),
+    ModelSpec(
+        name="full-qwenimage", family="qwenimage", size="full", kind="image", pipeline_class="QwenImagePipeline",
+        patch_multiple=16, height=1328, width=1328, steps=50, guidance=1.0, max_sequence_length=512,
+        description="Qwen-Image dimensions (20B transformer: 60 blocks, 24 heads x 128), Qwen2.5-VL-7B, random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="qwenimage", title="QwenImage", kind="image",
+    pipelines={"QwenImagePipeline": "t2i"},
+    transformers=("QwenImageTransformer2DModel",),
+    sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
+    limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(video_vae=QWEN_IMAGE_VAE), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="Qwen-Image", pipeline_worlds=(2, 4),
+)

@@ -2,51 +2,72 @@
 
 One file per family (``xstage_dit/families/<family>.py``) defines ``RECORD = FamilyRecord(...)``; the registry
 (`xstage_dit.families.registry`) finds every such module of this package, so adding a family is that one file
-plus its test. Features, the engine, the server and the benchmark read model facts from the record that
+plus its test. Features, the engine, the server, the CLI and the benchmark read model facts from the record that
 `registry.record_for_transformer` / `record_for_pipeline` return, never from class-name tables of their own.
+A family file never imports a feature: what it hands a feature that lives above it (an attention processor, an
+EP layer) is named as a ``"module:attribute"`` string the feature resolves.
 
-Example (a sketch of ``families/flux.py``)::
+Example (``families/flux.py``, shortened)::
 
     RECORD = FamilyRecord(
         name="flux", title="FLUX.1", kind="image",
         pipelines={"FluxPipeline": "t2i"},
         transformers=("FluxTransformer2DModel",),
-        sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=_check_flux),
+        sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=check_parallel,
+                                 guidance_distilled_key="guidance_embeds"),
         limits=SizeLimits(patch_multiple=16),
-        specs=(ModelSpec(name="tiny-flux", ...), ModelSpec(name="full-flux", ...)),
-        build=build, build_transformer=build_transformer,
-        real_weights_example="FLUX.1-dev",
+        specs=(ModelSpec(name="tiny-flux", family="flux", ...), ModelSpec(name="full-flux", family="flux", ...)),
+        build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+        real_weights_example="FLUX.1-dev", pipeline_worlds=(2, 4),
     )
+
+A MoE family adds ``experts=ExpertFacts(...)`` (`families/nucleusmoe.py`, `families/hidream.py`); the facts the
+features read go in ``facts=FeatureFacts(...)``; a plan of our own is a function of the transformer returning a
+`sp_plan.SequenceParallelSpec` (its hooks are `sp_plan.PlanHook` subclasses). A family module must import neither
+diffusers nor transformers at module level (build functions import them when called): the CLI's pre-checks read
+every record in about the time of ``--help``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from xstage_dit.families.spec import ModelSpec
+
 TASKS = ("t2i", "t2v", "i2v", "edit", "i2i", "inpaint")
+#: the tasks `generate` and `serve` run (a prompt in, an image or a video out), and the kind each returns
+SERVED_TASKS = {"t2i": "image", "t2v": "video"}
 CFG_STYLES = ("paired", "batched", None)
 
 
 @dataclass(frozen=True)
 class SequenceParallelFacts:
-    """How `parallelize` shards this family's transformer over the sp ranks.
+    """How `parallelize` shards this family's transformer over the sp (and cfg) ranks.
 
     plan_source: "diffusers" (its shipped ``_cp_plan``) or a short phrase naming our plan ("xstage", ...).
-    build: transformer -> ``SequenceParallelSpec`` (the plan, the K/V layouts, processor swaps, extra hooks).
+    build: transformer -> ``SequenceParallelSpec`` (`families.sp_plan`: the plan, the K/V layouts, processor
+        swaps, extra hooks).
     check: (transformer, ParallelConfig) -> None, raising ValueError naming a rule of the model (or None).
-    moe_layers: (diffusers MoE class name, "module:EP layer class") pairs swapped under expert parallelism.
     cfg: "paired" (two transformer calls a step, cond then uncond), "batched" (one call on an (uncond, cond)
         batch) or None (no CFG parallel).
     cfg_batch_dims: batched CFG only: input name -> its batch dim.
+    cfg_needs_guidance: the pipeline runs its second CFG branch only when ``guidance_scale > 1`` (so cfg=2 asks
+        for it; the CLI checks it before any rank starts).
+    guidance_distilled_key: a transformer config key whose true value means guidance-distilled (one branch a
+        step: no CFG parallel), e.g. FLUX.1-dev's ``guidance_embeds``; None where there is none.
+    heads_key: the transformer config key of its attention heads (each sp rank needs at least one).
     """
 
     plan_source: str
     build: Callable[[Any], Any]
     check: Callable[[Any, Any], None] | None = None
-    moe_layers: tuple[tuple[str, str], ...] = ()
     cfg: str | None = "paired"
     cfg_batch_dims: Mapping[str, int] = field(default_factory=dict)
+    cfg_needs_guidance: bool = False
+    guidance_distilled_key: str | None = None
+    heads_key: str = "num_attention_heads"
 
     def __post_init__(self) -> None:
         if self.cfg not in CFG_STYLES:
@@ -54,17 +75,66 @@ class SequenceParallelFacts:
 
 
 @dataclass(frozen=True)
+class ExpertFacts:
+    """A MoE family's routed experts: what expert parallelism swaps and how experts are made or read per rank
+    (`families.experts`: built-in models draw each expert from its own seed; a local folder's are read only for
+    this rank's range).
+
+    layer_class: diffusers class name of the MoE layer. ep_layer: ``"module:Class"`` of the EP layer replacing it.
+    count_key: the transformer config key of the expert count (the CLI checks ep divides it).
+    ep_equals_sp: routing picks tokens over the whole sequence (expert choice): under sp the MoE layers must be
+        the EP layers over the sp group, ep == sp.
+    meta_experts: () -> context manager under which the transformer is built with its experts on meta.
+    num_experts: layer -> its expert count. dims: layer -> (hidden, inter).
+    random_experts: (layer_name, lo, hi, seed, hidden, inter, device, dtype) -> (gate_up (n, hidden, 2 inter),
+        down (n, inter, hidden)), experts [lo, hi) of a built-in model.
+    read_experts: (safetensors reader, layer_name, lo, hi) -> (gate_up, down) of a local folder.
+    materialize: (layer, gate_up, down) -> None: the whole diffusers layer (world 1).
+    """
+
+    layer_class: str
+    ep_layer: str
+    count_key: str
+    meta_experts: Callable[[], contextlib.AbstractContextManager]
+    num_experts: Callable[[Any], int]
+    dims: Callable[[Any], tuple[int, int]]
+    random_experts: Callable[..., tuple]
+    read_experts: Callable[..., tuple]
+    materialize: Callable[..., None]
+    ep_equals_sp: bool = False
+
+
+@dataclass(frozen=True)
 class SizeLimits:
     """What sizes a request may ask for (checked before a request is queued: a 4xx naming the field).
 
-    patch_multiple: height and width must be multiples of this (VAE factor x patch size).
-    frame_multiple: video: (frames - 1) must be a multiple of this.
-    square_under_sp: the transformer takes only square latents at sp > 1 (HiDream).
+    patch_multiple: height and width must be multiples of this (VAE factor x patch size) for the published
+        checkpoint (a local folder); a built-in ``full-*`` spec must agree, a tiny one states its own.
+    frame_multiple: video: (frames - 1) must be a multiple of this (published checkpoint, as above).
+    square_under_sp: the transformer takes only square latents at sp > 1 (HiDream): the request's width must
+        equal its height there.
     """
 
     patch_multiple: int = 16
     frame_multiple: int = 1
     square_under_sp: bool = False
+
+
+@dataclass(frozen=True)
+class VideoVAEFacts:
+    """A diffusers video VAE whose decode the features speed up (`one_frame_vae`, `server.video_stream`).
+
+    vae_class: its class name. causal_conv_class: its causal 3-D convolution that pads time with zero frames in
+        front (``_padding[4] == kernel frames - 1``) and takes the previous chunk's frames as ``cache_x``.
+    one_frame_decode: ``_decode`` runs ``decoder(frame, feat_cache=..., feat_idx=...)`` once per latent frame and
+        the decoder computes a first frame without the cache as with a fresh one (a one-frame decode may skip it).
+    streams_frames: each decoder call returns whole frames in order (the MP4 can be encoded while it decodes).
+    """
+
+    vae_class: str
+    causal_conv_class: str
+    one_frame_decode: bool = True
+    streams_frames: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,10 +147,8 @@ class FeatureFacts:
     text_read_indices: (pipe, bound encode_prompt arguments) -> hidden-state indices its encode_prompt reads.
     padded_text_attention: batch invariance must run attention one sample at a time (padded text changes sums).
     rope_host_sync_classes: rope modules whose host copies the rope cache removes (`host_syncs`).
-    grouped_mm_offsets: the MoE experts need compile_fixes' int32-offset work-around.
-    one_frame_vae: the pipeline's video VAE decodes a one-frame latent as a 2-D network (`one_frame_vae`).
-    streams_video: the VAE decodes in calls of whole frames, so the MP4 can be encoded while it decodes.
-    compile_text_encoder: the text encoder is a decoder LLM worth compiling whole (`compile` extras).
+    grouped_mm_expert_classes: expert modules that need compile_fixes' int32-offset work-around for grouped_mm.
+    video_vae: the video VAE of the family's pipelines (`VideoVAEFacts`), None for others.
     """
 
     cfg_batch_guidance: Callable[[Any], bool] | None = None
@@ -89,10 +157,8 @@ class FeatureFacts:
     text_read_indices: Callable[[Any, dict], list[int]] | None = None
     padded_text_attention: bool = False
     rope_host_sync_classes: tuple[str, ...] = ()
-    grouped_mm_offsets: bool = False
-    one_frame_vae: bool = False
-    streams_video: bool = False
-    compile_text_encoder: bool = False
+    grouped_mm_expert_classes: tuple[str, ...] = ()
+    video_vae: VideoVAEFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -103,14 +169,19 @@ class FamilyRecord:
     title: how the README names it ("FLUX.1").
     kind: "image" or "video" (what its text pipelines return).
     pipelines: diffusers pipeline class name -> task (`TASKS`). A local folder whose model_index.json names one
-        of these loads as this family.
+        of these loads as this family; `generate` and `serve` run the `SERVED_TASKS` ones. Empty for a family
+        that has no DiffusionPipeline (a modular pipeline: `parallelize` from Python only).
     transformers: the diffusers transformer class names (a subclass of one resolves to this family).
-    sp: the sequence / expert / CFG parallel plan (`SequenceParallelFacts`).
+    sp: the sequence / CFG parallel plan (`SequenceParallelFacts`).
+    experts: the routed experts of a MoE family (`ExpertFacts`), None for a dense one.
     limits: request size rules (`SizeLimits`).
     facts: what the features need (`FeatureFacts`).
-    specs: the built-in models (``ModelSpec``: tiny-*, full-* where published dimensions exist).
+    specs: the built-in models (``ModelSpec``: tiny-*, full-* where published dimensions exist); each must name
+        this family, its kind and one of its served pipelines (checked here); the record's square rule and
+        real-weights example are set on them (``ModelSpec.square_under_sp`` / ``real_weights_example``).
     build: (size, *, dtype, device, seed, **extra) -> the pipeline of a built-in size.
     build_transformer: (size, *, dtype, device, seed, **extra) -> the transformer alone (step benchmarks).
+    transformer_dims: size -> the transformer config of a built-in size (what the CLI's pre-checks read).
     real_weights_example: a published checkpoint named in the random-weights notice.
     pipeline_worlds: worlds of the CPU pipeline-level equivalence test.
     """
@@ -121,11 +192,13 @@ class FamilyRecord:
     pipelines: Mapping[str, str]
     transformers: tuple[str, ...]
     sp: SequenceParallelFacts
+    experts: ExpertFacts | None = None
     limits: SizeLimits = field(default_factory=SizeLimits)
     facts: FeatureFacts = field(default_factory=FeatureFacts)
     specs: tuple = ()
     build: Callable[..., Any] | None = None
     build_transformer: Callable[..., Any] | None = None
+    transformer_dims: Mapping[str, dict] = field(default_factory=dict)
     real_weights_example: str = "a diffusers checkpoint"
     pipeline_worlds: tuple[int, ...] = ()
 
@@ -137,3 +210,33 @@ class FamilyRecord:
             raise ValueError(f"expected pipeline tasks in {TASKS} for family {self.name!r}, got {bad}")
         if not self.transformers:
             raise ValueError(f"expected at least one transformer class for family {self.name!r}, got none")
+        if self.specs and self.build is None:
+            raise ValueError(f"expected a build function for family {self.name!r} with built-in models, got None")
+        object.__setattr__(self, "specs", tuple(self._checked(s) for s in self.specs))
+
+    @property
+    def served_pipelines(self) -> tuple[str, ...]:
+        """The pipeline classes `generate` and `serve` run for this family (text in, its kind out)."""
+        return tuple(p for p, t in self.pipelines.items() if SERVED_TASKS.get(t) == self.kind)
+
+    def spec(self, size: str) -> ModelSpec | None:
+        """The built-in spec of `size` ("tiny", "full"), or None."""
+        return next((s for s in self.specs if s.size == size), None)
+
+    def _checked(self, spec: ModelSpec) -> ModelSpec:
+        if not isinstance(spec, ModelSpec):
+            raise ValueError(f"expected ModelSpec values in the specs of family {self.name!r}, got {spec!r}")
+        wrong = {what: (got, want) for what, got, want in (
+            ("family", spec.family, self.name), ("kind", spec.kind, self.kind))
+            if got != want}
+        if spec.pipeline_class not in self.served_pipelines:
+            wrong["pipeline_class"] = (spec.pipeline_class, self.served_pipelines)
+        if spec.size == "full":
+            for what in ("patch_multiple", "frame_multiple"):
+                if getattr(spec, what) != getattr(self.limits, what):
+                    wrong[what] = (getattr(spec, what), getattr(self.limits, what))
+        if wrong:
+            raise ValueError(f"expected {spec.name} to agree with its family record {self.name!r}, got "
+                             + ", ".join(f"{k}={got!r} (record: {want!r})" for k, (got, want) in wrong.items()))
+        return replace(spec, square_under_sp=self.limits.square_under_sp,
+                       real_weights_example=self.real_weights_example)

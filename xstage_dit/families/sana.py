@@ -312,6 +312,8 @@ RECORD = FamilyRecord(
     sp=SequenceParallelFacts(
         plan_source="xstage (rows split, linear attention summed over ranks, cross-attention local)",
         build=sana_sp, check=_check, cfg="batched",
+        # its cross-attention has fewer heads than its linear self-attention: sp must split those
+        heads_key="num_cross_attention_heads",
         cfg_batch_dims={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0, "guidance": 0,
                         "encoder_attention_mask": 0, "attention_mask": 0},
     ),

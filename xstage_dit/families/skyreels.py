@@ -1,16 +1,27 @@
 """SkyReels-V2 (`SkyReelsV2DiffusionForcingPipeline`: diffusion forcing, per-frame noise levels and a
-block-causal mask), tiny: 2 blocks, 4 heads, the tiny Wan VAE and UMT5; random weights, CPU seconds."""
+block-causal mask): tiny (2 blocks, 4 heads, the tiny Wan VAE and UMT5; random weights, CPU seconds) and full
+(SkyReels-V2-DF-14B-540P dimensions: the Wan2.1-T2V-14B transformer it is trained from, 40 blocks, 40 heads x
+128; UMT5-XXL; the Wan VAE).
+
+The record: our plan (Wan-like; diffusion forcing adds per-token modulation and a block-causal mask, whose
+query rows follow the token split), no CFG parallel.
+"""
 
 from __future__ import annotations
 
 import torch
 
+from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import SequenceParallelSpec, blocks_of, rope_split
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
-from xstage_dit.families.wan import TRANSFORMER as WAN, UMT5, VAE
+from xstage_dit.families.wan import TRANSFORMER as WAN, UMT5, VAE, WAN_VAE
 
 # 4 heads (the tiny Wan has 2) so that sp=4 can split them
-TRANSFORMER = {"tiny": dict(WAN["tiny"], num_attention_heads=4, num_frame_per_block=1)}
+TRANSFORMER = {"full": dict(WAN["full"], num_frame_per_block=1),
+               "tiny": dict(WAN["tiny"], num_attention_heads=4, num_frame_per_block=1)}
 
 
 def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
@@ -36,3 +47,52 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         vae=build_module(lambda: AutoencoderKLWan(**VAE[size]), seed=seed + 2, device=device, dtype=torch.float32),
         scheduler=UniPCMultistepScheduler(**SCHEDULER),
     )
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
+    cpi, cpo = private.cp_types()
+    last = blocks_of(model, "blocks") - 1
+    rope = rope_split(cpi, 1, 4)
+    return SequenceParallelSpec(
+        cp_plan={
+            "rope": rope,
+            "blocks.0": {"hidden_states": cpi(split_dim=1, expected_dims=3)},
+            # diffusion forcing: temb (batch, 6, seq, dim) per token and a (1, 1, seq_q, seq_k) block-causal mask,
+            # whose query rows follow the tokens (its key columns stay whole: the backend gathers the keys)
+            "blocks.*": {
+                "temb": cpi(split_dim=2, expected_dims=4),
+                "attention_mask": cpi(split_dim=2, expected_dims=4),
+            },
+            # norm_out then adds a full-length per-token shift in diffusion forcing: gather before it
+            f"blocks.{last}": cpo(gather_dim=1, expected_dims=3),
+        },
+        kv_layouts={"blocks.*.attn2": "replicated"},
+    )
+
+
+SPECS = (
+    ModelSpec(
+        name="tiny-skyreels-v2", family="skyreels-v2", size="tiny", kind="video",
+        pipeline_class="SkyReelsV2DiffusionForcingPipeline", patch_multiple=16, height=64, width=64, frames=5,
+        frame_multiple=4, steps=2, guidance=1.0, max_sequence_length=16, fps=24,
+        description="SkyReels-V2 diffusion forcing, 2 blocks, 4 heads x 16, random weights",
+    ),
+    ModelSpec(
+        name="full-skyreels-v2", family="skyreels-v2", size="full", kind="video",
+        pipeline_class="SkyReelsV2DiffusionForcingPipeline", patch_multiple=16, height=544, width=960, frames=97,
+        frame_multiple=4, steps=50, guidance=6.0, max_sequence_length=512, fps=24,
+        description="SkyReels-V2-DF-14B-540P dimensions (40 blocks, 40 heads x 128), random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="skyreels-v2", title="SkyReels-V2", kind="video",
+    pipelines={"SkyReelsV2DiffusionForcingPipeline": "t2v"},
+    transformers=("SkyReelsV2Transformer3DModel",),
+    sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
+    limits=SizeLimits(patch_multiple=16, frame_multiple=4), facts=FeatureFacts(video_vae=WAN_VAE), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="SkyReels-V2-DF-14B-540P-Diffusers", pipeline_worlds=(2, 4),
+)

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# A published checkpoint per family, named in the random-weights notice as an example of real weights.
-_REAL_WEIGHTS_EXAMPLE = {"flux": "FLUX.1-dev", "wan": "Wan2.1-T2V-14B-Diffusers", "nucleusmoe": "Nucleus-Image",
-                         "hidream": "HiDream-I1-Full"}
-
-
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model is and how to run it by default.
 
     name: registry name (``tiny-flux``) or the local folder path.
-    family: ``flux`` | ``wan`` | ``nucleusmoe`` | ``hidream``.
+    family: the name of its family record (`xstage_dit.families.record.FamilyRecord`).
     size: ``tiny`` (random weights, seconds on a CPU) | ``full`` (published dimensions, random weights)
         | ``local`` (a diffusers folder with real weights).
     kind: ``image`` | ``video``.
@@ -24,6 +19,9 @@ class ModelSpec:
     height, width, frames, steps, guidance: defaults for generation (``frames`` is 1 for images).
     max_sequence_length: text tokens passed to the pipeline (``None``: the pipeline's default).
     fps: frames per second of a written video.
+    square_under_sp: width must equal height at sp > 1 (set from the family record's `SizeLimits`).
+    real_weights_example: a published checkpoint of the family, named in the random-weights notice (set from
+        the family record).
     """
 
     name: str
@@ -42,6 +40,8 @@ class ModelSpec:
     fps: int = 16
     description: str = ""
     call_kwargs: dict = field(default_factory=dict)
+    square_under_sp: bool = False
+    real_weights_example: str = "a diffusers checkpoint"
 
     def __post_init__(self):
         if self.kind not in ("image", "video"):
@@ -62,13 +62,14 @@ class ModelSpec:
         """What a user must be told once (start-up, `/v1/models`, the page) when the weights are random."""
         if not self.random_weights:
             return None
-        example = _REAL_WEIGHTS_EXAMPLE.get(self.family, "a diffusers checkpoint")
+        example = self.real_weights_example
         return (f"{self.name} has random weights (built in, nothing downloaded), so every {self.kind} is coloured "
                 f"noise whatever the prompt. For real {self.kind}s pass a local diffusers folder: "
                 f"--model /path/to/{example}")
 
-    def check_size(self, height: int, width: int, frames: int | None = None) -> None:
-        """Raise ValueError naming the bad value when (height, width, frames) cannot be generated."""
+    def check_size(self, height: int, width: int, frames: int | None = None, sp: int = 1) -> None:
+        """Raise ValueError naming the bad value when (height, width, frames) cannot be generated on `sp`
+        sequence-parallel ranks."""
         for label, value in (("height", height), ("width", width)):
             if value < self.patch_multiple or value % self.patch_multiple:
                 raise ValueError(
@@ -81,3 +82,6 @@ class ModelSpec:
                 raise ValueError(
                     f"expected frames = 1 + a multiple of {self.frame_multiple} for {self.name}, got {frames}"
                 )
+        if self.square_under_sp and sp > 1 and width != height:
+            raise ValueError(f"expected a square size (width == height) for {self.name} at sp={sp} (its transformer "
+                             f"splits only square latents), got {width}x{height}")

@@ -23,14 +23,6 @@ HEADER = ("| family (transformer) | Python `parallelize` | CLI / server, local w
 # what each pipeline task takes and makes (record.TASKS)
 TASK_LABELS = {"t2i": "text->image", "t2v": "text->video", "i2v": "image->video", "edit": "image edit",
                "i2i": "image->image", "inpaint": "inpainting"}
-# the tasks `generate` and `serve` run: a prompt in, the family's kind out
-_TEXT_TASK = {"image": "t2i", "video": "t2v"}
-
-
-def served_pipelines(record: FamilyRecord) -> tuple[str, ...]:
-    """The pipeline classes of `record` that `generate` / `serve --model DIR` run (text in, its kind out)."""
-    return tuple(p for p, task in record.pipelines.items() if task == _TEXT_TASK[record.kind])
-
 
 def _code(names: Iterable[str]) -> str:
     return ", ".join(f"`{n}`" for n in names) or "-"
@@ -40,7 +32,7 @@ def _parallel(record: FamilyRecord) -> str:
     """sp always; ep where the family has MoE layers to shard; cfg with its style where CFG parallel applies."""
     sp = record.sp
     parts = ["sp"]
-    if sp.moe_layers:
+    if record.experts is not None:
         parts.append("ep")
     if sp.cfg:
         parts.append(f"cfg ({sp.cfg})")
@@ -61,7 +53,7 @@ def row(record: FamilyRecord) -> str:
     """One Markdown table row: family (transformers) | parallelize | local-weights pipelines | built-ins | inputs."""
     if not isinstance(record, FamilyRecord):
         raise TypeError(f"expected a FamilyRecord, got {type(record).__name__}")
-    cells = (f"{record.title} ({_code(record.transformers)})", _parallel(record), _code(served_pipelines(record)),
+    cells = (f"{record.title} ({_code(record.transformers)})", _parallel(record), _code(record.served_pipelines),
              _builtins(record), _inputs(record))
     return "| " + " | ".join(cells) + " |"
 

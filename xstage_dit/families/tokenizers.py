@@ -177,7 +177,9 @@ def llama_tokenizer(model_max_length: int = 8192):
         eos_token="<|end_of_text|>",
         model_max_length=model_max_length,
     )
-    tok.pad_token = "<|eot_id|>"
+    # registered as a special (added) token, as Llama 3's own: the text "<|eot_id|>" is then one token, here and
+    # after save_pretrained / from_pretrained (a plain `pad_token =` kept it a string the BPE split until a reload)
+    tok.add_special_tokens({"pad_token": "<|eot_id|>"})
     return tok
 
 

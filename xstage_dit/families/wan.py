@@ -2,6 +2,10 @@
 
 Full size: transformer 40 blocks, 40 heads x 128 (5120 wide), FFN 13824, patch (1, 2, 2), text dim 4096
 (UMT5-XXL); Wan VAE (8x spatial, 4x temporal, 16 latent channels); UniPC flow scheduler, shift 3 (480p).
+
+The record: diffusers' own sequence plan (cross-attention keys are the whole text on every rank), paired CFG
+(on when guidance_scale > 1); Wan 2.2 A14B's second expert (``transformer_2``) is the same class. `WAN_VAE`: the
+Wan VAE's facts, shared by the families whose pipelines use it (SkyReels-V2, Wan-VACE, Helios, ChronoEdit).
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits, VideoVAEFacts
+from xstage_dit.families.sp_plan import shipped_plan
+from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
 
 TRANSFORMER = {
@@ -73,3 +80,36 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
         scheduler=UniPCMultistepScheduler(**SCHEDULER),
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
     )
+
+
+# ---- the record ---------------------------------------------------------------------------------------------
+
+#: the Wan VAE: causal 3-D convolutions, one latent frame (1, then 4 video frames) a decoder call, in order
+WAN_VAE = VideoVAEFacts(vae_class="AutoencoderKLWan", causal_conv_class="WanCausalConv3d", streams_frames=True)
+#: the cross-attention's keys are the text, whole on every rank under diffusers' plan
+CROSS_ATTENTION_KV = {"blocks.*.attn2": "replicated"}
+
+SPECS = (
+    ModelSpec(
+        name="tiny-wan", family="wan", size="tiny", kind="video", pipeline_class="WanPipeline",
+        patch_multiple=16, height=128, width=128, frames=9, frame_multiple=4, steps=4, guidance=5.0,
+        max_sequence_length=32, fps=16,
+        description="Wan 2.1 T2V architecture, 2 blocks, 2 heads x 16, random weights (CPU seconds)",
+    ),
+    ModelSpec(
+        name="full-wan", family="wan", size="full", kind="video", pipeline_class="WanPipeline",
+        patch_multiple=16, height=480, width=832, frames=81, frame_multiple=4, steps=50, guidance=5.0,
+        max_sequence_length=512, fps=16,
+        description="Wan2.1-T2V-14B dimensions (40 blocks, 40 heads x 128), 480p x 81 frames, random weights",
+    ),
+)
+
+RECORD = FamilyRecord(
+    name="wan", title="Wan 2.1 / 2.2", kind="video",
+    pipelines={"WanPipeline": "t2v"},
+    transformers=("WanTransformer3DModel",),
+    sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(CROSS_ATTENTION_KV), cfg_needs_guidance=True),
+    limits=SizeLimits(patch_multiple=16, frame_multiple=4), facts=FeatureFacts(video_vae=WAN_VAE), specs=SPECS,
+    build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
+    real_weights_example="Wan2.1-T2V-14B-Diffusers", pipeline_worlds=(2, 4),
+)

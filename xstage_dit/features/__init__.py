@@ -9,8 +9,8 @@
 One module per concern: `config` (ParallelConfig), `groups` (process groups), `sharding` (the split
 rule), `sequence_parallel` + `attention_backend` + `processors` + `sdpa_processors` (Ulysses),
 `attention_schedules` (the schedule per shape, from the params `calibration.params_for` gives once),
-`expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (model registry, keyed so
-subclasses resolve to their family) + `family_plans` (the plans diffusers does not ship),
+`expert_parallel` (EP MoE layers), `cfg_parallel` (guidance branches), `plans` (a transformer's plan, from its
+family record in `xstage_dit.families`: subclasses resolve to their family),
 `collective_safety` (agreement and failures across ranks), `host_syncs` (host copies out of the forward),
 `prompt_cache` (CFG's empty negative prompt encoded once), `text_depth` (a text encoder's unread layers not
 run), `one_frame_vae` (a video VAE's one-frame decode as a 2-D network), `_diffusers_private` (the only user of
@@ -186,11 +186,11 @@ def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
     if plan.check is not None:
         plan.check(transformer, config)
     if config.cfg_batch is True:  # "auto" turns itself off where it does not apply (`_cfg_batch`)
-        from xstage_dit.features.cfg_batch import TEXT_INPUTS
+        from xstage_dit.features.cfg_batch import batching_transformers, text_inputs_of
 
-        if type(transformer).__name__ not in TEXT_INPUTS:
+        if text_inputs_of(transformer) is None:
             raise ValueError(f"expected cfg_batch=False for {type(transformer).__name__} (CFG batching knows "
-                             f"{', '.join(sorted(TEXT_INPUTS))}), got cfg_batch=True")
+                             f"{', '.join(batching_transformers())}), got cfg_batch=True")
     if config.ep > 1 and not plan.moe_layers:
         raise ValueError(f"expected ep=1 for {type(transformer).__name__} (no MoE layers to shard), got ep={config.ep}")
     if config.cfg > 1 and plan.cfg is None:
@@ -289,14 +289,17 @@ def parallelize(pipe: Any, config: ParallelConfig | None = None, **degrees: Any)
 def _log_layer_shapes(transformer, handle: ParallelHandle) -> None:
     """One startup line per distinct attention / MoE layer shape. The schedule itself depends on the
     token count, known at the first call: each (shape, tokens) decision is logged once, with its reason."""
+    from xstage_dit.families.registry import moe_layer_classes
+
     attn, moe = {}, {}
+    moe_classes = moe_layer_classes()
     for name, module in transformer.named_modules():
         heads = getattr(module, "heads", None)
         if heads is not None and getattr(module, "processor", None) is not None:
             inner = getattr(module, "inner_dim", None)
             key = (heads, inner // heads if inner else None)
             attn.setdefault(key, []).append(name)
-        if hasattr(module, "num_experts_per_rank") or type(module).__name__ in ("NucleusMoELayer", "MOEFeedForwardSwiGLU"):
+        if hasattr(module, "num_experts_per_rank") or type(module).__name__ in moe_classes:
             key = (type(module).__name__, getattr(module, "hidden_size", None), getattr(module, "num_experts", None))
             moe.setdefault(key, []).append(name)
     calibrated = ("calibrated" if handle.calibration is not None and handle.calibration.params is not None
@@ -397,11 +400,12 @@ def _cfg_batch(pipe, handle: ParallelHandle) -> None:
         return
     from diffusers.hooks import HookRegistry
 
-    from xstage_dit.features.cfg_batch import GUIDANCE, OUTPUT_LIKE, TEXT_INPUTS, CFGBatchHook
+    from xstage_dit.features.cfg_batch import (CFGBatchHook, batching_pipelines, guidance_of, output_like_of,
+                                               text_inputs_of)
 
-    guidance = GUIDANCE.get(type(pipe).__name__)
+    guidance = guidance_of(pipe)
     if handle.config.cfg_batch == "auto":
-        unknown = sorted({type(t).__name__ for t in handle.transformers} - set(TEXT_INPUTS))
+        unknown = sorted({type(t).__name__ for t in handle.transformers if text_inputs_of(t) is None})
         why_not = (f"CFG parallel (cfg={handle.config.cfg}) runs the two calls on two rank groups"
                    if handle.config.cfg != 1 else
                    f"CFG batching does not know {type(pipe).__name__}" if guidance is None else
@@ -413,13 +417,12 @@ def _cfg_batch(pipe, handle: ParallelHandle) -> None:
         if why_not:
             return
     elif guidance is None:
-        raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(sorted(GUIDANCE))}) with "
+        raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(batching_pipelines())}) with "
                          f"cfg_batch=True, got {type(pipe).__name__}")
     else:
         handle.cfg_batch_reason = "on (cfg_batch=True)"
     for transformer in handle.transformers:
-        name = type(transformer).__name__
-        hook = CFGBatchHook(lambda: guidance(pipe), *TEXT_INPUTS[name], output_like=OUTPUT_LIKE.get(name))
+        hook = CFGBatchHook(lambda: guidance(pipe), *text_inputs_of(transformer), output_like=output_like_of(transformer))
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, "xstage-cfg-batch")
         handle.cfg_hooks.append(hook)

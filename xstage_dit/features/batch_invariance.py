@@ -51,6 +51,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.features.instance_attr import set_on_instance
 
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant",
@@ -60,8 +61,6 @@ SMALL_ROWS = 16  # batches up to this many images share one kernel for their few
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
 NARROW_FEATURES = 256  # a linear layer with fewer outputs runs one sample at a time (few output tiles)
 _TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
-# transformer classes whose attention takes padded text keys and a (batch, image + text) mask
-_PADDED_TEXT_ATTENTION = ("NucleusMoEImageTransformer2DModel",)
 
 
 class BatchInvarianceHandle:
@@ -246,7 +245,9 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
                 elif type(module) in _CONVS:
                     _patch_forward(module, functools.partial(_per_sample_conv, module), handle)
                     handle.convs += 1
-            if type(model).__name__ in _PADDED_TEXT_ATTENTION:
+            # its family record: attention over padded text keys and a (batch, image + text) mask
+            record = record_for_transformer(model)
+            if record is not None and record.facts.padded_text_attention:
                 _trim_text_attention(model, handle)
         for name in _TEXT_ENCODERS:
             encoder = getattr(pipe, name, None)

@@ -13,11 +13,12 @@ only when asked (``ParallelConfig`` defaults to False).
 How (as `cfg_parallel`'s paired hook, on one rank group): the first call of a step returns a placeholder tensor
 and keeps its inputs; the second (the pipeline holds the placeholder and reads it only after that call) runs the
 batch, fills the placeholder with the first half and returns the second. The placeholder takes the shape and
-dtype `OUTPUT_LIKE` predicts from the call's inputs (NucleusMoE: its image tokens through ``proj_out``; checked on
-every filled pair), so even a call's first pair runs batched: a warm-up of one step compiles the batched graph, and the
-graphs of one sample are never needed. Where no prediction is registered, the first pair of each input shape runs both
-calls plainly, to learn the output's shape. Pairing is armed only while the pipeline's own guidance is on
-(`GUIDANCE`: NucleusMoE sets ``pipe._guidance_scale``), so a call without CFG runs plainly; inputs that cannot
+dtype the family record's ``facts.cfg_batch_output_like`` predicts from the call's inputs (NucleusMoE: its image
+tokens through ``proj_out``; checked on every filled pair), so even a call's first pair runs batched: a warm-up of
+one step compiles the batched graph, and the graphs of one sample are never needed. Where the record predicts
+nothing, the first pair of each input shape runs both calls plainly, to learn the output's shape. Pairing is armed
+only while the pipeline's own guidance is on (``facts.cfg_batch_guidance``: NucleusMoE sets
+``pipe._guidance_scale``), so a call without CFG runs plainly; inputs that cannot
 be stacked (different latents, arguments other than the text) run the two forwards one after the other, the same
 values as without this. A placeholder left unfilled (a loop that did not come in pairs) raises RuntimeError at
 the next call or before the VAE decodes.
@@ -32,37 +33,46 @@ import torch
 import torch.nn.functional as F
 from diffusers.hooks import ModelHook
 
+from xstage_dit.families.registry import record_for_pipeline, record_for_transformer, records
 from xstage_dit.features.cfg_parallel import _sample, _wrap_like
 from xstage_dit.features.compile import signature_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CFGBatchHook", "GUIDANCE", "OUTPUT_LIKE", "TEXT_INPUTS"]
-
-# pipeline class -> whether its current call runs CFG (two transformer calls a step)
-GUIDANCE: dict[str, Callable[[Any], bool]] = {
-    "NucleusMoEImagePipeline": lambda pipe: (getattr(pipe, "_guidance_scale", None) or 0) > 1,
-}
-# transformer class -> (its text input, that input's padding mask): padded to one length to stack the pair
-TEXT_INPUTS: dict[str, tuple[str, str]] = {
-    "NucleusMoEImageTransformer2DModel": ("encoder_hidden_states", "encoder_hidden_states_mask"),
-}
+__all__ = ["CFGBatchHook", "batching_pipelines", "batching_transformers", "guidance_of", "output_like_of",
+           "text_inputs_of"]
 
 
-def _tokens_through_proj_out(module: torch.nn.Module, kwargs: dict) -> tuple | None:
-    """(shape, dtype, device) of the output sample of a transformer whose output is its image tokens
-    (``hidden_states``: batch, tokens, channels) through ``proj_out`` (NucleusMoE: patch² x out_channels)."""
-    tokens, proj_out = kwargs.get("hidden_states"), getattr(module, "proj_out", None)
-    if not isinstance(tokens, torch.Tensor) or not isinstance(proj_out, torch.nn.Linear):
-        return None
-    return (*tokens.shape[:-1], proj_out.out_features), tokens.dtype, tokens.device
+# What CFG batching reads from a family record (`FeatureFacts`): the pipeline's guidance switch, the transformer's
+# text input and its padding mask (padded to one length to stack the pair), its output's shape before the call.
+
+def guidance_of(pipe) -> Callable[[Any], bool] | None:
+    """pipe -> whether its current call runs CFG (two transformer calls a step), or None where not known."""
+    record = record_for_pipeline(pipe)
+    return record.facts.cfg_batch_guidance if record is not None else None
 
 
-# transformer class -> (module, call kwargs) -> the output sample's (shape, dtype, device) before the call runs
-# (the placeholder is made from it), or None to learn it from a plain first pair
-OUTPUT_LIKE: dict[str, Callable[[torch.nn.Module, dict], tuple | None]] = {
-    "NucleusMoEImageTransformer2DModel": _tokens_through_proj_out,
-}
+def text_inputs_of(transformer) -> tuple[str, str] | None:
+    """(its text input, that input's padding mask), or None where CFG batching does not know the transformer."""
+    record = record_for_transformer(transformer)
+    return record.facts.cfg_batch_text_inputs if record is not None else None
+
+
+def output_like_of(transformer) -> Callable[[torch.nn.Module, dict], tuple | None] | None:
+    """(module, call kwargs) -> the output sample's (shape, dtype, device) before the call runs (the placeholder is
+    made from it), or None to learn it from a plain first pair."""
+    record = record_for_transformer(transformer)
+    return record.facts.cfg_batch_output_like if record is not None else None
+
+
+def batching_pipelines() -> list[str]:
+    """The pipeline classes CFG batching knows (their record's facts say when guidance is on)."""
+    return sorted(p for r in records().values() if r.facts.cfg_batch_guidance is not None for p in r.pipelines)
+
+
+def batching_transformers() -> list[str]:
+    """The transformer classes CFG batching knows (their record names the text input to pad)."""
+    return sorted(t for r in records().values() if r.facts.cfg_batch_text_inputs is not None for t in r.transformers)
 
 
 class CFGBatchHook(ModelHook):
@@ -154,7 +164,7 @@ class CFGBatchHook(ModelHook):
 
 def _fill(placeholder: torch.Tensor, sample: torch.Tensor) -> None:
     """The conditional call's output into the placeholder the pipeline holds, which must match it exactly (a wrong
-    `OUTPUT_LIKE` prediction would otherwise broadcast or cast silently)."""
+    ``cfg_batch_output_like`` prediction would otherwise broadcast or cast silently)."""
     if sample.shape != placeholder.shape or sample.dtype != placeholder.dtype:
         raise RuntimeError(f"CFG batching: expected the conditional output of shape {tuple(placeholder.shape)} and "
                            f"dtype {placeholder.dtype}, got {tuple(sample.shape)} and {sample.dtype}")

@@ -19,6 +19,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from xstage_dit.families.registry import grouped_mm_expert_classes
+
 log = logging.getLogger(__name__)
 
 
@@ -39,8 +41,9 @@ def fix_grouped_mm_offsets(model: torch.nn.Module) -> tuple[Callable[[], None], 
     """Give every diffusers ``SwiGLUExperts`` of `model` the compile-safe grouped-matmul path (an
     instance attribute: the class and other models are untouched). Returns (undo, modules fixed)."""
     fixed = []
+    classes = grouped_mm_expert_classes()  # NucleusMoE's SwiGLUExperts (its family record)
     for module in model.modules():
-        if type(module).__name__ == "SwiGLUExperts" and hasattr(type(module), "_run_experts_grouped_mm"):
+        if type(module).__name__ in classes and hasattr(type(module), "_run_experts_grouped_mm"):
             module._run_experts_grouped_mm = types.MethodType(_run_experts_grouped_mm, module)
             fixed.append(module)
     if fixed:

@@ -35,6 +35,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit import _diffusers_private as private
+from xstage_dit.families.registry import rope_host_sync_classes
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,8 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
     """Take the per-forward host-to-device copies out of `transformer` (see the module docstring): rope tables
     moved to their module's device, rope outputs cached, the text-length helper swapped. Returns (undo, rope
     modules changed). A transformer without such modules is left alone (0)."""
-    ropes = [m for m in transformer.modules() if type(m).__name__ == "NucleusMoEEmbedRope"
+    classes = rope_host_sync_classes()  # NucleusMoE's NucleusMoEEmbedRope (its family record)
+    ropes = [m for m in transformer.modules() if type(m).__name__ in classes
              and all(isinstance(getattr(m, t, None), torch.Tensor) for t in _TABLES)]
     if not ropes:
         return (lambda: None), 0

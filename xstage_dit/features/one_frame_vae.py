@@ -41,20 +41,18 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from xstage_dit.families.registry import causal_conv_classes, records, video_vae_facts
 from xstage_dit.features.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CAUSAL_CONV_CLASSES", "ONE_FRAME_VAES", "OneFrameDecode", "one_frame_convs_as_2d", "one_frame_conv2d",
-           "one_frame_decode"]
+__all__ = ["OneFrameDecode", "one_frame_convs_as_2d", "one_frame_conv2d", "one_frame_decode"]
 
-# diffusers' causal 3-D convolutions that pad time with zeros in front (``_padding[4] == 2 * padding[0]``) and
-# take the previous chunk's frames as ``cache_x``. Not LTX's, HunyuanVideo's or CogVideoX's: those pad with
-# copies of the first frame, so the padded frames are not zeros.
-CAUSAL_CONV_CLASSES = ("QwenImageCausalConv3d", "WanCausalConv3d")
-# The VAEs whose ``_decode`` runs ``decoder(frame, feat_cache=..., feat_idx=...)`` once per latent frame and whose
+# Which VAEs and convolutions qualify is a fact of the family records (`VideoVAEFacts`): diffusers' causal 3-D
+# convolutions that pad time with zeros in front (``_padding[4] == 2 * padding[0]``) and take the previous chunk's
+# frames as ``cache_x`` (not LTX's, HunyuanVideo's or CogVideoX's: those pad with copies of the first frame), and
+# the VAEs whose ``_decode`` runs ``decoder(frame, feat_cache=..., feat_idx=...)`` once per latent frame and whose
 # decoder computes a first frame without the cache the same way as with a fresh one.
-ONE_FRAME_VAES = ("AutoencoderKLQwenImage", "AutoencoderKLWan")
 _MARK = "_xstage_one_frame_decode"
 
 
@@ -113,12 +111,13 @@ def _conv_forward(module: torch.nn.Conv3d, original: Callable, slice_: _WeightSl
 
 
 def one_frame_convs_as_2d(model: torch.nn.Module) -> tuple[Callable[[], None], int]:
-    """Patch every causal convolution of `model` (`CAUSAL_CONV_CLASSES`, zero padding in time) so a one-frame
-    input without cache runs as a 2-D convolution (module docstring); outside autograd only (the slice kept
-    for it is detached). Returns (undo, number of modules patched)."""
+    """Patch every causal convolution of `model` (a family record's ``VideoVAEFacts.causal_conv_class``, zero
+    padding in time) so a one-frame input without cache runs as a 2-D convolution (module docstring); outside
+    autograd only (the slice kept for it is detached). Returns (undo, number of modules patched)."""
     undos = []
+    classes = causal_conv_classes()
     for module in model.modules():
-        if type(module).__name__ not in CAUSAL_CONV_CLASSES or "forward" in vars(module) or not _takes_2d(module):
+        if type(module).__name__ not in classes or "forward" in vars(module) or not _takes_2d(module):
             continue  # an own forward: patched already, or by someone else whose forward this would hide
         undos.append(set_on_instance(module, "forward",
                                      functools.partial(_conv_forward, module, module.forward, _WeightSlice())))
@@ -142,8 +141,9 @@ class OneFrameDecode:
     graph per latent size: ``dynamic=False`` unless given). restore(): the VAE's own methods again (idempotent)."""
 
     def __init__(self, vae: torch.nn.Module) -> None:
-        if type(vae).__name__ not in ONE_FRAME_VAES:
-            raise ValueError(f"expected a VAE from {ONE_FRAME_VAES}, got {type(vae).__name__}")
+        if not _decodes_one_frame(vae):
+            raise ValueError(f"expected a VAE from {_one_frame_vaes()} (family records that take a one-frame "
+                             f"decode), got {type(vae).__name__}")
         if getattr(vae, _MARK, None) is not None:
             raise RuntimeError(f"expected a {type(vae).__name__} without a one-frame decode yet: restore it first")
         self.vae = vae
@@ -206,10 +206,22 @@ class OneFrameDecode:
         self.uncompile()
 
 
+def _decodes_one_frame(vae: Any) -> bool:
+    facts = video_vae_facts(vae)
+    return facts is not None and facts.one_frame_decode
+
+
+def _one_frame_vaes() -> str:
+    names = {r.facts.video_vae.vae_class for r in records().values()
+             if r.facts.video_vae is not None and r.facts.video_vae.one_frame_decode}
+    return ", ".join(sorted(names))
+
+
 def one_frame_decode(vae: Any) -> OneFrameDecode | None:
-    """A `OneFrameDecode` of `vae` where its class is one of `ONE_FRAME_VAES`, else None. Not for Wan 2.2's
-    residual VAE (``is_residual``: its up blocks' shortcut drops frames of a first chunk; not tested here)."""
-    if not isinstance(vae, torch.nn.Module) or type(vae).__name__ not in ONE_FRAME_VAES:
+    """A `OneFrameDecode` of `vae` where its family record takes a one-frame decode (``VideoVAEFacts``), else None.
+    Not for Wan 2.2's residual VAE (``is_residual``: its up blocks' shortcut drops frames of a first chunk; not
+    tested here)."""
+    if not isinstance(vae, torch.nn.Module) or not _decodes_one_frame(vae):
         return None
     if getattr(getattr(vae, "config", None), "is_residual", False):
         return None

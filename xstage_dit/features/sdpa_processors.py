@@ -4,7 +4,7 @@
 Each reproduces its original's math line for line and calls `xstage_attention` (layout
 ``(batch, seq, heads, head_dim)``) where the original calls SDPA on ``(batch, heads, seq, head_dim)``.
 They carry ``_attention_backend`` / ``_parallel_config`` like diffusers' dispatching processors, so
-`sequence_parallel` configures them alike. `plans.py` maps the original class names to these.
+`sequence_parallel` configures them alike. The family records name them (``"module:attribute"`` processor swaps).
 """
 
 from __future__ import annotations

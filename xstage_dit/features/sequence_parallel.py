@@ -1,10 +1,11 @@
 """Sequence parallelism (Ulysses degree sp) for a diffusers transformer, reversibly.
 
 A plan in diffusers' ``_cp_plan`` vocabulary says where the token sequence is split on entry and
-gathered on exit (`plans.py` holds ours and reads diffusers' own). The split/gather hooks here use
+gathered on exit (each family record's plan: ours, or diffusers' own; `plans.plan_for` finds it). The split/gather hooks here use
 diffusers' public hook registry (``diffusers.hooks.HookRegistry`` / ``ModelHook``) and the one split
 rule of `sharding.split_sizes`; every attention processor is pointed at the ``xstage_ulysses`` backend
-with an `AttentionContext` (or swapped for an xstage processor where the model calls SDPA directly).
+with an `AttentionContext` (or swapped for an xstage processor where the model calls SDPA directly: the plan
+names it as a factory or as its ``"module:attribute"``, resolved here).
 `apply_sequence_parallel` returns an `undo` callable that puts everything back.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import importlib
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -48,6 +50,34 @@ class _ForwardArgs:
             if index < len(args):
                 return args[index], index
         return None, None
+
+
+class _PlanHook(ModelHook):
+    """A family plan's `PlanHook` registered as a diffusers hook (families/ does not import diffusers' hooks)."""
+
+    def __init__(self, hook) -> None:
+        super().__init__()
+        self.hook = hook
+
+    def pre_forward(self, module, *args, **kwargs):
+        return self.hook.pre_forward(module, *args, **kwargs)
+
+    def post_forward(self, module, output):
+        return self.hook.post_forward(module, output)
+
+
+def _resolve(swap: Callable[[Any], Any] | str) -> Callable[[Any], Any]:
+    """A processor swap of a plan: a factory, or its ``"module:attribute.path"`` (how a family file names a
+    processor that lives in features/)."""
+    if not isinstance(swap, str):
+        return swap
+    module_name, _, path = swap.partition(":")
+    if not module_name or not path:
+        raise ValueError(f"expected a processor swap as 'module:attribute', got {swap!r}")
+    target: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target
 
 
 class RootHook(ModelHook):
@@ -232,7 +262,9 @@ def apply_sequence_parallel(
             for key, factory in spec.extra_hooks:
                 for _, module in _submodules(model, key):
                     hook_name = f"{_HOOK_PREFIX}-extra-{key}"
-                    HookRegistry.check_if_exists_or_initialize(module).register_hook(factory(state), hook_name)
+                    hook = factory(state)
+                    hook = hook if isinstance(hook, ModelHook) else _PlanHook(hook)
+                    HookRegistry.check_if_exists_or_initialize(module).register_hook(hook, hook_name)
                     hooked.append((module, hook_name))
             root = f"{_HOOK_PREFIX}-root"
             HookRegistry.check_if_exists_or_initialize(model).register_hook(RootHook(state), root)
@@ -248,7 +280,7 @@ def apply_sequence_parallel(
             )
             swap = spec.processor_swaps.get(type(original).__name__)
             if swap is not None and type(original).__module__.startswith("diffusers."):
-                patched = swap(original)
+                patched = _resolve(swap)(original)
             elif hasattr(original, "_attention_backend"):
                 # a user's subclass may override __call__ and call SDPA itself: refused, named
                 check_dispatching(original, f"{type(model).__name__}.{name}")

@@ -14,7 +14,7 @@ pipeline reads, counted from either end, names the same tensor as before, comput
 embeddings are the same bits (tests/features/test_text_depth.py). The depth comes from the call's own arguments,
 so a caller asking for another index gets the layers it needs.
 
-    undo = skip_unread_layers(pipe)   # None where the pipeline reads the last layer (or is not listed)
+    undo = skip_unread_layers(pipe)   # None where the pipeline reads the last layer (or its record says nothing)
 """
 
 from __future__ import annotations
@@ -26,27 +26,12 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit.families.registry import record_for_pipeline
 from xstage_dit.features.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["READ_INDICES", "llm_decoder", "skip_unread_layers", "layers_needed"]
-
-
-def _nucleusmoe(pipe: Any, arguments: dict) -> list[int]:
-    index = arguments.get("return_index")
-    return [index or pipe.default_return_index]  # diffusers' own fallback (`return_index or default`)
-
-
-def _flux2(pipe: Any, arguments: dict) -> list[int]:
-    return list(arguments["text_encoder_out_layers"])
-
-
-# pipeline class -> the hidden-state indices its encode_prompt reads, from the call's bound arguments
-READ_INDICES: dict[str, Callable[[Any, dict], list[int]]] = {
-    "NucleusMoEImagePipeline": _nucleusmoe,
-    "Flux2Pipeline": _flux2,
-}
+__all__ = ["llm_decoder", "skip_unread_layers", "layers_needed"]
 
 
 def layers_needed(indices: list[int], num_layers: int) -> int:
@@ -83,9 +68,11 @@ def _identity(hidden_states, *args, **kwargs):
 
 def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
     """Wrap ``pipe.encode_prompt`` so the text encoder's decoder layers past the deepest index it reads do not run
-    (module docstring). Returns the undo, or None where the pipeline is not in `READ_INDICES` or its text encoder
-    has no decoder layer list."""
-    reads = READ_INDICES.get(type(pipe).__name__)
+    (module docstring). Returns the undo, or None where the pipeline's family record has no
+    ``facts.text_read_indices`` (the hidden-state indices its encode_prompt reads, from the call's bound
+    arguments) or its text encoder has no decoder layer list."""
+    record = record_for_pipeline(pipe)
+    reads = record.facts.text_read_indices if record is not None else None
     encoder = getattr(pipe, "text_encoder", None)
     layers = _decoder_layers(encoder) if reads is not None else None
     if layers is None or not callable(getattr(pipe, "encode_prompt", None)):

@@ -89,14 +89,15 @@ class GenerationRequest:
 def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = None, height: int | None = None,
                 width: int | None = None, frames: int | None = None, steps: int | None = None,
                 guidance: float | None = None, true_cfg_scale: float | None = None, seed: int = 0,
-                n: int = 1) -> GenerationRequest:
-    """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value."""
+                n: int = 1, sp: int = 1) -> GenerationRequest:
+    """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value.
+    sp: the sequence-parallel degree it will run at (some models take only square sizes there)."""
     height = spec.height if height is None else int(height)
     width = spec.width if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)
     steps = spec.steps if steps is None else int(steps)
     guidance = spec.guidance if guidance is None else float(guidance)
-    spec.check_size(height, width, frames)
+    spec.check_size(height, width, frames, sp=sp)
     if steps < 1:
         raise ValueError(f"expected steps >= 1, got {steps}")
     return GenerationRequest(kind=spec.kind, prompt=prompt, width=width, height=height, steps=steps,

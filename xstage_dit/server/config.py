@@ -38,6 +38,8 @@ class ServedModel:
         `xstage_dit.runtime.generation.fixed_kwargs` of the spec.
     weights_notice: set when the weights are random (a built-in model): what to tell users, and how to
         use real weights; None for real weights.
+    square_only: width must equal height (HiDream at sp > 1: `ModelSpec.square_under_sp`); a request of another
+        size gets 400 naming ``size`` before it is queued.
     """
 
     name: str
@@ -52,6 +54,7 @@ class ServedModel:
     default_fps: int = 16
     pipeline_kwargs: dict = field(default_factory=dict)
     weights_notice: str | None = None
+    square_only: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -66,14 +69,16 @@ class ServedModel:
         _check(self.frame_multiple >= 1, "frame_multiple", ">= 1", self.frame_multiple)
 
     @classmethod
-    def from_spec(cls, name: str, spec: Any) -> "ServedModel":
-        """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults)."""
+    def from_spec(cls, name: str, spec: Any, sp: int = 1) -> "ServedModel":
+        """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults), served
+        on `sp` sequence-parallel ranks."""
         from xstage_dit.runtime.generation import fixed_kwargs
 
         return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
                    default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
                    default_frames=spec.frames, frame_multiple=spec.frame_multiple, default_fps=spec.fps,
-                   pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice)
+                   pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice,
+                   square_only=bool(spec.square_under_sp and sp > 1))
 
 
 @dataclass(frozen=True)

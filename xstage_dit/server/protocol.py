@@ -67,7 +67,7 @@ def error_responses(*codes: int) -> dict[int, dict]:
 
 
 def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[int, int]:
-    """'WxH' -> (width, height), checked against the model's multiple and the server's bounds."""
+    """'WxH' -> (width, height), checked against the model's multiple (and square rule) and the server's bounds."""
     match = _SIZE_RE.match(size)
     if not match:
         raise RequestError("size", f"expected 'WIDTHxHEIGHT' such as '64x64', got {size!r}")
@@ -85,6 +85,9 @@ def parse_size(size: str, served: ServedModel, config: ServerConfig) -> tuple[in
                                f"{served.name}, got {value}")
     if width * height > config.max_pixels:
         raise RequestError("size", f"expected at most {config.max_pixels} pixels, got {width}x{height}")
+    if served.square_only and width != height:
+        raise RequestError("size", f"expected a square size (width == height) for model {served.name} under sequence "
+                           f"parallelism (its transformer splits only square latents), got {width}x{height}")
     return width, height
 
 

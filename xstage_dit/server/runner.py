@@ -6,7 +6,8 @@ item's seed (diffusers draws each item's initial noise from its own generator). 
 items run as consecutive calls of one image each: what the batcher asks for where a batched image would
 differ from the one its seed alone gives (see `xstage_dit.server.batching`).
 
-Per step the pipeline's `callback_on_step_end` records a CUDA event (`StepClock`) and calls
+Per step the pipeline's `callback_on_step_end` (or, for a pipeline without one, a wrapper of its scheduler's
+``step``) records a CUDA event (`StepClock`) and calls
 ``on_step(steps_done, steps_total, gpu_steps_done, step_times)``; nothing waits for the GPU: step times
 come from events already complete (``query()``, never ``synchronize``), so progress trails the host by the
 steps still queued on the GPU. ``on_step`` returns False to stop the batch there; every rank must return
@@ -25,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.runtime.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.video_stream import StreamedVideo, streams
@@ -101,8 +103,11 @@ class BatchRunner:
     def __init__(self, pipe: Any, served: ServedModel):
         self.pipe = pipe
         self.served = served
-        if "callback_on_step_end" not in inspect.signature(pipe.__call__).parameters:
-            raise TypeError(f"expected a pipeline with callback_on_step_end (per-step progress), got "
+        # per-step progress through the pipeline's callback_on_step_end, or (a pipeline without one: HunyuanVideo
+        # 1.5's) after each call of its scheduler's step, which every denoising step makes once
+        self.step_callback = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
+        if not self.step_callback and not callable(getattr(getattr(pipe, "scheduler", None), "step", None)):
+            raise TypeError(f"expected a pipeline with callback_on_step_end or a scheduler (per-step progress), got "
                             f"{type(pipe).__name__}")
         if hasattr(pipe, "set_progress_bar_config"):
             pipe.set_progress_bar_config(disable=True)
@@ -135,7 +140,11 @@ class BatchRunner:
                 raise BatchStopped(step_index + 1)
             return {}
 
-        kwargs["callback_on_step_end"] = callback
+        undo_step = lambda: None  # noqa: E731
+        if self.step_callback:
+            kwargs["callback_on_step_end"] = callback
+        else:
+            undo_step = _after_scheduler_steps(self.pipe, lambda index: callback(self.pipe, index, None, {}))
         stream = None
         if stream_video and items[0].kind == "video" and len(items) == 1 and items[0].n == 1 and streams(self.pipe):
             stream = StreamedVideo(self.pipe, items[0].fps)
@@ -153,4 +162,22 @@ class BatchRunner:
             if stream is not None:
                 stream.abort()  # stopped or failed: no MP4, no encoder left running
             raise
+        finally:
+            undo_step()
         return RunResult(pixels, step_times, stream)
+
+
+def _after_scheduler_steps(pipe: Any, on_step: Callable[[int], Any]) -> Callable[[], None]:
+    """Call ``on_step(step_index)`` after each ``pipe.scheduler.step`` (an instance attribute over the class's
+    method, for one pipeline call); returns the undo."""
+    scheduler = pipe.scheduler
+    step = scheduler.step
+    calls = [0]
+
+    def counted(*args, **kwargs):
+        out = step(*args, **kwargs)
+        calls[0] += 1
+        on_step(calls[0] - 1)
+        return out
+
+    return set_on_instance(scheduler, "step", counted)

@@ -92,7 +92,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
         parallel.check_world(ctx.world_size)
         spec = model_spec(model)
         name = model if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))
-        served = ServedModel.from_spec(name, spec)
+        served = ServedModel.from_spec(name, spec, sp=parallel.sp)
         device = torch.device(ctx.device)
         want = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.

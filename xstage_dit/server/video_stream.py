@@ -12,8 +12,9 @@ its own process) as soon as the copy has landed. When the pipeline returns, the 
 last few; `StreamedVideo.finish` checks that the frames it encoded are the pipeline's output, byte for byte, and
 returns the MP4 (else None and a logged reason: the caller encodes the output as before).
 
-Only where a decoder call is a run of whole frames (`streams`): ``AutoencoderKLWan`` without tiling (tiles are
-parts of frames) and without a patch size (Wan 2.2 5B unpatchifies after the loop), one video per call. The
+Only where a decoder call is a run of whole frames (`streams`: the family record's ``VideoVAEFacts.streams_frames``,
+Wan's ``AutoencoderKLWan``), without tiling (tiles are parts of frames) and without a patch size (Wan 2.2 5B
+unpatchifies after the loop), one video per call. The
 server asks for it per its ``ServerConfig.video_stream`` (``--video-stream``): by default only where the
 pipeline runs on a GPU, since on a 2-core CPU machine, where the VAE decodes on the same cores as x264, it made
 the request slower (same notes).
@@ -28,6 +29,7 @@ import threading
 import numpy as np
 import torch
 
+from xstage_dit.families.registry import video_vae_facts
 from xstage_dit.runtime.generation import to_uint8_tensor
 from xstage_dit.runtime.mp4 import Mp4Writer
 
@@ -40,7 +42,8 @@ def streams(pipe) -> bool:
     """Whether `pipe`'s VAE decodes a video in calls of whole frames, in order (see the module docstring)."""
     vae = getattr(pipe, "vae", None)
     decoder = getattr(vae, "decoder", None)
-    return (type(vae).__name__ == "AutoencoderKLWan" and isinstance(decoder, torch.nn.Module)
+    facts = video_vae_facts(vae)  # its family record: a VAE whose decoder calls return whole frames (Wan's)
+    return (facts is not None and facts.streams_frames and isinstance(decoder, torch.nn.Module)
             and not getattr(vae, "use_tiling", False) and getattr(vae.config, "patch_size", None) is None
             and hasattr(pipe, "video_processor"))
 
