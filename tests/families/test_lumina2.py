@@ -113,12 +113,12 @@ def test_the_record_is_found_and_bridged():
 
     from xstage_dit.families import model_spec
     from xstage_dit.families.lumina2 import RECORD
-    from xstage_dit.families.registry import PIPELINE_FAMILIES, record, record_for_pipeline, record_for_transformer
+    from xstage_dit.families.registry import record, record_for_pipeline, record_for_transformer, supported_pipelines
     from xstage_dit.features.plans import plan_for, supported_models
 
     assert record("lumina2") is RECORD and record_for_pipeline(Lumina2Pipeline.__name__) is RECORD
     assert record_for_transformer(Lumina2Transformer2DModel) is RECORD
-    assert PIPELINE_FAMILIES["Lumina2Pipeline"] == "lumina2"
+    assert supported_pipelines()["Lumina2Pipeline"] == "lumina2"
     assert {model_spec(n).size for n in ("tiny-lumina2", "full-lumina2")} == {"tiny", "full"}
     model = RECORD.build_transformer("tiny", dtype=torch.float32, device="meta")
     plan = plan_for(model)
@@ -169,12 +169,9 @@ def test_parallel_pipeline_matches_one_process(world, tmp_path):
 
 def test_the_text_depth_fact_is_the_layer_the_pipeline_reads():
     """The record says encode_prompt reads Gemma's second-to-last hidden state: with every later layer skipped
-    (the text-depth feature, handed the record's fact) the prompt embedding is the same bits, and the last layer
-    does not run."""
-    from unittest import mock
-
+    (the text-depth feature, which reads the record's fact) the prompt embedding is the same bits, and the last
+    layer does not run."""
     from xstage_dit.families import load_pipeline
-    from xstage_dit.families.lumina2 import RECORD
     from xstage_dit.features import text_depth
 
     pipe = load_pipeline(MODEL, seed=0)
@@ -182,8 +179,7 @@ def test_the_text_depth_fact_is_the_layer_the_pipeline_reads():
     ref = pipe.encode_prompt(**encode)[0]
     ran = []
     hook = pipe.text_encoder.layers[-1].mlp.register_forward_hook(lambda *args: ran.append(1))
-    with mock.patch.dict(text_depth.READ_INDICES, {"Lumina2Pipeline": RECORD.facts.text_read_indices}):
-        undo = text_depth.skip_unread_layers(pipe)
+    undo = text_depth.skip_unread_layers(pipe)
     assert undo is not None
     skipped = pipe.encode_prompt(**encode)[0]
     assert not ran and torch.equal(skipped, ref)

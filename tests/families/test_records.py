@@ -202,7 +202,7 @@ def test_the_server_answers_a_non_square_hidream_size_at_sp_2_with_422_naming_si
     from xstage_dit.server.app import create_app
     from xstage_dit.server.config import ServedModel, ServerConfig
     from xstage_dit.server.ranks import LoadedModel
-    from xstage_dit.server.schemas import RequestError, parse_size
+    from xstage_dit.server.protocol import RequestError, parse_size
     from xstage_dit.server.worker import Worker
 
     spec = model_spec("tiny-hidream")

@@ -110,12 +110,12 @@ def test_the_record_is_found_and_bridged():
     from diffusers import SanaPipeline, SanaTransformer2DModel
 
     from xstage_dit.families import model_spec
-    from xstage_dit.families.registry import PIPELINE_FAMILIES, record, record_for_pipeline, record_for_transformer
+    from xstage_dit.families.registry import record, record_for_pipeline, record_for_transformer, supported_pipelines
     from xstage_dit.families.sana import RECORD
     from xstage_dit.features.plans import plan_for, supported_models
 
     assert record("sana") is RECORD and record_for_pipeline(SanaPipeline.__name__) is RECORD
-    assert record_for_transformer(SanaTransformer2DModel) is RECORD and PIPELINE_FAMILIES["SanaPipeline"] == "sana"
+    assert record_for_transformer(SanaTransformer2DModel) is RECORD and supported_pipelines()["SanaPipeline"] == "sana"
     assert {model_spec(n).size for n in ("tiny-sana", "full-sana")} == {"tiny", "full"}
     model = RECORD.build_transformer("tiny", dtype=torch.float32, device="meta")
     plan = plan_for(model)

@@ -167,7 +167,7 @@ RECORD = FamilyRecord(
     pipelines={"Lumina2Pipeline": "t2i"},
     transformers=("Lumina2Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage (refiners whole, joint sequence split)", build=lumina2_sp,
-                             cfg="paired"),
+                             cfg="paired", cfg_needs_guidance=True),
     limits=SizeLimits(patch_multiple=16),
     facts=FeatureFacts(text_read_indices=_text_read_indices),
     specs=(
@@ -182,6 +182,7 @@ RECORD = FamilyRecord(
     ),
     build=build,
     build_transformer=build_transformer,
+    transformer_dims=TRANSFORMER,
     real_weights_example="Lumina-Image-2.0",
     pipeline_worlds=(1, 2, 4),
 )

@@ -311,7 +311,7 @@ RECORD = FamilyRecord(
     transformers=("SanaTransformer2DModel",),
     sp=SequenceParallelFacts(
         plan_source="xstage (rows split, linear attention summed over ranks, cross-attention local)",
-        build=sana_sp, check=_check, cfg="batched",
+        build=sana_sp, check=_check, cfg="batched", cfg_needs_guidance=True,
         # its cross-attention has fewer heads than its linear self-attention: sp must split those
         heads_key="num_cross_attention_heads",
         cfg_batch_dims={"hidden_states": 0, "encoder_hidden_states": 0, "timestep": 0, "guidance": 0,
@@ -332,6 +332,7 @@ RECORD = FamilyRecord(
     ),
     build=build,
     build_transformer=build_transformer,
+    transformer_dims=TRANSFORMER,
     real_weights_example="Sana_1600M_1024px_diffusers",
     pipeline_worlds=(1, 2, 4),
 )
