@@ -35,6 +35,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit import _diffusers_private as private
+from xstage_dit.features.context import chained
 
 log = logging.getLogger(__name__)
 
@@ -113,3 +114,9 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
             undo.pop()()
 
     return undo_all, len(ropes)
+
+
+def apply(pipe, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's host-sync fixes: `remove_host_copies` on each transformer. Before sequence parallelism: a rope
+    cache registered first sits inside the sequence hooks' split of its output."""
+    return chained(remove_host_copies(transformer)[0] for transformer in ctx.transformers)
