@@ -146,8 +146,9 @@ class OwnedCompiler:
     share the cache of their ``forward``; ``torch._dynamo.reset()`` drops everyone's. Here every compiled
     callable enters through a code object of this owner's own (a copy of a one-line trampoline), so Dynamo files
     the graphs it traces from there under that code object: `drop()` resets exactly those. Frames Dynamo
-    converts below a graph break run on shared code objects; their entries made by this owner's backends are
-    invalidated (Dynamo's own treatment of an entry whose guarded object died), counted in ``shared_dropped``.
+    converts below a graph break run on shared code objects (a block's ``forward``); where only this owner's
+    graphs are on one it is reset too, and where another owner's are as well, this owner's entries are
+    invalidated (Dynamo's own treatment of an entry whose guarded object died; `_drop_shared`).
 
         compiler = OwnedCompiler()
         fast = compiler.compile(model.forward, dynamic=False, backend="inductor")
@@ -159,7 +160,8 @@ class OwnedCompiler:
         self._codes: list[types.CodeType] = []
         self._regions: list[torch.nn.Module] = []
         self._region_entries: dict[tuple, Callable] = {}
-        self.shared_dropped = 0
+        self.shared_reset = 0  # shared code objects reset because only this owner's graphs were on them
+        self.shared_dropped = 0  # this owner's entries invalidated where another owner's graphs stay
 
     def _own_code(self, template: Callable, name: str) -> types.CodeType:
         code = template.__code__.replace(co_name=name)
@@ -202,31 +204,112 @@ class OwnedCompiler:
         from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
 
         reset_code = _private(torch._C._dynamo.eval_frame, "reset_code", "torch._C._dynamo.eval_frame.reset_code")
-        backends = {id(e.backend) for code in self._codes for e in entries(code) if hasattr(e, "backend")}
+        own = {id(code): code for code in self._codes}
+        mine = [e for code in self._codes for e in entries(code)]
+        # The backends of this owner's compiles, held (not just their ids) while the entries are sorted.
+        backends = {id(e.backend): e.backend for e in mine if hasattr(e, "backend")}
+        shared = self._shared_entries(convert_frame, entries, backends, own) if backends else {}
+        dropped = mine + [e for listed in shared.values() for e in listed[0]]
+        out_codes = [e.code for e in dropped if getattr(e, "code", None) is not None]
+        managers = {id(e.guard_manager) for e in dropped}
+        for code, (entries_of_mine, others) in shared.items():
+            if not others:
+                reset_code(code)
+                self.shared_reset += 1
+            else:
+                self.shared_dropped += _invalidate(entries_of_mine)
         for code in self._codes:
             reset_code(code)
         self._codes.clear()
-        if backends:
-            self.shared_dropped += _invalidate_shared(convert_frame, entries, backends)
+        del mine, shared, dropped
+        _detach_guard_finalizers(managers)
+        _remove_installed_globals(out_codes)
+        _forget_backends(backends)
+
+    @staticmethod
+    def _shared_entries(convert_frame: Any, entries: Callable, backends: dict, own: dict) -> dict:
+        """{code: (this owner's entries, other live entries)} for the code objects this owner does not own that
+        hold its graphs (frames Dynamo converted below a graph break). `drop` resets a code object holding no
+        one else's live entry (``shared_reset``) and elsewhere invalidates this owner's (``shared_dropped``): they
+        keep no graph and never match, but stay in the list, where Dynamo counts them against that code
+        object's recompile limit."""
+        from torch._dynamo.guards import DeletedGuardManagerWrapper
+
+        found = {}
+        for ref in list(convert_frame.input_codes.seen):
+            code = ref()
+            if code is None or id(code) in own:
+                continue
+            listed = entries(code)
+            mine = [e for e in listed if id(getattr(e, "backend", None)) in backends]
+            if mine:
+                found[code] = (mine, [e for e in listed if e not in mine and not isinstance(
+                    getattr(e, "guard_manager", None), DeletedGuardManagerWrapper)])
+        return found
 
 
-def _invalidate_shared(convert_frame: Any, entries: Callable, backends: set[int]) -> int:
-    """Invalidate the cache entries compiled by `backends` (ids) on any code object Dynamo has converted; returns
-    how many. An invalidated entry keeps no graph and never matches (what Dynamo does when a guarded object dies)."""
+def _invalidate(entries: list) -> int:
+    """Invalidate cache entries the way Dynamo does when a guarded object dies; returns how many."""
     from torch._dynamo.guards import DeletedGuardManagerWrapper
 
-    dropped = 0
-    for ref in list(convert_frame.input_codes.seen):
-        code = ref()
-        if code is None:
+    count = 0
+    for entry in entries:
+        state = getattr(getattr(entry, "guard_manager", None), "extra_state", None)
+        if state is not None:
+            state.invalidate(entry, DeletedGuardManagerWrapper("the xstage stack that compiled it restored"))
+            count += 1
+    return count
+
+
+def _forget_backends(backends: dict) -> None:
+    """Drop these backends from Dynamo's registry of the backends it has seen (``eval_frame.cached_backends``, by
+    id, which only ``torch._dynamo.reset()`` clears): each compile's backend object stayed there."""
+    from torch._dynamo import eval_frame
+
+    registry = getattr(eval_frame, "cached_backends", None)
+    if not isinstance(registry, dict):
+        return
+    for key in [k for k, v in registry.items() if id(v) in backends and backends[id(v)] is v]:
+        del registry[key]
+
+
+def _remove_installed_globals(out_codes: list) -> None:
+    """Remove the globals Dynamo installed for these transformed code objects (``__compiled_fn_*`` holding the
+    graphs, ``__resume_at_*``) from the module dicts of the frames they came from.
+
+    Why: Dynamo removes them when a transformed code object dies (``CleanupManager``), but the transformed code
+    stays referenced after its cache entry is reset, even by ``torch._dynamo.reset()``: each dropped compile
+    left its graphs (and their fake tensors) in a module's globals, about 1.5 MiB a round on the tiny NucleusMoE."""
+    from torch._dynamo.utils import CleanupManager, ExactWeakKeyDictionary
+
+    manager = CleanupManager.instance
+    for code in out_codes:
+        hooks = manager.values.get(id(code))
+        if hooks is None or manager.refs.get(id(code), lambda: None)() is not code:
             continue
-        for entry in entries(code):
-            manager = getattr(entry, "guard_manager", None)
-            state = getattr(manager, "extra_state", None)
-            if id(getattr(entry, "backend", None)) in backends and state is not None:
-                state.invalidate(entry, DeletedGuardManagerWrapper("the xstage stack that compiled it restored"))
-                dropped += 1
-    return dropped
+        for hook in hooks:
+            if hook.name in hook.scope:
+                hook()
+        ExactWeakKeyDictionary._remove_id(manager, id(code))
+
+
+def _detach_guard_finalizers(managers: set[int]) -> None:
+    """Detach the finalizers Dynamo registered for the entries whose guard managers are `managers` (ids).
+
+    Why: compiling an entry registers ``weakref.finalize(obj, CheckFunctionManager.invalidate)`` on each object
+    its guards match by identity (a module, a parameter); the finalizer lives until that object dies and holds the
+    entry's guards and fake tensors. A pipeline that outlives its compiled graphs (restored, then compiled again)
+    kept every round's: 4-8 MiB a round on the tiny NucleusMoE, with ``torch._dynamo.reset()`` as well."""
+    import weakref
+
+    from torch._dynamo.guards import CheckFunctionManager
+
+    if not managers:
+        return
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        owner = getattr(getattr(info.func, "func", None), "__self__", None)
+        if isinstance(owner, CheckFunctionManager) and id(getattr(owner, "guard_manager", None)) in managers:
+            finalizer.detach()
 
 
 def cache_entries(fn_or_code: Any) -> list:

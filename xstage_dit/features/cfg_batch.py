@@ -36,6 +36,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 from xstage_dit.features.cfg_parallel import _sample, _wrap_like
 from xstage_dit.features.compile import signature_of
 from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
@@ -215,5 +216,5 @@ def apply(pipe, config, ctx) -> Callable[[], None] | None:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, _HOOK)
         ctx.cfg_hooks.append(hook)
-        undos.append(functools.partial(registry.remove_hook, _HOOK, recurse=False))
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
     return chained(undos)

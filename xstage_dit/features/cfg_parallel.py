@@ -30,7 +30,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.sharding import all_gather_dim0
 from xstage_dit.features.context import chained
-from xstage_dit.features.instance_attr import set_on_instance
+from xstage_dit.features.instance_attr import remove_hook, set_on_instance
 
 log = logging.getLogger(__name__)
 
@@ -196,7 +196,7 @@ def apply(pipe, config, ctx) -> Callable[[], None] | None:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(hook, _HOOK)
         ctx.cfg_hooks.append(hook)
-        undos.append(functools.partial(registry.remove_hook, _HOOK, recurse=False))
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
     return chained(undos)
 
 

@@ -31,6 +31,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.comm import agreement, watchdog
 from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 DISPATCHES_ATTR = "_xstage_dispatches"
 _HOOK = "xstage-safety"
@@ -113,5 +114,5 @@ def apply(pipe, config, ctx) -> Callable[[], None] | None:
     for transformer in ctx.transformers:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
         registry.register_hook(CollectiveSafetyHook(group, type(transformer), config.check_inputs), _HOOK)
-        undos.append(functools.partial(registry.remove_hook, _HOOK, recurse=False))
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
     return chained(undos)

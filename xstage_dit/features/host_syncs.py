@@ -36,6 +36,7 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +100,8 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
         registry = HookRegistry.check_if_exists_or_initialize(rope)
         registry.register_hook(RopeCacheHook(), _HOOK)
 
-        def restore(rope=rope, tables=tables, registry=registry) -> None:
-            registry.remove_hook(_HOOK, recurse=False)
+        def restore(rope=rope, tables=tables) -> None:
+            remove_hook(rope, _HOOK)
             for name, table in tables.items():
                 setattr(rope, name, table)
 

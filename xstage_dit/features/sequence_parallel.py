@@ -28,6 +28,7 @@ from xstage_dit.features.attention_backend import AttentionContext, xstage_atten
 from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.features.collective_safety import check_dispatching
 from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
@@ -277,7 +278,7 @@ def apply_sequence_parallel(
 
 def _undo(model, hooked, processors) -> None:
     for module, hook_name in reversed(hooked):
-        HookRegistry.check_if_exists_or_initialize(module).remove_hook(hook_name, recurse=False)
+        remove_hook(module, hook_name)
     for module, original in processors:
         _set_processor(module, original)
     hooked.clear()
