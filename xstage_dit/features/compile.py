@@ -60,7 +60,14 @@ factors, two cache entries per code object) forward took 17.8-18.5 ms warm again
 backend, medians of 8 forwards, 4 runs each way), the same images; torch's profiler put Dynamo's cache lookups
 of one 4-step call at 5.3-5.5 ms warm against 16.7-17.0 ms (1648 lookups: 3.2-3.4 against 10.1-10.3 us each).
 
-Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
+Restore drops the graphs this handle compiled and only those: everything compiles through a
+`_torch_private.OwnedCompiler` (entry code objects of its own), never ``torch._dynamo.reset()``, which drops
+every compiled graph of the process (another pipeline's too). The recompile limits come back when the last
+compiled stack restores.
+
+In the feature stack this is the last feature (`apply`): it traces every patch above and reads what they left
+in the `FeatureContext` (the one-frame decode to compile, the kernel chooser CUDA graphs restrict). Standalone,
+call `apply_compile` after ``parallelize`` (its patches and custom ops are what gets traced). Example::
 
     handle = parallelize(pipe, ParallelConfig())           # world 1 too: the measured attention kernel
     compiled = apply_compile(pipe, "regional", max_shapes=4)
