@@ -3,6 +3,8 @@
 Public API (imported lazily so that `import xstage_dit` stays cheap):
 
 - ``parallelize(pipe, ParallelConfig(...))``: sequence / expert / CFG parallelism for a diffusers pipeline.
+- ``Engine(EngineConfig(...))``: a pipeline and every feature (parallelism, compile, batch invariance, ...) in
+  one declared order, one ``restore()`` (``xstage-dit generate / serve / bench`` use it).
 - ``calibrate(...)``: measure remote-store issue, drain and capacity on this machine (X-Stage model).
 - ``XStageParams``: the three calibrated numbers of the X-Stage model.
 """
@@ -21,6 +23,9 @@ _LAZY = {
     "CalibrationConfig": "xstage_dit.calibration.runner",
     "parallelize": "xstage_dit.features",
     "ParallelConfig": "xstage_dit.features",
+    "Engine": "xstage_dit.engine",
+    "EngineConfig": "xstage_dit.engine",
+    "CompileConfig": "xstage_dit.features.compile",
     "load_pipeline": "xstage_dit.families",
 }
 

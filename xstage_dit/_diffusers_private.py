@@ -7,11 +7,13 @@ What we use and why:
   We read those plans (and write ours in the same vocabulary) instead of re-describing each model.
 - ``AttentionBackendName`` / ``_AttentionBackendRegistry`` in ``diffusers.models.attention_dispatch``:
   registering the ``xstage_ulysses`` attention backend, so every processor that calls
-  ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``.
+  ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``; the member and its
+  registration are removed again when the last sequence-parallel user restores (`ProcessWide`).
 - ``diffusers.hooks.hooks.StateManager``: the only way a hook learns the ``cache_context`` name
   ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel).
 - ``transformer_nucleusmoe_image._compute_text_seq_len_from_mask``: swapped for the same computation without
-  its host-to-device copy (`text_seq_len_without_host_copy`, for `patches.host_syncs`).
+  its host-to-device copy (`text_seq_len_without_host_copy`, for `features.host_syncs`); the original is back
+  when the last user restores.
 
 Tested with diffusers 0.42.x. Any other version fails with a clear message at `parallelize` time,
 before any collective or GPU work.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import threading
 from typing import Any, Callable, Iterator
 
 import torch
@@ -56,17 +59,46 @@ def shipped_cp_plan(model_cls: type) -> dict | None:
     return getattr(model_cls, "_cp_plan", None)
 
 
-def register_attention_backend(fn: Callable[..., Any]) -> Any:
-    """Register `fn` as diffusers attention backend ``xstage_ulysses``; returns its enum member.
+class ProcessWide:
+    """A process-wide change held while any user holds it: the first `acquire` makes it (``make()`` returns its
+    undo), the last release undoes it, so a restored pipeline leaves the process as it found it."""
 
-    ``AttentionBackendName`` is a closed ``str`` Enum, so the member is added the way ``Enum`` builds
-    its own members (the registry is keyed by members). Idempotent.
-    """
-    check_diffusers_version()
-    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry
+    def __init__(self, make: Callable[[], Callable[[], None]]) -> None:
+        self._make = make
+        self._undo: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self.users = 0
+
+    def acquire(self) -> Callable[[], None]:
+        """Hold the change; returns the release (idempotent)."""
+        with self._lock:
+            if self.users == 0:
+                self._undo = self._make()
+            self.users += 1
+        done = [False]
+
+        def release() -> None:
+            with self._lock:
+                if done[0]:
+                    return
+                done[0] = True
+                self.users -= 1
+                if self.users == 0 and self._undo is not None:
+                    undo, self._undo = self._undo, None
+                    undo()
+
+        return release
+
+
+def _add_backend(fn: Callable[..., Any]) -> Callable[[], None]:
+    """Add the ``xstage_ulysses`` member to ``AttentionBackendName`` (a closed ``str`` Enum: the member is built
+    the way ``Enum`` builds its own, the registry being keyed by members) and register `fn` under it. Returns
+    the undo: the registration and, where this added it, the member gone from every Enum table."""
+    from diffusers.models.attention_dispatch import AttentionBackendName, _AttentionBackendRegistry as registry
 
     member = AttentionBackendName._value2member_map_.get(XSTAGE_BACKEND)
-    if member is None:
+    added = member is None
+    if added:
         member = str.__new__(AttentionBackendName, XSTAGE_BACKEND)
         member._name_ = XSTAGE_BACKEND.upper()
         member._value_ = XSTAGE_BACKEND
@@ -74,9 +106,34 @@ def register_attention_backend(fn: Callable[..., Any]) -> Any:
         AttentionBackendName._value2member_map_[XSTAGE_BACKEND] = member
         AttentionBackendName._member_map_[member._name_] = member
         AttentionBackendName._member_names_.append(member._name_)
-    if _AttentionBackendRegistry._backends.get(member) is not fn:
-        _AttentionBackendRegistry.register(member, constraints=[], supports_context_parallel=True)(fn)
-    return member
+    registry.register(member, constraints=[], supports_context_parallel=True)(fn)
+
+    def undo() -> None:
+        for table in (registry._backends, registry._constraints, registry._supported_arg_names):
+            table.pop(member, None)
+        registry._supports_context_parallel.discard(XSTAGE_BACKEND)
+        if added:
+            AttentionBackendName._value2member_map_.pop(XSTAGE_BACKEND, None)
+            AttentionBackendName._member_map_.pop(member._name_, None)
+            if member._name_ in AttentionBackendName._member_names_:
+                AttentionBackendName._member_names_.remove(member._name_)
+
+    return undo
+
+
+_BACKEND: list[ProcessWide] = []  # the one holder of the backend registration (made with the first fn)
+
+
+def register_attention_backend(fn: Callable[..., Any]) -> tuple[Any, Callable[[], None]]:
+    """Register `fn` as diffusers attention backend ``xstage_ulysses`` while the returned release has not run;
+    returns (its enum member, release). The member and the registration go when the last user releases."""
+    check_diffusers_version()
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    if not _BACKEND:
+        _BACKEND.append(ProcessWide(lambda: _add_backend(fn)))
+    release = _BACKEND[0].acquire()
+    return AttentionBackendName._value2member_map_[XSTAGE_BACKEND], release
 
 
 def is_backend_member(value: Any) -> bool:
@@ -180,8 +237,19 @@ def hidream_meta_experts() -> Iterator[None]:
 
 
 # ------------------------------------------------------------- NucleusMoE's text length without a host copy
-_TEXT_LEN_USERS = [0]  # patched transformers that rely on the swap; the original returns with the last undo
-_TEXT_LEN_ORIGINAL: list[Callable | None] = [None]
+def _swap_text_len() -> Callable[[], None]:
+    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
+
+    original = mod._compute_text_seq_len_from_mask
+    mod._compute_text_seq_len_from_mask = _text_seq_len_on_device
+
+    def undo() -> None:
+        mod._compute_text_seq_len_from_mask = original
+
+    return undo
+
+
+_TEXT_LEN = ProcessWide(_swap_text_len)  # patched NucleusMoE transformers that rely on the swap
 
 
 def _text_seq_len_on_device(encoder_hidden_states: torch.Tensor, encoder_hidden_states_mask: torch.Tensor | None):
@@ -204,22 +272,6 @@ def _text_seq_len_on_device(encoder_hidden_states: torch.Tensor, encoder_hidden_
 
 def text_seq_len_without_host_copy() -> Callable[[], None]:
     """Swap NucleusMoE's module-level text-length helper for `_text_seq_len_on_device` (same values; every
-    NucleusMoE transformer of the process sees it). Returns the undo; the original is back after the undo of
-    the last swap."""
-    from diffusers.models.transformers import transformer_nucleusmoe_image as mod
-
-    if _TEXT_LEN_USERS[0] == 0:
-        _TEXT_LEN_ORIGINAL[0] = mod._compute_text_seq_len_from_mask
-        mod._compute_text_seq_len_from_mask = _text_seq_len_on_device
-    _TEXT_LEN_USERS[0] += 1
-    done = [False]
-
-    def undo() -> None:
-        if done[0]:
-            return
-        done[0] = True
-        _TEXT_LEN_USERS[0] -= 1
-        if _TEXT_LEN_USERS[0] == 0:
-            mod._compute_text_seq_len_from_mask = _TEXT_LEN_ORIGINAL[0]
-
-    return undo
+    NucleusMoE transformer of the process sees it while any patched one holds it). Returns the release; the
+    original is back once the last holder released."""
+    return _TEXT_LEN.acquire()

@@ -42,3 +42,13 @@ def test_a_planted_back_arrow_breaks_the_layers_contract(tmp_path):
     proc = _lint(work)
     assert proc.returncode != 0
     assert "xstage_dit.xstage is not allowed to import xstage_dit.server" in proc.stdout, proc.stdout[-3000:]
+
+
+def test_features_may_not_import_the_engine_above_them(tmp_path):
+    """The engine sits between runtime and features: a feature reaching up to it breaks the contract."""
+    work = _copy_tree(tmp_path)
+    feature = work / "xstage_dit" / "features" / "prompt_cache.py"
+    feature.write_text(feature.read_text() + "\nimport xstage_dit.engine  # noqa: E402,F401  (planted)\n")
+    proc = _lint(work)
+    assert proc.returncode != 0
+    assert "xstage_dit.features is not allowed to import xstage_dit.engine" in proc.stdout, proc.stdout[-3000:]

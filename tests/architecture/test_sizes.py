@@ -28,8 +28,6 @@ KERNELS = {
 #: Over the bound today, each split by the helper named on its branch of issue 38; the lead drops these
 #: entries at merge (the test fails on an entry that is no longer over the bound, so none outlives its fix).
 TEMPORARILY_ALLOWED = {
-    "xstage_dit/cli/generate.py::run": "helper 'engine' splits it (generate through the engine layer)",
-    "xstage_dit/features/compile.py::apply_compile": "helper 'engine' splits it (compile as a stack feature)",
 }
 
 

@@ -34,7 +34,7 @@ def _emit(result: dict, code: int = 0) -> None:
 
 
 def order(info, group, iterations: int) -> dict:
-    from xstage_dit.comm.distributed import symmetric_buffer
+    from xstage_dit.comm.buffers import symmetric_buffer
 
     rank, world, device = info.rank, info.world_size, info.device
     n_elem = 1 << 16

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from xstage_dit.comm import distributed
+from xstage_dit.comm import buffers, distributed
+from xstage_dit.comm.buffers import CommBuffers
 
 
 def test_local_buffer_table_holds_each_tensor_address():
@@ -18,15 +19,41 @@ def test_local_buffer_table_rejects_empty_list():
         distributed.local_buffer_table([])
 
 
-def test_symmetric_buffer_world1_is_cached_and_needs_no_rendezvous():
-    distributed.free_symmetric_buffers()
-    a = distributed.symmetric_buffer("out", (2, 7), torch.float32, torch.device("cpu"))
-    b = distributed.symmetric_buffer("out", (2, 7), torch.float32, torch.device("cpu"))
+def test_symmetric_buffer_world1_is_kept_by_its_owner_and_needs_no_rendezvous():
+    owner = CommBuffers("test")
+    a = owner.symmetric_buffer("out", (2, 7), torch.float32, torch.device("cpu"))
+    b = owner.symmetric_buffer("out", (2, 7), torch.float32, torch.device("cpu"))
     assert a is b and a.world_size == 1 and a.handle is None
     assert a.ptr_table.tolist() == [a.tensor.data_ptr()]
-    c = distributed.symmetric_buffer("out", (2, 8), torch.float32, torch.device("cpu"))
-    assert c is not a
-    distributed.free_symmetric_buffers()
+    c = owner.symmetric_buffer("out", (2, 8), torch.float32, torch.device("cpu"))
+    assert c is not a and owner.describe()["buffers"] == 2
+    owner.free()
+    assert owner.describe() == {"buffers": 0, "windows": 0, "bytes": 0}
+    assert owner.symmetric_buffer("out", (2, 7), torch.float32, torch.device("cpu")) is not a  # allocated again
+    owner.free()
+
+
+def test_the_ops_allocate_into_the_owner_serving_their_group_and_freeing_it_leaves_nothing():
+    """What the ops call (`symmetric_buffer(..., group)`) lands in the owner registered last for the group; a
+    released owner no longer serves it (the process default does, for bare op calls), and `free()` drops what it
+    held: a restored handle keeps no communication memory."""
+    cpu = torch.device("cpu")
+    first, second = CommBuffers("first"), CommBuffers("second")
+    release_first, release_second = first.serve(None), second.serve(None)
+    assert buffers.owner_for(None) is second
+    held = buffers.symmetric_buffer("ulysses.out", (4,), torch.float32, cpu)
+    assert second.describe()["buffers"] == 1 and first.describe()["buffers"] == 0
+    release_second()
+    release_second()  # idempotent
+    assert buffers.owner_for(None) is first
+    second.free()
+    assert second.describe()["buffers"] == 0 and held is not buffers.symmetric_buffer("ulysses.out", (4,),
+                                                                                        torch.float32, cpu)
+    release_first()
+    first.free()
+    assert buffers.owner_for(None) is buffers._DEFAULT
+    buffers.free_symmetric_buffers()
+    assert buffers._DEFAULT.describe()["buffers"] == 0
 
 
 def test_init_distributed_without_torchrun_is_one_process(monkeypatch):

@@ -73,7 +73,7 @@ def test_eager_and_compiled_choose_the_same_once_per_shape(caplog):
 
 
 def test_params_are_resolved_once_by_the_provider(monkeypatch):
-    import xstage_dit.features as patches
+    import xstage_dit.features.setup as setup
     from xstage_dit.calibration.provider import ChosenParams
 
     calls = []
@@ -82,7 +82,7 @@ def test_params_are_resolved_once_by_the_provider(monkeypatch):
         calls.append((device, group, allow_measure))
         return ChosenParams(None, "local", "no calibration (test)")
 
-    monkeypatch.setattr(patches, "params_for", fake_params_for)
+    monkeypatch.setattr(setup, "params_for", fake_params_for)
     pipe = _tiny_flux()
     with parallelize(pipe, ParallelConfig(calibrate=False)) as handle:
         assert handle.calibration.source == "no calibration (test)"

@@ -23,7 +23,7 @@ def main() -> int:
     import torch.distributed as dist
 
     from xstage_dit.comm.distributed import init_distributed
-    from xstage_dit.comm.peer_window import peer_window
+    from xstage_dit.comm.buffers import peer_window
     from xstage_dit.ops.attention.kernels import make_kernel
     from xstage_dit.ops.attention.partition import shard_bounds
     from xstage_dit.ops.attention.reference import attention_reference

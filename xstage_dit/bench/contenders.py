@@ -16,10 +16,11 @@ from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
 from xstage_dit.families.registry import record
+from xstage_dit.engine import Engine, EngineConfig
+from xstage_dit.features.compile import CompileConfig, parse_extras
+from xstage_dit.features.config import ParallelConfig, cfg_batch_of
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.runtime.generation import run_pipeline
-from xstage_dit.features import ParallelConfig, parallelize
-from xstage_dit.features.config import cfg_batch_of
 
 
 class PlainDiffusers(Contender):
@@ -37,7 +38,8 @@ class PlainDiffusersRepeat(PlainDiffusers):
 
 
 class XStage(Contender):
-    """``xstage_dit.parallelize`` with the serial schedule, or with the calibrated ones."""
+    """The xstage stack (`xstage_dit.engine.Engine`: ``parallelize``'s features, batch invariance, compile last)
+    with the serial schedule, or with the calibrated ones: the pipeline `serve` and `generate` run."""
 
     ours = True
 
@@ -45,8 +47,7 @@ class XStage(Contender):
         super().__init__(compile)
         self.schedule = schedule
         self.family = "xstage-serial" if schedule == "serial" else "xstage-calibrated"
-        self.handle = None
-        self.invariance = None
+        self.engine = None
 
     def _config(self, b: Bench) -> ParallelConfig:
         moe = record(b.spec.family).experts is not None  # its MoE layers share the sequence-parallel ranks (EP)
@@ -56,6 +57,16 @@ class XStage(Contender):
             return ParallelConfig(**common, schedule="serial", calibrate=False)
         return ParallelConfig(**common, schedule="auto", calibrate=True)
 
+    def _engine_config(self, b: Bench) -> EngineConfig:
+        """The engine of this contender: its ParallelConfig, batch invariance for images, and in the compiled
+        variant --compile's mode (or its own), --compile-guards and --compile-extra, the VAE decoder too."""
+        compiled = CompileConfig("off")
+        if self.compile:
+            compiled = CompileConfig(self.compile_mode or b.args.compile, vae=self.compile_vae,
+                                     guards=getattr(b.args, "compile_guards", "full"),
+                                     extras=parse_extras(getattr(b.args, "compile_extra", "")))
+        return EngineConfig(device=b.device, dtype=b.dtype, parallel=self._config(b), compile=compiled)
+
     def check(self, b: Bench) -> str | None:
         try:
             self.info["parallel_config"] = to_jsonable(self._config(b))
@@ -64,33 +75,28 @@ class XStage(Contender):
         return None
 
     def apply(self, b: Bench) -> None:
-        self.handle = parallelize(b.pipe, self._config(b))
-        from xstage_dit.features.batch_invariance import batch_invariant_for
-
-        # the pipeline `serve` and `generate` run: a batch of images computed as its images alone
-        self.invariance = batch_invariant_for(b.pipe, b.spec.kind)
-        calibration = getattr(self.handle, "calibration", None)
+        self.engine = Engine(self._engine_config(b))
+        stack = self.engine.apply(b.pipe, kind=b.spec.kind)
+        calibration = stack.calibration
         self.info["calibration"] = None if calibration is None else {
             "source": getattr(calibration, "source", None),
             "machine_key": getattr(calibration, "machine_key", None),
             "params": to_jsonable(getattr(calibration, "params", None)),
         }
-        super().apply(b)
+        if self.compile:
+            self.info["compile_mode"] = stack.compiled.how
 
     def call(self, b: Bench, kwargs: dict):
         return run_pipeline(b.pipe, **kwargs)  # as `serve` and `generate` run it (inference mode)
 
     def restore(self, b: Bench) -> None:
         super().restore(b)
-        invariance, self.invariance = self.invariance, None
-        if invariance is not None:
-            invariance.restore()
-        handle, self.handle = self.handle, None
-        if handle is None:
+        engine, self.engine = self.engine, None
+        if engine is None:
             return
         # The attention schedule per distinct layer shape, filled as the shapes were first seen.
-        self.info["schedules"] = to_jsonable(getattr(handle, "schedule_choices", None))
-        handle.restore()
+        self.info["schedules"] = to_jsonable(engine.stack.schedule_choices)
+        engine.restore()
 
 
 class XStageCFGBatch(XStage):
@@ -144,7 +150,7 @@ class XStageServed(XStage):
 
         from xstage_dit.bench.http_client import JsonClient
 
-        super().apply(b)  # parallelize, then compile (the order the server's loader uses)
+        super().apply(b)  # the engine's stack (the one the server's loader applies)
         self._server = self.serve(b.pipe, b.args.model, b.spec, batching="never", max_batch_size=1,
                                   warmup_sizes=((b.width, b.height),), max_steps=max(100, b.steps),
                                   max_size=max(2048, b.width, b.height),

@@ -107,7 +107,7 @@ def _worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from xstage_dit.calibration.csrc.burst import check_written, peer_target, run_bursts
-    from xstage_dit.comm.distributed import symmetric_buffer
+    from xstage_dit.comm.buffers import symmetric_buffer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port), RANK=str(args.rank), WORLD_SIZE="2")
     device = torch.device("cuda", args.device)

@@ -63,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_compile_option(p)
     add_warmup_sizes_option(p)
+    from xstage_dit.cli.engine_options import add_feature_options
+
+    add_feature_options(p)
     p.set_defaults(func=run)
     return p
 
@@ -110,9 +113,9 @@ def _parallel_setup(config):
     return init_distributed(timeout_s=config.timeout_s)
 
 
-def run(args: argparse.Namespace) -> int:
-    # transformers warns at import about optional vision backends no pipeline here uses.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+def _checked(args: argparse.Namespace):
+    """Every value checked before anything is built, so a typo fails in milliseconds: (spec, parallel config,
+    request, output path, warm-up sizes); UsageError naming the bad option."""
     from xstage_dit.cli import UsageError, parallel_config
     from xstage_dit.families import model_spec
 
@@ -121,7 +124,6 @@ def run(args: argparse.Namespace) -> int:
         spec = model_spec(args.model)
     except ValueError as exc:
         raise UsageError(f"--model: {exc}") from None
-    # Check every value before building anything, so a typo fails in milliseconds.
     for flag, value in (("--steps", args.steps), ("--height", args.height), ("--width", args.width),
                         ("--frames", args.frames)):
         if value is not None and value < 1:
@@ -136,29 +138,121 @@ def run(args: argparse.Namespace) -> int:
 
     check_compile_args(args)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
+    request = _request(args, spec, parallel.sp)
+    output = _output_path(args, spec)
+    from xstage_dit.cli.validate import check_parallel
+
+    # Before any rank starts: what the model's config decides fails here once, in one line.
+    check_parallel(spec, parallel, guidance=args.guidance)
+    return spec, parallel, request, output, warmup_sizes
+
+
+def _request(args: argparse.Namespace, spec, sp: int = 1):
+    """The one `GenerationRequest` of the command line; UsageError naming the option a value came from."""
+    from xstage_dit.cli import UsageError
     from xstage_dit.runtime.generation import request_for
 
     try:
-        request = request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
-                              width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                              seed=args.seed, sp=parallel.sp)
+        return request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
+                           width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
+                           seed=args.seed, sp=sp)
     except ValueError as exc:
         text = str(exc)
         flag = next((f for word, f in (("height", "--height"), ("width", "--width"), ("frames", "--frames"),
                                        ("seed", "--seed")) if word in text), "--model")
         raise UsageError(f"{flag}: {exc}") from None
+
+
+def _output_path(args: argparse.Namespace, spec) -> Path:
+    from xstage_dit.cli import UsageError
+    from xstage_dit.runtime.generation import IMAGE_SUFFIXES, VIDEO_SUFFIXES
+
     default_suffix = ".mp4" if spec.kind == "video" else ".png"
     stem = Path(spec.name).name if spec.size == "local" else spec.name
     output = Path(args.output) if args.output else Path("out") / f"{stem}-seed{args.seed}{default_suffix}"
-    from xstage_dit.runtime.generation import IMAGE_SUFFIXES, VIDEO_SUFFIXES
-
     allowed = IMAGE_SUFFIXES + (VIDEO_SUFFIXES if spec.kind == "video" else ())
     if output.suffix.lower() not in allowed:
         raise UsageError(f"--output: expected a file ending in one of {allowed}, got {str(output)!r}")
-    from xstage_dit.cli.validate import check_parallel
+    return output
 
-    # Before any rank starts: what the model's config decides fails here once, in one line.
-    check_parallel(spec, parallel, guidance=args.guidance)
+
+def _engine(args: argparse.Namespace, spec, parallel, device, dtype, rank: int):
+    """The loaded pipeline under its feature stack, as the server runs it (batch invariance included: the same
+    bytes for the same request): (engine, seconds to load)."""
+    from xstage_dit.cli import UsageError
+    from xstage_dit.cli.engine_options import compile_config, feature_switches
+    from xstage_dit.engine import Engine, EngineConfig
+
+    config = EngineConfig(model=args.model, device=device, dtype=dtype, weights_seed=args.weights_seed,
+                          parallel=parallel, compile=compile_config(args, device), **feature_switches(args))
+    engine = Engine(config, rank=rank)
+    t0 = time.perf_counter()
+    # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
+    try:
+        pipe = engine.load()
+    except ValueError as exc:
+        if engine.expert_shard is None:
+            raise
+        raise UsageError(f"--ep: {exc}") from None  # no MoE layers, or ep not dividing the expert count
+    t_build = time.perf_counter() - t0
+    pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
+                                 leave=False)
+    # World 1 too: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
+    try:
+        engine.apply(pipe, kind=spec.kind)
+    except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
+        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
+    return engine, t_build
+
+
+def _warm_up(engine, spec, request, warmup_sizes) -> float:
+    """One step at the request's size and at each warm-up size (compiling them) before the timed call, so
+    "generating" is the compiled speed; returns the seconds it took (0 when compile is off and no size asked)."""
+    from dataclasses import replace
+
+    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline
+
+    if engine.config.compile.mode == "off" and not warmup_sizes:
+        return 0.0
+    t0 = time.perf_counter()
+    for width, height in ((request.width, request.height),) + warmup_sizes:
+        # Its own generators: the timed call's must start from the seed.
+        warm = replace(request, width=width, height=height, steps=1)
+        run_pipeline(engine.pipe, **pipeline_kwargs(engine.pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec),
+                                                    output_type="pt"))
+    return time.perf_counter() - t0
+
+
+def _report(engine, spec, result, output, kwargs, times: tuple[float, float, float]) -> None:
+    """rank 0: write the output, then what was made and how long it took."""
+    from xstage_dit.runtime.generation import save_output, to_pil_frames
+
+    t_gen, t_build, t_warm = times
+    config = engine.config
+    images = to_pil_frames(result, spec.kind)
+    path = save_output(images, output, kind=spec.kind, fps=spec.fps)
+    # The size actually made: HiDream, for one, keeps a fixed pixel area and only follows the aspect ratio.
+    what = "x".join(map(str, images[0].size)) + (f", {len(images)} frames" if spec.kind == "video" else "")
+    print(f"wrote {path.resolve()} ({spec.name}, {what}, {kwargs['num_inference_steps']} steps, {config.device}, "
+          f"{str(config.dtype).removeprefix('torch.')})")
+    shard = engine.expert_shard
+    if shard is not None:
+        held = [m for m in engine.pipe.transformer.modules() if getattr(m, "shard", None) == shard]
+        print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
+              f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={shard[1]})")
+    warm = f", {t_warm:.2f} s warm-up ({engine.describe()['compile']['how']})" if t_warm else ""
+    print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline{warm}, "
+          f"{t_gen + t_build + t_warm:.2f} s total")
+    if spec.weights_notice:
+        print(f"note: {spec.weights_notice}")
+
+
+def run(args: argparse.Namespace) -> int:
+    # transformers warns at import about optional vision backends no pipeline here uses.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from xstage_dit.cli import UsageError
+
+    spec, parallel, request, output, warmup_sizes = _checked(args)
     rank_info = _parallel_setup(parallel)  # may start the ranks and return their exit code
     if isinstance(rank_info, int):
         return rank_info
@@ -166,77 +260,22 @@ def run(args: argparse.Namespace) -> int:
     if rank_info is not None and device.type == "cuda" and args.device == "auto":
         device = rank_info.device  # one GPU per local rank (ranks share it where there are fewer)
     rank = 0 if rank_info is None else rank_info.rank
+    engine, t_build = _engine(args, spec, parallel, device, dtype, rank)
+    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline
 
-    from xstage_dit.families import load_pipeline
-    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline, save_output, to_pil_frames
-
-    t0 = time.perf_counter()
-    # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
-    expert_shard = parallel.expert_shard(rank)
     try:
-        pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.weights_seed,
-                             expert_shard=expert_shard)
-    except ValueError as exc:
-        if expert_shard is None:
-            raise
-        raise UsageError(f"--ep: {exc}") from None  # no MoE layers, or ep not dividing the expert count
-    t_build = time.perf_counter() - t0
-    pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
-                                 leave=False)
-    from xstage_dit.cli.compile_options import compile_extras, compile_mode
-    from xstage_dit.features import parallelize
-    from xstage_dit.features.compile import apply_compile
-
-    # World 1 too: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
-    try:
-        parallelize(pipe, parallel)
-    except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
-        raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
-    from xstage_dit.features.batch_invariance import batch_invariant_for
-
-    batch_invariant_for(pipe, spec.kind)  # as the server runs it: the same bytes for the same request
-    mode = compile_mode(args, device)
-    compiled = apply_compile(pipe, mode, max_shapes=args.max_compiled_shapes, guards=args.compile_guards,
-                             extras=compile_extras(args))
-    try:
-        kwargs = pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
+        kwargs = pipeline_kwargs(engine.pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
     except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
         flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
         raise UsageError(f"{flag}: {exc}") from None
-    t_warm = 0.0
-    if mode != "off" or warmup_sizes:
-        # Compile (one step per size) before the timed call, so "generating" is the compiled speed.
-        t0 = time.perf_counter()
-        from dataclasses import replace
-
-        for width, height in ((request.width, request.height),) + warmup_sizes:
-            # Its own generators: the timed call's must start from the seed.
-            warm = replace(request, width=width, height=height, steps=1)
-            run_pipeline(pipe, **pipeline_kwargs(pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec),
-                                                  output_type="pt"))
-        t_warm = time.perf_counter() - t0
+    t_warm = _warm_up(engine, spec, request, warmup_sizes)
     t1 = time.perf_counter()
-    result = run_pipeline(pipe, **kwargs)
+    result = run_pipeline(engine.pipe, **kwargs)
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize(device)
     t_gen = time.perf_counter() - t1
-    if rank != 0:
-        return 0  # only rank 0 writes the output
-    images = to_pil_frames(result, spec.kind)
-    path = save_output(images, output, kind=spec.kind, fps=spec.fps)
-    # The size actually made: HiDream, for one, keeps a fixed pixel area and only follows the aspect ratio.
-    what = "x".join(map(str, images[0].size)) + (f", {len(images)} frames" if spec.kind == "video" else "")
-    print(f"wrote {path.resolve()} ({spec.name}, {what}, {kwargs['num_inference_steps']} steps, {device}, "
-          f"{str(dtype).removeprefix('torch.')})")
-    if expert_shard is not None:
-        held = [m for m in pipe.transformer.modules() if getattr(m, "shard", None) == expert_shard]
-        print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
-              f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={expert_shard[1]})")
-    warm = f", {t_warm:.2f} s warm-up ({compiled.how})" if t_warm else ""
-    print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline{warm}, "
-          f"{t_gen + t_build + t_warm:.2f} s total")
-    if spec.weights_notice:
-        print(f"note: {spec.weights_notice}")
+    if rank == 0:  # only rank 0 writes the output
+        _report(engine, spec, result, output, kwargs, (t_gen, t_build, t_warm))
     return 0

@@ -79,6 +79,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_compile_option(p)
     add_warmup_sizes_option(p)
+    from xstage_dit.cli.engine_options import add_feature_options
+
+    add_feature_options(p)
     p.add_argument("--batching", default=_D.batching, choices=("auto", "always", "never"),
                    help="auto = batch a size only where warm-up measured a batch at >= 1 + --batch-margin times "
                         "the images/s of single images, with bit-identical images (else first come, first served); "
@@ -177,11 +180,13 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         # CPU ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from xstage_dit.cli.compile_options import compile_extras
+    from xstage_dit.cli.engine_options import feature_switches
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
                           compile=args.compile, max_compiled_shapes=args.max_compiled_shapes,
-                          compile_guards=args.compile_guards, compile_extras=compile_extras(args))
+                          compile_guards=args.compile_guards, compile_extras=compile_extras(args),
+                          features=feature_switches(args))
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

@@ -42,6 +42,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from xstage_dit._torch_private import raw_stream_getter, symmetric_memory
 from xstage_dit.comm import _cuda_barrier as cu
 from xstage_dit.comm import watchdog
 
@@ -84,26 +85,21 @@ def _abort_words() -> cu.HostWords:
 
 
 def _stream_getter(device_index: int):
-    """The current raw stream of the device (torch's private `_cuda_getCurrentRawStream`: an int, no object)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is None:  # pragma: no cover - present in every torch this project supports
-        return lambda: torch.cuda.current_stream(device_index).cuda_stream
-    return functools.partial(raw, device_index)
+    """The current raw stream of the device (an int, no object: `_torch_private.raw_stream_getter`)."""
+    return raw_stream_getter(device_index)
 
 
-_BARRIERS: dict[tuple, GroupBarrier | None] = {}
 _LOGGED: set[str] = set()
 
 
 def group_barrier(group: dist.ProcessGroup | None, device: torch.device) -> GroupBarrier | None:
-    """The cached abortable barrier of `group` on `device`, or None where torch's barrier must run instead.
+    """A new abortable barrier of `group` on `device`, or None where torch's barrier must run instead.
 
-    Collective on first call for a group (every rank calls it, e.g. from ``symmetric_buffer``): one
-    ``all_gather_object`` to agree that every rank can run it, then a rendezvous of the slot buffer.
+    Collective (every rank calls it, e.g. through ``CommBuffers.symmetric_buffer``): one
+    ``all_gather_object`` to agree that every rank can run it, then a rendezvous of the slot buffer. The
+    owner of the group's buffers (`comm.buffers.CommBuffers`) makes one per (group, device) and drops it
+    with them; the watchdog holds barriers weakly.
     """
-    key = (id(group) if group is not None else None, str(device))
-    if key in _BARRIERS:
-        return _BARRIERS[key]
     pg = group if group is not None else dist.group.WORLD
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     index = device.index if device.index is not None else torch.cuda.current_device()
@@ -124,10 +120,8 @@ def group_barrier(group: dist.ProcessGroup | None, device: torch.device) -> Grou
             _LOGGED.add(text)
             log.warning("abortable device barrier unavailable (%s): using torch's symmetric-memory barrier, "
                         "which a failing peer leaves spinning", text)
-        _BARRIERS[key] = None
         return None
-    import torch.distributed._symmetric_memory as symm_mem
-
+    symm_mem = symmetric_memory()
     slots = symm_mem.empty((world,), dtype=torch.int32, device=device)
     handle = symm_mem.rendezvous(slots, pg)
     slots.zero_()
@@ -140,10 +134,4 @@ def group_barrier(group: dist.ProcessGroup | None, device: torch.device) -> Grou
                            dist.get_process_group_ranks(pg), keep=(slots, handle, table, epoch, state))
     dog = watchdog.process_watchdog()
     dog.watch(barrier)
-    _BARRIERS[key] = barrier
     return barrier
-
-
-def free_group_barriers() -> None:
-    """Forget the cached barriers (with ``free_symmetric_buffers``); the next buffer makes new ones."""
-    _BARRIERS.clear()

@@ -7,8 +7,8 @@ the ops stay free of process-group plumbing:
 - ``SymmetricBuffer`` is one tensor per rank plus a device table ``ptr_table: int64[world]`` whose
   entry ``r`` is the address of rank ``r``'s tensor, for remote stores from Triton kernels
   (``tl.load(ptr_table + r).to(tl.pointer_type(elem))``).
-- ``symmetric_buffer(...)`` allocates such a buffer once per (name, shape, dtype, group) and caches it:
-  nothing allocates or rendezvouses on the hot path.
+- ``allocate_symmetric_buffer(...)`` allocates such a buffer (a rendezvous at world > 1); the owner that keeps
+  and frees them is `xstage_dit.comm.buffers.CommBuffers` (nothing allocates or rendezvouses on the hot path).
 - ``local_buffer_table(tensors)`` builds the same kind of table over plain tensors of one process:
   world size 1 (``rendezvous`` refuses a world of 1) and the "virtual ranks" of the CPU tests.
 """
@@ -24,8 +24,8 @@ from typing import MutableMapping, Sequence
 import torch
 import torch.distributed as dist
 
+from xstage_dit._torch_private import symmetric_memory
 from xstage_dit.comm import agreement
-from xstage_dit.comm.barrier import free_group_barriers, group_barrier
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +154,7 @@ class SymmetricBuffer:
     handle: object | None = None
     signal_table: torch.Tensor | None = None
     group_barrier: object | None = None
+    zeroed: bool = False  # a user that zeroes the buffer once after allocation records it here
 
     def barrier(self) -> None:
         """Every rank's earlier work on this stream is visible before anyone's later work (device-side).
@@ -168,58 +169,24 @@ class SymmetricBuffer:
             self.handle.barrier()
 
 
-_BUFFERS: dict[tuple, SymmetricBuffer] = {}
+def allocate_symmetric_buffer(shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                              group: dist.ProcessGroup | None = None, barrier=None) -> SymmetricBuffer:
+    """A new symmetric buffer of `shape`/`dtype` over `group`; `barrier(group, device)` gives its group barrier.
 
-
-def symmetric_buffer(
-    name: str,
-    shape: Sequence[int],
-    dtype: torch.dtype,
-    device: torch.device,
-    group: dist.ProcessGroup | None = None,
-) -> SymmetricBuffer:
-    """The cached symmetric buffer `name` of `shape`/`dtype` over `group` (allocated on first call).
-
-    Collective on first call for a key (every rank of `group` must call it); later calls are a
-    dictionary lookup. World size 1 allocates a plain tensor and a local table: no rendezvous.
+    Collective at world > 1 (every rank of `group` calls it: one rendezvous). World size 1 allocates a plain
+    tensor and a local table. Callers keep buffers in an owner (`comm.buffers.CommBuffers`), which allocates
+    each once and frees them together; nothing allocates on the hot path.
     """
-    rank, world_size = world_of(group)
-    key = (name, tuple(shape), dtype, str(device), id(group) if group is not None else None)
-    buf = _BUFFERS.get(key)
-    if buf is not None:
-        return buf
+    _, world_size = world_of(group)
     if world_size == 1:
         tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
-        buf = SymmetricBuffer(tensor, local_buffer_table([tensor]), 0, 1)
-    else:
-        if device.type != "cuda":
-            raise RuntimeError(f"symmetric memory needs a CUDA device, got {device}")
-        import torch.distributed._symmetric_memory as symm_mem
-
-        tensor = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(tensor, group if group is not None else dist.group.WORLD)
-        ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-        sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
-        buf = SymmetricBuffer(tensor, ptrs, handle.rank, handle.world_size, handle, sigs,
-                              group_barrier(group, device))
-    _BUFFERS[key] = buf
-    return buf
-
-
-# Callbacks run before the buffers are dropped: what maps them (the peer windows of comm.peer_window
-# register here on import) must be unmapped first. A registry keeps this module below its users.
-_BEFORE_FREE: list = []
-
-
-def on_free_symmetric_buffers(callback) -> None:
-    """Run ``callback()`` before ``free_symmetric_buffers`` drops the buffers (once per registration)."""
-    if callback not in _BEFORE_FREE:
-        _BEFORE_FREE.append(callback)
-
-
-def free_symmetric_buffers() -> None:
-    """Drop every cached buffer (tests; a server changing models), closing what maps them (peer windows) first."""
-    for callback in _BEFORE_FREE:
-        callback()
-    _BUFFERS.clear()
-    free_group_barriers()
+        return SymmetricBuffer(tensor, local_buffer_table([tensor]), 0, 1)
+    if device.type != "cuda":
+        raise RuntimeError(f"symmetric memory needs a CUDA device, got {device}")
+    symm_mem = symmetric_memory()
+    tensor = symm_mem.empty(tuple(shape), dtype=dtype, device=device)
+    handle = symm_mem.rendezvous(tensor, group if group is not None else dist.group.WORLD)
+    ptrs = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+    sigs = torch.tensor(list(handle.signal_pad_ptrs), dtype=torch.int64, device=device)
+    return SymmetricBuffer(tensor, ptrs, handle.rank, handle.world_size, handle, sigs,
+                           barrier(group, device) if barrier is not None else None)

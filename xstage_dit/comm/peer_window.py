@@ -20,11 +20,11 @@ Forms:
   gloo for control): the same calls.
 - ``PeerWindow.local(num_ranks, num_segments, nbytes, device)``: a window over allocations of this process
   (world size 1, the virtual ranks of tests and benchmarks): no rendezvous.
-- ``peer_window(name, ...)``: the cached window over cached symmetric buffers, per (name, shape, dtype,
-  device, group, segments); nothing allocates or maps on the hot path.
+- ``CommBuffers.peer_window(name, ...)`` (`comm.buffers`): the window an owner keeps over its symmetric buffers,
+  per (name, shape, dtype, device, group, segments); nothing allocates or maps on the hot path.
 
-Lifetime: a window holds its buffers and retained allocations; ``close()`` (or the finalizer, or
-``free_peer_windows()``) synchronizes the device, unmaps, frees the range and releases the handles. Views
+Lifetime: a window holds its buffers and retained allocations; ``close()`` (or the finalizer, or its owner's
+``CommBuffers.free()``) synchronizes the device, unmaps, frees the range and releases the handles. Views
 returned by ``view()`` do not own memory: they are valid until the window is closed.
 
 Where the backend does not allow it (no libcuda, no VMM, an NVSHMEM or NCCL symmetric-memory backend, a
@@ -41,8 +41,8 @@ from typing import Sequence
 
 import torch
 
+from xstage_dit._torch_private import TorchPrivateAPIError, storage_from_data_pointer, symmetric_memory
 from xstage_dit.comm import _cuda_vmm as vmm
-from xstage_dit.comm.distributed import on_free_symmetric_buffers, symmetric_buffer
 
 log = logging.getLogger(__name__)
 
@@ -99,18 +99,16 @@ class _Mapping:
 def _storage_at(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A non-owning uint8 tensor over device memory at ``ptr`` on ``device``.
 
-    The one use of a private torch API in the package (``torch._C._construct_storage_from_data_pointer``,
-    the storage inductor's CUDA-graph trees build, present since torch 2.1). The public route
-    (``__cuda_array_interface__``) asks the driver which device owns the first byte, which for a window
-    slot mapping a peer GPU's memory is the peer, not this device.
+    Through `_torch_private.storage_from_data_pointer` (the storage inductor's CUDA-graph trees build). The
+    public route (``__cuda_array_interface__``) asks the driver which device owns the first byte, which for a
+    window slot mapping a peer GPU's memory is the peer, not this device.
     """
-    make = getattr(torch._C, "_construct_storage_from_data_pointer", None)
-    if make is None:
-        raise PeerWindowUnavailable(f"expected torch >= 2.1 with torch._C._construct_storage_from_data_pointer "
-                                    f"for window views, got torch {torch.__version__} without it")
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    storage = make(ptr, device, nbytes)
+    try:
+        storage = storage_from_data_pointer(ptr, device, nbytes)
+    except TorchPrivateAPIError as exc:
+        raise PeerWindowUnavailable(f"window views need it: {exc}") from exc
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (nbytes,), (1,))
 
 
@@ -294,9 +292,7 @@ def _check_backend(device: torch.device, symmetric: bool) -> None:
     except vmm.CudaDriverError as exc:
         raise PeerWindowUnavailable(str(exc)) from exc
     if symmetric:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        get_backend = getattr(symm_mem, "get_backend", None)
+        get_backend = getattr(symmetric_memory(), "get_backend", None)
         backend = get_backend(device) if get_backend is not None else "CUDA"
         if str(backend).upper() != "CUDA":
             raise PeerWindowUnavailable(f"expected torch symmetric memory's CUDA backend (cuMemCreate allocations) "
@@ -309,45 +305,3 @@ def _guarded(build):
         return build()
     except vmm.CudaDriverError as exc:
         raise PeerWindowUnavailable(f"peer window not available: {exc}") from exc
-
-
-# ------------------------------------------------------------------------------------------- cache
-
-
-_WINDOWS: dict[tuple, tuple[PeerWindow, list]] = {}
-
-
-def peer_window(name: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, group=None, *,
-                segments: int = 1, zero: bool = False) -> tuple[PeerWindow, list]:
-    """The cached window over ``segments`` cached symmetric buffers ``name.j`` of ``shape``/``dtype``.
-
-    Collective on first call for a key (every rank of ``group`` calls it); later calls are a lookup.
-    ``zero``: zero the buffers once at allocation (input buffers whose padding rows must read as 0).
-    Returns (window, [SymmetricBuffer per segment]). Raises ``PeerWindowUnavailable`` (after allocating the
-    buffers, which the pointer-table path then uses) where the window cannot be built.
-    """
-
-    key = (name, tuple(shape), dtype, str(device), id(group) if group is not None else None, segments)
-    hit = _WINDOWS.get(key)
-    if hit is not None and not hit[0].closed:
-        return hit
-    buffers = [symmetric_buffer(f"{name}.{j}", shape, dtype, device, group) for j in range(segments)]
-    if zero:
-        for b in buffers:
-            b.tensor.zero_()
-        torch.cuda.synchronize(device)
-        for b in buffers:
-            b.barrier()
-    window = PeerWindow.over_symmetric(buffers)
-    _WINDOWS[key] = (window, buffers)
-    return window, buffers
-
-
-def free_peer_windows() -> None:
-    """Close every cached window (before its buffers are dropped)."""
-    for window, _ in _WINDOWS.values():
-        window.close()
-    _WINDOWS.clear()
-
-
-on_free_symmetric_buffers(free_peer_windows)

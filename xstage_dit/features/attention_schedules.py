@@ -19,13 +19,15 @@ import logging
 
 import torch
 
-from xstage_dit.ops.attention.auto import resolve_attention_decision
 from xstage_dit.features.attention_kernels import KernelChooser
+from xstage_dit.features.config import ParallelConfig
+from xstage_dit.features.context import FeatureContext
+from xstage_dit.ops.attention.auto import resolve_attention_decision
 from xstage_dit.schedule.facts import DeviceFacts
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AttentionSchedules", "ATTENTION_PATHS"]
+__all__ = ["AttentionSchedules", "ATTENTION_PATHS", "apply"]
 
 # "ulysses" = the op, "local" = no exchange (diffusers' own SDPA call), "gather_kv" = the fallback.
 ATTENTION_PATHS = ("ulysses", "local", "gather_kv")
@@ -102,3 +104,18 @@ class AttentionSchedules:
             self.paths[path] = module
             log.info("attention path %s: first taken by %s", path, module or "?")
         return True
+
+
+def apply(pipe, config: ParallelConfig, ctx: FeatureContext) -> None:
+    """The stack's attention-kernel choice: the `KernelChooser` (schedule "auto": the machine's kernel sweep) in
+    ``ctx.attention_kernels`` and the per-shape `AttentionSchedules` the sequence-parallel backend reads in
+    ``ctx.schedules`` (decisions recorded in ``ctx.schedule_choices`` / ``ctx.attention_paths``). Nothing to
+    undo: both act only through the attention contexts that sequence parallelism installs."""
+    groups, chosen = ctx.groups, ctx.calibration
+    if config.schedule == "auto":
+        ctx.attention_kernels = KernelChooser(world=config.sp, group=groups.sp_group, allow_measure=config.calibrate)
+    ctx.schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
+                                       xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
+                                       kernels=ctx.attention_kernels, choices=ctx.schedule_choices,
+                                       paths=ctx.attention_paths)
+    return None

@@ -55,7 +55,7 @@ from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.features.instance_attr import set_on_instance
 
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant",
-           "batch_invariant_for"]
+           "batch_invariant_for", "apply"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
@@ -265,3 +265,12 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
     setattr(pipe, "_xstage_batch_invariance", handle)
     handle._undo.insert(0, lambda: vars(pipe).pop("_xstage_batch_invariance", None))
     return handle
+
+
+def apply(pipe: Any, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's batch invariance: `batch_invariant` on a pipeline (not a bare transformer), after the parallel
+    patches (layers whose forward another patch replaced keep theirs); its handle in ``ctx.batch_invariance``."""
+    if not ctx.is_pipeline:
+        return None
+    ctx.batch_invariance = batch_invariant(pipe)
+    return ctx.batch_invariance.restore

@@ -26,21 +26,24 @@ the next call or before the VAE decodes.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
-from diffusers.hooks import ModelHook
+from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.families.registry import record_for_pipeline, record_for_transformer, records
 from xstage_dit.features.cfg_parallel import _sample, _wrap_like
 from xstage_dit.features.compile import signature_of
+from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
 __all__ = ["CFGBatchHook", "batching_pipelines", "batching_transformers", "guidance_of", "output_like_of",
-           "text_inputs_of"]
+           "text_inputs_of", "apply"]
 
 
 # What CFG batching reads from a family record (`FeatureFacts`): the pipeline's guidance switch, the transformer's
@@ -100,7 +103,7 @@ class CFGBatchHook(ModelHook):
                                f"partner before {where}; the pipeline's loop does not call the transformer in pairs")
 
     # Not traced when the whole transformer compiles (its pairing state is Python's); what it calls still is.
-    @torch._dynamo.disable(recursive=False)
+    @torch.compiler.disable(recursive=False)
     def new_forward(self, module, *args, **kwargs):
         forward = self.fn_ref.original_forward
         if args or torch.is_grad_enabled() or not self.guidance_on():
@@ -185,3 +188,43 @@ def _mask(mask: torch.Tensor | None, text: torch.Tensor, length: int) -> torch.T
     if mask is None:
         mask = torch.ones(text.shape[:2], dtype=torch.long, device=text.device)
     return mask if mask.shape[1] == length else F.pad(mask, (0, length - mask.shape[1]))
+
+
+# Where CFG batching was measured (the reason "auto" turns it on): the log points there, not at its numbers.
+MEASURED_IN = "benchmarks/results/e2e/nucleusmoe-compilefull-1xh100-b3a1445.md"
+_HOOK = "xstage-cfg-batch"
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's CFG batching (``ParallelConfig.cfg_batch``): each transformer's two guidance calls a step as
+    one batch (`CFGBatchHook`), armed while the pipeline's guidance is on; registered outermost (after CFG
+    parallel). "auto": the same where it applies, else nothing; the reason either way in
+    ``ctx.cfg_batch_reason`` and the log. The hooks go to ``ctx.cfg_hooks``."""
+    if config.cfg_batch is False:
+        return None
+    guidance = guidance_of(pipe)
+    if config.cfg_batch == "auto":
+        unknown = sorted({type(t).__name__ for t in ctx.transformers if text_inputs_of(t) is None})
+        why_not = (f"CFG parallel (cfg={config.cfg}) runs the two calls on two rank groups" if config.cfg != 1 else
+                   f"CFG batching does not know {type(pipe).__name__}" if guidance is None else
+                   f"CFG batching does not know {', '.join(unknown)}" if unknown else None)
+        ctx.cfg_batch_reason = (f"off (cfg_batch=auto): {why_not}" if why_not else
+                                f"on (cfg_batch=auto): a step's two guidance calls as one batch of two (measured "
+                                f"faster: {MEASURED_IN})")
+        log.info("CFG batching %s", ctx.cfg_batch_reason)
+        if why_not:
+            return None
+    elif guidance is None:
+        raise ValueError(f"expected a pipeline CFG batching knows ({', '.join(batching_pipelines())}) with "
+                         f"cfg_batch=True, got {type(pipe).__name__}")
+    else:
+        ctx.cfg_batch_reason = "on (cfg_batch=True)"
+    undos = []
+    for transformer in ctx.transformers:
+        hook = CFGBatchHook(lambda: guidance(pipe), *text_inputs_of(transformer),
+                            output_like=output_like_of(transformer))
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(hook, _HOOK)
+        ctx.cfg_hooks.append(hook)
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
+    return chained(undos)

@@ -18,18 +18,23 @@ the next transformer call or before the VAE decodes, never silently: CFG paralle
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from diffusers.hooks import ModelHook
+from diffusers.hooks import HookRegistry, ModelHook
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.sharding import all_gather_dim0
+from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook, set_on_instance
 
 log = logging.getLogger(__name__)
+
+_HOOK = "xstage-cfg"
 
 
 def _sample(output: Any) -> torch.Tensor:
@@ -174,3 +179,40 @@ class PairedCFGHook(ModelHook):
         cond, uncond = _exchange(_sample(output), self.group, self.cfg_rank)
         pending["placeholder"].copy_(cond)
         return _wrap_like(output, uncond)
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's CFG parallelism at cfg=2: the plan's hook (batched or paired) on each transformer, registered
+    after the sequence hooks and collective safety (outermost: it splits before them); the hooks go to
+    ``ctx.cfg_hooks``."""
+    if config.cfg <= 1:
+        return None
+    groups, undos = ctx.groups, []
+    for transformer, plan in zip(ctx.transformers, ctx.plans):
+        if plan.cfg == "batched":
+            hook = BatchedCFGHook(groups.cfg_group, groups.cfg_rank, plan.cfg_batch_dims, type(transformer))
+        else:
+            hook = PairedCFGHook(groups.cfg_group, groups.cfg_rank)
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(hook, _HOOK)
+        ctx.cfg_hooks.append(hook)
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
+    return chained(undos)
+
+
+def apply_pair_check(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's CFG pair check: where a hook of ``ctx.cfg_hooks`` pairs a step's two calls (paired CFG
+    parallel, CFG batch: each has ``check_no_pending``), a conditional call left without its partner fails
+    before the VAE decodes it."""
+    paired = [h for h in ctx.cfg_hooks if hasattr(h, "check_no_pending")]
+    vae = getattr(pipe, "vae", None)
+    if not paired or vae is None or not hasattr(vae, "decode"):
+        return None
+    decode = vae.decode
+
+    def checked_decode(*args, **kwargs):
+        for hook in paired:
+            hook.check_no_pending("the VAE decode")
+        return decode(*args, **kwargs)
+
+    return set_on_instance(vae, "decode", checked_decode)

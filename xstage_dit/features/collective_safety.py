@@ -21,16 +21,20 @@ Built on `xstage_dit.comm.agreement`:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from diffusers.hooks import ModelHook
+from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.comm import agreement, watchdog
+from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 DISPATCHES_ATTR = "_xstage_dispatches"
+_HOOK = "xstage-safety"
 _TRUSTED_MODULES = ("diffusers.", "xstage_dit.")
 
 
@@ -98,3 +102,17 @@ class CollectiveSafetyHook(ModelHook):
             raise
         except Exception as exc:
             raise agreement.publish_failure(exc, self.group, what=f"{self.what} forward") from exc
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's collective safety at sp > 1: a `CollectiveSafetyHook` on each transformer, outside the
+    sequence hooks (it sees the whole inputs) and inside the CFG hook (one branch's inputs)."""
+    group = ctx.groups.sp_group
+    if group is None or config.sp <= 1:
+        return None
+    undos = []
+    for transformer in ctx.transformers:
+        registry = HookRegistry.check_if_exists_or_initialize(transformer)
+        registry.register_hook(CollectiveSafetyHook(group, type(transformer), config.check_inputs), _HOOK)
+        undos.append(functools.partial(remove_hook, transformer, _HOOK))
+    return chained(undos)

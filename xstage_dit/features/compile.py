@@ -60,7 +60,14 @@ factors, two cache entries per code object) forward took 17.8-18.5 ms warm again
 backend, medians of 8 forwards, 4 runs each way), the same images; torch's profiler put Dynamo's cache lookups
 of one 4-step call at 5.3-5.5 ms warm against 16.7-17.0 ms (1648 lookups: 3.2-3.4 against 10.1-10.3 us each).
 
-Call after ``parallelize`` (its patches and custom ops are what gets traced). Example::
+Restore drops the graphs this handle compiled and only those: everything compiles through a
+`_torch_private.OwnedCompiler` (entry code objects of its own), never ``torch._dynamo.reset()``, which drops
+every compiled graph of the process (another pipeline's too). The recompile limits come back when the last
+compiled stack restores.
+
+In the feature stack this is the last feature (`apply`): it traces every patch above and reads what they left
+in the `FeatureContext` (the one-frame decode to compile, the kernel chooser CUDA graphs restrict). Standalone,
+call `apply_compile` after ``parallelize`` (its patches and custom ops are what gets traced). Example::
 
     handle = parallelize(pipe, ParallelConfig())           # world 1 too: the measured attention kernel
     compiled = apply_compile(pipe, "regional", max_shapes=4)
@@ -77,8 +84,9 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit import _torch_private as private
+from xstage_dit.features.context import FeatureContext, context_of
 from xstage_dit.features.instance_attr import set_on_instance
-from xstage_dit.features.one_frame_vae import one_frame_decode_of
 from xstage_dit.features.text_depth import llm_decoder
 
 log = logging.getLogger(__name__)
@@ -167,6 +175,7 @@ class CompileHandle:
     vae_compiled_shapes: list = field(default_factory=list)  # the VAE decoder's, under the same bound
     vae_eager_shapes: list = field(default_factory=list)
     warm_keys: set = field(default_factory=set, repr=False)
+    compiler: private.OwnedCompiler = field(default_factory=private.OwnedCompiler, repr=False)
     _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
 
     def describe(self) -> dict:
@@ -175,7 +184,8 @@ class CompileHandle:
                 "vae_compiled_shapes": len(self.vae_compiled_shapes), "vae_eager_shapes": len(self.vae_eager_shapes)}
 
     def restore(self) -> None:
-        """Back to the eager transformer (idempotent); compiled graphs are dropped (``torch._dynamo.reset``)."""
+        """Back to the eager transformer (idempotent). The graphs this handle compiled are dropped, and only
+        those (`_torch_private.OwnedCompiler`): another pipeline's compiled graphs stay."""
         while self._undo:
             self._undo.pop()()
 
@@ -214,14 +224,13 @@ def _warm_guarded(handle: CompileHandle, compiled: Callable) -> Callable:
         if key in handle.warm_keys:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 return compiled(*args, **kwargs)
-        frames = torch._dynamo.utils.counters["frames"]
-        converted = frames["total"]  # Dynamo's count of frames it was asked to convert: a cache miss each
+        converted = private.frames_converted()  # Dynamo's count of frames it was asked to convert: a miss each
         out = compiled(*args, **kwargs)
         # Warm once a call of the key reached no new frame or graph, not after its first call: what runs inside
         # can still move on (a hook's state: `cfg_batch` runs its first pair of a shape plainly and later pairs
         # as one batch, new graphs reached by the same outer key), and a compile needed under the warm stance
         # raises ("Recompilation triggered with skip_guard_eval_unsafe stance", tiny NucleusMoE, 2026-12-05).
-        if frames["total"] == converted:
+        if private.frames_converted() == converted:
             handle.warm_keys.add(key)
         return out
 
@@ -267,111 +276,167 @@ def _vae_bound(handle: CompileHandle) -> Callable[[Callable, Callable], Callable
                              handle.vae_eager_shapes)
 
 
-def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
-                  backend: str = "inductor", options: dict | None = None, vae: bool = True,
-                  guards: str = "full", extras: tuple[str, ...] = ()) -> CompileHandle:
-    """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
-    unless `vae` is False (see the module docstring).
+@dataclass(frozen=True)
+class CompileConfig:
+    """What the compile feature compiles (validated on construction; the module docstring says how).
 
+    mode: one of `COMPILE_MODES` ("off": nothing).
     max_shapes: input signatures compiled per transformer before further ones run eager (>= 1).
     backend: the torch.compile backend ("inductor"; tests use "eager" to check the wiring fast).
     options: Inductor options for these graphs only (``torch.compile(options=...)``), e.g.
         ``{"coordinate_descent_tuning": True}``; None = Inductor's defaults.
     vae: also compile an image VAE's decoder (``AutoencoderKL``; the benchmark's plain-diffusers baseline
-        passes False: users compile the transformer alone).
+        passes False: users compile the transformer alone) and a video VAE's one-frame decode.
     guards: "full" (every guard, every call) or "warm" (only the differentiating guards once a call key has
         run; the module docstring says why and when that is unsafe).
     extras: any of `EXTRAS` (not measured on the GPU yet): "text-encoder", each LLM text encoder's language model
         whole (`_text_models`: NucleusMoE's Qwen3-VL, FLUX.2's Mistral), ``dynamic=True``: one graph for every
         prompt length; "video-vae", a video VAE's chunked decode of several frames (`OneFrameDecode.compile`).
-    Returns a `CompileHandle`; mode "off" returns one that did nothing.
     """
-    check_compile_mode(mode)
-    check_extras(extras)
-    if guards not in GUARD_MODES:
-        raise ValueError(f"expected guards in {', '.join(GUARD_MODES)}, got {guards!r}")
-    if not isinstance(max_shapes, int) or isinstance(max_shapes, bool) or max_shapes < 1:
-        raise ValueError(f"expected max_shapes to be an integer >= 1, got {max_shapes!r}")
-    if mode == "off":
-        return CompileHandle(mode, "eager (compile off)", max_shapes)
+
+    mode: str = "off"
+    max_shapes: int = DEFAULT_MAX_SHAPES
+    backend: Any = "inductor"
+    options: dict | None = None
+    vae: bool = True
+    guards: str = "full"
+    extras: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_compile_mode(self.mode)
+        object.__setattr__(self, "extras", check_extras(self.extras))
+        if self.guards not in GUARD_MODES:
+            raise ValueError(f"expected guards in {', '.join(GUARD_MODES)}, got {self.guards!r}")
+        if not isinstance(self.max_shapes, int) or isinstance(self.max_shapes, bool) or self.max_shapes < 1:
+            raise ValueError(f"expected max_shapes to be an integer >= 1, got {self.max_shapes!r}")
+        if self.options is not None and not isinstance(self.options, dict):
+            raise ValueError(f"expected options to be a dict of Inductor options or None, got {self.options!r}")
+
+
+def apply_compile(pipe: Any, mode: str, *, max_shapes: int = DEFAULT_MAX_SHAPES,
+                  backend: str = "inductor", options: dict | None = None, vae: bool = True,
+                  guards: str = "full", extras: tuple[str, ...] = ()) -> CompileHandle:
+    """Compile `pipe.transformer` (and ``transformer_2`` where present) in `mode`, and an image VAE's decoder
+    unless `vae` is False, after the stack that patched `pipe` (``parallelize``: what the compile feature reads
+    from its context, the one-frame decode and the kernel chooser). The arguments are `CompileConfig`'s.
+    Returns a `CompileHandle`; mode "off" returns one that did nothing."""
+    config = CompileConfig(mode, max_shapes, backend, options, vae, guards, tuple(extras))
+    return compile_pipeline(pipe, config, context_of(pipe))
+
+
+def apply(pipe: Any, config: CompileConfig, ctx: FeatureContext) -> Callable[[], None]:
+    """The stack's compile feature: `compile_pipeline` with what earlier features left in `ctx`; the handle goes
+    to ``ctx.compiled``. Returns its undo."""
+    ctx.compiled = compile_pipeline(pipe, config, ctx)
+    return ctx.compiled.restore
+
+
+def compile_pipeline(pipe: Any, config: CompileConfig, ctx: FeatureContext) -> CompileHandle:
+    """Compile `pipe` as `config` says (the module docstring); `ctx` gives the kernel chooser (CUDA graphs take
+    only capturable kernels) and the one-frame decode of a video VAE."""
+    if config.mode == "off":
+        return CompileHandle(config.mode, "eager (compile off)", config.max_shapes)
     transformer = getattr(pipe, "transformer", None)
     if not isinstance(transformer, torch.nn.Module):
         raise ValueError(f"expected a pipeline with a .transformer module to compile, got {type(pipe).__name__}")
     if getattr(transformer, _COMPILED, None) is not None:
         raise RuntimeError("expected a transformer not compiled yet, got one compiled by apply_compile: restore() first")
     targets = [transformer] + [m for m in [getattr(pipe, "transformer_2", None)] if isinstance(m, torch.nn.Module)]
-    handle = CompileHandle(mode, "", max_shapes, guards=guards)
-    dynamo = torch._dynamo.config
-    saved_limits = (dynamo.recompile_limit, dynamo.accumulated_recompile_limit)
-    handle._undo.append(torch._dynamo.reset)
-    handle._undo.append(lambda: (setattr(dynamo, "recompile_limit", saved_limits[0]),
-                                 setattr(dynamo, "accumulated_recompile_limit", saved_limits[1])))
-    vae_extra = {} if options is None else {"options": dict(options)}  # the VAE decoder: never under graphs
-    if mode == "graphs" and backend == "inductor":  # CUDA graphs are Inductor's; other backends test the wiring
-        options = {**(options or {}), **GRAPHS_OPTIONS}
-    if mode == "graphs":  # `parallelize`'s kernel chooser, where there is one: no kernel a capture breaks
-        from xstage_dit.features import _MARK
+    handle = CompileHandle(config.mode, "", config.max_shapes, guards=config.guards)
+    handle._undo.append(handle.compiler.drop)  # last: the graphs of this handle, nobody else's
+    try:
+        if config.mode == "graphs" and ctx.attention_kernels is not None:
+            handle._undo.append(ctx.attention_kernels.for_cuda_graphs())  # no kernel a capture breaks
+        hows, per_code_object = _compile_transformers(handle, targets, config)
+        handle._undo.append(private.raise_recompile_limits(per_code_object, 2 * per_code_object))
+        if config.vae:
+            hows += _compile_vae_decoders(handle, pipe, config, ctx)
+        if "text-encoder" in config.extras:
+            hows += _compile_text_encoders(handle, pipe, config)
+    except BaseException:
+        handle.restore()
+        raise
+    if config.guards == "warm":
+        hows.append("warm guards (only the differentiating ones once a call key has run)")
+    handle.how = "; ".join(hows)
+    log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", config.mode,
+             config.backend, config.max_shapes, handle.how)
+    return handle
 
-        chooser = getattr(getattr(transformer, _MARK, None), "attention_kernels", None)
-        if chooser is not None:
-            handle._undo.append(chooser.for_cuda_graphs())
-    extra = {} if options is None else {"options": dict(options)}
-    hows = []
-    per_code_object = max_shapes
+
+def _options(config: CompileConfig, graphs: bool) -> dict:
+    """torch.compile's ``options`` keyword for these graphs ({} for Inductor's defaults); `graphs`: under CUDA
+    graphs (Inductor's option; other backends test the wiring)."""
+    options = config.options
+    if graphs and config.mode == "graphs" and config.backend == "inductor":
+        options = {**(options or {}), **GRAPHS_OPTIONS}
+    return {} if options is None else {"options": dict(options)}
+
+
+def _compile_transformers(handle: CompileHandle, targets: list, config: CompileConfig) -> tuple[list[str], int]:
+    """Compile each transformer (regional blocks, or its whole forward) behind the shape bound; returns what was
+    compiled and the graphs a code object may need (the recompile limit)."""
+    hows, per_code_object = [], config.max_shapes
+    extra = _options(config, graphs=True)
     for module in targets:
         owner, attr = _compile_point(module)
         eager = getattr(owner, attr)
         blocks = set(getattr(module, "_repeated_blocks", None) or ())
-        regions = [m for m in module.modules() if type(m).__name__ in blocks] if mode == "regional" else []
+        regions = [m for m in module.modules() if type(m).__name__ in blocks] if config.mode == "regional" else []
         # Every layer of a block class runs one code object, and layers whose guarded attributes differ (a MoE
         # layer's capacity factor, a dense layer among MoE ones) each need their own graph per shape: up to
         # (layers x shapes) graphs. Dynamo's default limit of 8 per code object made NucleusMoE's later
         # layer/shape pairs fall back to eager silently (H200, 2026-12-04: "hit config.recompile_limit (8)",
         # guard "img_mlp.capacity_factor == 4.0"), more of them in the server, whose warm-up prompt adds shapes.
         # The bound on served shapes is `_guard`'s, per transformer signature, not Dynamo's.
-        per_code_object = max(per_code_object, max_shapes * max(1, len(regions)))
+        per_code_object = max(per_code_object, config.max_shapes * max(1, len(regions)))
         if regions:
             for region in regions:
-                region.compile(dynamic=False, backend=backend, **extra)
-            handle._undo.append(functools.partial(_uncompile_regions, regions))
+                handle.compiler.compile_region(region, dynamic=False, backend=config.backend, **extra)
             compiled = eager  # the blocks inside compile; the glue around them stays eager
             hows.append(f"regional: {len(regions)} {'/'.join(sorted(blocks))} blocks of {type(module).__name__}")
         else:
-            compiled = torch.compile(eager, dynamic=False, backend=backend, **extra)
-            what = "no repeated blocks, whole" if mode == "regional" else "whole"
-            graphs = " under CUDA graphs" if mode == "graphs" else ""
-            hows.append(f"{mode}: {what} {type(module).__name__} forward{graphs}")
+            compiled = handle.compiler.compile(eager, dynamic=False, backend=config.backend, **extra)
+            what = "no repeated blocks, whole" if config.mode == "regional" else "whole"
+            graphs = " under CUDA graphs" if config.mode == "graphs" else ""
+            hows.append(f"{config.mode}: {what} {type(module).__name__} forward{graphs}")
         handle._undo.append(set_on_instance(owner, attr, _guard(handle, eager, compiled)))
         handle._undo.append(set_on_instance(module, _COMPILED, handle))
-    dynamo.recompile_limit = max(saved_limits[0], per_code_object)
-    dynamo.accumulated_recompile_limit = max(saved_limits[1], 2 * per_code_object)
-    decoder = _image_vae_decoder(pipe) if vae else None
+    return hows, per_code_object
+
+
+def _compile_vae_decoders(handle: CompileHandle, pipe: Any, config: CompileConfig, ctx: FeatureContext) -> list[str]:
+    """An image VAE's decoder, and a video VAE's one-frame decode as the one-frame feature left it (``ctx``);
+    never under CUDA graphs. Returns what was compiled."""
+    hows, extra = [], _options(config, graphs=False)
+    decoder = _image_vae_decoder(pipe)
     if decoder is not None:
         decoder_eager = decoder.forward
-        handle._undo.append(set_on_instance(decoder, "forward", _vae_bound(handle)(
-            decoder_eager, torch.compile(decoder_eager, dynamic=False, backend=backend, **vae_extra))))
+        compiled = handle.compiler.compile(decoder_eager, dynamic=False, backend=config.backend, **extra)
+        handle._undo.append(set_on_instance(decoder, "forward", _vae_bound(handle)(decoder_eager, compiled)))
         hows.append(f"the {type(pipe.vae).__name__} decoder")
-    for name, model in _text_models(pipe) if "text-encoder" in extras else []:
-        # Whole, not by layers: transformers records the hidden states through hooks that read a ContextVar,
-        # which Dynamo traces only when the recording starts inside the compiled code (one graph, no break, on
-        # the tiny Qwen3-VL); dynamic: prompts differ in length, and a length compiled each would stall a request.
-        model_eager = model.forward
-        handle._undo.append(set_on_instance(model, "forward", torch.compile(model_eager, dynamic=True,
-                                                                              backend=backend, **vae_extra)))
-        hows.append(f"the {type(model).__name__} of {name} (whole, any prompt length)")
-    one_frame = one_frame_decode_of(getattr(pipe, "vae", None)) if vae else None
-    if one_frame is not None:  # a video VAE's one-frame decode, as `parallelize` leaves it: a plain 2-D network
-        chunks = "video-vae" in extras
-        one_frame.compile(wrap=_vae_bound(handle), chunks=chunks, backend=backend, **vae_extra)
+    one_frame = ctx.one_frame_decode
+    if one_frame is not None:  # a video VAE's one-frame decode, as the one-frame feature leaves it: a 2-D network
+        chunks = "video-vae" in config.extras
+        one_frame.compile(wrap=_vae_bound(handle), chunks=chunks, compile_fn=handle.compiler.compile,
+                          backend=config.backend, **extra)
         handle._undo.append(one_frame.uncompile)
         hows.append(f"the {type(pipe.vae).__name__} decoder of one-frame latents" +
                     (" and of several frames (chunked)" if chunks else ""))
-    if guards == "warm":
-        hows.append("warm guards (only the differentiating ones once a call key has run)")
-    handle.how = "; ".join(hows)
-    log.info("compile %s (%s backend, dynamic=False, at most %d shapes, then eager): %s", mode, backend, max_shapes,
-             handle.how)
-    return handle
+    return hows
+
+
+def _compile_text_encoders(handle: CompileHandle, pipe: Any, config: CompileConfig) -> list[str]:
+    """Each LLM text encoder's language model, whole, any prompt length. Returns what was compiled."""
+    hows, extra = [], _options(config, graphs=False)
+    for name, model in _text_models(pipe):
+        # Whole, not by layers: transformers records the hidden states through hooks that read a ContextVar,
+        # which Dynamo traces only when the recording starts inside the compiled code (one graph, no break, on
+        # the tiny Qwen3-VL); dynamic: prompts differ in length, and a length compiled each would stall a request.
+        compiled = handle.compiler.compile(model.forward, dynamic=True, backend=config.backend, **extra)
+        handle._undo.append(set_on_instance(model, "forward", compiled))
+        hows.append(f"the {type(model).__name__} of {name} (whole, any prompt length)")
+    return hows
 
 
 def _compile_point(module: torch.nn.Module) -> tuple[Any, str]:
@@ -408,9 +473,3 @@ def _image_vae_decoder(pipe: Any) -> torch.nn.Module | None:
     if type(vae).__name__ != "AutoencoderKL" or not isinstance(decoder, torch.nn.Module):
         return None
     return decoder
-
-
-def _uncompile_regions(regions: list) -> None:
-    for region in regions:
-        # nn.Module.compile() sets this instance attribute; without it the class default (None) runs eager.
-        vars(region).pop("_compiled_call_impl", None)

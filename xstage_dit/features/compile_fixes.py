@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from xstage_dit.families.registry import grouped_mm_expert_classes
+from xstage_dit.features.context import chained
 
 log = logging.getLogger(__name__)
 
@@ -56,3 +57,9 @@ def fix_grouped_mm_offsets(model: torch.nn.Module) -> tuple[Callable[[], None], 
         fixed.clear()
 
     return undo, len(fixed)
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's compile fixes: `fix_grouped_mm_offsets` on each transformer (its MoE layers that stayed
+    diffusers' own after expert parallelism)."""
+    return chained(fix_grouped_mm_offsets(transformer)[0] for transformer in ctx.transformers)

@@ -30,6 +30,7 @@ from typing import Callable
 import torch
 
 from xstage_dit.comm.distributed import world_of
+from xstage_dit.features.context import chained
 from xstage_dit.schedule.facts import DeviceFacts
 from xstage_dit.schedule.moe import MoEScheduler, choose_moe_world1
 
@@ -170,3 +171,17 @@ def _undo(swapped, bound) -> None:
     for layer in bound:
         layer.unbind()
     bound.clear()
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's expert parallelism: ep > 1, every MoE layer of each transformer becomes an EP layer over the
+    sp group; at world 1 only where the MoE chooser runs the fused kernel (NucleusMoE on a GPU), the others
+    stay diffusers' own, with the reason logged. Counts the layers in ``ctx.num_moe_layers``."""
+    undos = []
+    for transformer, plan in zip(ctx.transformers, ctx.plans):
+        if config.ep > 1 or (ctx.groups.world_size == 1 and plan.moe_layers):
+            xparams = ctx.calibration.params if ctx.calibration is not None else None
+            undo, num_moe = apply_expert_parallel(transformer, plan.moe_layers, ctx.groups.sp_group, xparams=xparams)
+            ctx.num_moe_layers += num_moe
+            undos.append(undo)
+    return chained(undos)

@@ -36,6 +36,8 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.registry import rope_host_sync_classes
+from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,8 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
         registry = HookRegistry.check_if_exists_or_initialize(rope)
         registry.register_hook(RopeCacheHook(), _HOOK)
 
-        def restore(rope=rope, tables=tables, registry=registry) -> None:
-            registry.remove_hook(_HOOK, recurse=False)
+        def restore(rope=rope, tables=tables) -> None:
+            remove_hook(rope, _HOOK)
             for name, table in tables.items():
                 setattr(rope, name, table)
 
@@ -115,3 +117,9 @@ def remove_host_copies(transformer: torch.nn.Module) -> tuple[Callable[[], None]
             undo.pop()()
 
     return undo_all, len(ropes)
+
+
+def apply(pipe, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's host-sync fixes: `remove_host_copies` on each transformer. Before sequence parallelism: a rope
+    cache registered first sits inside the sequence hooks' split of its output."""
+    return chained(remove_host_copies(transformer)[0] for transformer in ctx.transformers)

@@ -12,13 +12,15 @@ and where there was none, the undo must delete the instance's attribute so the c
     undo()    # module.forward is what it was: its own earlier attribute, or the class's method
 
 ``keep_instance_attr(owner, name)`` is the putting back alone, for attributes that other code replaces.
+``remove_hook(module, name)`` removes a diffusers hook the same way: once the module's last hook is gone, its
+empty registry and the bound ``forward`` diffusers leaves on the instance go too.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["keep_instance_attr", "set_on_instance"]
+__all__ = ["keep_instance_attr", "remove_hook", "set_on_instance"]
 
 _NONE_OF_ITS_OWN = object()
 
@@ -52,3 +54,20 @@ def set_on_instance(owner: Any, name: str, value: Any) -> Callable[[], None]:
             restore()
 
     return undo
+
+
+def remove_hook(module: Any, name: str) -> None:
+    """Remove the diffusers hook `name` from `module` (not its children; nothing where it has none). When it was
+    the module's last hook, the empty ``_diffusers_hook`` registry is dropped, and so is the ``forward`` diffusers
+    leaves on the instance when it is the class's own method bound to the module (the class's shows through
+    again); a ``forward`` the module held of its own before stays."""
+    registry = vars(module).get("_diffusers_hook")
+    if registry is None:
+        return
+    registry.remove_hook(name, recurse=False)
+    if registry.hooks:
+        return
+    forward = vars(module).get("forward")
+    if getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward:
+        del vars(module)["forward"]
+    del vars(module)["_diffusers_hook"]

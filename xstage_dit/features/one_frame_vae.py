@@ -46,7 +46,7 @@ from xstage_dit.features.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OneFrameDecode", "one_frame_convs_as_2d", "one_frame_conv2d", "one_frame_decode"]
+__all__ = ["OneFrameDecode", "one_frame_convs_as_2d", "one_frame_conv2d", "one_frame_decode", "apply"]
 
 # Which VAEs and convolutions qualify is a fact of the family records (`VideoVAEFacts`): diffusers' causal 3-D
 # convolutions that pad time with zeros in front (``_padding[4] == 2 * padding[0]``) and take the previous chunk's
@@ -183,17 +183,19 @@ class OneFrameDecode:
         return self._chunked(x, feat_cache, feat_idx, *args, **kwargs)
 
     def compile(self, wrap: Callable[[Callable, Callable], Callable] | None = None, chunks: bool = False,
-                **kwargs: Any) -> None:
-        """Compile the one-frame decoder path (``torch.compile(..., **kwargs)``; ``dynamic`` defaults to False).
+                compile_fn: Callable[..., Callable] | None = None, **kwargs: Any) -> None:
+        """Compile the one-frame decoder path (``compile_fn(..., **kwargs)``, torch.compile unless given: the
+        compile feature hands its own, whose graphs its restore drops; ``dynamic`` defaults to False).
         wrap(eager, compiled) -> callable: what runs instead of the compiled path (`apply_compile`'s bound on
         compiled shapes). chunks: also the decoder's own path for a latent of several frames, one chunk a call
         with the frame cache (Dynamo follows the cache list: three graphs a size, for the first chunk, the
         second and the rest; one graph, no break, on the tiny Wan VAE)."""
+        compile_fn = torch.compile if compile_fn is None else compile_fn
         kwargs.setdefault("dynamic", False)
-        compiled = torch.compile(self._plain, **kwargs)
+        compiled = compile_fn(self._plain, **kwargs)
         self._fast = compiled if wrap is None else wrap(self._plain, compiled)
         if chunks:
-            chunked = torch.compile(self._forward, **kwargs)
+            chunked = compile_fn(self._forward, **kwargs)
             self._chunked = chunked if wrap is None else wrap(self._forward, chunked)
 
     def uncompile(self) -> None:
@@ -231,3 +233,27 @@ def one_frame_decode(vae: Any) -> OneFrameDecode | None:
 def one_frame_decode_of(vae: Any) -> OneFrameDecode | None:
     """The `OneFrameDecode` applied to `vae`, if any (what `apply_compile` compiles)."""
     return getattr(vae, _MARK, None)
+
+
+def apply(pipe: Any, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's one-frame VAE: a pipeline's video VAE runs one-frame inputs as 2-D convolutions
+    (``ctx.vae_convs_2d``) and decodes a one-frame latent without the frame cache (``ctx.one_frame_decode``,
+    which the compile feature compiles). A VAE shared with a pipeline patched before (diffusers' from_pipe
+    shares components) keeps that pipeline's decode wrapping, which its stack undoes."""
+    vae = getattr(pipe, "vae", None) if ctx.is_pipeline else None
+    if not isinstance(vae, torch.nn.Module):
+        return None
+    undo, ctx.vae_convs_2d = one_frame_convs_as_2d(vae)
+    ctx.one_frame_decode = one_frame_decode_of(vae)
+    if ctx.one_frame_decode is not None:
+        return undo
+    ctx.one_frame_decode = one_frame_decode(vae)
+    if ctx.one_frame_decode is None:
+        return undo
+    restore = ctx.one_frame_decode.restore
+
+    def undo_both() -> None:
+        restore()
+        undo()
+
+    return undo_both

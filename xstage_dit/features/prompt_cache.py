@@ -28,7 +28,7 @@ import collections
 import functools
 import inspect
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -37,7 +37,7 @@ from xstage_dit.features.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PromptCache", "cache_empty_prompts", "DEFAULT_ENTRIES"]
+__all__ = ["PromptCache", "cache_empty_prompts", "DEFAULT_ENTRIES", "apply"]
 
 DEFAULT_ENTRIES = 8  # argument sets kept: batch sizes of "" times devices, typically one or two
 _ENCODER_PREFIXES = ("text_encoder", "tokenizer", "processor")
@@ -199,3 +199,9 @@ def _is_tuner_class(cls: type) -> bool:
 def _frozen_dict(value: Any) -> Any:
     return tuple(sorted(value.items())) if isinstance(value, dict) else value
 
+
+def apply(pipe: Any, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's prompt cache: `cache_empty_prompts` on a pipeline (not a bare transformer); the cache in
+    ``ctx.prompt_cache`` (None where the pipeline encodes its negative prompt with the positive one)."""
+    ctx.prompt_cache = cache_empty_prompts(pipe) if ctx.is_pipeline else None
+    return None if ctx.prompt_cache is None else ctx.prompt_cache.restore

@@ -29,6 +29,8 @@ from xstage_dit.families.sp_plan import SequenceParallelSpec, SequenceState
 from xstage_dit.features.attention_backend import AttentionContext, xstage_attention
 from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.features.collective_safety import check_dispatching
+from xstage_dit.features.context import chained
+from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +241,7 @@ def apply_sequence_parallel(
     At world 1 only the attention is routed (through the op's world-1 path); no hooks.
     """
     _, cp_output_cls = private.cp_types()
-    backend = private.register_attention_backend(xstage_attention)
+    backend, release_backend = private.register_attention_backend(xstage_attention)
     if group is not None:
         # The op names groups by string across the custom-op boundary; register ours now, eagerly, so a
         # torch.compile'd model (which traces, not runs, the registration) can resolve the name.
@@ -296,18 +298,29 @@ def apply_sequence_parallel(
             processors.append((module, original))
     except BaseException:
         _undo(model, hooked, processors)
+        release_backend()
         raise
 
     def undo() -> None:
         _undo(model, hooked, processors)
+        release_backend()  # the enum member goes with the last user
 
     return undo
 
 
 def _undo(model, hooked, processors) -> None:
     for module, hook_name in reversed(hooked):
-        HookRegistry.check_if_exists_or_initialize(module).remove_hook(hook_name, recurse=False)
+        remove_hook(module, hook_name)
     for module, original in processors:
         _set_processor(module, original)
     hooked.clear()
     processors.clear()
+
+
+def apply(pipe, config, ctx) -> Callable[[], None] | None:
+    """The stack's sequence parallelism: each transformer's plan (`ModelPlan.build_sp`) installed over the sp
+    group, its attention routed to the schedules the attention-kernel choice left in ``ctx.schedules``."""
+    groups = ctx.groups
+    return chained(apply_sequence_parallel(transformer, plan.build_sp(transformer), group=groups.sp_group,
+                                           rank=groups.sp_rank, world=config.sp, schedules=ctx.schedules)
+                   for transformer, plan in zip(ctx.transformers, ctx.plans))

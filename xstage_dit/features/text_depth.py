@@ -31,7 +31,7 @@ from xstage_dit.features.instance_attr import set_on_instance
 
 log = logging.getLogger(__name__)
 
-__all__ = ["llm_decoder", "skip_unread_layers", "layers_needed"]
+__all__ = ["llm_decoder", "skip_unread_layers", "layers_needed", "apply"]
 
 
 def layers_needed(indices: list[int], num_layers: int) -> int:
@@ -98,4 +98,12 @@ def skip_unread_layers(pipe: Any) -> Callable[[], None] | None:
     undo = set_on_instance(pipe, "encode_prompt", encode_prompt)
     log.info("%s: text encoder layers past the deepest hidden state read are skipped (%d layers)",
              type(pipe).__name__, len(layers))
+    return undo
+
+
+def apply(pipe: Any, enabled: bool, ctx) -> Callable[[], None] | None:
+    """The stack's text depth: `skip_unread_layers` on a pipeline (not a bare transformer); whether it applies in
+    ``ctx.text_layers_skipped``. Before the prompt cache: a cached embedding never runs it."""
+    undo = skip_unread_layers(pipe) if ctx.is_pipeline else None
+    ctx.text_layers_skipped = undo is not None
     return undo

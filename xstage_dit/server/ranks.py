@@ -23,6 +23,9 @@ class LoadedModel:
     served: ServedModel
     report: dict = field(default_factory=dict)
     describe: Callable[[], dict] | None = None  # the report as of now (schedules are chosen per shape, lazily)
+    # The `xstage_dit.engine.Engine` whose stack the loader applied (batch invariance included); None for a
+    # pipeline handed in as it is, to which the worker applies batch invariance itself.
+    engine: Any = None
 
     def current_report(self) -> dict:
         return self.describe() if self.describe is not None else self.report

@@ -1,6 +1,7 @@
-"""What every rank does at start-up: load the pipeline, parallelize it over the ranks (at world 1 too: torch
-SDPA, or FA4 where the kernel sweep measured it faster; MoE layers per kind at world 1, NucleusMoE's on the
-fused expert-choice path, HiDream's diffusers' own: `schedule.moe.choose_moe_world1`), compile it, and (rank 0)
+"""What every rank does at start-up: an `Engine` loads the pipeline and applies the feature stack: parallelism
+over the ranks (at world 1 too: torch SDPA, or FA4 where the kernel sweep measured it faster; MoE layers per kind
+at world 1, NucleusMoE's on the fused expert-choice path, HiDream's diffusers' own:
+`schedule.moe.choose_moe_world1`), batch invariance for image models, compile last; and (rank 0)
 collect the calibration and schedule report shown at `GET /v1/calibration` and logged at start-up (the
 schedules and attention kernels as of the request: each shape is decided, with its reasons, at its first call)."""
 
@@ -14,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.calibration.provider import params_for
+from xstage_dit.engine import Engine, EngineConfig
+from xstage_dit.features.compile import DEFAULT_MAX_SHAPES, CompileConfig, default_compile_mode
+from xstage_dit.features.config import ParallelConfig
 from xstage_dit.jsonable import to_jsonable
-from xstage_dit.features import ParallelConfig, parallelize
-from xstage_dit.features.compile import DEFAULT_MAX_SHAPES, apply_compile, check_compile_mode, default_compile_mode
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.ranks import LoadedModel, RankContext
 
@@ -70,54 +72,56 @@ def kernel_report(handle: Any) -> dict:
 def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
                  weights_seed: int = 0, compile: str | None = None,
                  max_compiled_shapes: int = DEFAULT_MAX_SHAPES,
-                 compile_guards: str = "full", compile_extras: tuple[str, ...] = ()
-                 ) -> Callable[[RankContext], LoadedModel]:
-    """The factory every rank calls once the ranks have joined (see `Worker`).
+                 compile_guards: str = "full", compile_extras: tuple[str, ...] = (),
+                 features: dict | None = None) -> Callable[[RankContext], LoadedModel]:
+    """The factory every rank calls once the ranks have joined (see `Worker`): an `Engine` loads the model and
+    applies the feature stack (parallelism at world 1 too: the measured attention kernel; the pipeline patches;
+    batch invariance for an image model, whose requests the server batches; compile last).
 
-    parallel: the command's one ParallelConfig (its world size must be the ranks'), handed to `parallelize`.
+    parallel: the command's one ParallelConfig (its world size must be the ranks').
     dtype: None picks bfloat16 on a GPU and float32 on a CPU.
     weights_seed: seed of a built-in model's random weights (not of the images: requests carry their seeds).
     compile: a mode of `xstage_dit.features.compile.COMPILE_MODES`; None: regional on a GPU, off on a CPU.
-        Applied after `parallelize`; the worker's warm-up compiles the warm-up shapes.
-    max_compiled_shapes: transformer input shapes compiled before further ones run eager.
-    compile_guards: "full" or "warm" (`apply_compile`'s guards).
-    compile_extras: more to compile (`apply_compile`'s extras: text-encoder, video-vae).
+        The worker's warm-up compiles the warm-up shapes.
+    max_compiled_shapes / compile_guards / compile_extras: `CompileConfig`'s max_shapes, guards and extras.
+    features: `EngineConfig` switches (host_syncs, text_depth, prompt_cache, one_frame_vae, batch_invariance)
+        that differ from their defaults.
     """
+    compile_options = dict(max_shapes=max_compiled_shapes, guards=compile_guards, extras=tuple(compile_extras))
     if compile is not None:
-        check_compile_mode(compile)
+        CompileConfig(compile, **compile_options)  # a bad mode or option fails here, before any rank loads
+    switches = dict(features or {})
 
     def load(ctx: RankContext) -> LoadedModel:
-        from xstage_dit.families import load_pipeline, model_spec
+        from xstage_dit.families import model_spec
 
         parallel.check_world(ctx.world_size)
         spec = model_spec(model)
         name = model if not os.path.isdir(model) else os.path.basename(os.path.normpath(model))
         served = ServedModel.from_spec(name, spec, sp=parallel.sp)
         device = torch.device(ctx.device)
-        want = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-        # With ep > 1 each rank creates or reads only its experts; parallelize then binds them to the EP group.
-        expert_shard = parallel.expert_shard(ctx.rank)
-        pipe = load_pipeline(model, dtype=want, device=device, seed=weights_seed, expert_shard=expert_shard)
-        report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size}
-        # World 1 as well: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
-        handle = parallelize(pipe, parallel)
-        report_parallel["mode"] = "parallelized"
-        report_parallel["moe_layers_swapped"] = handle.num_moe_layers
-        mode = compile or default_compile_mode(device)
-        compiled = apply_compile(pipe, mode, max_shapes=max_compiled_shapes, guards=compile_guards,
-                                 extras=compile_extras)
-        report_parallel["experts_loaded"] = ("all" if expert_shard is None
-                                             else f"shard {expert_shard[0]} of {expert_shard[1]}")
-        report = {"model": served.name, "parallel": report_parallel, "device": str(device), "dtype": str(want),
-                  "compile": compiled.describe()}
+        compiled = CompileConfig(compile or default_compile_mode(device), **compile_options)
+        engine = Engine(EngineConfig(model=model, device=device, dtype=dtype, weights_seed=weights_seed,
+                                     parallel=parallel, compile=compiled, **switches), rank=ctx.rank)
+        # With ep > 1 each rank creates or reads only its experts; the stack then binds them to the EP group.
+        stack = engine.apply(engine.load(), kind=spec.kind)
+        report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size,
+                           "mode": "parallelized", "moe_layers_swapped": stack.num_moe_layers,
+                           "experts_loaded": ("all" if engine.expert_shard is None
+                                              else f"shard {engine.expert_shard[0]} of {engine.expert_shard[1]}")}
+        described = engine.describe()
+        report = {"model": served.name, "parallel": report_parallel, "device": str(device),
+                  "dtype": str(engine.config.dtype), "compile": described["compile"], "features": described["features"]}
+        if described["batch_invariance"] is not None:
+            report["batch_invariance"] = described["batch_invariance"]
         if ctx.rank == 0:
-            report["calibration"] = calibration_report(device, handle)
+            report["calibration"] = calibration_report(device, stack)
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:
-            return {**report, "compile": compiled.describe(), "schedules": schedule_report(handle),
-                    "attention_kernels": kernel_report(handle), "outside_transformer": handle.describe_pipeline()}
+            return {**report, "compile": engine.describe()["compile"], "schedules": schedule_report(stack),
+                    "attention_kernels": kernel_report(stack), "outside_transformer": stack.describe_pipeline()}
 
-        return LoadedModel(pipe, served, report, describe)
+        return LoadedModel(engine.pipe, served, report, describe, engine=engine)
 
     return load

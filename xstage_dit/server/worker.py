@@ -90,6 +90,7 @@ class Worker:
         self.metrics.watch_gc(self._gc)
         self._ready_event = threading.Event()
         self._lock = threading.Lock()
+        self._own_engine = None  # the engine of what this worker applied itself (`_runner`)
 
     # ----- common -----
     @property
@@ -136,14 +137,27 @@ class Worker:
         return sizes
 
     def _runner(self) -> BatchRunner:
-        """The runner; an image pipeline computes a batch as its images alone (`patches.batch_invariance`, as
-        `generate` does: the same bytes), so batching can keep the README's promise. Same on every rank."""
-        from xstage_dit.features.batch_invariance import batch_invariant_for
+        """The runner; an image pipeline computes a batch as its images alone (`features.batch_invariance`, as
+        `generate` does: the same bytes), so batching can keep the README's promise. The loader's engine applied
+        it (`startup.model_loader`); a pipeline handed in as it is (in-process servers) gets it here, through an
+        engine of that one feature, undone when the worker stops. Same on every rank."""
+        if self.model.engine is None and self._own_engine is None:
+            from xstage_dit.engine import Engine, EngineConfig
+            from xstage_dit.features.compile import CompileConfig
 
-        handle = batch_invariant_for(self.model.pipe, self.model.served.kind)
-        if handle is not None:
-            self.model.report["batch_invariance"] = handle.describe()
+            only = EngineConfig(parallel=None, compile=CompileConfig("off"), batch_invariance="auto",
+                                host_syncs=False, text_depth=False, prompt_cache=False, one_frame_vae=False)
+            self._own_engine = Engine(only)
+            invariance = self._own_engine.apply(self.model.pipe, kind=self.model.served.kind).batch_invariance
+            if invariance is not None:
+                self.model.report["batch_invariance"] = invariance.describe()
         return BatchRunner(self.model.pipe, self.model.served)
+
+    def _restore_own(self) -> None:
+        """Undo what the worker applied itself (batch invariance on a handed-in pipeline)."""
+        engine, self._own_engine = self._own_engine, None
+        if engine is not None:
+            engine.restore()
 
     def _warmup(self, runner: BatchRunner) -> None:
         """Every rank: warm up (`_warm_sizes`), then freeze the heap alive now out of the garbage collector's
@@ -219,6 +233,8 @@ class Worker:
         if self._thread is not None and self.state != FAILED:  # a failed worker may sit in a dead collective
             self._thread.join(timeout=10)
         self._thaw()
+        if self._thread is None or not self._thread.is_alive():  # never under a batch still running
+            self._restore_own()
 
     def fail(self, reason: str) -> None:
         """Rank 0: a rank died or the ranks disagree. Everything pending ends with 503."""
@@ -443,6 +459,7 @@ class Worker:
                 continue
             if tag == "stop":
                 self._thaw()
+                self._restore_own()
                 return 0
             if tag != "run":
                 raise RankDesync(f"expected a 'run', 'ping' or 'stop' message from rank 0, got {tag!r}")

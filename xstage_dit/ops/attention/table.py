@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from xstage_dit.comm.distributed import local_buffer_table, symmetric_buffer, world_of
+from xstage_dit.comm.buffers import symmetric_buffer
+from xstage_dit.comm.distributed import local_buffer_table, world_of
 from xstage_dit.ops.attention.checks import check_inputs, check_scale, fused_unavailable
 from xstage_dit.ops.attention.partition import head_split, shard_bounds
 from xstage_dit.ops.attention.serial import library_pre_all_to_all

@@ -26,8 +26,9 @@ import math
 
 import torch
 
-from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable, peer_window
-from xstage_dit.comm.distributed import local_buffer_table, symmetric_buffer, world_of
+from xstage_dit.comm.buffers import peer_window, symmetric_buffer
+from xstage_dit.comm.distributed import local_buffer_table, world_of
+from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable
 from xstage_dit.ops.attention.kernels import OutTarget
 from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
 from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER
@@ -116,9 +117,6 @@ def _log_fallback(reason: str) -> None:
     log.warning("peer window unavailable (%s): the fused path stores through the pointer table", reason)
 
 
-_ZEROED: set[int] = set()
-
-
 def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, kernel,
                            scale: float | None = None, seq_len: int | None = None) -> torch.Tensor:
     """Ulysses attention over ``group`` with ``kernel`` writing the post-A2A through the peer window.
@@ -147,12 +145,12 @@ def fused_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     if reason:
         raise ValueError(f"kernel {kernel.name} refuses this problem: {reason}")
     buf_in = symmetric_buffer("ulysses_window.in", (3, batch, p * length, hmax, head_dim), q.dtype, q.device, group)
-    if id(buf_in) not in _ZEROED:
+    if not buf_in.zeroed:
         # Padding rows are never pushed: zero once so a kernel reading whole pages reads zeros, not NaN.
         buf_in.tensor.zero_()
         # No peer may push into my buffer before my zeros are in.
         buf_in.barrier()
-        _ZEROED.add(id(buf_in))
+        buf_in.zeroed = True  # on the buffer itself: a freed buffer's successor starts unzeroed
     target = _target_for(window, geom, q.dtype, h0, hr)
     _push(q, k, v, buf_in.ptr_table, buf_in.tensor, rank=rank, world_size=p, seq_len=seq_len)
     # Everyone's rows are in my input buffer, and everyone finished reading the previous call's output.

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.comm.distributed import symmetric_buffer, world_of
+from xstage_dit.comm.buffers import symmetric_buffer
+from xstage_dit.comm.distributed import world_of
 from xstage_dit.ops.moe.config import MoEKernelConfig
 from xstage_dit.ops.moe.dispatch import dispatch_rows, gather_counts, return_rows
 from xstage_dit.ops.moe.fused import combine_reduce, expert_mlp_combine, expert_mlp_combine_grouped, next_pow2, push_rows

@@ -1,0 +1,109 @@
+"""`EngineConfig`: everything that decides what runs, for one pipeline, in one validated value.
+
+The model and where it runs (``model``, ``device``, ``dtype``, ``weights_seed``), the parallel degrees
+(``parallel``: a `ParallelConfig`), the compile options (``compile``: a `CompileConfig`, None for the device's
+default) and one switch per feature of the stack (`features.stack.FEATURES`). ``stack_config(kind)`` is the
+`StackConfig` the feature stack applies; nothing below it re-derives a default.
+
+    config = EngineConfig(model="tiny-flux", parallel=ParallelConfig(sp=2), compile=CompileConfig("regional"))
+    config.stack_config("image")      # what the stack applies to that pipeline
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from xstage_dit.features.compile import CompileConfig, default_compile_mode
+from xstage_dit.features.config import ParallelConfig
+from xstage_dit.features.stack import StackConfig
+
+__all__ = ["EngineConfig", "DTYPES", "KINDS"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KINDS = ("image", "video")
+_FLAGS = ("host_syncs", "text_depth", "prompt_cache", "one_frame_vae")
+
+
+def _device(value) -> torch.device:
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ValueError(f"expected a device cpu, cuda or cuda:N, got {value!r}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"expected a device cpu, cuda or cuda:N, got {value!r}")
+    return device
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One pipeline's configuration (validated on construction; bad values raise ValueError naming them).
+
+    model: a built-in model name (``xstage_dit.families.model_names()``) or a local diffusers folder; None when
+        the pipeline is handed to `Engine.apply` instead of loaded.
+    device: torch device (str or torch.device); None: cuda where present, else cpu. Normalised on construction.
+    dtype: weights and compute dtype (a torch dtype or its name); None: bfloat16 on a GPU, float32 on a CPU.
+    weights_seed: seed of a built-in model's random weights (not of the images: calls carry their seeds).
+    parallel: the `ParallelConfig` (world 1 by default: the measured attention kernel, MoE layers per kind);
+        None: no parallel feature at all (no groups, no calibration).
+    compile: a `CompileConfig`; None: the device's default mode (regional on a GPU, off on a CPU).
+    batch_invariance: True, False, or "auto" (on for image pipelines, which a server batches).
+    host_syncs / text_depth / prompt_cache / one_frame_vae: those features on (default) or off.
+    """
+
+    model: str | None = None
+    device: torch.device | str | None = None
+    dtype: torch.dtype | str | None = None
+    weights_seed: int = 0
+    parallel: ParallelConfig | None = field(default_factory=ParallelConfig)
+    compile: CompileConfig | None = None
+    batch_invariance: bool | str = "auto"
+    host_syncs: bool = True
+    text_depth: bool = True
+    prompt_cache: bool = True
+    one_frame_vae: bool = True
+
+    def __post_init__(self) -> None:
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"expected model to be a model name or a folder path, got {self.model!r}")
+        device = _device(self.device)
+        object.__setattr__(self, "device", device)
+        dtype = self.dtype
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        elif isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"expected dtype in {', '.join(DTYPES)}, got {dtype!r}")
+            dtype = DTYPES[dtype]
+        if dtype not in DTYPES.values():
+            raise ValueError(f"expected dtype in {', '.join(DTYPES)}, got {dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if not isinstance(self.weights_seed, int) or isinstance(self.weights_seed, bool) or self.weights_seed < 0:
+            raise ValueError(f"expected weights_seed to be an integer >= 0, got {self.weights_seed!r}")
+        if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"expected parallel to be a ParallelConfig or None, got {type(self.parallel).__name__}")
+        if self.compile is None:
+            object.__setattr__(self, "compile", CompileConfig(default_compile_mode(device)))
+        elif not isinstance(self.compile, CompileConfig):
+            raise ValueError(f"expected compile to be a CompileConfig or None, got {type(self.compile).__name__}")
+        if self.batch_invariance not in (True, False, "auto"):
+            raise ValueError(f"expected batch_invariance True, False or 'auto', got {self.batch_invariance!r}")
+        for name in _FLAGS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
+
+    def expert_shard(self, rank: int) -> tuple[int, int] | None:
+        """The experts rank `rank` loads (`ParallelConfig.expert_shard`); None without expert parallelism."""
+        return None if self.parallel is None else self.parallel.expert_shard(rank)
+
+    def stack_config(self, kind: str) -> StackConfig:
+        """The `StackConfig` for a pipeline of `kind` ("image" or "video": batch invariance "auto" is on for
+        images, whose calls a server batches; a video runs alone)."""
+        if kind not in KINDS:
+            raise ValueError(f"expected kind 'image' or 'video', got {kind!r}")
+        invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
+        return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant,
+                           **{name: getattr(self, name) for name in _FLAGS})
