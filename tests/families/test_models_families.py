@@ -76,6 +76,8 @@ def test_wan_video_frame_rule():
 FULL_PARAMS = {
     "full-flux": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},  # FLUX.1-dev, CLIP-L, T5-XXL
     "full-wan": {"transformer": 14.29, "text_encoder": 5.68},  # Wan2.1-T2V-14B, UMT5-XXL
+    "full-sana": {"transformer": 1.604, "text_encoder": 2.614},  # Sana_1600M_1024px, Gemma-2-2B
+    "full-lumina2": {"transformer": 2.610, "text_encoder": 2.614},  # Lumina-Image-2.0, Gemma-2-2B
     # HiDream-I1-Full (17B), CLIP-L, CLIP-G, T5-XXL, Llama-3.1-8B
     "full-hidream": {"transformer": 17.11, "text_encoder": 0.124, "text_encoder_2": 0.695, "text_encoder_3": 4.76,
                      "text_encoder_4": 8.03},

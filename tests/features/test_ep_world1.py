@@ -1,7 +1,7 @@
 """`parallelize` at world 1 on a MoE transformer (issue 15): `schedule.moe.choose_moe_world1` decides per layer
 kind and logs why. "auto" keeps diffusers' layer: for NucleusMoE (expert choice) diffusers' layer compiled with
 the int32-offsets fix beat the EP world-1 fused path on the H200, for HiDream (top-k) the general EP plan's host
-sync made the step 2.2x slower; an explicit ``world1_path`` forces an EP path (static expert offsets: the fused
+sync made the step slower (benchmarks/results/e2e/NOTES.md); an explicit ``world1_path`` forces an EP path (static expert offsets: the fused
 kernel, no host plan, no sync), which runs on diffusers' own expert tensors, and restore() gives back the
 original layers exactly."""
 
@@ -89,7 +89,7 @@ def test_world1_on_a_gpu_keeps_diffusers_layer_for_expert_choice_with_the_measur
     assert num == 0 and _moe_layers(model, "NucleusMoELayer") == before
     lines = _world1_lines(caplog)
     assert len(lines) == 1 and "diffusers -> diffusers' layer kept" in lines[0], lines
-    assert "expert-choice" in lines[0] and "0.90 / 1.38 ms" in lines[0] and "1.38 / 1.69 ms" in lines[0], lines
+    assert "expert-choice" in lines[0] and "benchmarks/results/moe/NOTES.md" in lines[0], lines
     undo()
     assert _moe_layers(model, "NucleusMoELayer") == before
 
@@ -112,7 +112,7 @@ def test_world1_on_a_gpu_keeps_diffusers_layer_for_top_k(monkeypatch, caplog):
     assert num == 0 and model[0] is original
     lines = _world1_lines(caplog)
     assert len(lines) == 1 and "diffusers -> diffusers' layer kept" in lines[0], lines
-    assert "top-k" in lines[0] and "2.2x" in lines[0], lines
+    assert "top-k" in lines[0] and "benchmarks/results/e2e/NOTES.md" in lines[0], lines
     undo()
     undo, num = expert_parallel.apply_expert_parallel(model, (hidream_ep,), None, world1_path="fused")
     assert num == 1 and type(model[0]).__name__ == "HiDreamMoEEPLayer" and model[0].path == "fused"
