@@ -222,9 +222,11 @@ class OwnedCompiler:
             reset_code(code)
         self._codes.clear()
         del mine, shared, dropped
-        _detach_guard_finalizers(managers)
-        _remove_installed_globals(out_codes)
-        _forget_backends(backends)
+        # What Dynamo keeps beside the cache entries; its layout is torch's own, so a torch that lays it out
+        # otherwise keeps those bytes (logged once) and loses nothing else.
+        _best_effort("its guard finalizers", _detach_guard_finalizers, managers)
+        _best_effort("the globals it installed", _remove_installed_globals, out_codes)
+        _best_effort("its backends", _forget_backends, backends)
 
     @staticmethod
     def _shared_entries(convert_frame: Any, entries: Callable, backends: dict, own: dict) -> dict:
@@ -246,6 +248,19 @@ class OwnedCompiler:
                 found[code] = (mine, [e for e in listed if e not in mine and not isinstance(
                     getattr(e, "guard_manager", None), DeletedGuardManagerWrapper)])
         return found
+
+
+@functools.cache
+def _warn_once(what: str, error: str) -> None:
+    log.warning("dropping compiled graphs: torch %s keeps %s (%s); their memory stays until the process ends",
+                torch.__version__, what, error)
+
+
+def _best_effort(what: str, fn: Callable, *args: Any) -> None:
+    try:
+        fn(*args)
+    except (AttributeError, ImportError, KeyError, TypeError) as exc:
+        _warn_once(what, f"{type(exc).__name__}: {exc}")
 
 
 def _invalidate(entries: list) -> int:

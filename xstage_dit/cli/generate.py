@@ -261,21 +261,23 @@ def run(args: argparse.Namespace) -> int:
         device = rank_info.device  # one GPU per local rank (ranks share it where there are fewer)
     rank = 0 if rank_info is None else rank_info.rank
     engine, t_build = _engine(args, spec, parallel, device, dtype, rank)
-    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline
+    with engine:  # restored at the end: a caller in the same process gets the process back as it was
+        from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline
 
-    try:
-        kwargs = pipeline_kwargs(engine.pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec), output_type="pt")
-    except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
-        flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
-        raise UsageError(f"{flag}: {exc}") from None
-    t_warm = _warm_up(engine, spec, request, warmup_sizes)
-    t1 = time.perf_counter()
-    result = run_pipeline(engine.pipe, **kwargs)
-    if device.type == "cuda":
-        import torch
+        try:
+            kwargs = pipeline_kwargs(engine.pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec),
+                                     output_type="pt")
+        except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
+            flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
+            raise UsageError(f"{flag}: {exc}") from None
+        t_warm = _warm_up(engine, spec, request, warmup_sizes)
+        t1 = time.perf_counter()
+        result = run_pipeline(engine.pipe, **kwargs)
+        if device.type == "cuda":
+            import torch
 
-        torch.cuda.synchronize(device)
-    t_gen = time.perf_counter() - t1
-    if rank == 0:  # only rank 0 writes the output
-        _report(engine, spec, result, output, kwargs, (t_gen, t_build, t_warm))
+            torch.cuda.synchronize(device)
+        t_gen = time.perf_counter() - t1
+        if rank == 0:  # only rank 0 writes the output
+            _report(engine, spec, result, output, kwargs, (t_gen, t_build, t_warm))
     return 0

@@ -21,6 +21,7 @@ from typing import Any
 
 from xstage_dit.engine.config import KINDS, EngineConfig
 from xstage_dit.features import apply_stack
+from xstage_dit.features.compile import CompileConfig, compile_pipeline
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +93,9 @@ class Engine:
         if stack is None:
             return {}
         compiled, invariance = stack.compiled, stack.batch_invariance
-        return {"features": list(stack.applied),
-                "compile": compiled.describe() if compiled is not None else {"mode": "off", "how": "eager (compile off)"},
+        if compiled is None:  # compile off: what the compile feature reports when it compiles nothing
+            compiled = compile_pipeline(self.pipe, CompileConfig("off", self.config.compile.max_shapes), stack.ctx)
+        return {"features": list(stack.applied), "compile": compiled.describe(),
                 "batch_invariance": invariance.describe() if invariance is not None else None,
                 "outside_transformer": stack.describe_pipeline()}
 

@@ -90,7 +90,7 @@ class Worker:
         self.metrics.watch_gc(self._gc)
         self._ready_event = threading.Event()
         self._lock = threading.Lock()
-        self._own_engine = None  # the engine of what this worker applied itself (`_runner`)
+        self._own_engine = None  # the engine of what this worker applied itself (`_runner`), undone at stop
 
     # ----- common -----
     @property
@@ -154,10 +154,14 @@ class Worker:
         return BatchRunner(self.model.pipe, self.model.served)
 
     def _restore_own(self) -> None:
-        """Undo what the worker applied itself (batch invariance on a handed-in pipeline)."""
+        """Undo the stacks on the worker's model when it stops: what it applied itself (batch invariance on a
+        handed-in pipeline), then the loader's engine; a pipeline handed in as it is stays as it came."""
         engine, self._own_engine = self._own_engine, None
         if engine is not None:
             engine.restore()
+        loaded = self.model.engine if self.model is not None else None
+        if loaded is not None:
+            loaded.restore()
 
     def _warmup(self, runner: BatchRunner) -> None:
         """Every rank: warm up (`_warm_sizes`), then freeze the heap alive now out of the garbage collector's
