@@ -42,19 +42,15 @@ MAX_LEVELS = 8
 
 
 @pytest.fixture(autouse=True)
-def _process_as_found(monkeypatch):
-    """`generate` and the server keep their `parallelize` handle for the life of their process, which exits after;
-    here they run in the test's process, so the process-wide swap `host_syncs` makes for NucleusMoE (its module's
-    text-length helper, counted per patched transformer in `_diffusers_private`) is put back after each test.
-    (Restoring the process when a command ends is the engine's: issue 38.)"""
+def _process_as_found():
+    """`generate` restores its engine when it ends and the server's worker when it stops: the process-wide swap
+    `host_syncs` makes for NucleusMoE (its module's text-length helper) must be gone after each test."""
     from diffusers.models.transformers import transformer_nucleusmoe_image as nucleusmoe
 
-    from xstage_dit import _diffusers_private as private
-
-    monkeypatch.setattr(nucleusmoe, "_compute_text_seq_len_from_mask", nucleusmoe._compute_text_seq_len_from_mask)
-    users = private._TEXT_LEN_USERS[0]
+    original = nucleusmoe._compute_text_seq_len_from_mask
     yield
-    private._TEXT_LEN_USERS[0] = users
+    # the commands restore their engine when they end: the swap must be gone, not put back by this fixture
+    assert nucleusmoe._compute_text_seq_len_from_mask is original, "a command left NucleusMoE's text-length swap"
 
 
 def _round_up(value: int, multiple: int) -> int:
