@@ -10,6 +10,7 @@ unpatched image itself, then the parallel one, restores and computes a third; ea
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import sys
@@ -24,6 +25,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.helpers.family_harness import (  # noqa: E402
+    Tokens, equivalence, launch_ranks, pipeline_image, saved_folder_outputs)
 from tests.helpers.tolerances import TOL  # noqa: E402
 
 MODEL = "tiny-lumina2"
@@ -38,43 +41,11 @@ CONFIGS = {2: {"sp2": dict(sp=2), "cfg2": dict(cfg=2)}, 4: {"sp4": dict(sp=4), "
 
 
 def _image(pipe, case: dict, **extra) -> np.ndarray:
-    from xstage_dit.families import model_spec
-    from xstage_dit.runtime.generation import fixed_kwargs
-
-    prompts = case["prompt"] if isinstance(case["prompt"], list) else [case["prompt"]]
-    generators = [torch.Generator("cpu").manual_seed(7 + i) for i in range(len(prompts))]
-    out = pipe(**fixed_kwargs(model_spec(MODEL)), prompt=case["prompt"], height=case["height"], width=case["width"],
-               num_inference_steps=2, guidance_scale=4.0, generator=generators, output_type="np", **extra)
-    return np.asarray(out.images, dtype=np.float32)
-
-
-class _Tokens:
-    """Query tokens every attention's ``to_q`` projects: fewer under sp = the split really ran."""
-
-    def __init__(self, model):
-        self.modules = [m.to_q for m in model.modules() if getattr(m, "processor", None) is not None]
-        self.seen: list[int] = []
-
-    def __enter__(self):
-        self.handles = [m.register_forward_pre_hook(lambda _, args: self.seen.append(args[0].shape[1]))
-                        for m in self.modules]
-        return self.seen
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
+    return pipeline_image(pipe, MODEL, case, 4.0, **extra)
 
 
 def _equivalence(pipe, config: dict, case: dict, ref: np.ndarray) -> dict:
-    from xstage_dit.features import ParallelConfig, parallelize
-
-    handle = parallelize(pipe, ParallelConfig(**config))
-    with _Tokens(pipe.transformer) as tokens:
-        par = _image(pipe, case)
-    handle.restore()
-    back = _image(pipe, case)
-    return {"max_abs": float(np.abs(par - ref).max()), "restored": float(np.abs(back - ref).max()),
-            "ref_std": float(ref.std()), "tokens": sum(tokens)}
+    return equivalence(pipe, config, lambda: _image(pipe, case), ref)
 
 
 def rank_main(out: str, world: int) -> int:
@@ -86,7 +57,7 @@ def rank_main(out: str, world: int) -> int:
     pipe = load_pipeline(MODEL, seed=0)
     results = {}
     for case_name, case in CASES.items():
-        with _Tokens(pipe.transformer) as tokens:
+        with Tokens(pipe.transformer) as tokens:
             ref = _image(pipe, case)
         results[f"{case_name}/single-tokens"] = sum(tokens)
         for config_name, config in CONFIGS[world].items():
@@ -137,13 +108,7 @@ def test_world_1_matches_the_unpatched_pipeline():
 
 
 def _launch(world: int, tmp_path: Path) -> list[dict]:
-    from xstage_dit.comm.launcher import launch
-
-    out = tmp_path / f"lumina2-w{world}"
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, __file__, str(out), str(world)], timeout_s=400, env=env)
-    assert code == 0, f"world {world}: a rank exited with {code}"
-    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    return launch_ranks(__file__, "lumina2", world, tmp_path)
 
 
 # world 4 (four ranks on the 2-core machine) took 16-19 s: not `slow`
@@ -190,53 +155,18 @@ def test_the_text_depth_fact_is_the_layer_the_pipeline_reads():
 
 
 def test_a_saved_folder_generates_through_the_cli_and_the_server(tmp_path):
-    import base64
+    from tests.helpers.server import assert_same_image, decode_png
 
-    import httpx
-
-    from xstage_dit.cli import main
-    from xstage_dit.families import load_pipeline, model_spec
-    from xstage_dit.features.config import ParallelConfig
-    from xstage_dit.runtime.generation import call_kwargs, to_uint8
-    from xstage_dit.server.app import create_app
-    from xstage_dit.server.config import ServerConfig
-    from xstage_dit.server.ranks import RankContext
-    from xstage_dit.server.startup import model_loader
-    from xstage_dit.server.worker import Worker
-    from tests.helpers.server import assert_same_image, decode_png, live_server, one_torch_thread
-
-    folder = tmp_path / "my-lumina2"
-    load_pipeline(MODEL, seed=3).save_pretrained(folder)
-    prompt, seed, height, width = "a red fox in the snow", 5, 64, 80
-    with one_torch_thread():
-        pipe = load_pipeline(str(folder))  # unpatched: what a diffusers user gets
-        spec = model_spec(str(folder))
-        assert (spec.family, spec.size, spec.pipeline_class) == ("lumina2", "local", "Lumina2Pipeline")
-        kwargs = call_kwargs(pipe, spec, prompt=prompt, seed=seed, steps=2, height=height, width=width)
-        direct = to_uint8(np.asarray(pipe(**kwargs).images[0]))
-
-        png = tmp_path / "cli.png"
-        assert main(["generate", "--model", str(folder), "--prompt", prompt, "--seed", str(seed), "--steps", "2",
-                     "--height", str(height), "--width", str(width), "--output", str(png), "--no-progress"]) == 0
-        cli = png.read_bytes()
-
-        loader = model_loader(str(folder), ParallelConfig())
-        worker = Worker(loader, ServerConfig(api_key=None, warmup=False, max_batch_size=1),
-                        join=lambda: RankContext(device=torch.device("cpu"))).start()
-        try:
-            assert worker.wait_ready(300), worker.reason
-            with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=300) as client:
-                r = client.post("/v1/images/generations", json={
-                    "prompt": prompt, "seed": seed, "size": f"{width}x{height}", "num_inference_steps": 2})
-                assert r.status_code == 200, r.text
-                served = r.json()["data"][0]["b64_json"]
-                bad = client.post("/v1/images/generations", json={"prompt": prompt, "size": f"{width}x{height + 8}"})
-                assert bad.status_code == 422 and "16" in bad.text, bad.text  # the 16-pixel rule, before queueing
-        finally:
-            worker.stop()
-    assert base64.b64decode(served) == cli  # one request type, one pixel rule: the same PNG
-    assert_same_image(decode_png(served), direct, "served vs direct")
-    assert direct.std() > 1.0  # an image, not a constant
+    height, width = 64, 80
+    out = saved_folder_outputs(MODEL, tmp_path / "my-lumina2", prompt="a red fox in the snow", seed=5, height=height,
+                               width=width, bad_size=f"{width}x{height + 8}")
+    spec = out["spec"]
+    assert (spec.family, spec.size, spec.pipeline_class) == ("lumina2", "local", "Lumina2Pipeline")
+    bad = out["bad"]
+    assert bad.status_code == 422 and "16" in bad.text, bad.text  # the 16-pixel rule, before queueing
+    assert base64.b64decode(out["served"]) == out["cli"]  # one request type, one pixel rule: the same PNG
+    assert_same_image(decode_png(out["served"]), out["direct"], "served vs direct")
+    assert out["direct"].std() > 1.0  # an image, not a constant
 
 
 def test_full_lumina2_has_the_published_sizes():
