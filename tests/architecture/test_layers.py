@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -34,21 +36,20 @@ def test_contracts_hold_for_the_tree(tmp_path):
     assert "Contracts: 3 kept, 0 broken" in proc.stdout, proc.stdout[-2000:]
 
 
-def test_a_planted_back_arrow_breaks_the_layers_contract(tmp_path):
-    work = _copy_tree(tmp_path)
-    laws = work / "xstage_dit" / "xstage" / "laws.py"
-    # The bottom layer importing the server: the kind of arrow the contract exists to stop.
-    laws.write_text(laws.read_text() + "\nimport xstage_dit.server.app  # noqa: E402,F401  (planted)\n")
-    proc = _lint(work)
-    assert proc.returncode != 0
-    assert "xstage_dit.xstage is not allowed to import xstage_dit.server" in proc.stdout, proc.stdout[-3000:]
+# (module that gets the planted import, the module it imports, the contract's message): the bottom layer
+# importing the server, the kind of arrow the contract exists to stop; a feature reaching up to the engine, which
+# sits between runtime and features.
+PLANTED_BACK_ARROWS = [
+    ("xstage/laws.py", "xstage_dit.server.app", "xstage_dit.xstage is not allowed to import xstage_dit.server"),
+    ("features/prompt_cache.py", "xstage_dit.engine", "xstage_dit.features is not allowed to import xstage_dit.engine"),
+]
 
 
-def test_features_may_not_import_the_engine_above_them(tmp_path):
-    """The engine sits between runtime and features: a feature reaching up to it breaks the contract."""
+@pytest.mark.parametrize("module, imported, message", PLANTED_BACK_ARROWS)
+def test_a_planted_back_arrow_breaks_the_layers_contract(tmp_path, module, imported, message):
     work = _copy_tree(tmp_path)
-    feature = work / "xstage_dit" / "features" / "prompt_cache.py"
-    feature.write_text(feature.read_text() + "\nimport xstage_dit.engine  # noqa: E402,F401  (planted)\n")
+    path = work / "xstage_dit" / module
+    path.write_text(path.read_text() + f"\nimport {imported}  # noqa: E402,F401  (planted)\n")
     proc = _lint(work)
     assert proc.returncode != 0
-    assert "xstage_dit.features is not allowed to import xstage_dit.engine" in proc.stdout, proc.stdout[-3000:]
+    assert message in proc.stdout, proc.stdout[-3000:]
