@@ -19,7 +19,7 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
   at a time. (FLUX at 512², 2026-12-04 H200: batched images still differed with only the two rules above.)
 - **Token GEMMs of long streams** (M = n * tokens, ``SPLIT_ROWS`` or more a sample): measured row-for-row
   identical across batch sizes for FLUX's shapes (1024-4608 tokens a sample, K x N up to 15360 x 3072) on the
-  H200, with every BLAS setting (``benchmarks/probe_batch_invariance.py``,
+  H200, with every BLAS setting (``benchmarks/bench_serving.py batch-invariance``,
   ``benchmarks/results/serving/batch-invariance-h200-*.md``): left batched.
 - **Convolutions inside the transformer** (patch embeddings: HunyuanImage's Conv2d): one sample at a time, as
   the VAE (the convolution library may pick another algorithm for another batch size; on the CPU a batch of 2

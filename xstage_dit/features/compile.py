@@ -12,20 +12,19 @@ Modes:
   compiles this way. Each call starts a new graph generation (``torch.compiler.cudagraph_mark_step_begin``) and
   its tensor outputs are cloned out of the graph's memory pool, so a pipeline that keeps one forward's output
   across the next (CFG's two forwards a step) reads its own values. Costs the memory of one forward's
-  activations per compiled shape. NucleusMoE 1024², 4 steps, CFG batched, H200 at b3a1445, one run: 0.370 s
-  against full 0.380 and regional 0.363 (``benchmarks/results/e2e/nucleusmoe-compilemodes-1xh200-b3a1445.md``).
+  activations per compiled shape. Measured against full and regional:
+  ``benchmarks/results/e2e/nucleusmoe-compilemodes-1xh200-b3a1445.md``.
 
 Every compiling mode also compiles the image VAE's decoder (``AutoencoderKL``, as FLUX, SD3 and QwenImage
-use; never under CUDA graphs), one graph per decoded size under the same bound: on the H200 the FLUX 1024² decode took 35.0 ms compiled
-against 84.6 eager (2.6 s to compile; ``benchmarks/results/compile/``). A video VAE (Qwen-Image's, NucleusMoE's,
+use; never under CUDA graphs), one graph per decoded size under the same bound (compiled against eager, and
+the compile time: ``benchmarks/results/compile/``). A video VAE (Qwen-Image's, NucleusMoE's,
 Wan's) decoding a one-frame latent is compiled too where `parallelize` made that decode a plain 2-D network
 (`one_frame_vae.OneFrameDecode`; not measured on the GPU yet); its decode of several frames (a video, whose
 decoder caches frames between chunks) stays eager unless ``extras`` names ``video-vae``. ``extras``
 (``--compile-extra``; off by default, not measured on the GPU): ``text-encoder`` compiles an LLM text encoder's
-language model whole with dynamic shapes, one graph for every prompt length (NucleusMoE's Qwen3-VL-8B dispatches
-2538 aten ops a pass eagerly); ``video-vae`` compiles a video VAE's chunked decode (Wan's: three graphs a size,
-first chunk, second, the rest; 81 frames decode in ~3 s of a 13.7 s compiled 2-step Wan call on the H200, in
-float32, its elementwise work unfused).
+language model whole with dynamic shapes, one graph for every prompt length (an LLM encoder dispatches thousands
+of aten ops a pass eagerly); ``video-vae`` compiles a video VAE's chunked decode (Wan's: three graphs a size,
+first chunk, second, the rest; eagerly its float32 elementwise work runs unfused).
 
 Bounded recompiles: every distinct input signature of the transformer (the shapes and dtypes of its
 tensor arguments: batch, tokens, text length) is a compile (``dynamic=False``: one graph per served
@@ -33,7 +32,7 @@ shape, no slower symbolic-shape graph). The first ``max_shapes`` signatures comp
 eager transformer (``torch.compiler.set_stance("force_eager")``), logged once per signature, so a
 client asking for an odd size costs itself an eager call instead of every user a recompile. The VAE decoders
 (AutoencoderKL's, a one-frame video VAE's) are bounded the same way, their latent sizes counted apart
-(``vae_compiled_shapes``): before, every new size a client asked for compiled the decoder again (2.6 s for FLUX's). Dynamo's own
+(``vae_compiled_shapes``): before, every new size a client asked for compiled the decoder again. Dynamo's own
 ``recompile_limit`` is raised while compiled (restored by `CompileHandle.restore`) to the bound times the
 layers of a regional block class (layers with different guarded attributes need their own graphs), so it
 never falls back silently first.
@@ -48,17 +47,13 @@ run compiled without compiling anything (Dynamo's count of converted frames unch
 that key run under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo evaluates only the
 guards that told its cache entries apart during warm-up (the ones that ever failed), not every guard of every
 entry. Why: regional compile puts all of a block class's layers on one code object, and NucleusMoE's layers
-differ in guarded attributes (capacity factor, dense vs MoE), so each layer's call walks several entries; on
-the H200 its compiled 4-step call spent 121 ms of host time in "TorchDynamo Cache Lookup" (256 block calls,
-473 us each: the torch-profiler table of a bare call at 44c49d2 in ``benchmarks/results/serving/``), a
-host-bound call (host 692 ms, GPU 391 ms). The mode is read on every call (``handle.guards``), so a
+differ in guarded attributes (capacity factor, dense vs MoE), so each layer's call walks several entries, and
+its compiled call is host-bound with much of the host time in "TorchDynamo Cache Lookup" (the torch-profiler
+table of a bare call at 44c49d2 in ``benchmarks/results/serving/``). The mode is read on every call (``handle.guards``), so a
 probe can compare both on the same graphs. Unsafe where a module attribute or global the graphs
 depend on changes between calls of one key (nothing in this project's patches does that after warm-up).
-On the H200 (f6c8114, ``probe_served_path.py --profile``) the lookups of that call took 66 ms warm against
-159 ms, and the bare call 0.471-0.476 s against 0.504-0.517 s in the quiet rounds; on the 2-core CPU machine a 32-block tiny NucleusMoE (its layer kinds and capacity
-factors, two cache entries per code object) forward took 17.8-18.5 ms warm against 18.6-19.2 ms (eager
-backend, medians of 8 forwards, 4 runs each way), the same images; torch's profiler put Dynamo's cache lookups
-of one 4-step call at 5.3-5.5 ms warm against 16.7-17.0 ms (1648 lookups: 3.2-3.4 against 10.1-10.3 us each).
+Warm against full guards, on the GPU (``bench_serving.py served-path --profile``) and on the CPU (a 32-block
+tiny NucleusMoE, eager backend), the same images: ``benchmarks/results/figures-from-code.md``.
 
 Restore drops the graphs this handle compiled and only those: everything compiles through a
 `_torch_private.OwnedCompiler` (entry code objects of its own), never ``torch._dynamo.reset()``, which drops

@@ -116,7 +116,7 @@ def encode_png(pixels: np.ndarray) -> bytes:
     for part in stream:  # the IDAT chunk's CRC, piece by piece: the stream is never joined on its own
         crc = zlib_ng.crc32(part, crc)
     # One join: the image's bytes are copied once. Chaining `+` over the chunks (before 0a74973) copied them five
-    # times, each copy page-faulting anew on the server's encode thread (benchmarks/probe_png_encode.py).
+    # times, each copy page-faulting anew on the server's encode thread (`bench_serving.py png`).
     return b"".join([_SIGNATURE, _chunk(b"IHDR", header), struct.pack(">I", sum(len(p) for p in stream)), b"IDAT",
                      *stream, struct.pack(">I", crc), _chunk(b"IEND", b"")])
 

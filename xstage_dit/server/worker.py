@@ -138,7 +138,7 @@ class Worker:
 
     def _runner(self) -> BatchRunner:
         """The runner; an image pipeline computes a batch as its images alone (`features.batch_invariance`, as
-        `generate` does: the same bytes), so batching can keep the README's promise. The loader's engine applied
+        `generate` does: the same bytes), so batching can keep the promise of docs/serving.md. The loader's engine applied
         it (`startup.model_loader`); a pipeline handed in as it is (in-process servers) gets it here, through an
         engine of that one feature, undone when the worker stops. Same on every rank."""
         if self.model.engine is None and self._own_engine is None:
