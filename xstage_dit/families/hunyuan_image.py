@@ -34,6 +34,7 @@ from xstage_dit.families.hunyuan_video15 import BYT5
 from xstage_dit.families.hunyuan_video15 import TEXT as QWEN25VL_TEXT  # tiny: 3 layers (it reads hidden_states[-3])
 from xstage_dit.families.qwenimage import VISION as QWEN25VL_VISION
 from xstage_dit.families.qwenimage import qwen25vl_text_encoder
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import PlanHook, SequenceParallelSpec, blocks_of, rope_split
 from xstage_dit.families.spec import ModelSpec
@@ -163,6 +164,7 @@ RECORD = FamilyRecord(
     transformers=("HunyuanImageTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=32), specs=SPECS,
+    latent_decode=latent_decode.scaled,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="HunyuanImage-2.1-Diffusers", pipeline_worlds=(2, 4),
 )
