@@ -37,11 +37,16 @@ from xstage_dit.server.worker import Worker
 PARTIAL, COMPLETED_EVENT, PROGRESS = "image_generation.partial_image", "image_generation.completed", "xstage.progress"
 
 
-def background_of(data: bytes) -> str:
-    """'transparent' when the encoded image keeps an alpha channel, else 'opaque' (reads the header only)."""
-    from PIL import Image
+def background_of(data: bytes) -> str | None:
+    """'transparent' when the encoded image keeps an alpha channel, else 'opaque' (reads the header only); None for
+    bytes that are no image Pillow knows."""
+    from PIL import Image, UnidentifiedImageError
 
-    return "transparent" if Image.open(io.BytesIO(data)).mode in ("RGBA", "LA", "PA") else "opaque"
+    try:
+        mode = Image.open(io.BytesIO(data)).mode
+    except UnidentifiedImageError:
+        return None
+    return "transparent" if mode in ("RGBA", "LA", "PA") else "opaque"
 
 
 def _event(name: str, payload: dict, data: bytes) -> memoryview:
@@ -53,7 +58,7 @@ def _event(name: str, payload: dict, data: bytes) -> memoryview:
 
 
 def _common(spec: ImageJobSpec, data: bytes) -> dict:
-    return {"background": background_of(data), "created_at": int(time.time()), "output_format": spec.encoding.format,
+    return {"background": background_of(data) or "auto", "created_at": int(time.time()), "output_format": spec.encoding.format,
             "quality": spec.quality or "auto", "size": spec.size}
 
 
