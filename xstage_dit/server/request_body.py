@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from xstage_dit.server.http_layer import first_validation_error
 from xstage_dit.server.protocol import RequestError
 
-JSON, FORM = "application/json", "multipart/form-data"
+JSON, FORM, URLENCODED = "application/json", "multipart/form-data", "application/x-www-form-urlencoded"
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -60,8 +60,9 @@ def _is_json(media: str) -> bool:
 
 
 async def read_body(request: Request, *, file_fields: tuple[str, ...] = ()) -> Body:
-    """The body of `request` as JSON (an object) or multipart/form-data; 415 for any other media type, 400 for a
-    malformed one, 422 for a file part outside `file_fields`."""
+    """The body of `request` as JSON (an object) or a form (multipart/form-data, or url-encoded as ``curl -d``
+    sends one); 415 for any other media type, 400 for a malformed one, 422 for a file part outside
+    `file_fields`."""
     media = _media_type(request)
     if _is_json(media):
         raw = await request.body()
@@ -72,7 +73,7 @@ async def read_body(request: Request, *, file_fields: tuple[str, ...] = ()) -> B
         if not isinstance(fields, dict):
             raise RequestError("body", "expected a JSON object")
         return Body(fields, {}, JSON)
-    if media != FORM:
+    if media not in (FORM, URLENCODED):
         raise RequestError("content-type", f"expected {JSON} or {FORM}, got {request.headers.get('content-type')!r}",
                            415)
     try:
@@ -105,7 +106,7 @@ async def _split_form(form, file_fields: tuple[str, ...]) -> Body:
             fields[name].append(value)
         else:
             fields[name] = value
-    return Body(fields, files, FORM)
+    return Body(fields, files, FORM)  # url-encoded or multipart: the same fields
 
 
 def parse_as(model: type[M], fields: dict[str, Any]) -> M:

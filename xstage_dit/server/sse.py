@@ -1,7 +1,6 @@
-"""Server-sent events of one job. `follow` walks a job's events (with keep-alives, and the job cancelled when a
-client that owns it leaves); `events` is the stream of the jobs and videos endpoints: `progress` after every step,
-then `completed` (or `error`); the images endpoint's OpenAI-shaped stream (`images.stream`) is built on `follow`
-with `comment` for its progress."""
+"""Server-sent events of a job: `follow` walks its events (keep-alives; the job cancelled when a client that owns it
+leaves), `events` is the jobs and videos endpoints' stream (`progress` after every step, then `completed` or
+`error`), `comment` the lines the images endpoint's OpenAI-shaped stream (`images.stream`) carries its progress in."""
 
 from __future__ import annotations
 
