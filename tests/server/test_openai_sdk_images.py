@@ -144,15 +144,21 @@ def test_streamed_events_are_the_sdks_types(server, reference, partial):
         assert np.array_equal(_pixels(event.b64_json), steps[step]), f"preview {event.partial_image_index}"
 
 
-def test_a_stream_of_two_images_completes_each(server):
+def test_a_stream_with_every_honoured_parameter(server):
+    """Streamed, every honoured parameter at once: two images, each one preview then its completed event."""
     client, _ = server
-    events = list(client.images.generate(prompt="a cat", size="32x32", n=2, stream=True, partial_images=1,
-                                         output_format="webp", output_compression=80,
-                                         extra_body={"seed": 1, "num_inference_steps": 2}))
+    events = list(client.images.generate(prompt="a cat", model="tiny-flux", n=2, size="32x32", quality="medium",
+                                         output_format="webp", output_compression=80, background="opaque",
+                                         moderation="auto", response_format="b64_json", stream=True,
+                                         partial_images=1, user="u", safety_identifier="s", extra_body={"seed": 1}))
     kinds = [(e.type, e.image_index) for e in events]
     assert kinds == [("image_generation.partial_image", 0), ("image_generation.partial_image", 1),
                      ("image_generation.completed", 0), ("image_generation.completed", 1)], kinds
-    assert [e.seed for e in events[2:]] == [1, 2] and all(e.output_format == "webp" for e in events)
+    assert [e.seed for e in events[2:]] == [1, 2] and [e.safety_identifier for e in events[2:]] == ["s", "s"]
+    assert all((e.output_format, e.quality, e.background, e.size) == ("webp", "medium", "opaque", "32x32")
+               for e in events)
+    assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "WEBP" for e in events)
+    assert {e.timings["total_s"] > 0 for e in events[2:]} == {True}
 
 
 @pytest.mark.parametrize("param, value", sorted(REFUSED.items()))

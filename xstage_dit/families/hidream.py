@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.families import flux, sharding
+from xstage_dit.families import flux, latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.experts import expert_seed, uniform_
-from xstage_dit.families import latent_decode
 from xstage_dit.families.record import ExpertFacts, FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import PlanHook, SequenceParallelSpec
 from xstage_dit.families.spec import ModelSpec

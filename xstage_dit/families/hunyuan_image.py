@@ -28,13 +28,12 @@ from __future__ import annotations
 import torch
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.hunyuan_video15 import BYT5
 from xstage_dit.families.hunyuan_video15 import TEXT as QWEN25VL_TEXT  # tiny: 3 layers (it reads hidden_states[-3])
 from xstage_dit.families.qwenimage import VISION as QWEN25VL_VISION
 from xstage_dit.families.qwenimage import qwen25vl_text_encoder
-from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import PlanHook, SequenceParallelSpec, blocks_of, rope_split
 from xstage_dit.families.spec import ModelSpec

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module
 from xstage_dit.families.nucleusmoe import TEXT as QWEN3VL_TEXT, VISION, qwen3vl_text_encoder
-from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import PlanHook, SequenceParallelSpec, SequenceState, blocks_of
 from xstage_dit.families.spec import ModelSpec

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
-from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import gemma_tokenizer

@@ -117,9 +117,7 @@ def parse_as(model: type[M], fields: dict[str, Any]) -> M:
     except ValidationError as exc:
         errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in exc.errors()]
         status, param, message = first_validation_error(RequestValidationError(errors))
-        error = RequestError(param, "", status)
-        error.message = message
-        raise error from None
+        raise RequestError(param, message, status, named=True) from None
 
 
 def openapi_body(model: type[BaseModel], file_fields: tuple[str, ...] = ()) -> dict:
