@@ -34,7 +34,9 @@ from xstage_dit.server.protocol import Timings
 from xstage_dit.server.sse import KEEPALIVE, comment, error_event, follow
 from xstage_dit.server.worker import Worker
 
-PARTIAL, COMPLETED_EVENT, PROGRESS = "image_generation.partial_image", "image_generation.completed", "xstage.progress"
+PROGRESS = "xstage.progress"
+#: the events' prefix: "image_generation" here, "image_edit" for /v1/images/edits (OpenAI's edit stream)
+GENERATION = "image_generation"
 
 
 def background_of(data: bytes) -> str | None:
@@ -62,34 +64,35 @@ def _common(spec: ImageJobSpec, data: bytes) -> dict:
             "quality": spec.quality or "auto", "size": spec.size}
 
 
-def partial_event(spec: ImageJobSpec, job: Job, preview: dict) -> memoryview:
-    """The ``image_generation.partial_image`` event of one preview (`previews.PreviewPlan` publishes them)."""
-    return _event(PARTIAL, {**_common(spec, preview["data"]), "partial_image_index": preview["partial_image_index"],
+def partial_event(spec: ImageJobSpec, job: Job, preview: dict, prefix: str = GENERATION) -> memoryview:
+    """The ``<prefix>.partial_image`` event of one preview (`previews.PreviewPlan` publishes them)."""
+    return _event(f"{prefix}.partial_image", {**_common(spec, preview["data"]), "partial_image_index": preview["partial_image_index"],
                             "job_id": job.id, "image_index": preview["image_index"]}, preview["data"])
 
 
-def completed_events(spec: ImageJobSpec, job: Job, size_multiple: int) -> list[memoryview]:
-    """One ``image_generation.completed`` event per image of a completed job, in order."""
+def completed_events(spec: ImageJobSpec, job: Job, size_multiple: int, prefix: str = GENERATION) -> list[memoryview]:
+    """One ``<prefix>.completed`` event per image of a completed job, in order."""
     usage = spec.usage(size_multiple).model_dump()
     timings = Timings(**job.timings()).model_dump()
     extra = {"safety_identifier": spec.safety_identifier} if spec.safety_identifier else {}
-    return [_event(COMPLETED_EVENT, {**_common(spec, data), "usage": usage, **extra, "job_id": job.id,
+    return [_event(f"{prefix}.completed", {**_common(spec, data), "usage": usage, **extra, "job_id": job.id,
                                      "seed": item.seed, "image_index": i, "timings": timings}, data)
             for i, (data, item) in enumerate(zip(job.results, job.items))]
 
 
-async def openai_stream(worker: Worker, job: Job, spec: ImageJobSpec,
-                        q: asyncio.Queue) -> AsyncIterator[bytes | memoryview]:
-    """The stream of a queued image job (subscribed as `q` before it was queued); a client that leaves cancels it."""
+async def openai_stream(worker: Worker, job: Job, spec: ImageJobSpec, q: asyncio.Queue,
+                        prefix: str = GENERATION) -> AsyncIterator[bytes | memoryview]:
+    """The stream of a queued image job (subscribed as `q` before it was queued); a client that leaves cancels it.
+    prefix: the OpenAI event family ("image_generation", or "image_edit" for an edit)."""
     async for event in follow(worker, job, cancel_on_disconnect=True, q=q):
         if event is None:
             yield KEEPALIVE
         elif "partial_image" in event:
-            yield partial_event(spec, job, event["partial_image"])
+            yield partial_event(spec, job, event["partial_image"], prefix)
         elif event["status"] not in TERMINAL or event["status"] == COMPLETED:
             yield comment(PROGRESS, event)
             if event["status"] == COMPLETED:
-                for chunk in completed_events(spec, job, worker.served.size_multiple):
+                for chunk in completed_events(spec, job, worker.served.size_multiple, prefix):
                     yield chunk
         else:
             yield error_event(job)
