@@ -133,7 +133,8 @@ def test_a_body_that_is_not_json_gets_415(client):
     ({"prompt": "x", "n": 4.5}, "n", "n: expected an integer, got 4.5"),
     ({"prompt": "x", "n": "two"}, "n", "n: expected an integer, got 'two'"),
     ({"prompt": "x", "stream": "maybe"}, "stream", "stream: expected true or false, got 'maybe'"),
-    ({"prompt": "x", "response_format": "url"}, "response_format", "response_format: expected 'b64_json' or 'png', got 'url'"),
+    ({"prompt": "x", "response_format": "jpg"}, "response_format",
+     "response_format: expected 'b64_json', 'png' or 'url', got 'jpg'"),
     ({"prompt": 3}, "prompt", "prompt: expected a string, got 3"),
 ])
 def test_messages_say_expected_and_got_once(client, body, param, message):

@@ -44,12 +44,16 @@ def reference():
 
 
 def sse_events(response):
+    """(name, data) of each event; the images stream's progress comment lines (": xstage.progress {json}") as
+    ("xstage.progress", data)."""
     name = None
     for line in response.iter_lines():
         if line.startswith("event:"):
             name = line[6:].strip()
         elif line.startswith("data:"):
             yield name, json.loads(line[5:])
+        elif line.startswith(": xstage.progress "):
+            yield "xstage.progress", json.loads(line[len(": xstage.progress "):])
 
 
 def wait_for(predicate, timeout_s=20.0, what="condition"):
@@ -156,8 +160,8 @@ def test_a_streamed_request_listens_before_its_job_is_queued(server, monkeypatch
     with client.stream("POST", "/v1/images/generations",
                        json={"prompt": "a cat", "size": "32x32", "num_inference_steps": 2, "stream": True}) as r:
         events = list(sse_events(r))
-    assert listening == [1] and events[-1][0] == "completed"
-    progress = [e["steps_done"] for n, e in events if n == "progress" and e["status"] == "in_progress"]
+    assert listening == [1] and events[-1][0] == "image_generation.completed"
+    progress = [e["steps_done"] for n, e in events if n == "xstage.progress" and e["status"] == "in_progress"]
     assert progress == [0, 1, 2], events
 
 
@@ -185,10 +189,11 @@ def test_streamed_progress_then_image(server):
                        json={"prompt": "a cat", "size": "32x32", "num_inference_steps": 4, "stream": True}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(r))
-    progress = [e for n, e in events if n == "progress"]
+    progress = [e for n, e in events if n == "xstage.progress"]
     assert [p["steps_done"] for p in progress if p["status"] == "in_progress"] == [0, 1, 2, 3, 4]
     name, final = events[-1]
-    assert name == "completed" and decode_png(final["data"][0]["b64_json"]).shape == (32, 32, 3)
+    assert name == "image_generation.completed" and decode_png(final["b64_json"]).shape == (32, 32, 3)
+    assert final["type"] == name and final["size"] == "32x32" and final["output_format"] == "png"
     job = client.get(f"/v1/jobs/{final['job_id']}").json()
     assert job["status"] == "completed" and job["steps_done"] == 4
     with client.stream("GET", f"/v1/jobs/{final['job_id']}/events") as r:  # a finished job: its final state
@@ -303,14 +308,17 @@ def test_the_json_answer_written_once_equals_the_payload(sizes):
 
     from xstage_dit.runtime.generation import GenerationRequest
     from xstage_dit.server.job_queue import COMPLETED, Job
+    from xstage_dit.server.images.protocol import ImageJobSpec
     from xstage_dit.server.images.serving import image_json, image_payload
+    from xstage_dit.server.media import ImageEncoding
 
     job = Job(id="img-test", deadline=time.time() + 60,
               items=[GenerationRequest(kind="image", prompt="x", width=32, height=32, steps=2, guidance=3.5, seed=s)
                      for s in range(len(sizes))])
     job.results, job.batch_size = [os.urandom(n) for n in sizes], len(sizes)
     job.started, job.finished, job.status = job.created + 0.01, job.created + 0.5, COMPLETED
-    worker = types.SimpleNamespace(served=types.SimpleNamespace(name="tiny-flux"))
-    body = bytes(image_json(worker, job))
-    assert json.loads(body) == image_payload(worker, job)
+    worker = types.SimpleNamespace(served=types.SimpleNamespace(name="tiny-flux", size_multiple=16))
+    spec = ImageJobSpec(job.items, ImageEncoding(), 0, "high", None)
+    body = bytes(image_json(worker, job, spec))
+    assert json.loads(body) == image_payload(worker, job, spec)
     assert [base64.b64decode(d["b64_json"]) for d in json.loads(body)["data"]] == job.results

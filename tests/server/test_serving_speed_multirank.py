@@ -16,9 +16,10 @@ def test_cancel_on_two_ranks_then_serve_again():
         events, job_id, cancelled_at = [], None, None
         with client.stream("POST", "/v1/images/generations", json=body) as stream:
             for line in stream.iter_lines():
-                if not line.startswith("data:"):
+                # per-step progress rides in comment lines (": xstage.progress {json}"), the end in data lines
+                if not line.startswith(("data:", ": xstage.progress ")):
                     continue
-                event = json.loads(line[5:])
+                event = json.loads(line.split(" ", 2)[2] if line.startswith(":") else line[5:])
                 events.append(event)
                 job_id = job_id or event.get("job_id")
                 if event.get("steps_done", 0) >= 2 and cancelled_at is None:

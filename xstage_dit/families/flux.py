@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
@@ -134,6 +135,7 @@ RECORD = FamilyRecord(
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=check_parallel,
                              guidance_distilled_key=GUIDANCE_DISTILLED_KEY),
     limits=SizeLimits(patch_multiple=16), specs=SPECS,
+    latent_decode=latent_decode.flux,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="FLUX.1-dev", pipeline_worlds=(2, 4),
 )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
@@ -110,6 +111,7 @@ RECORD = FamilyRecord(
     transformers=("Flux2Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
     limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(text_read_indices=_read_indices), specs=SPECS,
+    latent_decode=latent_decode.flux2,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="FLUX.2-dev", pipeline_worlds=(2, 4),
 )

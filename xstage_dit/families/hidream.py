@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.families import flux, sharding
+from xstage_dit.families import flux, latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.experts import expert_seed, uniform_
 from xstage_dit.families.record import ExpertFacts, FamilyRecord, SequenceParallelFacts, SizeLimits
@@ -245,6 +245,7 @@ RECORD = FamilyRecord(
                         "hidden_states_masks": 0},
     ),
     experts=EXPERTS, limits=SizeLimits(patch_multiple=16, square_under_sp=True), specs=SPECS,
+    latent_decode=latent_decode.scaled_shifted,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="HiDream-I1-Full", pipeline_worlds=(2, 4),
 )

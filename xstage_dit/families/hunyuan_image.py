@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.hunyuan_video15 import BYT5
 from xstage_dit.families.hunyuan_video15 import TEXT as QWEN25VL_TEXT  # tiny: 3 layers (it reads hidden_states[-3])
@@ -163,6 +163,7 @@ RECORD = FamilyRecord(
     transformers=("HunyuanImageTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=32), specs=SPECS,
+    latent_decode=latent_decode.scaled,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="HunyuanImage-2.1-Diffusers", pipeline_worlds=(2, 4),
 )

@@ -24,6 +24,7 @@ import torch
 
 from xstage_dit.families.build import build_module
 from xstage_dit.families.flux import VAE as FLUX_VAE
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sana import gemma2_text_encoder
 from xstage_dit.families.spec import ModelSpec
@@ -180,6 +181,7 @@ RECORD = FamilyRecord(
                   description="Lumina-Image-2.0 dimensions (2.6B transformer: 26 joint blocks + 2+2 refiners, "
                   "24 x 96, 8 kv heads), Gemma-2-2B, FLUX VAE, random weights"),
     ),
+    latent_decode=latent_decode.scaled_shifted,
     build=build,
     build_transformer=build_transformer,
     transformer_dims=TRANSFORMER,

@@ -21,6 +21,7 @@ from torch import nn
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.experts import expert_seed, normal_
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import (ExpertFacts, FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits,
                                         VideoVAEFacts)
 from xstage_dit.families.sp_plan import SequenceParallelSpec
@@ -261,6 +262,7 @@ RECORD = FamilyRecord(
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, check=check_parallel, cfg="paired",
                              cfg_needs_guidance=True),
     experts=EXPERTS, limits=SizeLimits(patch_multiple=16), facts=FACTS, specs=SPECS,
+    latent_decode=latent_decode.nucleusmoe,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="Nucleus-Image", pipeline_worlds=(2, 4),
 )

@@ -14,6 +14,7 @@ import torch
 
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.nucleusmoe import QWEN_IMAGE_VAE, VAE, VISION_TOKENS
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
@@ -106,6 +107,7 @@ RECORD = FamilyRecord(
     transformers=("QwenImageTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
     limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(video_vae=QWEN_IMAGE_VAE), specs=SPECS,
+    latent_decode=latent_decode.qwenimage,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="Qwen-Image", pipeline_worlds=(2, 4),
 )

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module
 from xstage_dit.families.nucleusmoe import TEXT as QWEN3VL_TEXT, VISION, qwen3vl_text_encoder
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
@@ -189,6 +189,7 @@ RECORD = FamilyRecord(
     transformers=("QwenImage21Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage (target split, prefix whole)", build=sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=32), specs=SPECS,
+    latent_decode=latent_decode.qwenimage21,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="Qwen-Image-2.1", pipeline_worlds=(2, 4),
 )

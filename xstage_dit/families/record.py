@@ -184,6 +184,9 @@ class FamilyRecord:
     transformer_dims: size -> the transformer config of a built-in size (what the CLI's pre-checks read).
     real_weights_example: a published checkpoint named in the random-weights notice.
     pipeline_worlds: worlds of the CPU pipeline-level equivalence test.
+    latent_decode: (pipe, step latents, height, width) -> the VAE's output (batch, C, H, W): the decode tail of
+        the family's text-to-image pipeline (`families.latent_decode`), which the server runs on a step's latents
+        for a stream's partial images; None where the family has none (no previews).
     """
 
     name: str
@@ -201,6 +204,7 @@ class FamilyRecord:
     transformer_dims: Mapping[str, dict] = field(default_factory=dict)
     real_weights_example: str = "a diffusers checkpoint"
     pipeline_worlds: tuple[int, ...] = ()
+    latent_decode: Callable[[Any, Any, int, int], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from xstage_dit.families import sharding
+from xstage_dit.families import latent_decode, sharding
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.spec import ModelSpec
@@ -330,6 +330,7 @@ RECORD = FamilyRecord(
                   description="Sana_1600M_1024px dimensions (1.6B transformer: 20 blocks, 70 x 32 linear attention), "
                   "Gemma-2-2B, DC-AE f32c32, random weights"),
     ),
+    latent_decode=latent_decode.scaled,
     build=build,
     build_transformer=build_transformer,
     transformer_dims=TRANSFORMER,

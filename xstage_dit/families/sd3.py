@@ -16,6 +16,7 @@ import torch
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.flux import CLIP as FLUX_CLIP, T5, VAE as FLUX_VAE
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import SequenceParallelSpec
 from xstage_dit.families.spec import ModelSpec
@@ -111,6 +112,7 @@ RECORD = FamilyRecord(
     transformers=("SD3Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=16), specs=SPECS,
+    latent_decode=latent_decode.scaled_shifted,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="stable-diffusion-3.5-large", pipeline_worlds=(2, 4),
 )

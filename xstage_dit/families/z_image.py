@@ -15,6 +15,7 @@ import torch
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.flux import VAE as FLUX_VAE
+from xstage_dit.families import latent_decode
 from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import SequenceParallelSpec, blocks_of
 from xstage_dit.families.spec import ModelSpec
@@ -109,6 +110,7 @@ RECORD = FamilyRecord(
     transformers=("ZImageTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None, heads_key="n_heads"),
     limits=SizeLimits(patch_multiple=16), specs=SPECS,
+    latent_decode=latent_decode.scaled_shifted,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="Z-Image-Turbo", pipeline_worlds=(2, 4),
 )

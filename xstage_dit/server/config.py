@@ -40,6 +40,8 @@ class ServedModel:
         use real weights; None for real weights.
     square_only: width must equal height (HiDream at sp > 1: `ModelSpec.square_under_sp`); a request of another
         size gets 400 naming ``size`` before it is queued.
+    previews: the family record has a decode tail for step latents (``FamilyRecord.latent_decode``): a stream
+        may ask for partial images (`server.previews`).
     """
 
     name: str
@@ -55,6 +57,7 @@ class ServedModel:
     pipeline_kwargs: dict = field(default_factory=dict)
     weights_notice: str | None = None
     square_only: bool = False
+    previews: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -72,13 +75,16 @@ class ServedModel:
     def from_spec(cls, name: str, spec: Any, sp: int = 1) -> "ServedModel":
         """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults), served
         on `sp` sequence-parallel ranks."""
+        from xstage_dit.families.registry import records
         from xstage_dit.runtime.generation import fixed_kwargs
 
+        family = records().get(spec.family)
         return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
                    default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
                    default_frames=spec.frames, frame_multiple=spec.frame_multiple, default_fps=spec.fps,
                    pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice,
-                   square_only=bool(spec.square_under_sp and sp > 1))
+                   square_only=bool(spec.square_under_sp and sp > 1),
+                   previews=spec.kind == "image" and family is not None and family.latent_decode is not None)
 
 
 @dataclass(frozen=True)

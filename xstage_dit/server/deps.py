@@ -3,6 +3,7 @@ the API-key check, the ready model, job submission and lookup. Endpoints never t
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.http_layer import error_response
-from xstage_dit.server.job_queue import Job, QueueFull, Unavailable, new_job_id
+from xstage_dit.server.job_queue import CANCELLED, Job, QueueFull, Unavailable, new_job_id
 from xstage_dit.server.protocol import RequestError
 from xstage_dit.server.worker import READY, Worker
 
@@ -77,3 +78,29 @@ def failure(job: Job) -> JSONResponse:
     code = job.error_code or 500
     headers = {"Retry-After": "5"} if code == 503 else None
     return error_response(code, job.error or job.status, None, headers)
+
+
+async def cancel(worker: Worker, job: Job) -> bool:
+    """Cancel `job` and wait until it has ended; True when the cancel took effect (the job ended cancelled, now or
+    before). A job that had already finished otherwise, or that ran its last step (or its decode) when the cancel
+    came, ends completed: False, and the caller answers 409 with its state. The wait is at most one step: a running
+    job stops at the next step's check (`JobQueue.step`)."""
+    if not job.done:
+        q = job.subscribe(progress=False)
+        try:
+            worker.queue.cancel(job.id)
+            while not job.done:
+                try:
+                    await asyncio.wait_for(q.get(), 1.0)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            job.unsubscribe(q)
+    return job.status == CANCELLED
+
+
+def too_late(job: Job, state: dict, key: str) -> JSONResponse:
+    """409: the cancel of `job` came too late (it is `job.status`), with its state under `key`."""
+    return error_response(409, f"id: cannot cancel {job.id!r}: it is {job.status} (the cancel came after its last "
+                               f"step)" if job.status == "completed" else f"id: cannot cancel {job.id!r}: it is "
+                               f"{job.status}", "id", extra={key: state})

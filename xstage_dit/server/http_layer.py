@@ -33,9 +33,11 @@ DRAIN_IDLE_S = 2.0
 
 
 def error_response(status: int, message: str, param: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    """`{"error": {"message", "type", "param", "code"}}` with `status`: the only error body of the API."""
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status}}
+                   headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None) -> JSONResponse:
+    """`{"error": {"message", "type", "param", "code"}}` with `status`: the only error body of the API. extra:
+    keys beside "error" (a 409 cancel carries the job's state)."""
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": status},
+            **(extra or {})}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -148,7 +150,8 @@ def _is_json(content_type: str) -> bool:
 def first_validation_error(exc: RequestValidationError) -> tuple[int, str, str]:
     """(status, param, message) for the first pydantic error, naming the field."""
     err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    where = err.get("loc", ())
+    loc = [str(p) for p in where[1:]] if where and where[0] in ("body", "query", "path") else [str(p) for p in where]
     kind = err.get("type", "")
     if kind == "json_invalid":
         reason = (err.get("ctx") or {}).get("error", "invalid JSON")

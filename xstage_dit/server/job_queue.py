@@ -69,6 +69,8 @@ class Job:
     pipeline_s: float | None = None  # the batch's pipeline call alone (prompt encoding to decoded pixels)
     encode_s: float | None = None  # PNG/MP4 encoding of the batch's outputs
     gc_s: float | None = None  # Python garbage-collection pauses (any thread) during the pipeline call
+    encoding: Any = None  # image jobs: the `media.ImageEncoding` of their outputs (None: PNG)
+    partial_images: int = 0  # image jobs: decoded previews a stream asked for (`server.previews`)
     cancel_requested: bool = False
     _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -136,6 +138,17 @@ class Job:
             try:
                 loop.call_soon_threadsafe(q.put_nowait, event)
             except RuntimeError:  # the subscriber's loop has closed (client gone, server stopping)
+                pass
+
+    def publish_event(self, event: dict[str, Any]) -> None:
+        """Hand `event` (a partial image, `server.previews`) to the subscribers that follow progress, in order with
+        the step events (the same queues)."""
+        with self._lock:
+            subs = [(loop, q) for loop, q, progress in self._subscribers if progress]
+        for loop, q in subs:
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, event)
+            except RuntimeError:  # the subscriber's loop has closed
                 pass
 
     # --- state transitions (any thread; the queue's lock serialises them) ---
@@ -252,6 +265,14 @@ class JobQueue:
                 job.cancel_requested = True
         self._gauge()
         return job
+
+    def delete(self, job_id: str) -> Job | None:
+        """Forget a finished job (its outputs go with it); a job still waiting or running stays. Returns the job."""
+        with self._cond:
+            job = self._jobs.get(job_id)
+            if job is not None and job.done:
+                del self._jobs[job_id]
+            return job
 
     # --- worker side ---
     def next_batch(self, timeout_s: float) -> Batch | None:

@@ -24,10 +24,13 @@ _SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 class RequestError(Exception):
     """A request that is well-formed JSON but not acceptable: answered as `status` with `param` named."""
 
-    def __init__(self, param: str, message: str, status: int = 422, headers: dict[str, str] | None = None):
-        super().__init__(f"{param}: {message}")
+    def __init__(self, param: str, message: str, status: int = 422, headers: dict[str, str] | None = None,
+                 named: bool = False):
+        """named: `message` already starts with the field's name (a pydantic error said the project's way)."""
+        full = message if named else f"{param}: {message}"
+        super().__init__(full)
         self.param = param
-        self.message = f"{param}: {message}"
+        self.message = full
         self.status = status
         self.headers = headers
 

@@ -29,6 +29,7 @@ import torch
 from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.runtime.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.server.config import ServedModel
+from xstage_dit.server.previews import PreviewPlan
 from xstage_dit.server.video_stream import StreamedVideo, streams
 
 log = logging.getLogger(__name__)
@@ -114,17 +115,18 @@ class BatchRunner:
         self.device = getattr(pipe, "device", torch.device("cpu"))
 
     def run(self, items: list[GenerationRequest], on_step: Callable[[int, int, int, list], bool],
-            one_at_a_time: bool = False, stream_video: bool = False) -> RunResult:
+            one_at_a_time: bool = False, stream_video: bool = False, previews: PreviewPlan | None = None) -> RunResult:
         """Run the batch (one call, or one call per image); raises `BatchStopped` when `on_step` said False.
         stream_video: encode a video's MP4 while its VAE decodes (`video_stream`), where the pipeline allows it
-        (the rank that answers asks for it)."""
+        (the rank that answers asks for it). previews: the partial images its jobs asked for (rank 0 only)."""
         if not one_at_a_time:
-            return self._call(items, on_step, stream_video)
+            return self._call(items, on_step, stream_video, previews)
         singles = [one for item in items for one in item.per_image()]
-        parts = [self._call([one], on_step) for one in singles]
+        parts = [self._call([one], on_step, previews=previews, first_row=row) for row, one in enumerate(singles)]
         return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
 
-    def _call(self, items: list[GenerationRequest], on_step, stream_video: bool = False) -> RunResult:
+    def _call(self, items: list[GenerationRequest], on_step, stream_video: bool = False,
+              previews: PreviewPlan | None = None, first_row: int = 0) -> RunResult:
         kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs,
                                  output_type="pt")
         total = items[0].steps
@@ -138,6 +140,9 @@ class BatchRunner:
             steps_total = int(getattr(pipe, "num_timesteps", None) or total)
             if not on_step(step_index + 1, steps_total, clock.completed, finished):
                 raise BatchStopped(step_index + 1)
+            if previews is not None and "latents" in callback_kwargs:
+                previews.on_latents(pipe, step_index + 1, callback_kwargs["latents"], first_row, items[0].height,
+                                    items[0].width)
             return {}
 
         undo_step = lambda: None  # noqa: E731

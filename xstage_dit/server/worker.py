@@ -45,6 +45,7 @@ from xstage_dit.runtime.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
 from xstage_dit.server.job_queue import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
 from xstage_dit.server.metrics import Metrics
+from xstage_dit.server.previews import PreviewPlan
 from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store
 from xstage_dit.server.runner import BatchRunner, BatchStopped, RunResult
 
@@ -102,9 +103,10 @@ class Worker:
         return self.state == READY
 
     def _run_batch(self, runner: BatchRunner, items: list, one_at_a_time: bool,
-                   decide: Callable[[int, int, int, list], bool] | None):
+                   decide: Callable[[int, int, int, list], bool] | None, previews: PreviewPlan | None = None):
         """Every rank: run the pipeline. decide (rank 0 only) says after each step whether any job still
-        wants the batch; with several ranks the `StopVote` turns that into one step at which all stop."""
+        wants the batch; with several ranks the `StopVote` turns that into one step at which all stop.
+        previews (rank 0 only): the partial images its jobs stream (`server.previews`)."""
         vote = None
         if self.ctx.world_size > 1:
             vote = StopVote(reducer(self.ctx.control_group), self.config.stop_check_steps)
@@ -120,7 +122,7 @@ class Worker:
 
         # The rank that answers encodes a video while its VAE decodes it (`video_stream`); the others need no MP4.
         stream = decide is not None and self.config.streams_video(runner.device)
-        result = runner.run(items, on_step, one_at_a_time, stream_video=stream)
+        result = runner.run(items, on_step, one_at_a_time, stream_video=stream, previews=previews)
         if vote is not None:
             try:
                 vote.finish()
@@ -332,7 +334,7 @@ class Worker:
         self._current_batch = self._batch_id
         status, error, result = "ok", None, None
         try:
-            result = self._run_batch(runner, batch.items, batch.one_at_a_time, decide)
+            result = self._run_batch(runner, batch.items, batch.one_at_a_time, decide, PreviewPlan.for_batch(batch))
         except BatchStopped:
             status = "stopped"
         except ControlError as exc:
@@ -382,7 +384,8 @@ class Worker:
             started = time.perf_counter()
             stream, result.video_stream = result.video_stream, None
             streamed = stream.finish(result.pixels[0]) if stream is not None else None
-            outputs = [streamed] if streamed is not None else encode_batch(result.pixels, batch.items)
+            outputs = [streamed] if streamed is not None else encode_batch(
+                result.pixels, batch.items, [job.encoding for job in batch.owners])
             encode_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             m.errors.labels("pipeline").inc()

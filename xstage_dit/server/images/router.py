@@ -19,7 +19,8 @@ router = APIRouter(dependencies=[Depends(require_key)], responses=error_response
              responses={200: {"content": {"text/event-stream": {}, "image/png": {}}}})
 async def generate_images(req: ImageGenerationRequest, request: Request, worker: Worker = Depends(worker_of),
                           config: ServerConfig = Depends(config_of)):
-    """Generate `n` PNG images. With `"stream": true` the answer is server-sent events: `progress`
-    after every step, then `completed` with this endpoint's usual JSON (or `error`). With
-    `"response_format": "png"` the body is the one image's PNG (`image/png`)."""
+    """Generate `n` images (PNG, JPEG or WebP: `output_format`). With `"stream": true` the answer is OpenAI's
+    server-sent events: `image_generation.partial_image` (the `partial_images` previews), then one
+    `image_generation.completed` per image (or `error`), per-step progress in `: xstage.progress` comment lines.
+    With `"response_format": "png"` the body is the one image's PNG (`image/png`)."""
     return await serving.generate(req, request, worker, config)

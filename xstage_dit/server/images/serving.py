@@ -5,65 +5,51 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import json
-import secrets
 import time
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from xstage_dit.server import b64_json
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.deps import enqueue, failure, new_job, served
 from xstage_dit.server.http_layer import error_response
-from xstage_dit.server.images.protocol import ImageData, ImageGenerationRequest, ImageGenerationResponse, image_params
+from xstage_dit.server.images.protocol import (ImageData, ImageGenerationRequest, ImageGenerationResponse,
+                                               ImageJobSpec, image_params)
+from xstage_dit.server.images.stream import background_of, openai_stream
 from xstage_dit.server.job_queue import COMPLETED, Job
 from xstage_dit.server.protocol import Timings
-from xstage_dit.server.sse import events, sse_response
+from xstage_dit.server.sse import sse_response
 from xstage_dit.server.worker import Worker
 
 DISCONNECT_POLL_S = 0.25
 
 
-def _image_response(worker: Worker, job: Job, b64: list[str]) -> ImageGenerationResponse:
+def _image_response(worker: Worker, job: Job, spec: ImageJobSpec, b64: list[str]) -> ImageGenerationResponse:
     """A completed image job's answer with `b64[i]` as image i's b64_json (images paired with their items)."""
     return ImageGenerationResponse(
         created=int(job.created), model=worker.served.name, job_id=job.id, batch_size=job.batch_size,
         data=[ImageData(b64_json=text, seed=item.seed) for text, item in zip(b64, job.items)],
-        timings=Timings(**job.timings()))
+        timings=Timings(**job.timings()), background=background_of(job.results[0]),
+        output_format=spec.encoding.format, quality=spec.quality, size=spec.size,
+        usage=spec.usage(worker.served.size_multiple), safety_identifier=spec.safety_identifier)
 
 
-def image_payload(worker: Worker, job: Job) -> dict:
-    """The JSON answer of a completed image job as a dict: one base64 PNG and seed per image. The reference
+def image_payload(worker: Worker, job: Job, spec: ImageJobSpec) -> dict:
+    """The JSON answer of a completed image job as a dict: one base64 image and seed per image. The reference
     `image_json` (what the endpoint sends) is tested against."""
-    return _image_response(worker, job, [base64.b64encode(png).decode() for png in job.results]).model_dump()
+    return _image_response(worker, job, spec, [base64.b64encode(png).decode() for png in job.results]).model_dump()
 
 
-_B64_CHUNK = 3 * 16384  # PNG bytes per base64 call (a multiple of 3: no padding inside): 64 KB out, a heap block
-
-
-def image_json(worker: Worker, job: Job) -> memoryview:
-    """`image_payload` as the JSON body, written once. pydantic renders the small fields around a placeholder
-    per image; each PNG's base64 goes straight into the one output buffer, in chunks (base64's alphabet needs
-    no JSON escaping). Why: through ``JSONResponse`` the answer's base64 was copied five times (encode, decode
-    to str, the dump, its encoding), each multi-megabyte copy mapped afresh by malloc, on the HTTP thread
-    (the times and page faults of both ways: benchmarks/results/serving/NOTES.md);
+def image_json(worker: Worker, job: Job, spec: ImageJobSpec) -> memoryview:
+    """`image_payload` as the JSON body, written once (`b64_json.splice`: pydantic renders the small fields around a
+    placeholder per image, each image's base64 goes straight into the one output buffer);
     tests/server/test_server_api.py holds the equality with `image_payload`."""
-    token = secrets.token_hex(8)
-    shell = _image_response(worker, job, [f"{token}-{i}" for i in range(len(job.results))]).model_dump_json().encode()
-    pieces, rest = [], shell
-    for i, (png, _) in enumerate(zip(job.results, job.items)):  # the pairs `_image_response` made placeholders of
-        before, rest = rest.split(f'"{token}-{i}"'.encode(), 1)
-        pieces.append((before, png))
-    out = bytearray(sum(len(before) + 2 + 4 * -(-len(png) // 3) for before, png in pieces) + len(rest))
-    at = 0
-    for before, png in pieces:
-        for part in (before, b'"', *(binascii.b2a_base64(memoryview(png)[i:i + _B64_CHUNK], newline=False)
-                                      for i in range(0, len(png), _B64_CHUNK)), b'"'):
-            out[at:at + len(part)] = part
-            at += len(part)
-    out[at:] = rest
-    return memoryview(out)
+    token = b64_json.new_token()
+    blobs = [png for png, _ in zip(job.results, job.items)]  # the pairs `_image_response` made placeholders of
+    shell = _image_response(worker, job, spec, [b64_json.placeholder(token, i) for i in range(len(blobs))])
+    return b64_json.splice(shell.model_dump_json().encode(), token, blobs)
 
 
 def png_response(job: Job) -> Response:
@@ -75,16 +61,17 @@ def png_response(job: Job) -> Response:
 
 async def generate(req: ImageGenerationRequest, request: Request, worker: Worker, config: ServerConfig) -> Response:
     """Queue the images of `req` as one job and answer it: JSON (`image_json`), the PNG itself
-    (`response_format: png`) or server-sent events (`stream: true`). A client that leaves before the end
-    cancels its job (499)."""
-    job = new_job(config, image_params(req, served(worker), config))
+    (`response_format: png`) or OpenAI's server-sent events (`stream: true`, `images.stream`). A client that
+    leaves before the end cancels its job (499)."""
+    spec = image_params(req, served(worker), config)
+    job = new_job(config, spec.items)
+    job.encoding, job.partial_images = spec.encoding, spec.partial_images
     # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
     # loaded 2-core CI machine began at step 3 of 4).
-    q = job.subscribe(progress=req.stream)  # an answer in one piece waits for the end alone
+    q = job.subscribe(progress=bool(req.stream))  # an answer in one piece waits for the end alone
     enqueue(worker, job)
     if req.stream:
-        return sse_response(events(worker, job, lambda j: image_json(worker, j), cancel_on_disconnect=True, q=q),
-                            job)
+        return sse_response(openai_stream(worker, job, spec, q), job)
     try:
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while not job.done:
@@ -104,4 +91,4 @@ async def generate(req: ImageGenerationRequest, request: Request, worker: Worker
         return failure(job)
     if req.response_format == "png":
         return png_response(job)
-    return Response(image_json(worker, job), media_type="application/json", headers={"X-Job-Id": job.id})
+    return Response(image_json(worker, job, spec), media_type="application/json", headers={"X-Job-Id": job.id})

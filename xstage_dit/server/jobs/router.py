@@ -24,6 +24,7 @@ async def job_events(job_id: str, worker: Worker = Depends(worker_of)):
     return serving.event_stream(worker, job_id)
 
 
-@router.delete("/v1/jobs/{job_id}")
+@router.delete("/v1/jobs/{job_id}", responses=error_responses(409))
 async def cancel_job(job_id: str, worker: Worker = Depends(worker_of)):
-    return serving.cancel(worker, job_id)
+    """Cancel a job: 200 with its state once it stopped; 409 with its state when the cancel came too late."""
+    return await serving.cancel(worker, job_id)

@@ -1,1 +1,2 @@
-"""`GET /v1/models` and `GET /v1/calibration`: `router`, `protocol` (the model card), `serving`."""
+"""`GET /v1/models`, `GET /v1/models/{id}` and `GET /v1/calibration`: `router`, `protocol` (the model card),
+`serving`."""

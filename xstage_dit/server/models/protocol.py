@@ -1,4 +1,5 @@
-"""`GET /v1/models`: the list of served models (one) and its card."""
+"""`GET /v1/models` and `GET /v1/models/{id}`: the list of served models (one) and its card (OpenAI's model object
+plus what a client needs to make a request)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pydantic import BaseModel, Field
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
+    created: int = Field(..., description="When this server process started (Unix seconds).")
     owned_by: str = "xstage_dit"
     kind: Literal["image", "video"]
     default_size: str

@@ -1,9 +1,17 @@
-"""`/v1/videos`: the request model, the video job's state as answered, and `video_params`, which checks a
-request against the served model and the server's limits and turns it into the job's one item."""
+"""`/v1/videos`: the request model, the video object (OpenAI's ``Video``, what the SDK parses, plus our fields),
+the list and delete answers, and `video_params`, which checks a request against the served model and the server's
+limits and turns it into the job's one item.
+
+``seconds`` (OpenAI's duration, a string such as "4") becomes frames through the frame rate and the model's frame
+rule (``k * frame_multiple + 1`` frames): ``frames = frame_multiple * floor(seconds * fps / frame_multiple + 1/2)
++ 1``, the nearest valid count to ``seconds * fps`` (halves up), so Wan (16 fps, multiple 4) makes 65 frames of
+"4" (4.0625 s) and 81 of "5". The video object's ``seconds`` is the clip's real length, ``num_frames / fps``.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -13,11 +21,17 @@ from xstage_dit.server.protocol import RequestError, StrictModel, Timings, commo
 
 
 class VideoCreateRequest(StrictModel):
-    """`POST /v1/videos`: an asynchronous video job."""
+    """`POST /v1/videos` (JSON or multipart/form-data, as OpenAI's SDK sends it): an asynchronous video job."""
 
     prompt: str = Field(..., description="What to film (non-empty).", examples=["a cat walking on grass"])
     model: str | None = Field(None, description="Must be the served model's name when given.")
+    seconds: str | float | None = Field(
+        None, description="Clip length in seconds (OpenAI's field, e.g. '4'): frames = the nearest k*frame_multiple+1 "
+                          "to seconds*fps. Give it or num_frames.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; default: the model's.")
+    input_reference: str | dict[str, Any] | None = Field(
+        None, description="A reference image (file in multipart, or base64 / an object in JSON) for image-to-video "
+                          "models; a text-to-video model refuses it.")
     num_frames: int | None = Field(None, description="Frames (k * frame_multiple + 1); default: the model's.")
     fps: int | None = Field(None, description="Frames per second of the MP4; default: the model's.")
     num_inference_steps: int | None = None
@@ -26,36 +40,90 @@ class VideoCreateRequest(StrictModel):
     negative_prompt: str | None = None
 
 
-class Progress(BaseModel):
-    steps_done: int
-    steps_total: int
-    fraction: float
+class VideoError(BaseModel):
+    code: str = Field(..., description="cancelled, timeout, server_unavailable or generation_failed.")
+    message: str
 
 
 class VideoJob(BaseModel):
+    """OpenAI's video object (status, integer progress, created_at / completed_at / expires_at, error {code,
+    message}, seconds, size, model, prompt) and ours (steps, frames, fps, seed, timings). A cancelled or timed-out
+    job is ``failed`` with its error's code saying which."""
+
     id: str
     object: Literal["video"] = "video"
     model: str
-    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
-    progress: Progress
+    status: Literal["queued", "in_progress", "completed", "failed"]
+    progress: int = Field(..., description="Percent of the denoising steps done (0..100; 100 once completed).")
     created_at: int
+    completed_at: int | None = Field(None, description="When the job finished (completed or failed).")
+    expires_at: int | None = Field(None, description="When the server forgets the finished job and its MP4.")
+    error: VideoError | None = None
+    prompt: str
+    seconds: str = Field(..., description="The clip's length: num_frames / fps.")
     size: str
+    steps_done: int
+    steps_total: int
     num_frames: int
     fps: int
     seed: int
-    error: str | None = None
     timings: Timings
 
 
-def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig) -> GenerationRequest:
-    """The one `GenerationRequest` of a video job: `num_frames` of the form k * frame_multiple + 1, fps in
-    [1, 120], defaults from the served model."""
+class VideoList(BaseModel):
+    """`GET /v1/videos`: OpenAI's cursor page (pass ``last_id`` as ``after`` for the next one)."""
+
+    object: Literal["list"] = "list"
+    data: list[VideoJob]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+def frames_for_seconds(seconds: float, fps: int, frame_multiple: int) -> int:
+    """The nearest frame count of the form k * frame_multiple + 1 to seconds * fps (halves up)."""
+    return frame_multiple * math.floor(seconds * fps / frame_multiple + 0.5) + 1
+
+
+def _seconds(value: str | float) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise RequestError("seconds", f"expected a number of seconds such as '4', got {value!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise RequestError("seconds", f"expected a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig,
+                 reference: bool = False) -> GenerationRequest:
+    """The one `GenerationRequest` of a video job: `num_frames` of the form k * frame_multiple + 1 (or from
+    `seconds`), fps in [1, 120], defaults from the served model. reference: a file came as ``input_reference``."""
     common = common_params(req, served, config, "video")
-    frames = served.default_frames if req.num_frames is None else req.num_frames
-    if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
-        raise RequestError("num_frames",
-                           f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
+    if reference or req.input_reference is not None:
+        raise RequestError("input_reference", f"this model takes no image: {served.name} generates video from text "
+                                              f"only; omit input_reference", 400)
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")
+    if req.seconds is not None and req.num_frames is not None:
+        raise RequestError("seconds", f"expected seconds or num_frames, got both ({req.seconds!r} and "
+                                      f"{req.num_frames})")
+    if req.seconds is not None:
+        seconds = _seconds(req.seconds)
+        frames = frames_for_seconds(seconds, fps, served.frame_multiple)
+        if frames > config.max_frames:
+            raise RequestError("seconds", f"expected at most {(config.max_frames - 1) / fps:g} s at {fps} fps "
+                                          f"({config.max_frames} frames), got {req.seconds!r} ({frames} frames)")
+    else:
+        frames = served.default_frames if req.num_frames is None else req.num_frames
+        if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
+            raise RequestError("num_frames",
+                               f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
     return GenerationRequest(**common, num_frames=frames, fps=fps)
