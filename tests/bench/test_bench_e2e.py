@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 
 import numpy as np
@@ -134,7 +135,7 @@ def test_the_harness_imports_no_cli_and_writes_below_the_current_directory():
 def test_help_lists_every_contender(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--help"])
-    out = capsys.readouterr().out
+    out = re.sub(r"-\n\s+", "-", capsys.readouterr().out)  # argparse wraps a long name after a hyphen
     for name in options.CONTENDERS:
         assert name in out
     assert "--compile" in out and "--time-budget-s" in out
@@ -191,13 +192,15 @@ def test_run_order_baseline_first_irreversible_last():
     assert order[0] == "diffusers"
     assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
                           "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
-    assert order[:11] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
+    assert order[:17] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
+                          "diffusers-fp8", "xstage-fp8", "xstage-fp8-served",
                           "diffusers-repeat", "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
-                          "xstage-cfgbatch+compile", "xstage-served+compile"]
+                          "xstage-cfgbatch+compile", "xstage-served+compile", "diffusers-fp8+compile",
+                          "xstage-fp8+compile", "xstage-fp8-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
                            "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 17
+    assert len(order1) == len(set(order1)) == 23
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
@@ -246,6 +249,29 @@ def _fake_bench(**over):
                   t_start=0.0, build_s=7.0)
     fields.update(over)
     return FakeBench(**fields)
+
+
+def test_fp8_contenders_cannot_run_on_a_cpu_and_say_why():
+    from xstage_dit.families import model_spec
+
+    b = _fake_bench(spec=model_spec("tiny-flux"))
+    for contender in (contenders.PlainDiffusersFp8(False), contenders.XStageFp8(True),
+                      contenders.XStageFp8Served(False, serve=lambda *a, **k: None)):
+        assert "FP8 row-wise GEMMs need a CUDA GPU" in contender.check(b) and "got device cpu" in contender.check(b)
+    assert "fp8" not in ",".join(options.DEFAULT_CONTENDERS)  # asked for by name only
+
+
+def test_fp8_ratios_in_the_summary_are_the_measured_medians():
+    records = [_ok("xstage-served+compile", 4.0, compile=True, family="xstage-served"),
+               _ok("xstage-calibrated+compile", 3.9, compile=True, family="xstage-calibrated"),
+               _ok("diffusers-fp8+compile", 3.0, compile=True, family="diffusers-fp8"),
+               _ok("xstage-fp8+compile", 2.6, compile=True, family="xstage-fp8"),
+               _ok("xstage-fp8-served+compile", 2.7, compile=True, family="xstage-fp8-served"),
+               _ok("xstage-fp8", 5.0, family="xstage-fp8"), _ok("xstage-calibrated", 6.0)]
+    fp8 = stats.build_summary(records, {"steps": 4})["fp8"]
+    assert fp8["+compile"] == {"fp8_over_bf16": pytest.approx(2.7 / 4.0), "fp8_over_peer_fp8": pytest.approx(2.7 / 3.0)}
+    assert fp8["eager"] == {"fp8_over_bf16": pytest.approx(5.0 / 6.0), "fp8_over_peer_fp8": None}
+    assert "fp8" not in stats.build_summary(records[:2], {"steps": 4})
 
 
 def test_budget_estimate_uses_the_measured_baseline():
@@ -325,7 +351,7 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     stem = tmp_path / "e2e-tiny-flux-1xcpu"
     record = json.loads(stem.with_suffix(".json").read_text(encoding="utf-8"))
     rows = {r["name"]: r for r in record["rows"]}
-    expected = ({n + s for n in options.CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
+    expected = ({n + s for n in options.DEFAULT_CONTENDERS for s in ("", "+compile")} | {"diffusers-repeat"}
                 | {n + "+compile:full" for n in ("xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served")})
     assert set(rows) == expected
     malloc = record["summary"]["settings"]["malloc_keeps_freed_memory"]  # a served row: set before every row

@@ -30,6 +30,41 @@ class PlainDiffusers(Contender):
     compile_vae = False  # what a diffusers user compiles: the transformer's repeated blocks alone
 
 
+class PlainDiffusersFp8(PlainDiffusers):
+    """The FP8 path diffusers users run: torchao's float8 row-wise dynamic quantization of every linear layer of
+    the transformer (``quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``),
+    then the bench's compile as for plain diffusers. Restore copies the bf16 weights back (kept on the CPU)."""
+
+    family = "diffusers-fp8"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile)
+        self._weights: list | None = None
+
+    def check(self, b: Bench) -> str | None:
+        from xstage_dit.features.fp8 import require_fp8_device
+
+        try:
+            require_fp8_device(b.device, "row")
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    def apply(self, b: Bench) -> None:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        linears = [m for m in b.pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
+        self._weights = [(m, m.weight.detach().to("cpu", copy=True)) for m in linears]
+        quantize_(b.pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        super().apply(b)
+
+    def restore(self, b: Bench) -> None:
+        super().restore(b)
+        weights, self._weights = self._weights or [], None
+        for module, weight in weights:
+            module.weight = torch.nn.Parameter(weight.to(b.device), requires_grad=False)
+
+
 class PlainDiffusersRepeat(PlainDiffusers):
     """Plain diffusers again, after the eager xstage contenders (an A/B/A order, at ``--rounds 1``): the
     baseline's own drift over the run (clocks, temperature) shows, and the xstage rows pair with both runs."""
@@ -42,6 +77,7 @@ class XStage(Contender):
     with the serial schedule, or with the calibrated ones: the pipeline `serve` and `generate` run."""
 
     ours = True
+    quantize = "none"  # the FP8 contenders: "fp8"
 
     def __init__(self, compile: bool, schedule: str):
         super().__init__(compile)
@@ -65,13 +101,21 @@ class XStage(Contender):
             compiled = CompileConfig(self.compile_mode or b.args.compile, vae=self.compile_vae,
                                      guards=getattr(b.args, "compile_guards", "full"),
                                      extras=parse_extras(getattr(b.args, "compile_extra", "")))
-        return EngineConfig(device=b.device, dtype=b.dtype, parallel=self._config(b), compile=compiled)
+        return EngineConfig(device=b.device, dtype=b.dtype, parallel=self._config(b), compile=compiled,
+                            quantize=self.quantize)
 
     def check(self, b: Bench) -> str | None:
         try:
             self.info["parallel_config"] = to_jsonable(self._config(b))
         except Exception as exc:
             return f"ParallelConfig refuses this configuration: {error_text(exc)}"
+        if self.quantize == "fp8":
+            from xstage_dit.features.fp8 import require_fp8_device
+
+            try:
+                require_fp8_device(b.device, "row")
+            except ValueError as exc:
+                return str(exc)
         return None
 
     def apply(self, b: Bench) -> None:
@@ -85,6 +129,8 @@ class XStage(Contender):
         }
         if self.compile:
             self.info["compile_mode"] = stack.compiled.how
+        if stack.fp8:
+            self.info["fp8"] = [handle.describe() for handle in stack.fp8]
 
     def call(self, b: Bench, kwargs: dict):
         return run_pipeline(b.pipe, **kwargs)  # as `serve` and `generate` run it (inference mode)
@@ -225,6 +271,27 @@ class XStageServed(XStage):
         super().restore(b)
 
 
+class XStageFp8(XStage):
+    """``xstage-calibrated`` with the transformer's linear layers in float8 (``EngineConfig(quantize="fp8")``,
+    row-wise: `xstage_dit.features.fp8`)."""
+
+    quantize = "fp8"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile, "auto")
+        self.family = "xstage-fp8"
+
+
+class XStageFp8Served(XStageServed):
+    """``xstage-served`` with FP8 linear layers: what ``xstage-dit serve --quantize fp8`` answers."""
+
+    quantize = "fp8"
+
+    def __init__(self, compile: bool, serve=None):
+        super().__init__(compile, serve)
+        self.family = "xstage-fp8-served"
+
+
 class _EncodedOutput:
     """A served answer: the encoded bytes, decoded to float pixels on first access of ``images`` / ``frames``
     (MP4 is lossy: a served video differs from the bare call's frames by the codec's error)."""
@@ -304,6 +371,9 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "xstage-calibrated": lambda c: XStage(c, "auto"),
         "xstage-cfgbatch": lambda c: XStageCFGBatch(c),
         "xstage-served": lambda c: XStageServed(c, serve),
+        "diffusers-fp8": lambda c: PlainDiffusersFp8(c),
+        "xstage-fp8": lambda c: XStageFp8(c),
+        "xstage-fp8-served": lambda c: XStageFp8Served(c, serve),
         "xfuser-usp": lambda c: XFuserUSP(c, world_size),
         "xfuser-runner": lambda c: XFuserRunner(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),

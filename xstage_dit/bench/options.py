@@ -21,14 +21,16 @@ from xstage_dit.features.config import add_cfg_batch_option
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
-CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "xfuser-usp",
-              "xfuser-runner", "diffusers-cp")
+CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "diffusers-fp8",
+              "xstage-fp8", "xstage-fp8-served", "xfuser-usp", "xfuser-runner", "diffusers-cp")
+DEFAULT_CONTENDERS = tuple(name for name in CONTENDERS if "fp8" not in name)
 BASELINE = "diffusers"
 # Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
 BASELINE_REPEAT = "diffusers-repeat"
 # Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
 # the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
-OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served")
+OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "diffusers-fp8",
+                "xstage-fp8", "xstage-fp8-served")
 
 # The sample prompts ship inside the package, so an installed wheel benchmarks too.
 PROMPTS = Path(__file__).resolve().parent / "prompts.txt"
@@ -77,8 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="weights and activations; auto = bf16 on a GPU, fp32 on the CPU (default: auto)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run; auto = cuda when available (default: auto)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS),
-                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all)")
+    parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
+                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all but the FP8 ones, "
+                             "which need a GPU of compute capability >= 8.9)")
     parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full,graphs}",
                         help="also run each contender with torch.compile of the transformer (xstage_dit.features.compile): "
                              "regional = diffusers' compile_repeated_blocks (each repeated block compiled once; the "

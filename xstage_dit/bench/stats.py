@@ -91,7 +91,7 @@ DERIVED_FIELDS = ("speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compil
 SERVED_OVER_BARE_TARGET = 1.02
 #: The bare row a served row is compared with: the same configuration (`xstage-served` is `xstage-calibrated`
 #: behind the server), else the serial schedule (the same at world 1 but for the attention kernel's choice).
-SERVED_BARE_ROWS = ("xstage-calibrated", "xstage-serial")
+SERVED_BARE_ROWS = {"xstage-served": ("xstage-calibrated", "xstage-serial"), "xstage-fp8-served": ("xstage-fp8",)}
 
 
 def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
@@ -139,8 +139,9 @@ def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
                      verdict=stats["verdict"])
             if stats["pairs"] >= 2:  # one pair has no spread: no claim either way
                 r["not_slower_than_diffusers"] = stats["verdict"] != "slower"
-        if r["family"] == "xstage-served":
-            _served_over_bare(r, [row for row in (ok_row(name + suffix) for name in SERVED_BARE_ROWS) if row])
+        if r["family"] in SERVED_BARE_ROWS:
+            _served_over_bare(r, [row for row in (ok_row(name + suffix) for name in SERVED_BARE_ROWS[r["family"]])
+                                  if row])
         if steps != default_steps:
             # Not measured: the measured latency plus the missing steps at the measured step time.
             r["latency_s_at_default_steps_extrapolated"] = (
@@ -175,5 +176,26 @@ def build_summary(rows: list[dict], settings: dict) -> dict:
                     contenders[r["name"]][key] = r[key]
         else:
             contenders[r["name"]] = {"status": r["status"], "reason": r.get("reason", "")}
-    return {"baseline": BASELINE, "measured_at_steps": settings["steps"], "contenders": contenders,
-            "settings": settings}
+    summary = {"baseline": BASELINE, "measured_at_steps": settings["steps"], "contenders": contenders,
+               "settings": settings}
+    fp8 = _fp8_ratios(rows)
+    if fp8:
+        summary["fp8"] = fp8
+    return summary
+
+
+def _fp8_ratios(rows: list[dict]) -> dict:
+    """Per compile setting ("eager", "+compile", "+compile:<mode>"): fp8_over_bf16 (xstage FP8 over xstage bf16:
+    the served rows where both were measured, else the bare ones) and fp8_over_peer_fp8 (xstage FP8, served else
+    bare, over diffusers + torchao FP8), each a ratio of median latencies; None where a row is missing."""
+    ok = [r for r in rows if r.get("status") == "ok"]
+    median = {r["name"]: r["median_s"] for r in ok}
+    suffixes = {r["name"][len(r["family"]):] for r in ok if r["family"] in ("xstage-fp8", "xstage-fp8-served")}
+    out = {}
+    for suffix in sorted(suffixes):
+        served, bare = median.get("xstage-fp8-served" + suffix), median.get("xstage-fp8" + suffix)
+        pairs = [(served, median.get("xstage-served" + suffix)), (bare, median.get("xstage-calibrated" + suffix))]
+        peer = median.get("diffusers-fp8" + suffix)
+        out[suffix or "eager"] = {"fp8_over_bf16": next((a / b for a, b in pairs if a and b), None),
+                                  "fp8_over_peer_fp8": (served or bare) / peer if peer else None}
+    return out

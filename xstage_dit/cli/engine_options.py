@@ -1,7 +1,8 @@
 """The options `generate`, `serve` and `bench` share for the feature stack, and the `EngineConfig` they make.
 
 --no-host-syncs / --no-text-depth / --no-prompt-cache / --no-one-frame-vae: turn one feature of the stack off
-(each is on by default; `xstage_dit.features.stack.FEATURES` says what each does). The compile options are
+(each is on by default; `xstage_dit.features.stack.FEATURES` says what each does). --quantize fp8 (with
+--fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`). The compile options are
 `cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
 """
 
@@ -21,15 +22,27 @@ FEATURE_FLAGS = {
 
 
 def add_feature_options(parser: argparse.ArgumentParser) -> None:
-    """The --no-<feature> switches of the stack (every feature on by default)."""
+    """The --no-<feature> switches of the stack (every feature on by default), and --quantize."""
+    from xstage_dit.features.fp8 import GRANULARITIES
+
     for flag, (_, skips) in FEATURE_FLAGS.items():
         parser.add_argument(flag, action="store_true", help=f"feature off: {skips}")
+    parser.add_argument("--quantize", choices=("none", "fp8"), default="none",
+                        help="fp8: the transformer's linear layers in float8 through torchao (a GPU of compute "
+                             "capability >= 8.9; lossy: docs/performance.md says by how much)")
+    parser.add_argument("--fp8-granularity", choices=GRANULARITIES, default="row",
+                        help="with --quantize fp8: row (per-token activations x per-channel weights), tensor, or "
+                             "weight (weights stored in float8, bf16 GEMMs: memory, not speed)")
 
 
-def feature_switches(args: argparse.Namespace) -> dict[str, bool]:
-    """The `EngineConfig` switches the --no-<feature> options turned off ({} when none was given)."""
-    return {field: False for flag, (field, _) in FEATURE_FLAGS.items()
-            if getattr(args, flag.lstrip("-").replace("-", "_"), False)}
+def feature_switches(args: argparse.Namespace) -> dict:
+    """The `EngineConfig` fields the feature options set: the switches --no-<feature> turned off, and quantize /
+    fp8_granularity where --quantize fp8 was given ({} when no option was given)."""
+    switches: dict = {field: False for flag, (field, _) in FEATURE_FLAGS.items()
+                      if getattr(args, flag.lstrip("-").replace("-", "_"), False)}
+    if getattr(args, "quantize", "none") != "none":
+        switches.update(quantize=args.quantize, fp8_granularity=getattr(args, "fp8_granularity", "row"))
+    return switches
 
 
 def compile_config(args: argparse.Namespace, device):
@@ -43,3 +56,20 @@ def compile_config(args: argparse.Namespace, device):
                              guards=getattr(args, "compile_guards", "full"), extras=compile_extras(args))
     except ValueError as exc:
         raise UsageError(f"--compile: {exc}") from None
+
+
+def check_quantize(args: argparse.Namespace, device=None) -> None:
+    """UsageError naming --quantize where its FP8 GEMMs cannot run on `device` (None: the GPU where there is one,
+    else the CPU), before any rank starts or any weight loads."""
+    if getattr(args, "quantize", "none") == "none":
+        return
+    import torch
+
+    from xstage_dit.features.fp8 import require_fp8_device
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        require_fp8_device(torch.device(device), args.fp8_granularity)
+    except ValueError as exc:
+        raise UsageError(f"--quantize fp8: {exc}") from None

@@ -137,6 +137,9 @@ def _checked(args: argparse.Namespace):
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
+    from xstage_dit.cli.engine_options import check_quantize
+
+    check_quantize(args, None if args.device == "auto" else args.device)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     request = _request(args, spec, parallel.sp)
     output = _output_path(args, spec)

@@ -113,6 +113,9 @@ def _config(args: argparse.Namespace):
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
+    from xstage_dit.cli.engine_options import check_quantize
+
+    check_quantize(args)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     try:
         return ServerConfig(

@@ -17,12 +17,14 @@ import torch
 
 from xstage_dit.features.compile import CompileConfig, default_compile_mode
 from xstage_dit.features.config import ParallelConfig
+from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config
 from xstage_dit.features.stack import StackConfig
 
-__all__ = ["EngineConfig", "DTYPES", "KINDS"]
+__all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = ("image", "video")
+QUANTIZE = ("none", "fp8")
 _FLAGS = ("host_syncs", "text_depth", "prompt_cache", "one_frame_vae")
 
 
@@ -52,6 +54,8 @@ class EngineConfig:
     compile: a `CompileConfig`; None: the device's default mode (regional on a GPU, off on a CPU).
     batch_invariance: True, False, or "auto" (on for image pipelines, which a server batches).
     host_syncs / text_depth / prompt_cache / one_frame_vae: those features on (default) or off.
+    quantize: "none" (weights as loaded) or "fp8" (the transformer's linear layers in float8: `features.fp8`).
+    fp8_granularity: with quantize "fp8", one of `features.fp8.GRANULARITIES` ("row": per-token x per-channel).
     """
 
     model: str | None = None
@@ -65,6 +69,8 @@ class EngineConfig:
     text_depth: bool = True
     prompt_cache: bool = True
     one_frame_vae: bool = True
+    quantize: str = "none"
+    fp8_granularity: str = "row"
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -91,6 +97,10 @@ class EngineConfig:
             raise ValueError(f"expected compile to be a CompileConfig or None, got {type(self.compile).__name__}")
         if self.batch_invariance not in (True, False, "auto"):
             raise ValueError(f"expected batch_invariance True, False or 'auto', got {self.batch_invariance!r}")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"expected quantize in {', '.join(QUANTIZE)}, got {self.quantize!r}")
+        if self.fp8_granularity not in GRANULARITIES:
+            raise ValueError(f"expected fp8_granularity in {', '.join(GRANULARITIES)}, got {self.fp8_granularity!r}")
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
@@ -105,5 +115,6 @@ class EngineConfig:
         if kind not in KINDS:
             raise ValueError(f"expected kind 'image' or 'video', got {kind!r}")
         invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
-        return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant,
+        fp8 = Fp8Config(self.fp8_granularity) if self.quantize == "fp8" else None
+        return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant, fp8=fp8,
                            **{name: getattr(self, name) for name in _FLAGS})

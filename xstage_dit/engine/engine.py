@@ -97,6 +97,7 @@ class Engine:
             compiled = compile_pipeline(self.pipe, CompileConfig("off", self.config.compile.max_shapes), stack.ctx)
         return {"features": list(stack.applied), "compile": compiled.describe(),
                 "batch_invariance": invariance.describe() if invariance is not None else None,
+                "fp8": [handle.describe() for handle in stack.fp8] or None,
                 "outside_transformer": stack.describe_pipeline()}
 
     def restore(self) -> None:

@@ -149,6 +149,8 @@ class FeatureFacts:
     rope_host_sync_classes: rope modules whose host copies the rope cache removes (`host_syncs`).
     grouped_mm_expert_classes: expert modules that need compile_fixes' int32-offset work-around for grouped_mm.
     video_vae: the video VAE of the family's pipelines (`VideoVAEFacts`), None for others.
+    fp8_skip: module-path patterns (fnmatch, relative to the transformer) of linear layers the `fp8` feature keeps
+        in their dtype (e.g. the final projection to latents); every other eligible nn.Linear goes to float8.
     """
 
     cfg_batch_guidance: Callable[[Any], bool] | None = None
@@ -159,6 +161,7 @@ class FeatureFacts:
     rope_host_sync_classes: tuple[str, ...] = ()
     grouped_mm_expert_classes: tuple[str, ...] = ()
     video_vae: VideoVAEFacts | None = None
+    fp8_skip: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

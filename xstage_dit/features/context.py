@@ -103,6 +103,7 @@ class FeatureContext:
     one_frame_decode: Any = None
     batch_invariance: Any = None
     compiled: Any = None
+    fp8: list = field(default_factory=list)
 
     @property
     def is_pipeline(self) -> bool:

@@ -27,8 +27,10 @@ from xstage_dit.features import (attention_schedules, batch_invariance, cfg_batc
                                  compile_fixes, expert_parallel, host_syncs, one_frame_vae, prompt_cache,
                                  sequence_parallel, text_depth)
 from xstage_dit.features import compile as compile_feature
+from xstage_dit.features import fp8
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.config import ParallelConfig
+from xstage_dit.features.fp8 import Fp8Config
 from xstage_dit.features.context import MARK, FeatureContext, modules_of
 from xstage_dit.features.setup import prepare
 
@@ -55,6 +57,8 @@ FEATURES: tuple[Feature, ...] = (
             "MoE layers swapped before any hook wraps them"),
     Feature("compile_fixes", compile_fixes.apply, "parallel",
             "on the MoE layers that stayed diffusers' own after expert parallelism"),
+    Feature("fp8", fp8.apply, "fp8",
+            "on the final linear layers (after the MoE swap), before any hook or forward replacement wraps them"),
     Feature("host_syncs", host_syncs.apply, "host_syncs",
             "before the sequence hooks: a rope cache registered first sits inside their split of its output"),
     Feature("sequence_parallel", sequence_parallel.apply, "parallel",
@@ -88,6 +92,7 @@ class StackConfig:
     parallel: the `ParallelConfig` of the parallel features (attention kernel choice, expert / sequence / CFG
         parallelism, collective safety, compile fixes, CFG batch); None: none of them (no groups, no calibration).
     compile: a `CompileConfig` (mode "off": nothing compiles).
+    fp8: an `Fp8Config` (the transformer's linear layers in float8 through torchao); None: bf16 as loaded.
     host_syncs / text_depth / prompt_cache / one_frame_vae / batch_invariance: each feature on or off (the
         first four on, as ``parallelize`` has always applied them; batch invariance off: the engine turns it on
         for image pipelines that serve batches).
@@ -100,12 +105,15 @@ class StackConfig:
     prompt_cache: bool = True
     one_frame_vae: bool = True
     batch_invariance: bool = False
+    fp8: Fp8Config | None = None
 
     def __post_init__(self) -> None:
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
             raise ValueError(f"expected parallel to be a ParallelConfig or None, got {type(self.parallel).__name__}")
         if not isinstance(self.compile, CompileConfig):
             raise ValueError(f"expected compile to be a CompileConfig, got {type(self.compile).__name__}")
+        if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
+            raise ValueError(f"expected fp8 to be an Fp8Config or None, got {type(self.fp8).__name__}")
         for name in ("host_syncs", "text_depth", "prompt_cache", "one_frame_vae", "batch_invariance"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
@@ -120,7 +128,7 @@ class StackConfig:
 # What the stack's own attributes read from its context (the public handle of `parallelize`).
 _FROM_CONTEXT = ("groups", "calibration", "schedule_choices", "attention_kernels", "attention_paths", "num_moe_layers",
                  "cfg_hooks", "prompt_cache", "text_layers_skipped", "cfg_batch_reason", "vae_convs_2d",
-                 "one_frame_decode", "batch_invariance", "compiled", "transformers")
+                 "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8")
 
 
 class FeatureStack:

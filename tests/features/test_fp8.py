@@ -1,0 +1,130 @@
+"""The FP8 feature (`xstage_dit.features.fp8`): config errors naming the bad value, the device rule, which layers
+convert, and a restore that gives back the bf16 weights bit for bit (weight-only FP8 on the CPU; the FP8 GEMM
+modes on a GPU of compute capability >= 8.9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from xstage_dit.engine import Engine, EngineConfig
+from xstage_dit.families import load_pipeline, model_spec
+from xstage_dit.features import fp8
+from xstage_dit.features.compile import CompileConfig
+from xstage_dit.features.fp8 import Fp8Config, fp8_layers, require_fp8_device
+from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.runtime.generation import call_kwargs
+
+torchao = pytest.importorskip("torchao", reason="torchao is a pinned dependency: the FP8 feature needs it")
+
+
+def _pipe(dtype=torch.bfloat16, device="cpu"):
+    return load_pipeline("tiny-flux", dtype=dtype, device=device, seed=0), model_spec("tiny-flux")
+
+
+def _latents(pipe, spec, seed=3):
+    kwargs = call_kwargs(pipe, spec, prompt="a fox in the snow", seed=seed, steps=2, height=64, width=64)
+    with torch.inference_mode():
+        return pipe(**{**kwargs, "output_type": "latent"}).images.float()
+
+
+def _weights(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_config_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="expected fp8 granularity in row, tensor, weight, got 'block'"):
+        Fp8Config("block")
+    with pytest.raises(ValueError, match="expected fp8 keep 'cpu' or 'device', got 'disk'"):
+        Fp8Config(keep="disk")
+    with pytest.raises(ValueError, match="expected quantize in none, fp8, got 'int8'"):
+        EngineConfig(quantize="int8")
+    with pytest.raises(ValueError, match="expected fp8_granularity in row, tensor, weight, got 'col'"):
+        EngineConfig(quantize="fp8", fp8_granularity="col")
+    assert EngineConfig(quantize="fp8").stack_config("image").fp8 == Fp8Config("row")
+    assert EngineConfig().stack_config("image").fp8 is None
+
+
+def test_fp8_gemms_are_refused_on_a_cpu_naming_the_device():
+    for granularity in ("row", "tensor"):
+        with pytest.raises(ValueError, match=rf"FP8 {granularity}-wise GEMMs need a CUDA GPU .* got device cpu"):
+            require_fp8_device(torch.device("cpu"), granularity)
+    require_fp8_device(torch.device("cpu"), "weight")  # weight-only runs anywhere
+    pipe, _ = _pipe()
+    with pytest.raises(ValueError, match="got device cpu"):
+        Engine(EngineConfig(device="cpu", dtype="bfloat16", parallel=None, compile=CompileConfig("off"),
+                            quantize="fp8")).apply(pipe, kind="image")
+    assert not any(type(m.weight).__name__ == "Float8Tensor" for m in pipe.transformer.modules()
+                   if isinstance(m, torch.nn.Linear))
+
+
+def test_the_cli_refuses_fp8_gemms_on_a_cpu_in_one_line_exit_2():
+    done = subprocess.run([sys.executable, "-m", "xstage_dit", "generate", "--model", "tiny-flux", "--prompt", "x",
+                           "--device", "cpu", "--quantize", "fp8"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "xstage-dit: error: --quantize fp8: FP8 row-wise GEMMs need a CUDA GPU of compute capability >= 8.9 "
+        "(Ada, Hopper or newer), got device cpu; fp8 granularity 'weight' runs anywhere"]
+
+
+def test_layers_chosen_skip_the_records_patterns_and_odd_shapes(monkeypatch):
+    pipe, _ = _pipe()
+    transformer = pipe.transformer
+    linears = [p for p, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)]
+    chosen, kept = fp8_layers(transformer)
+    odd = {p for p, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)
+           and (m.in_features % 16 or m.out_features % 16)}
+    assert {p for p, _ in chosen} == set(linears) - odd and {p for p, _ in kept} == odd
+    record = record_for_transformer(transformer)
+    patched = dataclasses.replace(record, facts=dataclasses.replace(record.facts, fp8_skip=("proj_out", "*.norm1.*")))
+    monkeypatch.setattr(fp8, "record_for_transformer", lambda _t: patched)
+    chosen2, kept2 = fp8_layers(transformer)
+    skipped = {p for p, why in kept2 if "fp8_skip" in why}
+    assert "proj_out" in skipped and any(p.endswith(".norm1.linear") for p in skipped)
+    assert {p for p, _ in chosen2} == {p for p, _ in chosen} - skipped
+
+
+def test_weight_only_fp8_runs_and_restore_gives_back_every_weight_bit_for_bit():
+    pipe, spec = _pipe()
+    before = _weights(pipe.transformer)
+    reference = _latents(pipe, spec)
+    engine = Engine(EngineConfig(device="cpu", dtype="bfloat16", parallel=None, compile=CompileConfig("off"),
+                                 quantize="fp8", fp8_granularity="weight"))
+    stack = engine.apply(pipe, kind="image")
+    chosen, _ = fp8_layers(pipe.transformer)
+    quantized = [p for p, m in pipe.transformer.named_modules()
+                 if isinstance(m, torch.nn.Linear) and type(m.weight).__name__ == "Float8Tensor"]
+    assert len(quantized) == len(chosen) > 0 and "fp8" in stack.applied
+    assert engine.describe()["fp8"] == [{"granularity": "weight", "layers": len(chosen), "kept": len(stack.fp8[0].kept)}]
+    out = _latents(pipe, spec)
+    rel = ((out - reference).norm() / reference.norm()).item()
+    assert 0 < rel < 0.2, rel  # float8 weights: close to bf16, not equal
+    engine.restore()
+    after = _weights(pipe.transformer)
+    assert after.keys() == before.keys()
+    assert all(type(v) is torch.Tensor and v.dtype == before[k].dtype and torch.equal(v, before[k])
+               for k, v in after.items())
+    assert torch.equal(_latents(pipe, spec), reference)
+
+
+@pytest.mark.gpu
+def test_fp8_gemms_on_the_gpu_compose_with_compile_and_restore_bit_for_bit():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("gpu: needs a CUDA GPU of compute capability >= 8.9")
+    for granularity in ("row", "tensor"):
+        pipe, spec = _pipe(device="cuda")
+        before = _weights(pipe.transformer)
+        reference = _latents(pipe, spec)
+        engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", compile=CompileConfig("regional"),
+                                     quantize="fp8", fp8_granularity=granularity))
+        engine.apply(pipe, kind="image")
+        out = _latents(pipe, spec)
+        rel = ((out - reference).norm() / reference.norm()).item()
+        assert 0 < rel < 0.2, (granularity, rel)
+        engine.restore()
+        assert all(torch.equal(v, before[k]) for k, v in _weights(pipe.transformer).items())
+        assert torch.equal(_latents(pipe, spec), reference)

@@ -1,0 +1,160 @@
+"""FP8 linear layers in the denoising transformer, through torchao (the stack's ``fp8`` feature).
+
+    stack = build_stack(pipe, StackConfig(fp8=Fp8Config("row")))   # or EngineConfig(quantize="fp8")
+    pipe(prompt)                                                     # the transformer's GEMMs in float8
+    stack.restore()                                                  # the original bf16 weights, bit for bit
+
+Why torchao: it is what users of diffusers run for FP8 today (``quantize_`` with
+``Float8DynamicActivationFloat8WeightConfig``), its tensor subclass composes with ``torch.compile`` (the
+activation's scale and cast fuse into the neighbouring kernels) and with our hooks (a hook sees an ``nn.Linear``
+whose weight is a ``Float8Tensor``; ``F.linear`` dispatches to ``torch._scaled_mm``).
+
+Granularity (`GRANULARITIES`):
+
+- ``row``: activations scaled per row (token), weights per output channel, both dynamic float8 e4m3, the
+  scaled GEMM on Hopper's FP8 tensor cores. What the peers ship.
+- ``tensor``: one scale per activation tensor and one per weight: fewer scales, coarser.
+- ``weight``: weights stored in float8 (per channel), upcast for a bf16 GEMM: half the weight memory, no FP8
+  GEMM (the only mode that runs on a CPU; the tests use it to check apply and restore there).
+
+Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
+``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
+GEMM cannot take (input or output features not a multiple of 16). MoE expert weights stored as 3-D tensors
+(grouped GEMMs) are not ``nn.Linear`` and stay in their dtype.
+
+Restore: the original weights are kept on the CPU while FP8 is on (the GPU holds only the float8 copy) and
+copied back on restore, so the pipeline returns bit-identical and the GPU memory to what it was.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from xstage_dit.families.registry import record_for_transformer
+
+__all__ = ["GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers", "require_fp8_device"]
+
+GRANULARITIES = ("row", "tensor", "weight")
+_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """granularity: one of `GRANULARITIES` ("row": per-token activations x per-channel weights, dynamic).
+    keep: where the original weights wait for restore ("cpu": off the GPU; "device": where they were, for a
+    restore without copies at the cost of keeping both)."""
+
+    granularity: str = "row"
+    keep: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"expected fp8 granularity in {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.keep not in ("cpu", "device"):
+            raise ValueError(f"expected fp8 keep 'cpu' or 'device', got {self.keep!r}")
+
+    def torchao_config(self):
+        """The torchao config of this granularity (torchao imported here: only FP8 runs need it)."""
+        from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerRow,
+                                          PerTensor)
+
+        if self.granularity == "weight":
+            return Float8WeightOnlyConfig()
+        return Float8DynamicActivationFloat8WeightConfig(
+            granularity=PerRow() if self.granularity == "row" else PerTensor())
+
+
+def require_fp8_device(device: torch.device, granularity: str) -> None:
+    """ValueError naming `device` where an FP8 GEMM cannot run (a CPU, a GPU before compute capability 8.9);
+    weight-only FP8 runs anywhere."""
+    if granularity == "weight":
+        return
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"FP8 {granularity}-wise GEMMs need a CUDA GPU of compute capability >= 8.9 (Ada, Hopper "
+                         f"or newer), got device {device}; fp8 granularity 'weight' runs anywhere")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < _MIN_CAPABILITY:
+        raise ValueError(f"FP8 {granularity}-wise GEMMs need compute capability >= 8.9, got "
+                         f"{torch.cuda.get_device_name(device)} (sm{capability[0]}{capability[1]}) on {device}")
+
+
+def fp8_layers(transformer: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, str]]]:
+    """The (path, layer) pairs FP8 converts in `transformer`, and the (path, why) pairs it leaves in their dtype."""
+    record = record_for_transformer(transformer)
+    skip = record.facts.fp8_skip if record is not None else ()
+    chosen, kept = [], []
+    for path, module in transformer.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        pattern = next((p for p in skip if fnmatch.fnmatchcase(path, p)), None)
+        if pattern is not None:
+            kept.append((path, f"the family record's fp8_skip {pattern!r}"))
+        elif module.in_features % 16 or module.out_features % 16:
+            kept.append((path, f"{module.in_features} -> {module.out_features} features: not multiples of 16"))
+        else:
+            chosen.append((path, module))
+    return chosen, kept
+
+
+class Fp8Handle:
+    """The converted layers of one transformer and their original weights; ``restore()`` puts them back."""
+
+    def __init__(self, transformer: torch.nn.Module, config: Fp8Config):
+        self.transformer = transformer
+        self.config = config
+        chosen, self.kept = fp8_layers(transformer)
+        self.paths = [path for path, _ in chosen]
+        self._originals: list[tuple[torch.nn.Linear, torch.nn.Parameter | torch.Tensor, torch.device, bool]] = []
+        for _, layer in chosen:
+            weight = layer.weight
+            saved = weight if config.keep == "device" else weight.detach().to("cpu", copy=True)
+            self._originals.append((layer, saved, weight.device, weight.requires_grad))
+        wanted = {id(layer) for _, layer in chosen}
+        from torchao.quantization import quantize_
+
+        try:
+            quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
+        except Exception:
+            self.restore()  # a layer converted before the failure goes back too
+            raise
+
+    def restore(self) -> None:
+        originals, self._originals = self._originals, []
+        for layer, saved, device, requires_grad in originals:
+            if isinstance(saved, torch.nn.Parameter):
+                layer.weight = saved
+            else:
+                layer.weight = torch.nn.Parameter(saved.to(device), requires_grad=requires_grad)
+
+    def describe(self) -> dict:
+        return {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+
+
+def apply(pipe, config: Fp8Config | None, ctx) -> Callable[[], None] | None:
+    """The stack's FP8 feature: every transformer's eligible linear layers in float8 (`fp8_layers`); ctx.fp8 holds
+    the handles (what `describe` reports). ValueError naming the device where FP8 GEMMs cannot run."""
+    if config is None:
+        return None
+    for transformer in ctx.transformers:
+        require_fp8_device(next(transformer.parameters()).device, config.granularity)
+    handles: list[Fp8Handle] = []
+    try:
+        for transformer in ctx.transformers:
+            handles.append(Fp8Handle(transformer, config))
+    except Exception:
+        for handle in reversed(handles):
+            handle.restore()
+        raise
+    ctx.fp8 = handles
+
+    def undo() -> None:
+        for handle in reversed(handles):
+            handle.restore()
+        ctx.fp8 = []
+
+    return undo
