@@ -14,6 +14,9 @@ What we use and why:
 - ``transformer_nucleusmoe_image._compute_text_seq_len_from_mask``: swapped for the same computation without
   its host-to-device copy (`text_seq_len_without_host_copy`, for `features.host_syncs`); the original is back
   when the last user restores.
+- The pipelines' latent-layout methods (``_unpack_latents``, ``_unpack_latents_with_ids``, ``_prepare_latent_ids``,
+  ``_unpatchify_latents``; `latent_layout`): the streamed previews decode a step's latents as the pipeline's own
+  tail does (`families.latent_decode`), and these methods are that tail's first lines.
 
 Tested with diffusers 0.42.x. Any other version fails with a clear message at `parallelize` time,
 before any collective or GPU work.
@@ -44,6 +47,21 @@ def check_diffusers_version() -> str:
             f"private context-parallel and attention-dispatch API), got diffusers {version}"
         )
     return version
+
+
+LATENT_LAYOUT_METHODS = ("_unpack_latents", "_unpack_latents_with_ids", "_prepare_latent_ids", "_unpatchify_latents")
+
+
+def latent_layout(pipe: Any, name: str) -> Callable[..., torch.Tensor]:
+    """The pipeline's private latent-layout method `name` (one of `LATENT_LAYOUT_METHODS`), after the version check;
+    AttributeError naming the pipeline class where it lacks it."""
+    if name not in LATENT_LAYOUT_METHODS:
+        raise ValueError(f"expected a latent-layout method in {', '.join(LATENT_LAYOUT_METHODS)}, got {name!r}")
+    check_diffusers_version()
+    method = getattr(pipe, name, None)
+    if method is None:
+        raise AttributeError(f"expected {type(pipe).__name__} to have diffusers' {name}, it has not")
+    return method
 
 
 def cp_types() -> tuple[type, type]:

@@ -11,14 +11,16 @@ function has the signature ``(pipe, latents, height, width) -> image`` where
 - image: ``(batch, channels, height, width)``, the VAE decoder's output before ``image_processor.postprocess``
   (values around [-1, 1]).
 
-Applied to the last step's latents, each returns what the pipeline itself decodes (tests/families/
-test_latent_decode.py holds that equality for every image family). No diffusers import here: only the pipeline's
-own methods and its VAE's config are used.
+Applied to the last step's latents, each returns what the pipeline itself decodes (tests/server/
+test_previews.py holds that equality for every image family). No diffusers import here: only the pipeline's
+own methods (its private latent-layout ones through `_diffusers_private.latent_layout`) and its VAE's config.
 """
 
 from __future__ import annotations
 
 import torch
+
+from xstage_dit._diffusers_private import latent_layout
 
 
 def _decode(pipe, latents: torch.Tensor) -> torch.Tensor:
@@ -47,19 +49,20 @@ def scaled(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor
 def flux(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """FLUX.1: unpack the 2x2 patches, then ``/ scaling_factor + shift_factor``."""
     config = pipe.vae.config
-    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    latents = latent_layout(pipe, "_unpack_latents")(latents, height, width, pipe.vae_scale_factor)
     return _decode(pipe, latents / config.scaling_factor + config.shift_factor)
 
 
 def flux2(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """FLUX.2: scatter the tokens by their grid ids, undo the VAE's batch norm, unpatchify."""
     rows, cols = height // (pipe.vae_scale_factor * 2), width // (pipe.vae_scale_factor * 2)
-    ids = pipe._prepare_latent_ids(latents.new_empty(latents.shape[0], 1, rows, cols)).to(latents.device)
-    latents = pipe._unpack_latents_with_ids(latents, ids)
+    grid = latents.new_empty(latents.shape[0], 1, rows, cols)
+    ids = latent_layout(pipe, "_prepare_latent_ids")(grid).to(latents.device)
+    latents = latent_layout(pipe, "_unpack_latents_with_ids")(latents, ids)
     bn, eps = pipe.vae.bn, pipe.vae.config.batch_norm_eps
     mean = bn.running_mean.view(1, -1, 1, 1).to(latents.device, latents.dtype)
     std = torch.sqrt(bn.running_var.view(1, -1, 1, 1) + eps).to(latents.device, latents.dtype)
-    return _decode(pipe, pipe._unpatchify_latents(latents * std + mean))
+    return _decode(pipe, latent_layout(pipe, "_unpatchify_latents")(latents * std + mean))
 
 
 def _qwen_stats(pipe, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,7 +75,7 @@ def _qwen_stats(pipe, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def qwenimage(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Qwen-Image: unpack to one video frame, ``latents / (1 / std) + mean``, decode, take the frame."""
-    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
+    latents = latent_layout(pipe, "_unpack_latents")(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
     mean, std = _qwen_stats(pipe, latents)
     return _decode(pipe, latents / (1.0 / std) + mean)[:, :, 0]
 
@@ -80,13 +83,14 @@ def qwenimage(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Ten
 def nucleusmoe(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """NucleusMoE-Image: Qwen-Image's tail with the transformer's patch size in the unpacking."""
     patch = pipe.transformer.config.patch_size
-    latents = pipe._unpack_latents(latents, height, width, patch, pipe.vae_scale_factor).to(pipe.vae.dtype)
+    unpack = latent_layout(pipe, "_unpack_latents")
+    latents = unpack(latents, height, width, patch, pipe.vae_scale_factor).to(pipe.vae.dtype)
     mean, std = _qwen_stats(pipe, latents)
     return _decode(pipe, latents / (1.0 / std) + mean)[:, :, 0]
 
 
 def qwenimage21(pipe, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Qwen-Image 2.1: unpack to one video frame, ``latents * std + mean``, decode, take the frame."""
-    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
+    latents = latent_layout(pipe, "_unpack_latents")(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
     mean, std = _qwen_stats(pipe, latents)
     return _decode(pipe, latents * std + mean)[:, :, 0]
