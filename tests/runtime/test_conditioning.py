@@ -57,6 +57,15 @@ def test_bad_image_counts_are_named(model, images, mask, param, needle):
     assert err.value.param == param
 
 
+def test_flux2_references_follow_its_image_check():
+    spec = model_spec("tiny-flux2")
+    with pytest.raises(ImageInputError, match=r"expected images of at least 64x64 pixels for tiny-flux2, got 48x64 "
+                                              r"\(image 2\)"):
+        request_for(spec, prompt="a cat", images=[_image(1, 64, 64), _image(2, 48, 64)])
+    with pytest.raises(ImageInputError, match="expected an aspect ratio of at most 8:1 for tiny-flux2, got 576x64"):
+        request_for(spec, prompt="a cat", images=[_image(1, 576, 64)])
+
+
 def test_a_mask_must_have_the_image_size_and_an_image():
     spec = model_spec("tiny-flux-fill")
     with pytest.raises(ImageInputError, match="mask: expected the image's size 96x64, got 64x64") as err:

@@ -113,7 +113,8 @@ RECORD = FamilyRecord(
     name="flux2", title="FLUX.2", kind="image",
     pipelines={"Flux2Pipeline": "t2i"},
     # optional references, one list for every prompt; with no size the output takes the first one's (rounded)
-    image_inputs={"Flux2Pipeline": ImageInputFacts(min_images=0, max_images=MAX_REFERENCES, as_list=True)},
+    image_inputs={"Flux2Pipeline": ImageInputFacts(min_images=0, max_images=MAX_REFERENCES, as_list=True, min_side=64,
+                                                   max_aspect=8)},  # Flux2ImageProcessor.check_image_input
     transformers=("Flux2Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
     limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(text_read_indices=_read_indices), specs=SPECS,

@@ -159,6 +159,8 @@ class ImageInputFacts:
         ``image[i]`` with ``generator[i]``), "alone" (one prompt a call: the Qwen-Image edits take one).
     size_from_image: a request without a size makes the first image's size (rounded down to the patch multiple), as
         the edit pipelines do; else the model's default size (image-to-video: the image is resized to it).
+    min_side / max_aspect: each image's width and height at least min_side pixels, and its long side at most
+        max_aspect times its short side (FLUX.2's reference check: 64 and 8); 0 where the pipeline has no such rule.
     """
 
     argument: str = "image"
@@ -169,6 +171,8 @@ class ImageInputFacts:
     area_argument: str | None = None
     batch: str = "shared"
     size_from_image: bool = True
+    min_side: int = 0
+    max_aspect: float = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_images <= self.max_images or self.max_images < 1:

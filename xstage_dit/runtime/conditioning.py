@@ -83,6 +83,14 @@ class InputImages:
             expected = (f"{facts.max_images}" if facts.min_images == facts.max_images
                         else f"{facts.min_images} to {facts.max_images}")
             raise ImageInputError("image", f"expected {expected} input image(s) for {model}, got {len(images)}")
+        for i, image in enumerate(images):
+            short, long = sorted(image.size)
+            if short < facts.min_side:
+                raise ImageInputError("image", f"expected images of at least {facts.min_side}x{facts.min_side} pixels "
+                                               f"for {model}, got {image.width}x{image.height} (image {i + 1})")
+            if facts.max_aspect and long > facts.max_aspect * short:
+                raise ImageInputError("image", f"expected an aspect ratio of at most {facts.max_aspect:g}:1 for "
+                                               f"{model}, got {image.width}x{image.height} (image {i + 1})")
         if mask is not None:
             if facts.mask_argument is None:
                 raise ImageInputError("mask", f"expected no mask for {model} (its pipeline takes none), got one")
