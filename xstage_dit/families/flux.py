@@ -148,7 +148,8 @@ SPECS = (
 # Kontext: output size from max_area (width * height asked), the input image's latents appended to the sequence.
 # The tiny one keeps its input's size (_auto_resize off: diffusers would resize it to about 1024^2 on the CPU).
 IMAGE_INPUTS = {
-    "FluxKontextPipeline": ImageInputFacts(min_images=0, area_argument="max_area"),
+    # (it rounds its input down to 16 pixels: a smaller one would be 0 wide)
+    "FluxKontextPipeline": ImageInputFacts(min_images=0, area_argument="max_area", min_side=16),
     "FluxImg2ImgPipeline": ImageInputFacts(),
     "FluxFillPipeline": ImageInputFacts(mask_argument="mask_image"),
 }

@@ -16,6 +16,7 @@ from fastapi.responses import Response
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.deps import enqueue, failure, new_job, served
 from xstage_dit.server.http_layer import error_response
+from xstage_dit.server.image_input import check_text_only
 from xstage_dit.server.images.protocol import ImageData, ImageGenerationRequest, ImageGenerationResponse, image_params
 from xstage_dit.server.job_queue import COMPLETED, Job
 from xstage_dit.server.protocol import Timings
@@ -77,6 +78,7 @@ async def generate(req: ImageGenerationRequest, request: Request, worker: Worker
     """Queue the images of `req` as one job and answer it: JSON (`image_json`), the PNG itself
     (`response_format: png`) or server-sent events (`stream: true`). A client that leaves before the end
     cancels its job (499)."""
+    check_text_only(served(worker))  # a model that needs input images answers at /v1/images/edits
     job = new_job(config, image_params(req, served(worker), config))
     # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
     # loaded 2-core CI machine began at step 3 of 4).

@@ -9,6 +9,7 @@ from pydantic import BaseModel, Field
 
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.image_input import reference_inputs
 from xstage_dit.server.protocol import RequestError, StrictModel, Timings, common_params
 
 
@@ -24,6 +25,9 @@ class VideoCreateRequest(StrictModel):
     guidance_scale: float | None = None
     seed: int | None = None
     negative_prompt: str | None = None
+    input_reference: str | dict | None = Field(
+        None, description="Image-to-video models: the first frame, base64 or a data: URL (or {\"image_url\": a data: "
+                          "URL}); a text-to-video model refuses it.")
 
 
 class Progress(BaseModel):
@@ -58,4 +62,5 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")
-    return GenerationRequest(**common, num_frames=frames, fps=fps)
+    inputs = reference_inputs(req.input_reference, served, config)  # the first frame of an image-to-video model
+    return GenerationRequest(**common, num_frames=frames, fps=fps, inputs=inputs)
