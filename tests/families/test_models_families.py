@@ -88,6 +88,8 @@ FULL_PARAMS = {
     "full-flux": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},  # FLUX.1-dev, CLIP-L, T5-XXL
     # FLUX.1-Kontext-dev: FLUX.1-dev's transformer and text encoders
     "full-flux-kontext": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},
+    # FLUX.1-Fill-dev: the same blocks over 384 input channels (11.90B)
+    "full-flux-fill": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},
     "full-wan": {"transformer": 14.29, "text_encoder": 5.68},  # Wan2.1-T2V-14B, UMT5-XXL
     # Wan2.1-I2V-14B-480P (16.4B: the image key/value projections of 40 blocks), UMT5-XXL, CLIP ViT-H/14 (0.63B)
     "full-wan-i2v": {"transformer": 16.39, "text_encoder": 5.68, "image_encoder": 0.631},

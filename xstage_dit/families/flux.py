@@ -178,6 +178,12 @@ SPECS += (
         variant="fill", patch_multiple=16, height=128, width=128, steps=4, guidance=30.0, max_sequence_length=64,
         description="FLUX.1 Fill (inpainting with a mask) architecture, 1+1 blocks, 2 heads x 16, random weights",
     ),
+    # also the defaults of a local FLUX.1-Fill-dev folder (its guidance 30)
+    ModelSpec(
+        name="full-flux-fill", family="flux", size="full", kind="image", pipeline_class="FluxFillPipeline",
+        variant="fill", patch_multiple=16, height=1024, width=1024, steps=50, guidance=30.0, max_sequence_length=512,
+        description="FLUX.1-Fill-dev dimensions (FLUX.1-dev's blocks over 384 input channels), random weights",
+    ),
 )
 
 RECORD = FamilyRecord(
