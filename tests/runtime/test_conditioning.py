@@ -114,7 +114,9 @@ def test_only_requests_with_the_same_images_batch_and_alone_pipelines_never():
 def test_an_edit_takes_its_image_size_and_a_video_the_model_size():
     kontext = request_for(model_spec("tiny-flux-kontext"), prompt="a cat", images=[_image(1, 100, 70)])
     assert (kontext.width, kontext.height) == (96, 64)  # rounded down to the 16-pixel multiple
-    assert (request_for(model_spec("tiny-flux-kontext"), prompt="a", images=[_image(1, 8, 8)]).width) == 16
+    assert (request_for(model_spec("tiny-flux-img2img"), prompt="a", images=[_image(1, 8, 8)]).width) == 16
+    with pytest.raises(ImageInputError, match="at least 16x16 pixels for tiny-flux-kontext, got 8x8"):
+        request_for(model_spec("tiny-flux-kontext"), prompt="a", images=[_image(1, 8, 8)])  # 0 wide once rounded
     video = request_for(model_spec("tiny-wan-i2v"), prompt="a cat", images=[_image(1, 100, 70)])
     assert (video.width, video.height) == (128, 128)  # the model's: the image is resized to it
     asked = request_for(model_spec("tiny-flux-kontext"), prompt="a cat", images=[_image(1)], width=32, height=48)
