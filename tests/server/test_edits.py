@@ -235,3 +235,33 @@ def test_a_model_that_needs_an_image_points_text_requests_at_edits(servers):
     kontext, _ = servers["tiny-flux-kontext"]  # Kontext also generates from text alone
     assert kontext.post("/v1/images/generations", json={"prompt": "x", "size": "32x32",
                                                         "num_inference_steps": 1}).status_code == 200
+
+
+def test_warm_up_edits_synthetic_images_and_measures_batching():
+    """A model that needs an input image warms up on a synthetic one (text alone would fail) and its batch probe
+    runs on it: the size's batching decision is recorded."""
+    with one_torch_thread():
+        worker = start_worker(ServerConfig(api_key=None, warmup=True, max_batch_size=2, batching="auto"),
+                              "tiny-flux-img2img")
+        try:
+            assert worker.state == "ready"
+            sizes = worker.batcher.report()["sizes"]
+            assert set(sizes) == {"128x128"} and sizes["128x128"]["speedup"] is not None, sizes
+        finally:
+            worker.stop()
+
+
+@pytest.mark.slow  # two ranks started by `xstage-dit serve --sp 2`: ~40 s on the 2-core CI machine
+def test_an_edit_served_on_two_ranks_is_the_one_process_edit(servers):
+    from tests.helpers.server import multirank_server
+
+    image = seeded_image(7, 96, 64)
+    fields = {"prompt": "make it snow", "seed": "9", "num_inference_steps": "2"}
+    files = {"image": ("in.png", png_bytes(image), "image/png")}
+    one = servers["tiny-flux-kontext"][0].post("/v1/images/edits", files=files, data=fields)
+    with multirank_server("--no-warmup", "--max-batch-size", "1", model="tiny-flux-kontext", log_name="serve-edit",
+                          client_timeout_s=300) as (client, _, _):
+        two = client.post("/v1/images/edits", files=files, data=fields)
+    assert one.status_code == two.status_code == 200, two.text
+    assert_same_image(decode_png(two.json()["data"][0]["b64_json"]), decode_png(one.json()["data"][0]["b64_json"]),
+                      "sp=2 vs one process")
