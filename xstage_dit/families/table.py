@@ -47,6 +47,8 @@ def _builtins(record: FamilyRecord) -> str:
 
 def _inputs(record: FamilyRecord) -> str:
     tasks = set(record.pipelines.values())
+    # a text pipeline taking optional reference images (FLUX.2) edits images too
+    tasks |= {"edit" for p in record.image_inputs if record.pipelines.get(p) == "t2i"}
     return ", ".join(label for task, label in TASK_LABELS.items() if task in tasks) or "-"
 
 

@@ -103,8 +103,9 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
     sp: the sequence-parallel degree it will run at (some models take only square sizes there).
     images / mask: input images (PIL), checked against how `spec`'s pipeline takes them (`InputImages.of`:
     `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's."""
-    inputs = InputImages.of(image_inputs_for(spec.pipeline_class), images, mask, model=spec.name)
-    size = default_size(image_inputs_for(spec.pipeline_class), inputs, spec.patch_multiple) or (spec.width, spec.height)
+    facts = image_inputs_for(spec.pipeline_class)
+    inputs = InputImages.of(facts, images, mask, model=spec.name)
+    size = default_size(facts, inputs, spec.patch_multiple) or (spec.width, spec.height)
     height = size[1] if height is None else int(height)
     width = size[0] if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)

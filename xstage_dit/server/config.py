@@ -15,6 +15,8 @@ from xstage_dit.features.config import ParallelConfig
 if TYPE_CHECKING:
     import torch
 
+    from xstage_dit.families.record import ImageInputFacts
+
 #: Environment variable holding the optional bearer token (unset or empty: no authentication).
 API_KEY_ENV = "XSTAGE_API_KEY"
 #: endpoints whose bodies carry images (ServerConfig.max_upload_bytes instead of max_body_bytes)
@@ -61,7 +63,7 @@ class ServedModel:
     pipeline_kwargs: dict = field(default_factory=dict)
     weights_notice: str | None = None
     square_only: bool = False
-    image_inputs: Any = None
+    image_inputs: ImageInputFacts | None = None
     warm_with_images: bool = False
 
     def __post_init__(self) -> None:

@@ -9,6 +9,7 @@ import json
 import time
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from pydantic import ValidationError
 from starlette.datastructures import UploadFile
@@ -93,8 +94,6 @@ def _parse(fields: dict) -> ImageEditRequest:
     try:
         return ImageEditRequest.model_validate(fields)
     except ValidationError as exc:
-        from fastapi.exceptions import RequestValidationError
-
         errors = [{**err, "loc": ("body", *err.get("loc", ()))} for err in exc.errors()]
         status, param, message = first_validation_error(RequestValidationError(errors))
         raise RequestError(param, message.removeprefix(f"{param}: "), status) from None
