@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, load_pipeline, model_spec
-from xstage_dit.families.registry import record, records
+from xstage_dit.families.registry import image_inputs_for, record, records
+from xstage_dit.runtime.conditioning import synthetic_image
 from xstage_dit.runtime.generation import call_kwargs, output_pixels, to_pil_frames
 
 TINY = [name for name, spec in MODELS.items() if spec.size == "tiny"]
@@ -23,7 +24,11 @@ def test_every_served_family_has_a_tiny_and_a_full_model():
                       "hunyuanvideo15", "hunyuanimage"}
     for name, r in records().items():
         assert {s.size for s in r.specs} == ({"tiny", "full"} if name in served else set()), name
-        assert {s.name for s in r.specs} == ({f"tiny-{name}", f"full-{name}"} if name in served else set()), name
+        # the family's own pipeline is tiny-<family> / full-<family>; a family serving several pipelines
+        # (FLUX.1 Kontext, Wan I2V, ...) names the others tiny-<family>... (tiny-flux-kontext, tiny-wan22-i2v)
+        plain = {s.name for s in r.specs if not s.variant}
+        assert plain == ({f"tiny-{name}", f"full-{name}"} if name in served else set()), name
+        assert all(s.name.startswith(f"{s.size}-{name}") for s in r.specs), name
 
 
 @pytest.mark.parametrize("name", [n for n in TINY if n != "tiny-flux"])  # tiny-flux: tests/test_models.py
@@ -36,6 +41,12 @@ def test_tiny_pipeline_runs_end_to_end(name):
     assert spec.pipeline_class in record(spec.family).served_pipelines
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}
+    facts = image_inputs_for(spec.pipeline_class)
+    if facts is not None and facts.min_images:  # an edit or image-to-video pipeline: an input image (and mask)
+        side = small or dict(width=spec.width, height=spec.height)
+        small = dict(small, images=[synthetic_image(side["width"], side["height"])])
+        if facts.mask_argument:
+            small["mask"] = synthetic_image(side["width"], side["height"], "L")
     kwargs = lambda: call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small)  # noqa: E731
     out = pipe(**kwargs())
     frames = to_pil_frames(out, spec.kind)  # raises on NaN/inf
@@ -75,7 +86,13 @@ def test_wan_video_frame_rule():
 # rounded figure) of the checkpoint each family record names.
 FULL_PARAMS = {
     "full-flux": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},  # FLUX.1-dev, CLIP-L, T5-XXL
+    # FLUX.1-Kontext-dev: FLUX.1-dev's transformer and text encoders
+    "full-flux-kontext": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},
+    # FLUX.1-Fill-dev: the same blocks over 384 input channels (11.90B)
+    "full-flux-fill": {"transformer": 11.90, "text_encoder": 0.123, "text_encoder_2": 4.76},
     "full-wan": {"transformer": 14.29, "text_encoder": 5.68},  # Wan2.1-T2V-14B, UMT5-XXL
+    # Wan2.1-I2V-14B-480P (16.4B: the image key/value projections of 40 blocks), UMT5-XXL, CLIP ViT-H/14 (0.63B)
+    "full-wan-i2v": {"transformer": 16.39, "text_encoder": 5.68, "image_encoder": 0.631},
     "full-sana": {"transformer": 1.604, "text_encoder": 2.614},  # Sana_1600M_1024px, Gemma-2-2B
     "full-lumina2": {"transformer": 2.610, "text_encoder": 2.614},  # Lumina-Image-2.0, Gemma-2-2B
     # HiDream-I1-Full (17B), CLIP-L, CLIP-G, T5-XXL, Llama-3.1-8B

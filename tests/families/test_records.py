@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, model_spec
-from xstage_dit.families.record import SERVED_TASKS, FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import (SERVED_TASKS, FamilyRecord, ImageInputFacts, SequenceParallelFacts,
+                                       SizeLimits)
 from xstage_dit.families.registry import (NOT_SUPPORTED, causal_conv_classes, record, record_for_pipeline,
                                           record_for_transformer, records, supported_pipelines, video_vae_facts)
 from xstage_dit.families.spec import ModelSpec
@@ -117,7 +118,14 @@ def test_a_record_that_disagrees_with_its_specs_is_refused_by_name():
     with pytest.raises(ValueError, match=r"kind='image' \(record: 'video'\)"):
         make(kind="video", pipelines={"FluxPipeline": "t2v"})
     with pytest.raises(ValueError, match="pipeline_class='FluxPipeline'"):
-        make(pipelines={"FluxPipeline": "edit"})  # not a pipeline `generate` / `serve` run
+        # not a pipeline `generate` / `serve` run for an image family (issue 39 serves edits: a video task here)
+        make(pipelines={"FluxPipeline": "i2v"}, image_inputs={"FluxPipeline": ImageInputFacts()})
+    with pytest.raises(ValueError, match=r"expected ImageInputFacts for the image-conditioned pipelines .* "
+                                         r"got a mismatch for \['FluxPipeline'\]"):
+        make(pipelines={"FluxPipeline": "edit"})  # an edit pipeline says how it takes its images
+    with pytest.raises(ValueError, match=r"optional images only on its others\), got a mismatch for \['FluxPipeline'\]"):
+        make(image_inputs={"FluxPipeline": ImageInputFacts()})  # a text pipeline needing an image
+    assert make(image_inputs={"FluxPipeline": ImageInputFacts(min_images=0)}).specs[0] == spec  # optional ones
     with pytest.raises(ValueError, match=r"patch_multiple=16 \(record: 32\)"):
         make(specs=(dataclasses.replace(spec, size="full"),), limits=SizeLimits(patch_multiple=32))
     with pytest.raises(ValueError, match="expected a build function"):
@@ -150,7 +158,8 @@ def test_a_transformer_without_a_record_is_refused_with_a_clear_error():
 
 def test_a_folder_of_a_pipeline_without_a_record_is_refused_naming_its_class(tmp_path):
     for class_name, needle in (("PixArtAlphaPipeline", "got 'PixArtAlphaPipeline'"),
-                               ("ChronoEditPipeline", "an 'edit' pipeline of the family 'chronoedit'; `generate` and `serve` run the t2i and t2v")):
+                               ("ChronoEditPipeline", "an 'edit' pipeline of the family 'chronoedit'; `generate` and `serve` run the t2v and i2v ones of "
+                                                     "a video family")):
         folder = tmp_path / class_name
         folder.mkdir()
         (folder / "model_index.json").write_text(f'{{"_class_name": "{class_name}"}}')

@@ -6,7 +6,7 @@ import contextlib
 
 import pytest
 
-from xstage_dit.families.record import ExpertFacts, FamilyRecord, SequenceParallelFacts
+from xstage_dit.families.record import ExpertFacts, FamilyRecord, ImageInputFacts, SequenceParallelFacts
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.table import BEGIN, END, model_table_markdown, rewrite_block, row
 
@@ -24,7 +24,7 @@ def _image_record() -> FamilyRecord:
         sp=SequenceParallelFacts(plan_source="diffusers", build=_build, cfg="paired"),
         specs=(ModelSpec(name="tiny-pix", size="tiny", height=64, width=64, **spec),
                ModelSpec(name="full-pix", size="full", height=1024, width=1024, **spec)),
-        build=_unused,
+        build=_unused, image_inputs={"PixEditPipeline": ImageInputFacts()},
     )
 
 
@@ -41,6 +41,7 @@ def _video_moe_record() -> FamilyRecord:
         experts=ExpertFacts(layer_class="MovMoELayer", ep_layer="somewhere:MovEPLayer", count_key="num_experts",
                             meta_experts=contextlib.nullcontext, num_experts=len, dims=lambda layer: (8, 16),
                             random_experts=_unused, read_experts=_unused, materialize=_unused),
+        image_inputs={"MovImageToVideoPipeline": ImageInputFacts(size_from_image=False)},
     )
 
 
@@ -48,10 +49,11 @@ def test_one_row_per_record_with_every_column():
     table = model_table_markdown([_video_moe_record(), _image_record()])
     header, rule, image, video = table.split("\n")
     assert header.count("|") == rule.count("|") == 6
-    assert image == ("| Pix (`PixTransformer2DModel`) | sp, cfg (paired) | `PixPipeline` "
+    # the edit and image-to-video pipelines are served too (issue 39)
+    assert image == ("| Pix (`PixTransformer2DModel`) | sp, cfg (paired) | `PixPipeline`, `PixEditPipeline` "
                      "| `tiny-pix` / `full-pix` | text->image, image edit |")
     assert video == ("| Mov (`MovTransformer3DModel`, `MovLiteTransformer3DModel`) | sp, ep "
-                     "| `MovPipeline` | - / - | text->video, image->video |")
+                     "| `MovPipeline`, `MovImageToVideoPipeline` | - / - | text->video, image->video |")
 
 
 def test_a_family_without_a_text_pipeline_is_python_only():

@@ -1,5 +1,6 @@
 """What a new family's test file shares with every other (tests/families/test_<family>.py): the tiny pipeline's
-image for a case, the parallel-vs-one-process comparison with its token probe, the launch of the file as its own
+image for a case (for an image-conditioned one, with seeded input images through the product's request type:
+`request_output`), the parallel-vs-one-process comparison with its token probe, the launch of the file as its own
 rank program, and a saved folder generated through the real CLI and the real HTTP server."""
 
 from __future__ import annotations
@@ -28,11 +29,50 @@ def pipeline_image(pipe, model: str, case: dict, guidance: float, **extra) -> np
     return np.asarray(out.images, dtype=np.float32)
 
 
+def seeded_image(seed: int, width: int, height: int, mode: str = "RGB"):
+    """An input image drawn from `seed` (smooth colour fields plus noise, so a VAE sees structure): what the image
+    tests edit, animate or mask ("L": a mask whose right part, from a seeded column, is white = repaint)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    if mode == "L":
+        mask = np.zeros((height, width), dtype=np.uint8)
+        mask[:, int(rng.integers(width // 4, 3 * width // 4)):] = 255
+        return Image.fromarray(mask, mode="L")
+    y, x = np.mgrid[0:height, 0:width] / max(width, height)
+    phase = rng.uniform(0, 2 * np.pi, 3)
+    base = np.stack([np.sin(6 * x + 4 * y + p) for p in phase], -1) * 90 + 128
+    return Image.fromarray(np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8), mode="RGB")
+
+
+def request_output(pipe, model: str, case: dict) -> np.ndarray:
+    """The pipeline's output for an image-conditioned `case`, through the product's own request type and argument
+    policy (`request_for`, `pipeline_kwargs`): prompt (or a list: one request each, seeds 7, 8, ..., the same
+    images), height, width, images (a list of (width, height): seeded images 100, 101, ...), mask (True: a seeded
+    mask of the first image's size), and optionally frames, negative_prompt, true_cfg_scale, guidance. 2 steps.
+    Returns (outputs, [frames,] height, width, 3) float32 in [0, 1]."""
+    from xstage_dit.families import model_spec
+    from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, request_for
+
+    spec = model_spec(model)
+    prompts = case["prompt"] if isinstance(case["prompt"], list) else [case["prompt"]]
+    images = [seeded_image(100 + i, w, h) for i, (w, h) in enumerate(case.get("images", ()))]
+    mask = seeded_image(99, *case["images"][0], mode="L") if case.get("mask") else None
+    requests = [request_for(spec, prompt=p, seed=7 + i, images=images, mask=mask, height=case["height"],
+                            width=case["width"], frames=case.get("frames"), steps=2, guidance=case.get("guidance"),
+                            negative_prompt=case.get("negative_prompt"), true_cfg_scale=case.get("true_cfg_scale"))
+                for i, p in enumerate(prompts)]
+    out = pipe(**pipeline_kwargs(pipe, requests, kind=spec.kind, fixed=fixed_kwargs(spec)))
+    return np.asarray(out.frames if spec.kind == "video" else out.images, dtype=np.float32)
+
+
 class Tokens:
-    """Query tokens every attention's ``to_q`` projects: fewer under sp = the split really ran."""
+    """Query tokens every attention's ``to_q`` projects: fewer under sp = the split really ran. (Attentions with a
+    fused projection, FLUX.2's single blocks, are not counted: no ``to_q``.)"""
 
     def __init__(self, model):
-        self.modules = [m.to_q for m in model.modules() if getattr(m, "processor", None) is not None]
+        self.modules = [m.to_q for m in model.modules()
+                        if getattr(m, "processor", None) is not None and hasattr(m, "to_q")]
         self.seen: list[int] = []
 
     def __enter__(self):
@@ -59,13 +99,15 @@ def equivalence(pipe, config: dict, image, ref: np.ndarray) -> dict:
             "ref_std": float(ref.std()), "tokens": sum(tokens)}
 
 
-def launch_ranks(rank_program: str, name: str, world: int, tmp_path: Path) -> list[dict]:
-    """Run `rank_program` (``python FILE OUT WORLD``) on `world` gloo ranks; each rank's ``OUT.<rank>`` JSON."""
+def launch_ranks(rank_program: str, name: str, world: int, tmp_path: Path, *args: str,
+                 timeout_s: float = 400) -> list[dict]:
+    """Run `rank_program` (``python FILE OUT WORLD [ARGS...]``) on `world` gloo ranks; each rank's ``OUT.<rank>``
+    JSON."""
     from xstage_dit.comm.launcher import launch
 
     out = tmp_path / f"{name}-w{world}"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, rank_program, str(out), str(world)], timeout_s=400, env=env)
+    code = launch(world, [sys.executable, rank_program, str(out), str(world), *args], timeout_s=timeout_s, env=env)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 

@@ -1,9 +1,10 @@
 """The web page at `/` in headless Chromium (Debian's `chromium`, driven by Playwright; no browser is
 downloaded): type a prompt, press Generate, see the progress bar move and the image appear; the
 random-weights notice; a server with an API key (asked for, 401 shown, then accepted); an error after
-an image (the old image goes); an empty Steps field (the model's default). Screenshots go to out/
-(git-ignored: webpage.png, webpage-apikey.png, webpage-error.png, webpage-video.png); their paths are
-printed. docs/webpage.png, shown in the README, is a copy of out/webpage.png."""
+an image (the old image goes); an empty Steps field (the model's default); an uploaded image edited (FLUX.1
+Kontext) or animated (Wan I2V), shown beside the output. Screenshots go to out/ (git-ignored: webpage.png,
+webpage-apikey.png, webpage-error.png, webpage-video.png, webpage-edit.png, webpage-image-to-video.png); their
+paths are printed. docs/webpage.png, shown in the README, is a copy of out/webpage.png."""
 
 from __future__ import annotations
 
@@ -182,3 +183,68 @@ def test_api_docs_render_without_internet():
         paths = page.eval_on_selector_all(".opblock-summary-path", "els => els.map(e => e.textContent)")
         assert "/v1/images/generations" in "".join(paths), paths
         _shot(page, "webpage-docs.png")
+
+
+def _input_png(tmp_path: Path, width: int, height: int) -> Path:
+    from tests.helpers.family_harness import seeded_image
+
+    path = tmp_path / f"input-{width}x{height}.png"
+    seeded_image(21, width, height).save(path)
+    return path
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_page_edits_an_uploaded_image_and_shows_it_beside_the_output(tmp_path):
+    import base64
+
+    import httpx
+
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None), model="tiny-flux-kontext")
+    image = _input_png(tmp_path, 96, 64)
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-flux-kontext')") as page:
+        assert page.is_visible("#image") and not page.is_visible("#mask")  # Kontext takes an image, no mask
+        page.set_input_files("#image", str(image))
+        page.wait_for_function("document.getElementById('width').value === '96'")  # the edit's size: the input's
+        assert page.input_value("#height") == "64"
+        page.fill("#prompt", "make it snow")
+        page.fill("#steps", "2")
+        page.fill("#seed", "5")
+        page.click("#generate")
+        page.wait_for_selector("#output", timeout=60_000)
+        page.wait_for_function("document.getElementById('output').naturalWidth === 96")
+        page.wait_for_function("document.getElementById('input-preview').naturalWidth === 96")
+        captions = page.eval_on_selector_all("#result figcaption", "els => els.map(e => e.textContent)")
+        assert captions == ["input", "output"]
+        shown = page.get_attribute("#output", "src").split(",", 1)[1]
+        url = page.url.rstrip("/")
+        _shot(page, "webpage-edit.png")
+    # the page's edit is the server's edit of that file (not a text-to-image of the prompt)
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None), model="tiny-flux-kontext")
+    try:
+        with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=120) as client:
+            direct = client.post("/v1/images/edits", files={"image": ("in.png", image.read_bytes(), "image/png")},
+                                 data={"prompt": "make it snow", "num_inference_steps": "2", "seed": "5",
+                                       "size": "96x64"})
+    finally:
+        worker.stop()
+    assert direct.status_code == 200 and base64.b64decode(direct.json()["data"][0]["b64_json"]) == \
+        base64.b64decode(shown)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install chromium; .ci/run does it)")
+def test_page_animates_an_uploaded_image(tmp_path):
+    worker = start_worker(ServerConfig(max_batch_size=1, api_key=None), model="tiny-wan-i2v")
+    with _open_page(worker, "document.getElementById('model').textContent.includes('tiny-wan-i2v (video)')") as page:
+        assert page.is_visible("#image") and page.is_visible("#frames")
+        page.set_input_files("#image", str(_input_png(tmp_path, 80, 60)))
+        page.fill("#prompt", "the fox runs")
+        page.fill("#width", "64")
+        page.fill("#height", "48")
+        page.fill("#frames", "5")
+        page.fill("#steps", "2")
+        page.click("#generate")
+        page.wait_for_selector("video#output", timeout=60_000)
+        page.wait_for_function("document.getElementById('output').readyState >= 2 && "
+                               "document.getElementById('output').videoWidth === 64", timeout=30_000)
+        assert page.eval_on_selector("#input-preview", "img => img.naturalWidth") == 80
+        _shot(page, "webpage-image-to-video.png")

@@ -183,6 +183,7 @@ class XStageServed(XStage):
         self._server = None
         self.client = None
         self.image_client = None
+        self._encoded = None
 
     def check(self, b: Bench) -> str | None:
         if self.serve is None:
@@ -201,6 +202,7 @@ class XStageServed(XStage):
                                   warmup_sizes=((b.width, b.height),), max_steps=max(100, b.steps),
                                   max_size=max(2048, b.width, b.height),
                                   max_pixels=max(2048 * 2048, b.width * b.height),
+                                  max_image_pixels=max([4096 * 4096] + [i.width * i.height for i in b.images]),
                                   request_timeout_s=3600.0, max_queue=4)
         url, _ = self._server.__enter__()
         self.client = httpx.Client(base_url=url, timeout=3600.0)  # videos: a job, its event stream, its content
@@ -213,7 +215,28 @@ class XStageServed(XStage):
             body["num_frames"] = kwargs["num_frames"]
         if kwargs.get("negative_prompt"):
             body["negative_prompt"] = kwargs["negative_prompt"]
-        return body
+        return {**body, **self._inputs(b)}
+
+    def _inputs(self, b: Bench) -> dict:
+        """The run's input images as a JSON client sends them (base64 PNGs, encoded once): an edit's ``image`` (and
+        ``mask``), a video's ``input_reference``; {} for a text model."""
+        if not b.images:
+            return {}
+        if self._encoded is None:
+            import base64
+            import io
+
+            def b64(image) -> str:
+                buf = io.BytesIO()
+                image.save(buf, "PNG")
+                return base64.b64encode(buf.getvalue()).decode()
+
+            if b.spec.kind == "video":
+                self._encoded = {"input_reference": b64(b.images[0])}
+            else:
+                self._encoded = {"image": [b64(i) for i in b.images],
+                                 **({"mask": b64(b.mask)} if b.mask is not None else {})}
+        return self._encoded
 
     def call(self, b: Bench, kwargs: dict):
         """One request; timed until the client holds the encoded bytes (PNG or MP4). The pixels for the
@@ -223,8 +246,8 @@ class XStageServed(XStage):
             data, timings = self._video(self._body(b, kwargs))
         else:
             # The binary answer: what a client that wants the image (not OpenAI's JSON) asks for.
-            status, headers, data = self.image_client.post("/v1/images/generations",
-                                                           {**self._body(b, kwargs), "response_format": "png"})
+            path = "/v1/images/edits" if b.images else "/v1/images/generations"  # an edit: its images (JSON)
+            status, headers, data = self.image_client.post(path, {**self._body(b, kwargs), "response_format": "png"})
             if status != 200 or headers.get("content-type") != "image/png":
                 raise RuntimeError(f"expected 200 image/png from the served request, got {status} "
                                    f"{headers.get('content-type')}: {data[:300]!r}")

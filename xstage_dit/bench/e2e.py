@@ -50,7 +50,7 @@ from xstage_dit.bench.options import (BASELINE, OUR_FAMILIES, add_arguments, com
                                       option_argv, parse_contenders, validate)
 from xstage_dit.bench.report import Report, rerender
 from xstage_dit.bench.results import environment
-from xstage_dit.bench.session import TORCH_DTYPES, Bench, gpu_label, load_prompts, model_slug
+from xstage_dit.bench.session import TORCH_DTYPES, Bench, bench_inputs, gpu_label, load_prompts, model_slug
 from xstage_dit.comm.distributed import init_distributed
 from xstage_dit.comm.launcher import launch
 from xstage_dit.errors import UsageError
@@ -115,10 +115,14 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
     pipe = load_pipeline(args.model, dtype=dtype, device=device, seed=args.weights_seed)
     pipe.set_progress_bar_config(disable=True)
     build_s = time.perf_counter() - t0
+    images, mask = bench_inputs(args, spec, width, height)
     b = Bench(args=args, spec=spec, pipe=pipe, device=device, dtype=dtype, rank=info.rank,
               world_size=info.world_size, prompts=prompts, steps=steps, height=height, width=width, frames=frames,
-              t_start=t_start, build_s=build_s)
-    b.call_kwargs(prompts[0], steps)  # validates steps, size and the pipeline's arguments up front
+              t_start=t_start, build_s=build_s, images=images, mask=mask)
+    try:
+        b.call_kwargs(prompts[0], steps)  # validates steps, size, input images and the pipeline's arguments up front
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     env = environment()  # its git commit falls back to $XSTAGE_GIT_COMMIT where the tree has no .git
     stem = Path(args.out_dir) / f"e2e-{model_slug(args.model)}-{gpus}x{gpu_label(device)}"
@@ -128,6 +132,8 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "height": height, "width": width, "frames": frames, "steps": steps, "default_steps": spec.steps,
         "guidance": spec.guidance, "seed": args.seed, "weights_seed": args.weights_seed,
         "dtype": str(dtype).replace("torch.", ""),
+        "input_images": [f"{i.width}x{i.height}" for i in images], "mask": mask is not None,
+        "input_images_from": "files" if args.image else "synthetic" if images else None,
         "num_prompts": len(prompts), "prompts": prompts, "repeats": args.repeats, "warmup": args.warmup,
         "warmup_steps": min(args.warmup_steps, steps), "compile_requested": args.compile,
         "compile_also": list(compile_also),

@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--height", type=int, default=None, help="image/video height in pixels (default: the model's)")
     parser.add_argument("--width", type=int, default=None, help="image/video width in pixels (default: the model's)")
     parser.add_argument("--frames", type=int, default=None, help="video frames (default: the model's; images: 1)")
+    parser.add_argument("--image", action="append", default=None, metavar="PATH",
+                        help="input image of an edit or image-to-video model (repeatable, as generate's --image); "
+                             "default for those models: a synthetic image of the run's size (conditioning.synthetic_"
+                             "image), the shape a served edit has; text models take none")
+    parser.add_argument("--mask", default=None, metavar="PATH",
+                        help="mask of an inpainting model (FLUX.1 Fill); default: a synthetic one (right half)")
     parser.add_argument("--seed", type=int, default=0,
                         help="sampling seed of every generation (CPU generators, as generate and serve) (default: 0)")
     parser.add_argument("--weights-seed", type=int, default=0,
@@ -148,6 +154,9 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"--compile-extra: {exc}") from None
     if not args.compile_estimate_s >= 0:
         raise UsageError(f"expected --compile-estimate-s >= 0, got {args.compile_estimate_s}")
+    for flag, path in [("--image", p) for p in args.image or ()] + [("--mask", args.mask)] * (args.mask is not None):
+        if not Path(path).is_file():
+            raise UsageError(f"expected {flag} to be an image file, got {path!r}")
     if not Path(args.prompts).is_file():
         raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
     parse_contenders(args.contenders)
@@ -174,7 +183,8 @@ def option_argv(args: argparse.Namespace) -> list[str]:
     for key, value in vars(args).items():
         if key in ("func", "command") or value is None or value is False:
             continue
-        argv += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+        for one in value if isinstance(value, list) else [value]:  # a repeatable option: once per value
+            argv += ["--" + key.replace("_", "-")] + ([] if one is True else [str(one)])
     return argv
 
 

@@ -46,6 +46,28 @@ def model_slug(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", base).strip("-") or "model"
 
 
+def bench_inputs(args: argparse.Namespace, spec, width: int, height: int) -> tuple[tuple, object]:
+    """(input images, mask) of a run: --image / --mask files; else, for a model whose pipeline edits or animates
+    images (its record's task), a synthetic image (and mask) of the run's size: the shape a served request has,
+    FLUX.1 Kontext's image tokens appended to the sequence, Wan I2V's first frame. ((), None) for text models."""
+    from PIL import Image
+
+    from xstage_dit.families.record import IMAGE_TASKS
+    from xstage_dit.families.registry import image_inputs_for, record_for_pipeline
+    from xstage_dit.runtime.conditioning import synthetic_image
+
+    facts = image_inputs_for(spec.pipeline_class)
+    family = record_for_pipeline(spec.pipeline_class)
+    takes = facts is not None and family is not None and family.pipelines.get(spec.pipeline_class) in IMAGE_TASKS
+    images = [Image.open(path).convert("RGB") for path in args.image or ()]
+    if not images and takes:
+        images = [synthetic_image(width, height)]
+    mask = Image.open(args.mask) if args.mask is not None else None
+    if mask is None and images and facts is not None and facts.mask_argument is not None:
+        mask = synthetic_image(*images[0].size, "L")
+    return tuple(images), mask
+
+
 def error_text(exc: BaseException) -> str:
     """An exception as one short line for a result row (at most 400 characters)."""
     text = f"{type(exc).__name__}: {exc}".strip()
@@ -74,6 +96,9 @@ class Bench:
     # Which contender left the pipeline modified beyond undoing (None: pristine). A contender that does not
     # accept that state gets a freshly built pipeline first.
     dirty: str | None = None
+    # an edit or image-to-video model's input images and mask (`bench_inputs`), in every contender's call
+    images: tuple = ()
+    mask: object = None
 
     def rebuild(self) -> None:
         """Drop the pipeline and build it again (after a contender that cannot be undone)."""
@@ -97,7 +122,7 @@ class Bench:
 
         return call_kwargs(self.pipe, self.spec, prompt=prompt, height=self.height, width=self.width,
                            frames=self.frames if self.spec.kind == "video" else None, steps=steps,
-                           seed=self.args.seed)
+                           seed=self.args.seed, images=self.images, mask=self.mask)
 
     def seconds_left(self) -> float:
         if not self.args.time_budget_s:

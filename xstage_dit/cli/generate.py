@@ -1,14 +1,19 @@
-"""`xstage-dit generate`: one image (PNG) or video (MP4, or a PNG grid of frames) from a prompt.
+"""`xstage-dit generate`: one image (PNG) or video (MP4, or a PNG grid of frames) from a prompt, and for the
+image-conditioned models input images: an edit (FLUX.1 Kontext, Qwen-Image-Edit, FLUX.2 references), inpainting
+with a mask (FLUX.1 Fill) or image-to-video (Wan I2V, LTX-Video, CogVideoX).
 
 Example::
 
-    xstage-dit generate --model tiny-flux --prompt "a red fox in snow" --output out/fox.png
+    xstage-dit generate --model tiny-flux --prompt "a red fox in snow" --size 96x64 --output out/fox.png
+    xstage-dit generate --model tiny-flux-kontext --image fox.png --prompt "make it night" --output out/night.png
+    xstage-dit generate --model tiny-wan-i2v --image fox.png --prompt "the fox runs" --output out/fox.mp4
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -36,6 +41,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--height", type=int, default=None,
                    help="image height in pixels, a multiple of the model's patch size (16 for all built-in models)")
     p.add_argument("--width", type=int, default=None, help="image width in pixels, same rule as --height")
+    p.add_argument("--size", default=None,
+                   help="WIDTHxHEIGHT in pixels (e.g. 96x64), as the server's size; 'auto' or left out: the model's "
+                        "default (an edit: its input image's size); instead of --width/--height")
+    p.add_argument("--image", action="append", default=None, metavar="PATH",
+                   help="input image (PNG/JPEG/WebP) for an image edit or image-to-video model; repeat for a model "
+                        "that takes several (FLUX.2, Qwen-Image-Edit Plus)")
+    p.add_argument("--mask", default=None, metavar="PATH",
+                   help="inpainting mask, the first image's size (FLUX.1 Fill): white (or, with an alpha channel, "
+                        "transparent) = repaint")
     p.add_argument("--frames", type=int, default=None,
                    help="video frames (video models only): 1 + a multiple of 4 for Wan")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (>= 1)")
@@ -130,6 +144,7 @@ def _checked(args: argparse.Namespace):
             raise UsageError(f"{flag}: expected a positive integer, got {value}")
     if args.guidance is not None and not args.guidance >= 0:
         raise UsageError(f"--guidance: expected a number >= 0, got {args.guidance}")
+    _apply_size(args)
     if args.frames is not None and spec.kind == "image" and args.frames != 1:
         raise UsageError(f"--frames: expected no --frames for the image model {spec.name}, got {args.frames}")
     if not args.prompt.strip():
@@ -150,19 +165,58 @@ def _checked(args: argparse.Namespace):
     return spec, parallel, request, output, warmup_sizes
 
 
+_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+
+
+def _apply_size(args: argparse.Namespace) -> None:
+    """--size WIDTHxHEIGHT into args.width / args.height ('auto': the model's default); UsageError naming it."""
+    from xstage_dit.cli import UsageError
+
+    if args.size is None or args.size.strip().lower() == "auto":
+        return
+    if args.width is not None or args.height is not None:
+        raise UsageError(f"--size: expected either --size or --width/--height, got both ({args.size!r})")
+    match = _SIZE.match(args.size)
+    if not match or len(match.group(1)) > 6 or len(match.group(2)) > 6:
+        raise UsageError(f"--size: expected 'WIDTHxHEIGHT' such as '96x64', got {args.size!r}")
+    args.width, args.height = int(match.group(1)), int(match.group(2))
+
+
+def _open_image(path: str, flag: str):
+    """The image file at `path`, fully decoded (a truncated file fails here); UsageError naming `flag`."""
+    from PIL import Image, UnidentifiedImageError
+
+    from xstage_dit.cli import UsageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.copy()
+    except FileNotFoundError:
+        raise UsageError(f"{flag}: expected an image file, got {path!r} (no such file)") from None
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise UsageError(f"{flag}: expected a PNG, JPEG or WebP image, got {path!r} ({exc})") from None
+
+
 def _request(args: argparse.Namespace, spec, sp: int = 1):
     """The one `GenerationRequest` of the command line; UsageError naming the option a value came from."""
     from xstage_dit.cli import UsageError
+    from xstage_dit.runtime.conditioning import ImageInputError
     from xstage_dit.runtime.generation import request_for
 
+    images = [_open_image(path, "--image") for path in args.image or ()]
+    mask = None if args.mask is None else _open_image(args.mask, "--mask")
     try:
         return request_for(spec, prompt=args.prompt, negative_prompt=args.negative_prompt, height=args.height,
                            width=args.width, frames=args.frames, steps=args.steps, guidance=args.guidance,
-                           seed=args.seed, sp=sp)
+                           seed=args.seed, sp=sp, images=images, mask=mask)
+    except ImageInputError as exc:
+        raise UsageError(f"--{exc.param}: {exc.detail}") from None
     except ValueError as exc:
         text = str(exc)
-        flag = next((f for word, f in (("height", "--height"), ("width", "--width"), ("frames", "--frames"),
-                                       ("seed", "--seed")) if word in text), "--model")
+        size = "--size" if args.size is not None else None
+        flag = next((f for word, f in (("height", size or "--height"), ("width", size or "--width"),
+                                       ("frames", "--frames"), ("seed", "--seed")) if word in text), "--model")
         raise UsageError(f"{flag}: {exc}") from None
 
 

@@ -56,6 +56,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-size", type=int, default=_D.max_size, help="largest width or height; default: %(default)s")
     p.add_argument("--max-frames", type=int, default=_D.max_frames, help="largest video frame count; default: %(default)s")
     p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes, help="largest request body; default: %(default)s")
+    p.add_argument("--max-upload-bytes", type=int, default=_D.max_upload_bytes,
+                   help="largest body of the endpoints taking images (/v1/images/edits, /v1/videos); default: "
+                        "%(default)s")
+    p.add_argument("--max-image-pixels", type=int, default=_D.max_image_pixels,
+                   help="largest input image (width x height, read from its header before decoding: decompression "
+                        "bombs are refused); default: %(default)s")
     p.add_argument("--heartbeat-timeout", type=float, default=_D.heartbeat_timeout_s,
                    help="seconds without a heartbeat before a rank counts as dead; default: %(default)s")
     p.add_argument("--exit-after-failure", type=float, default=_D.exit_after_failure_s,
@@ -121,6 +127,7 @@ def _config(args: argparse.Namespace):
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
             request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+            max_upload_bytes=args.max_upload_bytes, max_image_pixels=args.max_image_pixels,
             max_steps=args.max_steps, max_size=args.max_size, max_pixels=args.max_size * args.max_size,
             max_frames=args.max_frames, heartbeat_timeout_s=args.heartbeat_timeout,
             exit_after_failure_s=args.exit_after_failure, warmup=not args.no_warmup, parallel=parallel,

@@ -51,7 +51,7 @@ def transformer_config(spec: ModelSpec) -> dict:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise UsageError(f"--model: expected a readable {path}, got {type(exc).__name__}: {exc}") from None
-    return dict(record(spec.family).transformer_dims[spec.size])
+    return record(spec.family).dims(spec)
 
 
 def transformer_facts(spec: ModelSpec, family: FamilyRecord | None = None) -> TransformerFacts:

@@ -65,15 +65,20 @@ def model_spec(model: str) -> ModelSpec:
         class_name = _local_class_name(path)
         found = record_for_pipeline(class_name)
         if found is None or class_name not in found.served_pipelines:
-            why = ("" if found is None else f" (an {found.pipelines[class_name]!r} pipeline of the family "
-                   f"{found.name!r}; `generate` and `serve` run the {' and '.join(SERVED_TASKS)} ones)")
+            why = ""
+            if found is not None:
+                tasks = " and ".join(t for t, k in SERVED_TASKS.items() if k == found.kind)
+                why = (f" (an {found.pipelines[class_name]!r} pipeline of the family {found.name!r}; `generate` and "
+                       f"`serve` run the {tasks} ones of a {found.kind} family)")
             raise ValueError(f"expected a pipeline class in {sorted(supported_pipelines())}, got {class_name!r} in "
                              f"{str(path)!r}{why}")
-        full = found.spec("full")
+        # the defaults of the built-in full model of the same pipeline, else of the family's first full model
+        full = found.spec("full", class_name) or found.spec("full")
         if full is None:
             raise ValueError(f"expected a full-size built-in model of the family {found.name!r} for the defaults of "
                              f"{str(path)!r}, got none")
-        return dataclasses.replace(full, name=str(path), size="local", description=f"{class_name} from {path}")
+        return dataclasses.replace(full, name=str(path), size="local", description=f"{class_name} from {path}",
+                                   pipeline_class=class_name, variant="")
     raise ValueError(f"expected a model in {model_names()} or a local diffusers folder, got {model!r}")
 
 
@@ -125,6 +130,8 @@ def load_pipeline(model: str, *, dtype: torch.dtype = torch.float32, device: str
         pipe = DiffusionPipeline.from_pretrained(spec.name, dtype=dtype).to(device)
     else:
         extra = {} if shard is None else {"expert_shard": shard}
+        if spec.variant:
+            extra["variant"] = spec.variant
         pipe = record(spec.family).build(spec.size, dtype=dtype, device=device, seed=int(seed), **extra)
     pipe.set_progress_bar_config(disable=True)  # callers that want a bar (the CLI) turn it on
     quiet_prompt_truncation(pipe)
@@ -144,5 +151,7 @@ def load_transformer(model: str, *, dtype: torch.dtype = torch.float32, device: 
         raise ValueError(f"expected a floating torch dtype, got {dtype!r}")
     shard = _check_expert_shard(spec, expert_shard)
     extra = {} if shard is None else {"expert_shard": shard}
+    if spec.variant:
+        extra["variant"] = spec.variant
     return record(spec.family).build_transformer(spec.size, dtype=dtype, device=torch.device(device), seed=int(seed),
                                                  **extra)

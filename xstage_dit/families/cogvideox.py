@@ -6,6 +6,9 @@ Its pipeline hands the transformer the rotary table of the whole video and one [
 embedding that the transformer cuts in two outside any module: our plan splits both at the first block.
 CogVideoX's processor calls SDPA itself; ours reproduces it with the xstage attention. No CFG parallel (the
 pipeline runs CFG as one batch).
+
+Image-to-video (`CogVideoXImageToVideoPipeline`, CogVideoX-5b-I2V): the image's latents (first frame, zeros after)
+are concatenated to the noise on channels (a 32-channel patch embedding), so they shard with the video tokens.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.flux import T5
-from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import FamilyRecord, ImageInputFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import SequenceParallelSpec, blocks_of
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
@@ -28,6 +31,9 @@ TRANSFORMER = {
                  text_embed_dim=32, num_layers=1, sample_width=8, sample_height=8, sample_frames=9, patch_size=2,
                  temporal_compression_ratio=4, max_text_seq_length=16, use_rotary_positional_embeddings=True),
 }
+# image-to-video: the noise and the image's latents, concatenated on channels
+TRANSFORMER["full-i2v"] = dict(TRANSFORMER["full"], in_channels=32)
+TRANSFORMER["tiny-i2v"] = dict(TRANSFORMER["tiny"], in_channels=8)
 
 VAE = {
     "full": dict(scaling_factor=0.7),  # the class defaults are the CogVideoX VAE; 5b scales its latents by 0.7
@@ -37,24 +43,32 @@ VAE = {
 }
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+#: variant -> its pipeline class ("": text-to-video)
+PIPELINES = {"": "CogVideoXPipeline", "i2v": "CogVideoXImageToVideoPipeline"}
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
     from diffusers import CogVideoXTransformer3DModel
 
-    return build_module(lambda: CogVideoXTransformer3DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+    config = TRANSFORMER[f"{size}-{variant}" if variant else size]
+    return build_module(lambda: CogVideoXTransformer3DModel(**config), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    import diffusers
+    from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler
     from transformers import T5Config, T5EncoderModel
 
+    if variant not in PIPELINES:
+        raise ValueError(f"expected a CogVideoX variant in {sorted(PIPELINES)}, got {variant!r}")
     tokenizer = t5_tokenizer(226)
     check_vocab(tokenizer, T5[size]["vocab_size"], "T5")
-    return CogVideoXPipeline(
+    return getattr(diffusers, PIPELINES[variant])(
         tokenizer=tokenizer,
         text_encoder=build_module(lambda: T5EncoderModel(T5Config(**T5[size])), seed=seed + 1, device=device,
                                   dtype=dtype),
         vae=build_module(lambda: AutoencoderKLCogVideoX(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
-        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed, variant=variant),
         scheduler=CogVideoXDDIMScheduler(timestep_spacing="trailing", rescale_betas_zero_snr=True,
                                          prediction_type="v_prediction"),
     )
@@ -97,9 +111,20 @@ SPECS = (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-cogvideox-i2v", family="cogvideox", size="tiny", kind="video",
+        pipeline_class="CogVideoXImageToVideoPipeline", variant="i2v", patch_multiple=16, height=64, width=64,
+        frames=9, frame_multiple=4, steps=2, guidance=6.0, max_sequence_length=16, fps=8,
+        description="CogVideoX-5B-I2V style (image latents on channels), 1 block, 4 heads x 16, random weights",
+    ),
+)
+
 RECORD = FamilyRecord(
     name="cogvideox", title="CogVideoX", kind="video",
-    pipelines={"CogVideoXPipeline": "t2v"},
+    pipelines={"CogVideoXPipeline": "t2v", "CogVideoXImageToVideoPipeline": "i2v"},
+    # the first frame, resized to the video's size; one copy per prompt (image[i] is encoded with generator[i])
+    image_inputs={"CogVideoXImageToVideoPipeline": ImageInputFacts(batch="per_prompt", size_from_image=False)},
     transformers=("CogVideoXTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="xstage", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=16, frame_multiple=4), specs=SPECS,

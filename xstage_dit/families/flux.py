@@ -1,10 +1,15 @@
-"""FLUX.1 text-to-image (`FluxPipeline`): tiny (CPU seconds) and full (FLUX.1-dev dimensions).
+"""FLUX.1: text-to-image (`FluxPipeline`), and with the same transformer class the image-conditioned pipelines:
+FLUX.1 Kontext editing (`FluxKontextPipeline`), image-to-image (`FluxImg2ImgPipeline`) and FLUX.1 Fill inpainting
+(`FluxFillPipeline`, a mask); tiny (CPU seconds) and full (FLUX.1-dev / Kontext-dev dimensions) built-ins.
 
 Full size: transformer 19 double + 38 single blocks, 24 heads x 128, joint attention dim 4096 (T5-XXL),
-pooled dim 768 (CLIP-L), guidance embedding; VAE 16 latent channels, 8x down; scheduler as FLUX.1-dev.
+pooled dim 768 (CLIP-L), guidance embedding; VAE 16 latent channels, 8x down; scheduler as FLUX.1-dev. Fill's
+transformer takes 384 input channels (latents, masked-image latents and the 8x8 mask, packed) and returns 64.
 
 The record: diffusers' own sequence plan, paired CFG (true CFG with a negative prompt; none for the
-guidance-distilled FLUX.1-dev).
+guidance-distilled FLUX.1-dev). Kontext appends the input image's latent tokens (and their ids) to the sequence
+before the transformer: diffusers' plan splits the joined sequence at the transformer's entry, so the image tokens
+are sharded with the rest and the pipeline keeps the first ``latents`` tokens of the gathered output.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import torch
 
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families import latent_decode
-from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import FamilyRecord, ImageInputFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import clip_tokenizer, t5_tokenizer
@@ -30,6 +35,9 @@ TRANSFORMER = {
         axes_dims_rope=(4, 6, 6),
     ),
 }
+# FLUX.1 Fill: the same blocks over latents + masked-image latents + the packed 8x8 mask (4 * 64 channels)
+TRANSFORMER["full-fill"] = dict(TRANSFORMER["full"], in_channels=64 + 64 + 256, out_channels=64)
+TRANSFORMER["tiny-fill"] = dict(TRANSFORMER["tiny"], in_channels=16 + 16 + 256, out_channels=16)
 
 VAE = {
     "full": dict(
@@ -71,16 +79,26 @@ SCHEDULER = dict(
 )
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """The `FluxTransformer2DModel` alone (what a denoising-step benchmark needs)."""
+#: variant -> its pipeline class ("": text-to-image)
+PIPELINES = {"": "FluxPipeline", "kontext": "FluxKontextPipeline", "img2img": "FluxImg2ImgPipeline",
+             "fill": "FluxFillPipeline"}
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
+    """The `FluxTransformer2DModel` alone (what a denoising-step benchmark needs); Fill's has its own channels."""
     from diffusers import FluxTransformer2DModel
 
-    return build_module(lambda: FluxTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+    config = TRANSFORMER[f"{size}-{variant}" if f"{size}-{variant}" in TRANSFORMER else size]
+    return build_module(lambda: FluxTransformer2DModel(**config), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    import diffusers
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    if variant not in PIPELINES:
+        raise ValueError(f"expected a FLUX.1 variant in {sorted(PIPELINES)}, got {variant!r}")
 
     tokenizer = clip_tokenizer(77)
     tokenizer_2 = t5_tokenizer(512)
@@ -89,8 +107,8 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
     text_encoder = build_module(lambda: CLIPTextModel(CLIPTextConfig(**CLIP[size])), seed=seed + 1, device=device, dtype=dtype)
     text_encoder_2 = build_module(lambda: T5EncoderModel(T5Config(**T5[size])), seed=seed + 2, device=device, dtype=dtype)
     vae = build_module(lambda: AutoencoderKL(**VAE[size]), seed=seed + 3, device=device, dtype=dtype)
-    transformer = build_transformer(size, dtype=dtype, device=device, seed=seed)
-    return FluxPipeline(
+    transformer = build_transformer(size, dtype=dtype, device=device, seed=seed, variant=variant)
+    return getattr(diffusers, PIPELINES[variant])(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=vae,
         text_encoder=text_encoder,
@@ -128,9 +146,52 @@ SPECS = (
     ),
 )
 
+# Kontext: output size from max_area (width * height asked), the input image's latents appended to the sequence.
+# The tiny one keeps its input's size (_auto_resize off: diffusers would resize it to about 1024^2 on the CPU).
+IMAGE_INPUTS = {
+    # (it rounds its input down to 16 pixels: a smaller one would be 0 wide)
+    "FluxKontextPipeline": ImageInputFacts(min_images=0, area_argument="max_area", min_side=16),
+    "FluxImg2ImgPipeline": ImageInputFacts(),
+    "FluxFillPipeline": ImageInputFacts(mask_argument="mask_image"),
+}
+
+SPECS += (
+    ModelSpec(
+        name="tiny-flux-kontext", family="flux", size="tiny", kind="image", pipeline_class="FluxKontextPipeline",
+        variant="kontext", patch_multiple=16, height=128, width=128, steps=4, guidance=2.5, max_sequence_length=64,
+        call_kwargs={"_auto_resize": False},
+        description="FLUX.1 Kontext (image editing) architecture, 1+1 blocks, 2 heads x 16, random weights",
+    ),
+    ModelSpec(
+        name="full-flux-kontext", family="flux", size="full", kind="image", pipeline_class="FluxKontextPipeline",
+        variant="kontext", patch_multiple=16, height=1024, width=1024, steps=28, guidance=2.5,
+        max_sequence_length=512,
+        description="FLUX.1-Kontext-dev dimensions (12B transformer as FLUX.1-dev; the input image's 4096 tokens "
+                    "appended at 1024^2), random weights",
+    ),
+    ModelSpec(
+        name="tiny-flux-img2img", family="flux", size="tiny", kind="image", pipeline_class="FluxImg2ImgPipeline",
+        variant="img2img", patch_multiple=16, height=128, width=128, steps=4, guidance=3.5, max_sequence_length=64,
+        description="FLUX.1 image-to-image (strength 0.6) architecture, 1+1 blocks, 2 heads x 16, random weights",
+    ),
+    ModelSpec(
+        name="tiny-flux-fill", family="flux", size="tiny", kind="image", pipeline_class="FluxFillPipeline",
+        variant="fill", patch_multiple=16, height=128, width=128, steps=4, guidance=30.0, max_sequence_length=64,
+        description="FLUX.1 Fill (inpainting with a mask) architecture, 1+1 blocks, 2 heads x 16, random weights",
+    ),
+    # also the defaults of a local FLUX.1-Fill-dev folder (its guidance 30)
+    ModelSpec(
+        name="full-flux-fill", family="flux", size="full", kind="image", pipeline_class="FluxFillPipeline",
+        variant="fill", patch_multiple=16, height=1024, width=1024, steps=50, guidance=30.0, max_sequence_length=512,
+        description="FLUX.1-Fill-dev dimensions (FLUX.1-dev's blocks over 384 input channels), random weights",
+    ),
+)
+
 RECORD = FamilyRecord(
     name="flux", title="FLUX.1", kind="image",
-    pipelines={"FluxPipeline": "t2i"},
+    pipelines={"FluxPipeline": "t2i", "FluxKontextPipeline": "edit", "FluxImg2ImgPipeline": "i2i",
+               "FluxFillPipeline": "inpaint"},
+    image_inputs=IMAGE_INPUTS,
     transformers=("FluxTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), check=check_parallel,
                              guidance_distilled_key=GUIDANCE_DISTILLED_KEY),

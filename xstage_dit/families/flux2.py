@@ -6,6 +6,8 @@ dimensions, diffusers' class defaults: the 32B transformer, 8 double + 48 single
 attention 15360 = 3 x 5120 from Mistral-Small-3.2-24B; the FLUX.2 VAE).
 
 The record: diffusers' own plan, paired CFG; text depth skips the encoder layers past the deepest one read.
+The same pipeline edits: up to `MAX_REFERENCES` reference images (``image=[...]``), whose latent tokens the pipeline
+appends to the sequence (with their own position ids) before the transformer, which the plan shards with the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families import latent_decode
-from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import FamilyRecord, FeatureFacts, ImageInputFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import qwen_tokenizer
@@ -105,9 +107,15 @@ SPECS = (
     ),
 )
 
+#: reference images FLUX.2 [dev] takes (Black Forest Labs' model card: up to 10)
+MAX_REFERENCES = 10
+
 RECORD = FamilyRecord(
     name="flux2", title="FLUX.2", kind="image",
     pipelines={"Flux2Pipeline": "t2i"},
+    # optional references, one list for every prompt; with no size the output takes the first one's (rounded)
+    image_inputs={"Flux2Pipeline": ImageInputFacts(min_images=0, max_images=MAX_REFERENCES, as_list=True, min_side=64,
+                                                   max_aspect=8)},  # Flux2ImageProcessor.check_image_input
     transformers=("Flux2Transformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
     limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(text_read_indices=_read_indices), specs=SPECS,

@@ -6,6 +6,11 @@ defaults of `LTXVideoTransformer3DModel` and `AutoencoderKLLTXVideo` are that ch
 The pipeline pads the prompt to ``max_sequence_length`` and passes its mask, which the transformer
 expands per head, ``(batch, heads, 1, text)``: the shape the sequence-parallel backend must take. The record:
 diffusers' own sequence plan; no CFG parallel (the pipeline runs CFG as one (uncond, cond) batch).
+
+Image-to-video (`LTXImageToVideoPipeline`, the same transformer): the first frame's latents replace the noise of
+the first latent frame, whose tokens get timestep 0, so the transformer is handed per-token timesteps
+``(batch, tokens)`` that its time embedding turns into per-token modulation; our plan adds that input to
+diffusers' (split like the tokens where it is 2-D; the text-to-video pipeline's ``(batch,)`` stays whole).
 """
 
 from __future__ import annotations
@@ -14,8 +19,9 @@ import torch
 
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.flux import T5
-from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
-from xstage_dit.families.sp_plan import shipped_plan
+from xstage_dit import _diffusers_private as private
+from xstage_dit.families.record import FamilyRecord, ImageInputFacts, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.sp_plan import SequenceParallelSpec, shipped_plan
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
 
@@ -39,19 +45,26 @@ VAE = {
 SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False)
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
     from diffusers import LTXVideoTransformer3DModel
 
     return build_module(lambda: LTXVideoTransformer3DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
+#: variant -> its pipeline class ("": text-to-video); the transformer is the same
+PIPELINES = {"": "LTXPipeline", "i2v": "LTXImageToVideoPipeline"}
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    import diffusers
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler
     from transformers import T5Config, T5EncoderModel
 
+    if variant not in PIPELINES:
+        raise ValueError(f"expected an LTX-Video variant in {sorted(PIPELINES)}, got {variant!r}")
     tokenizer = t5_tokenizer(128)
     check_vocab(tokenizer, T5[size]["vocab_size"], "T5")
-    return LTXPipeline(
+    return getattr(diffusers, PIPELINES[variant])(
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
         vae=build_module(lambda: AutoencoderKLLTXVideo(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
         text_encoder=build_module(lambda: T5EncoderModel(T5Config(**T5[size])), seed=seed + 1, device=device,
@@ -76,11 +89,31 @@ SPECS = (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-ltx-i2v", family="ltx", size="tiny", kind="video", pipeline_class="LTXImageToVideoPipeline",
+        variant="i2v", patch_multiple=32, height=64, width=96, frames=9, frame_multiple=8, steps=2, guidance=3.0,
+        max_sequence_length=16, fps=24,
+        description="LTX-Video image-to-video (first frame), 1 block, 4 heads x 8, LTX VAE, random weights",
+    ),
+)
+
+
+def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
+    """diffusers' plan, and the image-to-video pipeline's per-token timesteps split like the tokens."""
+    spec = shipped_plan()(model)
+    cpi, _ = private.cp_types()
+    spec.cp_plan[""] = dict(spec.cp_plan.get("", {}), timestep=cpi(split_dim=1, expected_dims=2))
+    return spec
+
+
 RECORD = FamilyRecord(
     name="ltx", title="LTX-Video", kind="video",
-    pipelines={"LTXPipeline": "t2v"},
+    pipelines={"LTXPipeline": "t2v", "LTXImageToVideoPipeline": "i2v"},
+    # the first frame, resized to the video's size; one copy per prompt (image[i] is encoded with generator[i])
+    image_inputs={"LTXImageToVideoPipeline": ImageInputFacts(batch="per_prompt", size_from_image=False)},
     transformers=("LTXVideoTransformer3DModel",),
-    sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(), cfg=None),
+    sp=SequenceParallelFacts(plan_source="diffusers + per-token timesteps", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=32, frame_multiple=8), specs=SPECS,
     build=build, build_transformer=build_transformer, transformer_dims=TRANSFORMER,
     real_weights_example="LTX-Video", pipeline_worlds=(2, 4),

@@ -6,6 +6,12 @@ transformer, 60 blocks, 24 heads x 128, joint attention 3584 from Qwen2.5-VL-7B;
 The pipeline drops its prompt template's first 34 tokens and passes the prompt's padding mask
 (``encoder_hidden_states_mask``); a batch of prompts of different lengths is padded. The record: diffusers'
 own plan, paired CFG (true CFG with a negative prompt).
+
+Image editing with the same transformer: Qwen-Image-Edit (`QwenImageEditPipeline`, one image) and Qwen-Image-Edit
+2509 (`QwenImageEditPlusPipeline`, up to 3): the text encoder reads the prompt with the image(s) (a Qwen2.5-VL
+processor: `_qwen2vl_processor`), and the images' latents (at about 1024^2 pixels each) are appended to the
+sequence, with their own rotary positions, before the transformer: the plan shards them with the rest. Both
+pipelines take one prompt a call.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ import torch
 from xstage_dit.families.build import build_module, check_vocab
 from xstage_dit.families.nucleusmoe import QWEN_IMAGE_VAE, VAE, VISION_TOKENS
 from xstage_dit.families import latent_decode
-from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import FamilyRecord, FeatureFacts, ImageInputFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
-from xstage_dit.families.tokenizers import qwen_tokenizer
+from xstage_dit.families.tokenizers import qwen_tokenizer, template_prefix_tokens
 
 TRANSFORMER = {
     "full": dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
@@ -43,7 +49,7 @@ VISION = {"full": dict(depth=32, hidden_size=1280, intermediate_size=3420, num_h
                        temporal_patch_size=2, out_hidden_size=32, window_size=112, fullatt_block_indexes=[0])}
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
     from diffusers import QwenImageTransformer2DModel
 
     return build_module(lambda: QwenImageTransformer2DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
@@ -73,17 +79,49 @@ def qwen25vl_text_encoder(text_config: dict, vision_config: dict | None, *, seed
                                    dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+#: variant -> its pipeline class ("": text-to-image); the transformer is the same
+PIPELINES = {"": "QwenImagePipeline", "edit": "QwenImageEditPipeline", "edit-plus": "QwenImageEditPlusPipeline"}
+#: the vision tower's input of a tiny edit pipeline at most (the real processor's ~1M pixels is CPU minutes)
+TINY_VISION_PIXELS = 112 * 112
+_USER_TURN = "<|im_start|>user\n"
 
+
+def _edit_processor(tokenizer, size: str):
+    """The Qwen2.5-VL processor of an edit pipeline over `tokenizer` (the PIL image processor: no torchvision)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from xstage_dit.families._qwen2vl_processor import TextImageQwen2VLProcessor
+
+    patch, merge = VISION[size]["patch_size"], VISION[size]["spatial_merge_size"]
+    bounds = {} if size == "full" else {"size": {"shortest_edge": (patch * merge) ** 2,
+                                                 "longest_edge": TINY_VISION_PIXELS}}
+    return TextImageQwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(
+        patch_size=patch, temporal_patch_size=VISION[size]["temporal_patch_size"], merge_size=merge, **bounds),
+        tokenizer=tokenizer)
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    import diffusers
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
+
+    if variant not in PIPELINES:
+        raise ValueError(f"expected a Qwen-Image variant in {sorted(PIPELINES)}, got {variant!r}")
     tokenizer, text_encoder = qwen25vl_text_encoder(TEXT[size], VISION[size], seed=seed + 1, device=device, dtype=dtype)
-    return QwenImagePipeline(
+    extra = {} if not variant else {"processor": _edit_processor(tokenizer, size)}
+    pipe = getattr(diffusers, PIPELINES[variant])(
         scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False),
         vae=build_module(lambda: AutoencoderKLQwenImage(**VAE[size]), seed=seed + 2, device=device, dtype=dtype),
         text_encoder=text_encoder,
         tokenizer=tokenizer,
         transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+        **extra,
     )
+    if variant:
+        # the edit templates' literal 64 counts the real tokenizer's system turn; the in-code one's differs
+        template = pipe.prompt_template_encode
+        pipe.prompt_template_encode_start_idx = template_prefix_tokens(
+            tokenizer, template[:template.index(_USER_TURN) + len(_USER_TURN)] + "{}")
+    return pipe
 
 
 # ---- the record ---------------------------------------------------------------------------------------------
@@ -101,9 +139,29 @@ SPECS = (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-qwenimage-edit", family="qwenimage", size="tiny", kind="image", pipeline_class="QwenImageEditPipeline",
+        variant="edit", patch_multiple=16, height=64, width=64, steps=2, guidance=1.0, max_sequence_length=64,
+        description="Qwen-Image-Edit architecture, 1 block, 4 heads x 16, Qwen2.5-VL reading the image, random weights",
+    ),
+    ModelSpec(
+        name="tiny-qwenimage-edit-plus", family="qwenimage", size="tiny", kind="image",
+        pipeline_class="QwenImageEditPlusPipeline", variant="edit-plus", patch_multiple=16, height=64, width=64,
+        steps=2, guidance=1.0, max_sequence_length=64,
+        description="Qwen-Image-Edit-2509 (1 to 3 images) architecture, 1 block, 4 heads x 16, random weights",
+    ),
+)
+
+#: input images of Qwen-Image-Edit-2509 (its model card: multi-image editing with 1 to 3 images)
+MAX_EDIT_PLUS_IMAGES = 3
+
 RECORD = FamilyRecord(
     name="qwenimage", title="QwenImage", kind="image",
-    pipelines={"QwenImagePipeline": "t2i"},
+    pipelines={"QwenImagePipeline": "t2i", "QwenImageEditPipeline": "edit", "QwenImageEditPlusPipeline": "edit"},
+    image_inputs={"QwenImageEditPipeline": ImageInputFacts(batch="alone"),
+                  "QwenImageEditPlusPipeline": ImageInputFacts(max_images=MAX_EDIT_PLUS_IMAGES, as_list=True,
+                                                               batch="alone")},
     transformers=("QwenImageTransformer2DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan()),
     limits=SizeLimits(patch_multiple=16), facts=FeatureFacts(video_vae=QWEN_IMAGE_VAE), specs=SPECS,

@@ -37,9 +37,14 @@ from typing import Any, Callable, Mapping
 from xstage_dit.families.spec import ModelSpec
 
 TASKS = ("t2i", "t2v", "i2v", "edit", "i2i", "inpaint")
-#: the tasks `generate` and `serve` run (a prompt in, an image or a video out), and the kind each returns
-SERVED_TASKS = {"t2i": "image", "t2v": "video"}
+#: the tasks `generate` and `serve` run (a prompt, and for the image-conditioned ones images, in; an image or a
+#: video out), and the kind each returns
+SERVED_TASKS = {"t2i": "image", "t2v": "video", "edit": "image", "i2i": "image", "inpaint": "image", "i2v": "video"}
+#: tasks whose pipelines take conditioning images (each needs `ImageInputFacts` in its record)
+IMAGE_TASKS = ("i2v", "edit", "i2i", "inpaint")
 CFG_STYLES = ("paired", "batched", None)
+#: how one pipeline call makes several prompts' outputs from the same input images (`ImageInputFacts.batch`)
+IMAGE_BATCH_MODES = ("shared", "per_prompt", "alone")
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,48 @@ class VideoVAEFacts:
 
 
 @dataclass(frozen=True)
+class ImageInputFacts:
+    """How one pipeline class takes conditioning images: its ``__call__`` in diffusers 0.42.1.
+
+    argument: the keyword the images go to (``image``).
+    max_images: how many it takes; min_images: how many it needs (0: it also runs from text alone, e.g. FLUX.1
+        Kontext and FLUX.2).
+    as_list: the images go as one list, several references of one prompt (FLUX.2, Qwen-Image-Edit Plus); else one
+        image (then max_images is 1).
+    mask_argument: the keyword of the mask (FLUX.1 Fill's ``mask_image``: white = repaint); None: takes no mask.
+    area_argument: a keyword the output area goes to: FLUX.1 Kontext rescales width x height to ``max_area``, so it
+        gets width * height and makes the size asked for.
+    batch: how one call makes several prompts' outputs from the same images: "shared" (passed once; the pipeline
+        repeats them for every prompt), "per_prompt" (one copy per prompt: LTX-Video and CogVideoX encode
+        ``image[i]`` with ``generator[i]``), "alone" (one prompt a call: the Qwen-Image edits take one).
+    size_from_image: a request without a size makes the first image's size (rounded down to the patch multiple), as
+        the edit pipelines do; else the model's default size (image-to-video: the image is resized to it).
+    min_side / max_aspect: each image's width and height at least min_side pixels, and its long side at most
+        max_aspect times its short side (FLUX.2's reference check: 64 and 8); 0 where the pipeline has no such rule.
+    """
+
+    argument: str = "image"
+    max_images: int = 1
+    min_images: int = 1
+    as_list: bool = False
+    mask_argument: str | None = None
+    area_argument: str | None = None
+    batch: str = "shared"
+    size_from_image: bool = True
+    min_side: int = 0
+    max_aspect: float = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.min_images <= self.max_images or self.max_images < 1:
+            raise ValueError(f"expected 0 <= min_images <= max_images and max_images >= 1, got {self.min_images} and "
+                             f"{self.max_images}")
+        if self.max_images > 1 and not self.as_list:
+            raise ValueError(f"expected as_list=True for a pipeline taking {self.max_images} images, got False")
+        if self.batch not in IMAGE_BATCH_MODES:
+            raise ValueError(f"expected batch in {IMAGE_BATCH_MODES}, got {self.batch!r}")
+
+
+@dataclass(frozen=True)
 class FeatureFacts:
     """The per-family facts the features read (each None / empty where the feature does not apply).
 
@@ -190,6 +237,9 @@ class FamilyRecord:
     latent_decode: (pipe, step latents, height, width) -> the VAE's output (batch, C, H, W): the decode tail of
         the family's text-to-image pipeline (`families.latent_decode`), which the server runs on a step's latents
         for a stream's partial images; None where the family has none (no previews).
+    image_inputs: pipeline class -> how it takes conditioning images (`ImageInputFacts`): every pipeline of an
+        image task (`IMAGE_TASKS`) has one, a text pipeline may take optional ones (FLUX.2's references); a pipeline
+        without one takes no image.
     """
 
     name: str
@@ -208,6 +258,7 @@ class FamilyRecord:
     real_weights_example: str = "a diffusers checkpoint"
     pipeline_worlds: tuple[int, ...] = ()
     latent_decode: Callable[[Any, Any, int, int], Any] | None = None
+    image_inputs: Mapping[str, ImageInputFacts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -217,6 +268,14 @@ class FamilyRecord:
             raise ValueError(f"expected pipeline tasks in {TASKS} for family {self.name!r}, got {bad}")
         if not self.transformers:
             raise ValueError(f"expected at least one transformer class for family {self.name!r}, got none")
+        # every image task's pipeline says how it takes images; a text pipeline may take optional ones (FLUX.2)
+        wrong_images = sorted({p for p, t in self.pipelines.items() if t in IMAGE_TASKS} - set(self.image_inputs)
+                              | {p for p, f in self.image_inputs.items() if p not in self.pipelines
+                                 or (self.pipelines[p] not in IMAGE_TASKS and f.min_images)})
+        if wrong_images:
+            raise ValueError(f"expected ImageInputFacts for the image-conditioned pipelines {IMAGE_TASKS} of family "
+                             f"{self.name!r} (and optional images only on its others), got a mismatch for "
+                             f"{wrong_images}")
         if self.specs and self.build is None:
             raise ValueError(f"expected a build function for family {self.name!r} with built-in models, got None")
         object.__setattr__(self, "specs", tuple(self._checked(s) for s in self.specs))
@@ -226,9 +285,16 @@ class FamilyRecord:
         """The pipeline classes `generate` and `serve` run for this family (text in, its kind out)."""
         return tuple(p for p, t in self.pipelines.items() if SERVED_TASKS.get(t) == self.kind)
 
-    def spec(self, size: str) -> ModelSpec | None:
-        """The built-in spec of `size` ("tiny", "full"), or None."""
-        return next((s for s in self.specs if s.size == size), None)
+    def spec(self, size: str, pipeline: str | None = None) -> ModelSpec | None:
+        """The built-in spec of `size` ("tiny", "full") running `pipeline` (a class name; None: the family's first
+        of that size), or None."""
+        return next((s for s in self.specs if s.size == size and pipeline in (None, s.pipeline_class)), None)
+
+    def dims(self, spec: ModelSpec) -> dict:
+        """The transformer config of a built-in spec: ``transformer_dims["<size>-<variant>"]`` where the variant has
+        its own transformer (FLUX.1 Fill, Wan I2V), else ``transformer_dims[size]``."""
+        key = f"{spec.size}-{spec.variant}"
+        return dict(self.transformer_dims[key if spec.variant and key in self.transformer_dims else spec.size])
 
     def _checked(self, spec: ModelSpec) -> ModelSpec:
         if not isinstance(spec, ModelSpec):

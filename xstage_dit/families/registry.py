@@ -6,6 +6,7 @@ model_index.json) or of a transformer (what `parallelize` and the features look 
     record_for_pipeline("FluxPipeline").name                 # "flux"
     record_for_transformer(pipe.transformer).sp.cfg          # "paired"
     video_vae_facts(pipe.vae)                                # the VAE's facts, or None
+    image_inputs_for(pipe)                                   # how it takes input images, or None
 
 Sub-module facts (rope modules, expert modules, causal convolutions, MoE layers) are also offered as the union
 over the records (`rope_host_sync_classes`, ...): the features that patch them take a whole transformer or one
@@ -21,7 +22,7 @@ import functools
 import importlib
 import pkgutil
 
-from xstage_dit.families.record import FamilyRecord, VideoVAEFacts
+from xstage_dit.families.record import FamilyRecord, ImageInputFacts, VideoVAEFacts
 from xstage_dit.families.spec import ModelSpec
 
 # Transformers with a diffusers pipeline that `parallelize` refuses, and why.
@@ -83,6 +84,19 @@ def _by_mro(obj, by_class: dict[str, FamilyRecord]) -> FamilyRecord | None:
         if found is not None and base.__module__.startswith("diffusers."):
             return found
     return None
+
+
+def image_inputs_for(pipeline) -> ImageInputFacts | None:
+    """How `pipeline` (an instance, a class or a class name, as `record_for_pipeline`) takes conditioning images,
+    from its family record (`FamilyRecord.image_inputs`); None when it takes none (or no record names it)."""
+    found = record_for_pipeline(pipeline)
+    if found is None:
+        return None
+    if isinstance(pipeline, str):
+        return found.image_inputs.get(pipeline)
+    cls = pipeline if isinstance(pipeline, type) else type(pipeline)
+    return next((found.image_inputs[b.__name__] for b in cls.__mro__ if b.__name__ in found.image_inputs
+                 and b.__module__.startswith("diffusers.")), None)
 
 
 def video_vae_facts(vae) -> VideoVAEFacts | None:

@@ -22,6 +22,8 @@ class ModelSpec:
     square_under_sp: width must equal height at sp > 1 (set from the family record's `SizeLimits`).
     real_weights_example: a published checkpoint of the family, named in the random-weights notice (set from
         the family record).
+    variant: which of its family's pipelines a built-in model builds, passed to the record's build functions as
+        ``variant=`` ("kontext", "fill", "i2v", ...); "" for the family's text-to-image / text-to-video one.
     """
 
     name: str
@@ -42,6 +44,7 @@ class ModelSpec:
     call_kwargs: dict = field(default_factory=dict)
     square_under_sp: bool = False
     real_weights_example: str = "a diffusers checkpoint"
+    variant: str = ""
 
     def __post_init__(self):
         if self.kind not in ("image", "video"):

@@ -40,12 +40,15 @@ def _parallel(record: FamilyRecord) -> str:
 
 
 def _builtins(record: FamilyRecord) -> str:
-    by_size = {spec.size: spec.name for spec in record.specs}
-    return " / ".join(f"`{by_size[s]}`" if s in by_size else "-" for s in ("tiny", "full"))
+    """Every built-in model of the record, tiny ones / full ones (a family may build several pipelines)."""
+    return " / ".join(", ".join(f"`{s.name}`" for s in record.specs if s.size == size) or "-"
+                      for size in ("tiny", "full"))
 
 
 def _inputs(record: FamilyRecord) -> str:
     tasks = set(record.pipelines.values())
+    # a text pipeline taking optional reference images (FLUX.2) edits images too
+    tasks |= {"edit" for p in record.image_inputs if record.pipelines.get(p) == "t2i"}
     return ", ".join(label for task, label in TASK_LABELS.items() if task in tasks) or "-"
 
 

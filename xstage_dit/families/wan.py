@@ -1,9 +1,15 @@
-"""Wan 2.1 text-to-video (`WanPipeline`): tiny (CPU seconds) and full (Wan2.1-T2V-14B dimensions).
+"""Wan 2.1 text-to-video (`WanPipeline`) and image-to-video (`WanImageToVideoPipeline`): tiny (CPU seconds) and
+full (Wan2.1-T2V-14B and Wan2.1-I2V-14B-480P dimensions) built-ins, and a tiny Wan 2.2 A14B image-to-video.
 
 Full size: transformer 40 blocks, 40 heads x 128 (5120 wide), FFN 13824, patch (1, 2, 2), text dim 4096
 (UMT5-XXL); Wan VAE (8x spatial, 4x temporal, 16 latent channels); UniPC flow scheduler, shift 3 (480p).
+Image-to-video: the transformer takes 36 channels (the noise, a 4-channel first-frame mask and the first frame's
+latents), and Wan 2.1's also 257 CLIP ViT-H/14 image tokens (``image_dim`` 1280) that each block's cross-attention
+reads with its own key/value projections; Wan 2.2's has no image encoder and two experts (``transformer_2`` below
+``boundary_ratio``).
 
-The record: diffusers' own sequence plan (cross-attention keys are the whole text on every rank), paired CFG
+The record: diffusers' own sequence plan (cross-attention keys, the text and the image tokens, are whole on every
+rank; the mask and first-frame channels are concatenated per token, so they shard with the latents), paired CFG
 (on when guidance_scale > 1); Wan 2.2 A14B's second expert (``transformer_2``) is the same class. `WAN_VAE`: the
 Wan VAE's facts, shared by the families whose pipelines use it (SkyReels-V2, Wan-VACE, Helios, ChronoEdit).
 """
@@ -13,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.families.build import build_module, check_vocab
-from xstage_dit.families.record import FamilyRecord, FeatureFacts, SequenceParallelFacts, SizeLimits, VideoVAEFacts
+from xstage_dit.families.record import (FamilyRecord, FeatureFacts, ImageInputFacts, SequenceParallelFacts,
+                                       SizeLimits, VideoVAEFacts)
 from xstage_dit.families.sp_plan import shipped_plan
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import t5_tokenizer
@@ -30,6 +37,20 @@ TRANSFORMER = {
         qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
     ),
 }
+# image-to-video: noise + first-frame mask (4) + first-frame latents; Wan 2.1's CLIP image tokens (image_dim)
+TRANSFORMER["full-i2v"] = dict(TRANSFORMER["full"], in_channels=16 + 4 + 16, image_dim=1280, added_kv_proj_dim=5120)
+TRANSFORMER["tiny-i2v"] = dict(TRANSFORMER["tiny"], in_channels=4 + 4 + 4, image_dim=16, added_kv_proj_dim=32)
+TRANSFORMER["tiny-i2v22"] = dict(TRANSFORMER["tiny"], in_channels=4 + 4 + 4)
+
+# Wan 2.1 I2V's image encoder: CLIP ViT-H/14 (its hidden states -2 are read), and its processor's crop
+CLIP_VISION = {
+    "full": dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16,
+                 image_size=224, patch_size=14, projection_dim=1024, hidden_act="gelu"),
+    "tiny": dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=32,
+                 patch_size=8, projection_dim=16, hidden_act="gelu"),
+}
+#: Wan 2.2 A14B's switch from the high-noise expert to transformer_2 (its model_index.json)
+BOUNDARY_RATIO = 0.9
 
 _LATENTS_MEAN = [-0.7571, -0.7089, -0.9113, 0.1075, -0.1745, 0.9653, -0.1517, 1.5508,
                  0.4134, -0.0715, 0.5517, -0.3632, -0.1922, -0.9497, 0.2503, -0.2921]
@@ -57,29 +78,56 @@ UMT5 = {
 SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0)
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
-    """The `WanTransformer3DModel` alone."""
+VARIANTS = ("", "i2v", "i2v22")  # text-to-video, Wan 2.1 image-to-video, Wan 2.2 A14B image-to-video
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
+    """The `WanTransformer3DModel` alone (an image-to-video variant's has its own channels)."""
     from diffusers import WanTransformer3DModel
 
-    return build_module(lambda: WanTransformer3DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
+    config = TRANSFORMER[f"{size}-{variant}" if variant else size]
+    return build_module(lambda: WanTransformer3DModel(**config), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+def _clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
+    """(CLIP vision tower, its image processor) of Wan 2.1 I2V, random weights."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    config = CLIP_VISION[size]
+    side = config["image_size"]
+    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                                   image_mean=[0.48145466, 0.4578275, 0.40821073],
+                                   image_std=[0.26862954, 0.26130258, 0.27577711])
+    return build_module(lambda: CLIPVisionModel(CLIPVisionConfig(**config)), seed=seed, device=device,
+                        dtype=dtype), processor
+
+
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline
     from transformers import UMT5Config, UMT5EncoderModel
 
+    if variant not in VARIANTS:
+        raise ValueError(f"expected a Wan variant in {VARIANTS}, got {variant!r}")
     tokenizer = t5_tokenizer(512)
     check_vocab(tokenizer, UMT5[size]["vocab_size"], "UMT5")
     # The Wan VAE stays in float32 as in the published pipeline (its causal 3D convs lose detail in bf16).
     vae = build_module(lambda: AutoencoderKLWan(**VAE[size]), seed=seed + 2, device=device, dtype=torch.float32)
-    return WanPipeline(
+    parts = dict(
         tokenizer=tokenizer,
         text_encoder=build_module(lambda: UMT5EncoderModel(UMT5Config(**UMT5[size])), seed=seed + 1, device=device,
                                   dtype=dtype),
         vae=vae,
         scheduler=UniPCMultistepScheduler(**SCHEDULER),
-        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed),
+        transformer=build_transformer(size, dtype=dtype, device=device, seed=seed, variant=variant),
     )
+    if variant == "":
+        return WanPipeline(**parts)
+    if variant == "i2v":
+        encoder, processor = _clip_image_encoder(size, dtype=dtype, device=device, seed=seed + 3)
+        return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
+    # Wan 2.2 A14B: no image encoder; the low-noise expert below the boundary
+    expert = build_transformer(size, dtype=dtype, device=device, seed=seed + 4, variant=variant)
+    return WanImageToVideoPipeline(**parts, transformer_2=expert, boundary_ratio=BOUNDARY_RATIO)
 
 
 # ---- the record ---------------------------------------------------------------------------------------------
@@ -104,9 +152,34 @@ SPECS = (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-wan-i2v", family="wan", size="tiny", kind="video", pipeline_class="WanImageToVideoPipeline",
+        variant="i2v", patch_multiple=16, height=128, width=128, frames=9, frame_multiple=4, steps=4, guidance=5.0,
+        max_sequence_length=32, fps=16,
+        description="Wan 2.1 I2V architecture (CLIP image tokens), 2 blocks, 2 heads x 16, random weights",
+    ),
+    ModelSpec(
+        name="full-wan-i2v", family="wan", size="full", kind="video", pipeline_class="WanImageToVideoPipeline",
+        variant="i2v", patch_multiple=16, height=480, width=832, frames=81, frame_multiple=4, steps=50, guidance=5.0,
+        max_sequence_length=512, fps=16,
+        description="Wan2.1-I2V-14B-480P dimensions (40 blocks, 40 heads x 128, CLIP ViT-H/14), 480p x 81 frames, "
+                    "random weights",
+    ),
+    ModelSpec(
+        name="tiny-wan22-i2v", family="wan", size="tiny", kind="video", pipeline_class="WanImageToVideoPipeline",
+        variant="i2v22", patch_multiple=16, height=128, width=128, frames=9, frame_multiple=4, steps=4, guidance=5.0,
+        max_sequence_length=32, fps=16,
+        description="Wan 2.2 A14B I2V architecture (two experts, no image encoder), 2 blocks, 2 heads x 16, random "
+                    "weights",
+    ),
+)
+
 RECORD = FamilyRecord(
     name="wan", title="Wan 2.1 / 2.2", kind="video",
-    pipelines={"WanPipeline": "t2v"},
+    pipelines={"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"},
+    # the first frame: the video's size is the model's (the image is resized to it); shared by every prompt
+    image_inputs={"WanImageToVideoPipeline": ImageInputFacts(size_from_image=False)},
     transformers=("WanTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(CROSS_ATTENTION_KV), cfg_needs_guidance=True),
     limits=SizeLimits(patch_multiple=16, frame_multiple=4), facts=FeatureFacts(video_vae=WAN_VAE), specs=SPECS,

@@ -24,8 +24,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from xstage_dit.runtime.conditioning import InputImages, default_size, image_kwargs
 from xstage_dit.runtime.mp4 import encode_mp4
 from xstage_dit.runtime.png import encode_png
+from xstage_dit.families.registry import image_inputs_for
 from xstage_dit.families.spec import ModelSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -43,7 +45,8 @@ class GenerationRequest:
     seed: seed of the first image; image i uses ``seed + i`` (see `generators_for`).
     true_cfg_scale: true classifier-free guidance, for pipelines that have it (None: not passed).
     frames / fps: video only (frames is 1 for images).
-    Requests with equal `batch_key` can share one pipeline call.
+    inputs: the conditioning images (image edit, image-to-video: `conditioning.InputImages`), None for text alone.
+    Requests with equal `batch_key` can share one pipeline call (with input images: the same images).
     """
 
     kind: str
@@ -58,6 +61,7 @@ class GenerationRequest:
     num_frames: int = 1
     fps: int = 16
     n: int = 1
+    inputs: InputImages | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -74,12 +78,16 @@ class GenerationRequest:
             raise ValueError(f"expected true_cfg_scale >= 0, got {self.true_cfg_scale}")
         if not 0 <= self.seed or self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"expected seeds seed .. seed + n - 1 in [0, 2**63-1], got seed {self.seed} with n {self.n}")
+        if self.inputs is not None and not isinstance(self.inputs, InputImages):
+            raise ValueError(f"expected inputs to be InputImages or None, got {type(self.inputs).__name__}")
 
     @property
     def batch_key(self) -> tuple:
         # A batch mixing items with and without a negative prompt would change the CFG path of some.
+        # Input images: only the same images share a call (and a pipeline taking one prompt a call, none).
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
-                self.true_cfg_scale, self.negative_prompt is not None)
+                self.true_cfg_scale, self.negative_prompt is not None,
+                None if self.inputs is None else self.inputs.key(self.seed))
 
     def per_image(self) -> list["GenerationRequest"]:
         """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""
@@ -89,11 +97,17 @@ class GenerationRequest:
 def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = None, height: int | None = None,
                 width: int | None = None, frames: int | None = None, steps: int | None = None,
                 guidance: float | None = None, true_cfg_scale: float | None = None, seed: int = 0,
-                n: int = 1, sp: int = 1) -> GenerationRequest:
+                n: int = 1, sp: int = 1, images: Sequence[Image.Image] = (),
+                mask: Image.Image | None = None) -> GenerationRequest:
     """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value.
-    sp: the sequence-parallel degree it will run at (some models take only square sizes there)."""
-    height = spec.height if height is None else int(height)
-    width = spec.width if width is None else int(width)
+    sp: the sequence-parallel degree it will run at (some models take only square sizes there).
+    images / mask: input images (PIL), checked against how `spec`'s pipeline takes them (`InputImages.of`:
+    `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's."""
+    facts = image_inputs_for(spec.pipeline_class)
+    inputs = InputImages.of(facts, images, mask, model=spec.name)
+    size = default_size(facts, inputs, spec.patch_multiple) or (spec.width, spec.height)
+    height = size[1] if height is None else int(height)
+    width = size[0] if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)
     steps = spec.steps if steps is None else int(steps)
     guidance = spec.guidance if guidance is None else float(guidance)
@@ -102,7 +116,7 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
         raise ValueError(f"expected steps >= 1, got {steps}")
     return GenerationRequest(kind=spec.kind, prompt=prompt, width=width, height=height, steps=steps,
                              guidance=guidance, seed=int(seed), negative_prompt=negative_prompt,
-                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n)
+                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n, inputs=inputs)
 
 
 def fixed_kwargs(spec: ModelSpec) -> dict:
@@ -126,8 +140,9 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
 
     fixed: the model's fixed arguments (`fixed_kwargs(spec)`). output_type: "np" (float pixels on the host, what
     a diffusers user gets; the benchmarks' bare calls) or "pt" (the decoded tensor where the VAE left it: the
-    server and ``generate`` round it there, `output_pixels`). Raises ValueError naming any argument the pipeline
-    does not take (a negative prompt for a pipeline without one, ...).
+    server and ``generate`` round it there, `output_pixels`). Input images go where the pipeline's family record
+    says (`conditioning.image_kwargs`). Raises ValueError naming any argument the pipeline does not take (a negative
+    prompt for a pipeline without one, an input image for one that takes none, ...).
     """
     if output_type not in ("np", "pt"):
         raise ValueError(f"expected output_type 'np' or 'pt', got {output_type!r}")
@@ -161,6 +176,13 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
         kwargs["true_cfg_scale"] = first.true_cfg_scale
     if kind == "video":
         kwargs["num_frames"] = first.num_frames
+    facts = image_inputs_for(pipe)
+    if facts is not None:
+        kwargs.update(image_kwargs(facts, first.inputs, prompts=len(kwargs["prompt"]), width=first.width,
+                                   height=first.height))
+    elif first.inputs is not None:
+        raise ValueError(f"expected no input image for {type(pipe).__name__} (it takes none), got "
+                         f"{len(first.inputs.images)}")
     if len(kwargs["prompt"]) == 1:
         # One image: plain values, as a user calls a pipeline (wrappers such as xfuser's expect them); diffusers
         # draws the same noise from one generator as from a list of one.
@@ -187,7 +209,8 @@ def run_pipeline(pipe, **kwargs):
 def call_kwargs(pipe, spec: ModelSpec, *, prompt: str, seed: int = 0, **values) -> dict:
     """`pipeline_kwargs` for one image (or video) of `spec`'s model; None values take the spec's defaults.
 
-    values: negative_prompt, height, width, frames, steps, guidance, true_cfg_scale (see `request_for`).
+    values: negative_prompt, height, width, frames, steps, guidance, true_cfg_scale, images, mask (see
+    `request_for`).
     """
     request = request_for(spec, prompt=prompt, seed=seed, **values)
     return pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))

@@ -1,5 +1,5 @@
 """The HTTP app of rank 0: middlewares, the error handlers and one router per endpoint (`ROUTERS`: the web
-page at `/`, health + metrics, models + calibration, images, videos, jobs). Each endpoint is a package of
+page at `/`, health + metrics, models + calibration, images, image edits, videos, jobs). Each endpoint is a package of
 `xstage_dit.server`: its `router` (the routes), `protocol` (pydantic request and response models) and
 `serving` (the handler), after vLLM's entrypoints.
 
@@ -13,8 +13,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from xstage_dit import __version__
-from xstage_dit.server.config import ServerConfig
+from xstage_dit.server.config import UPLOAD_PATHS, ServerConfig
 from xstage_dit.server.assets import install_offline_docs
+from xstage_dit.server.edits.router import router as edits_router
 from xstage_dit.server.health.router import router as health_router
 from xstage_dit.server.http_layer import BodyLimitMiddleware, RequestCountMiddleware, install_error_handlers
 from xstage_dit.server.images.router import router as images_router
@@ -26,7 +27,7 @@ from xstage_dit.server.videos.router import router as videos_router
 from xstage_dit.server.worker import Worker
 
 #: In this order in the OpenAPI schema's paths.
-ROUTERS = (page_router, health_router, models_router, images_router, videos_router, jobs_router)
+ROUTERS = (page_router, health_router, models_router, images_router, edits_router, videos_router, jobs_router)
 
 
 def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
@@ -37,7 +38,8 @@ def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:
                   description="Image and video generation with diffusers DiT pipelines over several GPUs.",
                   responses=error_responses(400, 413, 415, 422),
                   docs_url=None, redoc_url=None)  # served from local assets by install_offline_docs
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes,
+                       uploads={path: config.max_upload_bytes for path in UPLOAD_PATHS})
     app.add_middleware(RequestCountMiddleware, metrics=metrics)
     app.state.worker = worker
     app.state.config = config

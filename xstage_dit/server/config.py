@@ -15,8 +15,12 @@ from xstage_dit.features.config import ParallelConfig
 if TYPE_CHECKING:
     import torch
 
+    from xstage_dit.families.record import ImageInputFacts
+
 #: Environment variable holding the optional bearer token (unset or empty: no authentication).
 API_KEY_ENV = "XSTAGE_API_KEY"
+#: endpoints whose bodies carry images (ServerConfig.max_upload_bytes instead of max_body_bytes)
+UPLOAD_PATHS = ("/v1/images/edits", "/v1/videos")
 VIDEO_STREAM_POLICIES = ("gpu", "always", "never")  # ServerConfig.video_stream
 
 
@@ -42,6 +46,10 @@ class ServedModel:
         size gets 400 naming ``size`` before it is queued.
     previews: the family record has a decode tail for step latents (``FamilyRecord.latent_decode``): a stream
         may ask for partial images (`server.previews`).
+    image_inputs: how the pipeline takes input images (`ImageInputFacts` of its family record: image edit,
+        image-to-video), None when it takes none.
+    warm_with_images: the pipeline's task is an image one (edit, image-to-video, ...): warm-ups run with synthetic
+        input images (`conditioning.warmup_inputs`), the shapes its requests have.
     """
 
     name: str
@@ -58,6 +66,8 @@ class ServedModel:
     weights_notice: str | None = None
     square_only: bool = False
     previews: bool = False
+    image_inputs: ImageInputFacts | None = None
+    warm_with_images: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)
@@ -75,16 +85,19 @@ class ServedModel:
     def from_spec(cls, name: str, spec: Any, sp: int = 1) -> "ServedModel":
         """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults), served
         on `sp` sequence-parallel ranks."""
-        from xstage_dit.families.registry import records
+        from xstage_dit.families.record import IMAGE_TASKS
+        from xstage_dit.families.registry import image_inputs_for, record_for_pipeline
         from xstage_dit.runtime.generation import fixed_kwargs
 
-        family = records().get(spec.family)
+        family = record_for_pipeline(spec.pipeline_class)
         return cls(name=name, kind=spec.kind, size_multiple=spec.patch_multiple, default_width=spec.width,
                    default_height=spec.height, default_steps=spec.steps, default_guidance=float(spec.guidance),
                    default_frames=spec.frames, frame_multiple=spec.frame_multiple, default_fps=spec.fps,
                    pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice,
                    square_only=bool(spec.square_under_sp and sp > 1),
-                   previews=spec.kind == "image" and family is not None and family.latent_decode is not None)
+                   previews=spec.kind == "image" and family is not None and family.latent_decode is not None,
+                   image_inputs=image_inputs_for(spec.pipeline_class),
+                   warm_with_images=family is not None and family.pipelines.get(spec.pipeline_class) in IMAGE_TASKS)
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,10 @@ class ServerConfig:
     request_timeout_s: a job not finished this long after it was submitted fails with 504; a running
         one stops at the next step.
     max_body_bytes: request bodies larger than this get 413.
+    max_upload_bytes: the limit instead for the endpoints that take image uploads (`UPLOAD_PATHS`: image edits,
+        videos with an input reference).
+    max_image_pixels: an input image (or mask) with more pixels than this, read from its header before any
+        decoding (a decompression bomb stays compressed), gets 422 naming its field.
     max_n, max_steps, max_prompt_chars, min_size, max_size, max_pixels, max_frames: request bounds.
     job_ttl_s / max_stored_jobs: finished jobs (and their video bytes) are kept this long / this many.
     api_key: bearer token required on /v1/*; None disables auth. Defaults to $XSTAGE_API_KEY.
@@ -132,6 +149,8 @@ class ServerConfig:
     batch_wait_s: float = 0.02
     request_timeout_s: float = 600.0
     max_body_bytes: int = 64 * 1024
+    max_upload_bytes: int = 64 * 1024 * 1024
+    max_image_pixels: int = 4096 * 4096
     max_n: int = 4
     max_steps: int = 100
     max_prompt_chars: int = 2000
@@ -155,7 +174,7 @@ class ServerConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
-        for what in ("max_queue", "max_batch_size", "max_body_bytes", "max_n", "max_steps", "max_prompt_chars",
+        for what in ("max_queue", "max_batch_size", "max_body_bytes", "max_upload_bytes", "max_image_pixels", "max_n", "max_steps", "max_prompt_chars",
                      "min_size", "max_size", "max_pixels", "max_frames", "max_stored_jobs"):
             value = getattr(self, what)
             _check(isinstance(value, int) and value >= 1, what, "an integer >= 1", value)

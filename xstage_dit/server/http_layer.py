@@ -71,15 +71,20 @@ async def drain(receive, max_bytes: int = DRAIN_MAX_BYTES, max_s: float = DRAIN_
 class BodyLimitMiddleware:
     """Refuses bodies over `max_bytes` with 413: by Content-Length up front, else while reading. Either
     way the rest of the body is drained first (see `DRAIN_MAX_BYTES`), except for a client that sent
-    `Expect: 100-continue`: it waits for the answer before sending, so it gets the 413 at once."""
+    `Expect: 100-continue`: it waits for the answer before sending, so it gets the 413 at once.
+    uploads: path -> its own limit (the endpoints that take image files)."""
 
-    def __init__(self, app: Any, max_bytes: int):
+    def __init__(self, app: Any, max_bytes: int, uploads: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.uploads = dict(uploads or {})
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.uploads.get(scope.get("path", ""), self.max_bytes)
+        if limit != self.max_bytes:
+            return await BodyLimitMiddleware(self.app, limit)(scope, receive, send)
         headers = dict(scope.get("headers", []))
         value = headers.get(b"content-length")
         if value is not None:

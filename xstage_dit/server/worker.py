@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from xstage_dit.runtime.conditioning import warmup_inputs
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.runtime.malloc_heap import keep_freed_memory
 from xstage_dit.server.batching import Batcher, Probe
@@ -199,13 +200,15 @@ class Worker:
         s = self.model.served
         never = lambda *_: True  # noqa: E731
         for width, height in self.warmup_items():
+            # an edit or image-to-video model warms up on synthetic input images: the shapes it serves
+            inputs = warmup_inputs(s.image_inputs, width, height) if s.warm_with_images else None
             item = GenerationRequest(kind=s.kind, prompt="warm-up", width=width, height=height, steps=2,
-                                     guidance=s.default_guidance, seed=0, num_frames=s.default_frames)
+                                     guidance=s.default_guidance, seed=0, num_frames=s.default_frames, inputs=inputs)
             started = time.perf_counter()
             single = runner.run([item], never)
             log.info("warm-up %dx%d (2 steps) took %.2f s", width, height, time.perf_counter() - started)
-            if not self.batcher.wants_probe or s.kind != "image":
-                continue  # a batch of videos never pays and may not fit: videos run FIFO
+            if not self.batcher.wants_probe or s.kind != "image" or (inputs is not None and inputs.alone):
+                continue  # a batch of videos never pays and may not fit: videos run FIFO (an "alone" edit, too)
             self._probe(runner, item, single)
 
     def _probe(self, runner: BatchRunner, item: GenerationRequest, single) -> None:

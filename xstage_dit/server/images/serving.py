@@ -15,9 +15,10 @@ from xstage_dit.server import b64_json
 from xstage_dit.server.config import ServerConfig
 from xstage_dit.server.deps import enqueue, failure, new_job, served
 from xstage_dit.server.http_layer import error_response
+from xstage_dit.server.image_input import check_text_only
 from xstage_dit.server.images.protocol import (ImageData, ImageGenerationRequest, ImageGenerationResponse,
                                                ImageJobSpec, image_params)
-from xstage_dit.server.images.stream import background_of, openai_stream
+from xstage_dit.server.images.stream import GENERATION, background_of, openai_stream
 from xstage_dit.server.job_queue import COMPLETED, Job
 from xstage_dit.server.protocol import Timings
 from xstage_dit.server.sse import sse_response
@@ -63,7 +64,14 @@ async def generate(req: ImageGenerationRequest, request: Request, worker: Worker
     """Queue the images of `req` as one job and answer it: JSON (`image_json`), the PNG itself
     (`response_format: png`) or OpenAI's server-sent events (`stream: true`, `images.stream`). A client that
     leaves before the end cancels its job (499)."""
-    spec = image_params(req, served(worker), config)
+    check_text_only(served(worker))  # a model that needs input images answers at /v1/images/edits
+    return await answer(image_params(req, served(worker), config), req, request, worker, config)
+
+
+async def answer(spec: ImageJobSpec, req: ImageGenerationRequest, request: Request, worker: Worker,
+                 config: ServerConfig, prefix: str = GENERATION) -> Response:
+    """Queue the checked job `spec` and answer it as `req` asks (JSON, PNG or a stream whose OpenAI events are
+    ``<prefix>.*``): what ``/v1/images/generations`` and ``/v1/images/edits`` share."""
     job = new_job(config, spec.items)
     job.encoding, job.partial_images = spec.encoding, spec.partial_images
     # Subscribed before it is queued: a fast first step must not run before the client listens (a stream on a
@@ -71,7 +79,7 @@ async def generate(req: ImageGenerationRequest, request: Request, worker: Worker
     q = job.subscribe(progress=bool(req.stream))  # an answer in one piece waits for the end alone
     enqueue(worker, job)
     if req.stream:
-        return sse_response(openai_stream(worker, job, spec, q), job)
+        return sse_response(openai_stream(worker, job, spec, q, prefix), job)
     try:
         next_check = time.monotonic() + DISCONNECT_POLL_S
         while not job.done:

@@ -8,6 +8,15 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 
+class InputImagesCard(BaseModel):
+    """What input images the served pipeline takes (`ImageInputFacts` of its family record)."""
+
+    min_images: int = Field(..., description="Images it needs (0: it also generates from text alone).")
+    max_images: int = Field(..., description="Images it takes at most.")
+    mask: bool = Field(..., description="It takes a mask (inpainting).")
+    endpoint: str = Field(..., description="Where they go: /v1/images/edits, or input_reference of /v1/videos.")
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -20,6 +29,8 @@ class ModelCard(BaseModel):
     default_frames: int | None = None
     random_weights: bool = Field(..., description="True for a built-in model: its outputs are noise, whatever the prompt.")
     weights_notice: str | None = Field(None, description="With random weights: what that means and how to use real ones.")
+    input_images: InputImagesCard | None = Field(None, description="Image edit / image-to-video models: the input images "
+                                                                   "they take; None for text alone.")
 
 
 class ModelList(BaseModel):

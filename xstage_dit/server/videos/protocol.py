@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
+from xstage_dit.server.image_input import reference_inputs
 from xstage_dit.server.protocol import RequestError, StrictModel, Timings, common_params
 
 
@@ -30,8 +31,8 @@ class VideoCreateRequest(StrictModel):
                           "to seconds*fps. Give it or num_frames.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; default: the model's.")
     input_reference: str | dict[str, Any] | None = Field(
-        None, description="A reference image (file in multipart, or base64 / an object in JSON) for image-to-video "
-                          "models; a text-to-video model refuses it.")
+        None, description="Image-to-video models: the first frame, a file in multipart, or in JSON base64, a data: URL "
+                          "or {\"image_url\": a data: URL}; a text-to-video model refuses it.")
     num_frames: int | None = Field(None, description="Frames (k * frame_multiple + 1); default: the model's.")
     fps: int | None = Field(None, description="Frames per second of the MP4; default: the model's.")
     num_inference_steps: int | None = None
@@ -102,13 +103,11 @@ def _seconds(value: str | float) -> float:
 
 
 def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig,
-                 reference: bool = False) -> GenerationRequest:
+                 reference_file: bytes | None = None) -> GenerationRequest:
     """The one `GenerationRequest` of a video job: `num_frames` of the form k * frame_multiple + 1 (or from
-    `seconds`), fps in [1, 120], defaults from the served model. reference: a file came as ``input_reference``."""
+    `seconds`), fps in [1, 120], defaults from the served model, the first frame of an image-to-video model from
+    ``input_reference``. reference_file: the bytes of a multipart ``input_reference`` file (else the JSON field)."""
     common = common_params(req, served, config, "video")
-    if reference or req.input_reference is not None:
-        raise RequestError("input_reference", f"this model takes no image: {served.name} generates video from text "
-                                              f"only; omit input_reference", 400)
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
         raise RequestError("fps", f"expected an integer in [1, 120], got {fps}")
@@ -126,4 +125,6 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
         if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
             raise RequestError("num_frames",
                                f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
-    return GenerationRequest(**common, num_frames=frames, fps=fps)
+    reference = reference_file if reference_file is not None else req.input_reference
+    inputs = reference_inputs(reference, served, config)  # 4xx where the model takes no image, or needs one
+    return GenerationRequest(**common, num_frames=frames, fps=fps, inputs=inputs)
