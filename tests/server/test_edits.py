@@ -184,7 +184,7 @@ BAD_EDITS = {
     "auto-too-wide": ("tiny-flux-kontext", dict(image=png_bytes(seeded_image(1, 2064, 16))), 422, "size",
                       "expected width in [16, 2048], got 2064 (size auto: the input image's 2064x16); pass a size"),
     "media-type": ("tiny-flux-kontext", dict(content=b"x", headers={"content-type": "text/plain"}), 415,
-                   "content-type", "expected multipart/form-data"),
+                   "content-type", "expected application/json or multipart/form-data, got 'text/plain'"),
     "body-limit": ("tiny-flux-img2img", dict(image=png_bytes(seeded_image(1, 96, 64)) + b"\0" * 40_000), 413, "body",
                    "expected at most 32768 bytes"),
 }
