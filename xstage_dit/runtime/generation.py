@@ -43,6 +43,8 @@ class GenerationRequest:
     seed: seed of the first image; image i uses ``seed + i`` (see `generators_for`).
     true_cfg_scale: true classifier-free guidance, for pipelines that have it (None: not passed).
     frames / fps: video only (frames is 1 for images).
+    lora: the LoRA adapters of the call, ``((name, scale), ...)`` in the order their deltas are summed (empty: none;
+        `features.lora.adapter_list` checks a client's list).
     Requests with equal `batch_key` can share one pipeline call.
     """
 
@@ -58,6 +60,7 @@ class GenerationRequest:
     num_frames: int = 1
     fps: int = 16
     n: int = 1
+    lora: tuple = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -74,12 +77,17 @@ class GenerationRequest:
             raise ValueError(f"expected true_cfg_scale >= 0, got {self.true_cfg_scale}")
         if not 0 <= self.seed or self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"expected seeds seed .. seed + n - 1 in [0, 2**63-1], got seed {self.seed} with n {self.n}")
+        if not isinstance(self.lora, tuple) or not all(
+                isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], float)
+                for a in self.lora):
+            raise ValueError(f"expected lora as ((name, scale), ...) with float scales, got {self.lora!r}")
 
     @property
     def batch_key(self) -> tuple:
-        # A batch mixing items with and without a negative prompt would change the CFG path of some.
+        # A batch mixing items with and without a negative prompt would change the CFG path of some; one call has
+        # one LoRA set, so only requests of the same adapters at the same scales share it.
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
-                self.true_cfg_scale, self.negative_prompt is not None)
+                self.true_cfg_scale, self.negative_prompt is not None, self.lora)
 
     def per_image(self) -> list["GenerationRequest"]:
         """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""
@@ -89,9 +97,10 @@ class GenerationRequest:
 def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = None, height: int | None = None,
                 width: int | None = None, frames: int | None = None, steps: int | None = None,
                 guidance: float | None = None, true_cfg_scale: float | None = None, seed: int = 0,
-                n: int = 1, sp: int = 1) -> GenerationRequest:
+                n: int = 1, sp: int = 1, lora: tuple = ()) -> GenerationRequest:
     """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value.
-    sp: the sequence-parallel degree it will run at (some models take only square sizes there)."""
+    sp: the sequence-parallel degree it will run at (some models take only square sizes there). lora: its adapters,
+    ``((name, scale), ...)``."""
     height = spec.height if height is None else int(height)
     width = spec.width if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)
@@ -102,7 +111,7 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
         raise ValueError(f"expected steps >= 1, got {steps}")
     return GenerationRequest(kind=spec.kind, prompt=prompt, width=width, height=height, steps=steps,
                              guidance=guidance, seed=int(seed), negative_prompt=negative_prompt,
-                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n)
+                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n, lora=tuple(lora))
 
 
 def fixed_kwargs(spec: ModelSpec) -> dict:

@@ -40,6 +40,8 @@ class ServedModel:
         use real weights; None for real weights.
     square_only: width must equal height (HiDream at sp > 1: `ModelSpec.square_under_sp`); a request of another
         size gets 400 naming ``size`` before it is queued.
+    lora: the LoRA manager (`features.lora.LoraManager`: the adapters requests may name, which are resident) of
+        rank 0; None: the server serves no LoRA.
     """
 
     name: str
@@ -55,6 +57,7 @@ class ServedModel:
     pipeline_kwargs: dict = field(default_factory=dict)
     weights_notice: str | None = None
     square_only: bool = False
+    lora: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)

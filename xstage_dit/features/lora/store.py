@@ -25,7 +25,7 @@ from xstage_dit.features.lora.config import AdapterError, AdapterLimit, LoraServ
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AdapterFile", "catalog", "content_digest", "read_adapter", "base_linear"]
+__all__ = ["AdapterFile", "base_linear", "catalog", "content_digest", "hooked", "read_adapter"]
 
 SUFFIX = ".safetensors"
 _LORA_PARTS = ("lora_A.weight", "lora_B.weight", "lora_B.bias")
@@ -57,6 +57,12 @@ def content_digest(path: str) -> str:
             for block in iter(lambda: f.read(1 << 24), b""):
                 digest.update(block)
     return digest.hexdigest()[:16]
+
+
+def hooked(module: torch.nn.Module) -> bool:
+    """Whether another feature put a diffusers hook on `module` (an empty registry, which a pipeline call's
+    ``cache_context`` leaves, does not count)."""
+    return bool(getattr(getattr(module, "_diffusers_hook", None), "hooks", None))
 
 
 def base_linear(module: torch.nn.Module) -> torch.nn.Module:
@@ -143,7 +149,7 @@ def _module(transformer: torch.nn.Module, name: str, module_name: str) -> torch.
     if not isinstance(base, torch.nn.Linear):
         raise AdapterError(f"adapter {name!r}: expected Linear layers, got {module_name!r}, a "
                                       f"{type(base).__name__}")
-    if any(getattr(m, "_diffusers_hook", None) is not None for m in (module, base)):
+    if hooked(module) or hooked(base):
         raise AdapterError(f"adapter {name!r}: targets {module_name!r}, whose call another feature hooks "
                                       f"(sequence parallelism gathers its output): not served under this "
                                       f"configuration")

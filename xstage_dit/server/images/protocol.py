@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 
 from xstage_dit.runtime.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
-from xstage_dit.server.protocol import RequestError, StrictModel, Timings, common_params
+from xstage_dit.server.protocol import LORA_FIELD, LoraList, RequestError, StrictModel, Timings, common_params
 
 
 class ImageGenerationRequest(StrictModel):
@@ -32,6 +32,7 @@ class ImageGenerationRequest(StrictModel):
     seed: int | None = Field(None, description="Seed of the first image; random when omitted (returned).")
     negative_prompt: str | None = Field(None, description="What to avoid (pipelines that support it).")
     stream: bool = Field(False, description="Answer as server-sent events: per-step progress, then the images.")
+    lora: LoraList = LORA_FIELD
 
 
 class ImageData(BaseModel):
