@@ -201,7 +201,8 @@ class LoraManager:
         except torch.OutOfMemoryError:
             oom = True
         except Exception as exc:  # noqa: BLE001 - diffusers' or PEFT's refusal, named
-            oom, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            text = (str(exc).replace(path, "<file>").splitlines() or [""])[0][:300]  # no server paths in answers
+            oom, reason = False, f"{type(exc).__name__}: {text}"
         finally:
             if self.slots is not None:  # the staging adapter never stays: no forward may see its modules
                 self._delete_peft(_STAGING)

@@ -92,8 +92,8 @@ def _state_dict(pipe: Any, name: str, path: str) -> dict:
     except AdapterError:
         raise
     except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: diffusers' or safetensors' error, named
-        raise AdapterError(f"adapter {name!r}: could not be read as a LoRA ({type(exc).__name__}: "
-                                      f"{str(exc).splitlines()[0][:300]})") from None
+        reason = str(exc).replace(path, "<file>").splitlines()[0][:300] if str(exc) else ""  # no server paths
+        raise AdapterError(f"adapter {name!r}: could not be read as a LoRA ({type(exc).__name__}: {reason})") from None
     state = out[0] if isinstance(out, tuple) else out
     if not isinstance(state, dict) or not state:
         raise AdapterError(f"adapter {name!r}: expected LoRA weights, got an empty file")
