@@ -88,8 +88,13 @@ class CollectiveSafetyHook(ModelHook):
             named.update({k: v for k, v in kwargs.items() if k != "return_dict"})
             facts = {f"inputs ({name})": fp for name, fp in agreement.fingerprint(named).items()}
             # The fingerprint's host sync waited for this rank's GPU, which a peer's failure released: raise it
-            # here, before a blocking all-gather the failed peer never joins.
+            # here, before a blocking all-gather the failed peer never joins. A peer that failed after the last
+            # collective of the previous forward (nothing of ours waited on it) is seen in the store: one round trip,
+            # beside the all-gather it saves from hanging.
             watchdog.raise_if_failed()
+            failure = agreement.published_failure()
+            if failure is not None:
+                raise failure
             agreement.check_agreement(facts, self.group, what=f"{self.what} forward")
         else:
             watchdog.raise_if_failed()

@@ -104,12 +104,13 @@ class BatchRunner:
     adapters: the LoRA manager (`features.lora.LoraManager`; None: no LoRA): each call first makes its items'
     adapter set the active one, on every rank of `group` together (the worker's control group; None at world 1).
     A call that runs out of memory raises `runtime.memory.GenerationOutOfMemory` naming the request, after freeing
-    what it took."""
+    what it took. recovery: a `server.recovery.Recovery`, which rebuilds the ranks' groups after a forward failed on
+    one of them (None: world 1, or a pipeline handed in as it is)."""
 
-    def __init__(self, pipe: Any, served: ServedModel, adapters: Any = None, group: Any = None):
+    def __init__(self, pipe: Any, served: ServedModel, adapters: Any = None, group: Any = None, recovery: Any = None):
         self.pipe = pipe
         self.served = served
-        self.adapters, self.group = adapters, group
+        self.adapters, self.group, self.recovery = adapters, group, recovery
         # per-step progress through the pipeline's callback_on_step_end, or (a pipeline without one: HunyuanVideo
         # 1.5's) after each call of its scheduler's step, which every denoising step makes once
         self.step_callback = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
@@ -184,6 +185,8 @@ class BatchRunner:
         except BaseException:
             if stream is not None:
                 stream.abort()  # stopped or failed: no MP4, no encoder left running
+            if self.recovery is not None and self.recovery.maybe_recover():
+                self.adapters = self.recovery.adapters
             raise
         finally:
             undo_step()

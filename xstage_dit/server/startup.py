@@ -22,6 +22,7 @@ from xstage_dit.features.config import ParallelConfig
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.ranks import LoadedModel, RankContext
+from xstage_dit.server.recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +126,13 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:
-            return {**report, "compile": engine.describe()["compile"], "schedules": schedule_report(stack),
-                    "attention_kernels": kernel_report(stack), "outside_transformer": stack.describe_pipeline()}
+            now = engine.stack  # a recovery (`server.recovery`) applies the stack again
+            return {**report, "compile": engine.describe()["compile"], "schedules": schedule_report(now),
+                    "attention_kernels": kernel_report(now), "outside_transformer": now.describe_pipeline()}
 
-        return LoadedModel(engine.pipe, served, report, describe, engine=engine, adapters=stack.lora)
+        loaded = LoadedModel(engine.pipe, served, report, describe, engine=engine, adapters=stack.lora)
+        if ctx.world_size > 1:
+            loaded.recovery = Recovery(loaded, spec.kind)
+        return loaded
 
     return load

@@ -152,7 +152,8 @@ class Worker:
             invariance = self._own_engine.apply(self.model.pipe, kind=self.model.served.kind).batch_invariance
             if invariance is not None:
                 self.model.report["batch_invariance"] = invariance.describe()
-        return BatchRunner(self.model.pipe, self.model.served, self.model.adapters, self.ctx.control_group)
+        return BatchRunner(self.model.pipe, self.model.served, self.model.adapters, self.ctx.control_group,
+                           self.model.recovery)
 
     def _restore_own(self) -> None:
         """Undo the stacks on the worker's model when it stops: what it applied itself (batch invariance on a
