@@ -17,7 +17,10 @@ from tests.helpers.server import one_torch_thread
 
 
 @pytest.mark.slow
-def test_swapping_adapters_never_recompiles_after_warm_up(tmp_path):
+@pytest.mark.parametrize("slots", [1, 2])
+def test_swapping_adapters_never_recompiles_after_warm_up(slots, tmp_path):
+    """The feature stack as the server applies it (parallel features at world 1, the pipeline patches, batch
+    invariance), with one slot (the slot's adapter changes on every switch) and two."""
     from xstage_dit.families import load_pipeline
 
     model = "tiny-flux"
@@ -33,10 +36,8 @@ def test_swapping_adapters_never_recompiles_after_warm_up(tmp_path):
             ref.set_adapters(names, scales)
             want[key] = image(ref, model)
 
-        engine = Engine(EngineConfig(model=model, device="cpu", parallel=None, batch_invariance=False,
-                                     host_syncs=False, text_depth=False, prompt_cache=False, one_frame_vae=False,
-                                     compile=CompileConfig("regional", backend="eager"), lora_dir=str(tmp_path),
-                                     max_lora_rank=4, max_loras_per_request=2))
+        engine = Engine(EngineConfig(model=model, device="cpu", compile=CompileConfig("regional", backend="eager"),
+                                     lora_dir=str(tmp_path), max_lora_rank=4, max_loras_per_request=slots))
         engine.apply(engine.load())
         try:
             lora = engine.lora
@@ -47,17 +48,19 @@ def test_swapping_adapters_never_recompiles_after_warm_up(tmp_path):
             converted, graphs = tp.frames_converted(), tp.dynamo_counters()["stats"]["unique_graphs"]
             assert converted > 0  # it did compile
             got = {}
-            for key, adapters in (("a", [("a", 0.7)]), ("b", ["b"]), ("none", None), ("a2", [("a", 0.7)]),
-                                  ("ab", [("a", 0.7), ("b", 0.5)]), ("scale", [("a", 0.3)])):
+            cases = (("a", [("a", 0.7)]), ("b", ["b"]), ("none", None), ("a2", [("a", 0.7)]), ("scale", [("a", 0.3)]))
+            for key, adapters in cases + ((("ab", [("a", 0.7), ("b", 0.5)]),) if slots == 2 else ()):
                 engine.activate_loras(adapters)
                 got[key] = image(engine.pipe, model)
             assert tp.frames_converted() == converted, "a swap converted a frame after warm-up"
             assert tp.dynamo_counters()["stats"]["unique_graphs"] == graphs
         finally:
             engine.restore()
-    assert np.array_equal(warm, plain) and np.array_equal(got["none"], plain)
-    # The slots hold each adapter padded with zeros to rank 4: the same products and sums as diffusers' own layers.
-    for key in ("a", "b", "ab"):
-        np.testing.assert_allclose(got[key], want[key], atol=1e-6, err_msg=key)
+    # The stack's patches (batch-invariant linear layers, the cached empty prompt) move the floats by ~1e-6; the
+    # slots hold each adapter padded with zeros to rank 4: the same products and sums as diffusers' own layers.
+    np.testing.assert_allclose(warm, plain, atol=1e-5)
+    assert np.array_equal(got["none"], warm)
+    for key in ("a", "b") + (("ab",) if slots == 2 else ()):
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
     np.testing.assert_array_equal(got["a2"], got["a"])
     assert np.abs(got["scale"] - got["a"]).max() > 1e-4  # the scale reached the compiled graphs

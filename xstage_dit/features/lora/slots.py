@@ -80,10 +80,17 @@ class HotswapSlots:
         self._base: list[dict[str, float]] = [dict.fromkeys(self.layers, 0.0) for _ in self.names]
 
     def activate_all(self) -> None:
-        """Every slot active on every layer, always: the graphs never see another set (cheap when already so)."""
-        for layer in self.layers.values():
-            if list(layer.active_adapters) != self.names:
-                layer.set_adapter(self.names)
+        """Every slot active on every layer, always: the graphs never see another set (cheap when already so).
+
+        Each layer holds a list of its own: one object shared by the layers at tracing time (diffusers' loader hands
+        every layer the same list) becomes an identity guard between layers (Dynamo), which a later load that gives
+        the layers lists of their own fails: a recompile (tiny FLUX, 2026-12-06)."""
+        layers = list(self.layers.values())
+        shared = len({id(layer._active_adapter) for layer in layers}) < len(layers)  # PEFT's own attribute
+        for layer in layers:
+            active = layer._active_adapter  # a name (str) or a list of them
+            if shared or not (isinstance(active, list) and active == self.names):
+                layer.set_adapter(list(self.names))
 
     def modules(self) -> list[torch.nn.Module]:
         """The slots' own A and B Linear modules (what batch invariance patches)."""
