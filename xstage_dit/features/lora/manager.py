@@ -245,14 +245,16 @@ class LoraManager:
 
     def _evict(self) -> None:
         """Least recently used adapters out until at most ``max_loras`` are resident (never an active one)."""
-        active = {n for n, _ in self._active}
+        active, evicted = {n for n, _ in self._active}, False
         for name in list(self._resident):
             if len(self._resident) <= self.config.max_loras:
                 break
             if name not in active:
                 log.info("lora: evicting %r (least recently used of %d resident)", name, len(self._resident))
                 self._drop(name)
-        _free_device_memory(self.device)
+                evicted = True
+        if evicted:  # a collection costs a loaded process hundreds of ms: only when memory was let go
+            _free_device_memory(self.device)
 
     # ----- switching -----
     def _switch(self, wanted) -> None:

@@ -127,8 +127,10 @@ class HotswapSlots:
         self._scale[index] = scale
 
     def enable(self, on: bool) -> None:
-        """LoRA layers on (slots added at their scales) or off (the plain Linear layers)."""
-        (self.transformer.enable_lora if on else self.transformer.disable_lora)()
+        """LoRA layers on (slots added at their scales) or off (the plain Linear layers); a walk over every layer,
+        so only when it changes."""
+        if any(layer.disable_adapters == on for layer in self.layers.values()):
+            (self.transformer.enable_lora if on else self.transformer.disable_lora)()
 
 
 def harvest(transformer: torch.nn.Module, adapter: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
