@@ -73,7 +73,8 @@ def _free_device_memory(device: torch.device) -> None:
 
 
 class LoraManager:
-    """The LoRA state of `pipe` (module docstring). Thread-safe: the HTTP thread lists while the worker loads.
+    """The LoRA state of `pipe` (module docstring). Thread-safe: the HTTP thread lists (without waiting) while the
+    worker loads.
 
     invariant: batch invariance's per-layer patch for the adapters' own Linear layers (None: no batch invariance).
     """
@@ -108,9 +109,9 @@ class LoraManager:
         return catalog(self.config)
 
     def resident(self) -> list[str]:
-        """Resident adapters, least recently used first."""
-        with self._lock:
-            return list(self._resident)
+        """Resident adapters, least recently used first. Without the lock (a copy made under the GIL): the HTTP
+        thread lists while the worker holds the lock through a load of seconds."""
+        return list(self._resident.copy())
 
     @property
     def active(self) -> tuple[tuple[str, float], ...]:
@@ -118,8 +119,7 @@ class LoraManager:
 
     def describe(self) -> list[dict]:
         """One row per adapter: name, resident, active scale (None), rank and digest where resident."""
-        with self._lock:
-            resident, active = dict(self._resident), dict(self._active)
+        resident, active = dict(self._resident.copy()), dict(self._active)  # no lock: see `resident`
         rows = []
         for name in sorted(set(self.available()) | set(resident)):
             held = resident.get(name)
