@@ -73,3 +73,14 @@ def test_bad_lora_options_are_usage_errors(tmp_path, capsys, extra, words):
     with pytest.raises(SystemExit) as exc:
         main(["generate", *ARGS, "--output", str(tmp_path / "x.png"), *extra])
     assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_serve_checks_its_lora_options_before_any_rank_starts(tmp_path, capsys):
+    for extra, words in ((["--lora-dir", str(tmp_path / "none")], "--lora-dir: expected lora_dir to be a folder"),
+                         (["--lora-dir", str(tmp_path), "--max-loras", "1", "--max-loras-per-request", "2"],
+                          "--max-loras-per-request: expected max_per_request <= max_loras (1"),
+                         (["--lora-dir", str(tmp_path), "--max-loras", "1", "--max-loras-per-request", "1",
+                           "--preload-loras", "a,b"], "--preload-loras: expected at most max_loras=1 preloaded")):
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", "--model", "tiny-flux", *extra])
+        assert exc.value.code == 2 and words in capsys.readouterr().err, words
