@@ -182,3 +182,34 @@ def test_the_feature_sits_before_compile_and_undoes_with_the_stack(tmp_path):
     finally:
         engine.restore()
     assert same_snapshot(snapshot(pipe.transformer), before)
+
+
+def test_an_adapter_that_runs_out_of_memory_while_loading_is_refused_and_leaves_nothing(tmp_path):
+    """A test double for the device running out of memory half way through diffusers' load (the adapter's layers
+    injected, then torch.OutOfMemoryError): AdapterMemory (the server's 507), the model as it was."""
+    from xstage_dit.features.lora import AdapterMemory
+
+    model = "tiny-flux"
+    pipe = _load(model)
+    write_peft(pipe.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
+    write_peft(pipe.transformer, tmp_path / "b.safetensors", rank=4, seed=2)
+    engine = _engine(model, tmp_path)
+    try:
+        engine.activate_loras(["a"])
+        with_a = image(engine.pipe, model)
+        before = snapshot(engine.pipe.transformer)
+        real = engine.pipe.load_lora_weights
+
+        def load_then_run_out(*args, **kwargs):
+            real(*args, **kwargs)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        engine.pipe.load_lora_weights = load_then_run_out
+        with pytest.raises(AdapterMemory) as info:
+            engine.activate_loras(["a", "b"])
+        del engine.pipe.load_lora_weights
+        assert info.value.status == 507 and "adapter 'b'" in str(info.value) and "GiB" not in str(info.value)
+        assert same_snapshot(snapshot(engine.pipe.transformer), before)
+        assert engine.lora.resident() == ["a"] and np.array_equal(image(engine.pipe, model), with_a)
+    finally:
+        engine.restore()
