@@ -133,8 +133,9 @@ class BatchRunner:
         return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
 
     def warmup(self, item: GenerationRequest, on_step: Callable[[int, int, int, list], bool]) -> RunResult:
-        """`run` of one warm-up item; with LoRA hot-swap slots, once more with the LoRA layers on at scale 0, so
-        the graphs of a LoRA request at this size are compiled before any request (the same bytes: scale 0)."""
+        """`run` of one warm-up item (or the batcher's probe batch); with LoRA hot-swap slots, once more with the
+        LoRA layers on at scale 0, so the graphs of a LoRA request of this shape are compiled before any request
+        (the same bytes: scale 0). Returns the first run's result."""
         result = self.run([item], on_step)
         if self.adapters is not None and self.adapters.graph_variants > 1:
             with self.adapters.warming():

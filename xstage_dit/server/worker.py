@@ -215,7 +215,7 @@ class Worker:
         n, (width, height) = self.config.max_batch_size, (item.width, item.height)
         started = time.perf_counter()
         try:
-            batch = runner.run([replace(item, n=n)], never)
+            batch = runner.warmup(replace(item, n=n), never)  # with LoRA slots: their batched graphs too
             alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
         except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
             log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
