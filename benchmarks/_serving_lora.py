@@ -168,6 +168,12 @@ def main(argv=None) -> int:
     summary["recompiles_after_warm_up"] = tp.frames_converted() - converted
     merge_s, restore_s = _fused_costs(engine.pipe.transformer, lora_dir, args.requests)
     engine.restore()
+    del engine  # the first pipeline's memory back before the second is built
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     if not args.no_baseline:
         plain = _engine(args, None)
         run_pipeline(plain.pipe, **kwargs)
