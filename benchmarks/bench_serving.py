@@ -21,6 +21,7 @@ subcommands, each with its own ``--help`` and module beside this script:
     python benchmarks/bench_serving.py transport ...         # keep-alive HTTP round trips by answer size
     python benchmarks/bench_serving.py png ...               # the server's PNG encode on its own thread
     python benchmarks/bench_serving.py batch-invariance ...  # is a batched bf16 GEMM the one-sample GEMM (GPU)
+    python benchmarks/bench_serving.py lora ...              # per-request LoRA: adapter, switch, recompiles (GPU)
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ SUBCOMMANDS = {
     "transport": "_serving_transport",
     "png": "_serving_png",
     "batch-invariance": "_serving_batch_invariance",
+    "lora": "_serving_lora",
 }
 COLUMNS = ["size", "concurrency", "policy", "status", "mean_s", "p95_s", "images_per_s", "max_batch", "reason"]
 

@@ -6,7 +6,8 @@
 #
 # What the device lacks (2026-12-04), fetched here into .whl (12.6 MB, under the 64 MiB a call carries):
 #   ../shared/tools/device-wheels.sh diffusers==0.42.1 transformers==5.17.0 fastapi==0.165.0 uvicorn==0.55.0 \
-#       ftfy prometheus-client==0.26.0 fastapi-offline==1.7.7 zlib-ng==1.1.0 && rm -f .whl/nvidia_*
+#       ftfy prometheus-client==0.26.0 fastapi-offline==1.7.7 zlib-ng==1.1.0 peft==0.21.2 && rm -f .whl/nvidia_*
+#   (peft: diffusers' LoRA loaders, xstage_dit/features/lora; added 2026-12-06 with issue 40)
 #   plus, with pip download --no-deps: xfuser==0.7.0 beautifulsoup4 soupsieve distvae yunchang (the bench's peer).
 # FlashAttention-4 (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl{,-libs-base,-libs-core,-libs-cu13}==4.8.1,
 # apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels==0.6.5) travels in ONE call as .whl-fa4/fa4-site.tar.xz

@@ -73,3 +73,58 @@ def check_quantize(args: argparse.Namespace, device=None) -> None:
         require_fp8_device(torch.device(device), args.fp8_granularity)
     except ValueError as exc:
         raise UsageError(f"--quantize fp8: {exc}") from None
+def add_lora_options(parser: argparse.ArgumentParser, *, serve: bool) -> None:
+    """The LoRA options (`features.lora`): --lora-dir, --max-loras, --max-lora-rank, --max-loras-per-request, and
+    serve's --preload-loras a,b or generate's repeatable --lora NAME[:SCALE] (NAME a name in --lora-dir or a path)."""
+    from xstage_dit.features.lora.config import (DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST,
+                                                 MAX_SCALE, MIN_SCALE)
+
+    parser.add_argument("--lora-dir", default=None,
+                        help="folder of LoRA adapters (.safetensors files or diffusers LoRA folders, named by file or "
+                             "folder name) that requests may name")
+    parser.add_argument("--max-loras", type=int, default=DEFAULT_MAX_LORAS,
+                        help="adapters resident at once (least recently used evicted); default: %(default)s")
+    parser.add_argument("--max-lora-rank", type=int, default=DEFAULT_MAX_LORA_RANK,
+                        help="largest adapter rank accepted (with --compile: the rank hot-swap slots are compiled "
+                             "at); default: %(default)s")
+    parser.add_argument("--max-loras-per-request", type=int, default=DEFAULT_PER_REQUEST,
+                        help="adapters one request may combine (with --compile: slots compiled in, each a rank "
+                             "--max-lora-rank pass in a LoRA request); default: %(default)s")
+    if serve:
+        parser.add_argument("--preload-loras", default="",
+                            help="comma-separated adapter names (or paths) loaded at start-up")
+    else:
+        parser.add_argument("--lora", action="append", default=[], metavar="NAME[:SCALE]",
+                            help=f"apply a LoRA adapter (repeatable; a name in --lora-dir or a file/folder path; "
+                                 f"scale in [{MIN_SCALE:g}, {MAX_SCALE:g}], default 1)")
+
+
+def lora_options(args: argparse.Namespace) -> tuple[dict, tuple]:
+    """(`EngineConfig` LoRA fields, the request's ((name, scale), ...)) of the LoRA options; UsageError naming a bad
+    one. generate's --lora paths become preloaded adapters named by file stem."""
+    import os
+
+    from xstage_dit.features.lora.config import parse_adapter_arg
+
+    fields = {"lora_dir": args.lora_dir, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+              "max_loras_per_request": args.max_loras_per_request}
+    preload = [p.strip() for p in getattr(args, "preload_loras", "").split(",") if p.strip()]
+    wanted = []
+    for text in getattr(args, "lora", []):
+        try:
+            name, scale = parse_adapter_arg(text)
+        except ValueError as exc:
+            raise UsageError(f"--lora: {exc}") from None
+        if os.sep in name or os.path.exists(name):
+            preload.append(name)
+            name = os.path.basename(os.path.normpath(name)).removesuffix(".safetensors")
+        elif args.lora_dir is None:
+            raise UsageError(f"--lora: expected a file or folder path, or --lora-dir holding {name!r}, got neither")
+        wanted.append((name, scale))
+    if wanted:
+        fields["max_loras"] = max(fields["max_loras"], len(wanted))
+        fields["max_loras_per_request"] = max(fields["max_loras_per_request"], len(wanted))
+    fields["preload_loras"] = tuple(preload)
+    if fields["lora_dir"] is None and not preload:
+        return {}, ()
+    return fields, tuple(wanted)

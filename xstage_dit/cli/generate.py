@@ -77,9 +77,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_compile_option(p)
     add_warmup_sizes_option(p)
-    from xstage_dit.cli.engine_options import add_feature_options
+    from xstage_dit.cli.engine_options import add_feature_options, add_lora_options
 
     add_feature_options(p)
+    add_lora_options(p, serve=False)
     p.set_defaults(func=run)
     return p
 
@@ -156,7 +157,11 @@ def _checked(args: argparse.Namespace):
 
     check_quantize(args, None if args.device == "auto" else args.device)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
-    request = _request(args, spec, parallel.sp)
+    from dataclasses import replace
+
+    from xstage_dit.cli.engine_options import lora_options
+
+    request = replace(_request(args, spec, parallel.sp), lora=lora_options(args)[1])
     output = _output_path(args, spec)
     from xstage_dit.cli.validate import check_parallel
 
@@ -237,11 +242,15 @@ def _engine(args: argparse.Namespace, spec, parallel, device, dtype, rank: int):
     """The loaded pipeline under its feature stack, as the server runs it (batch invariance included: the same
     bytes for the same request): (engine, seconds to load)."""
     from xstage_dit.cli import UsageError
-    from xstage_dit.cli.engine_options import compile_config, feature_switches
+    from xstage_dit.cli.engine_options import compile_config, feature_switches, lora_options
     from xstage_dit.engine import Engine, EngineConfig
 
-    config = EngineConfig(model=args.model, device=device, dtype=dtype, weights_seed=args.weights_seed,
-                          parallel=parallel, compile=compile_config(args, device), **feature_switches(args))
+    try:
+        config = EngineConfig(model=args.model, device=device, dtype=dtype, weights_seed=args.weights_seed,
+                              parallel=parallel, compile=compile_config(args, device), **feature_switches(args),
+                              **lora_options(args)[0])
+    except ValueError as exc:
+        raise UsageError(f"--lora: {exc}") from None
     engine = Engine(config, rank=rank)
     t0 = time.perf_counter()
     # With --ep N each rank creates or reads only its experts (its rank in the EP group, of N).
@@ -255,8 +264,12 @@ def _engine(args: argparse.Namespace, spec, parallel, device, dtype, rank: int):
     pipe.set_progress_bar_config(disable=args.no_progress or rank != 0, desc="denoising", file=sys.stderr,
                                  leave=False)
     # World 1 too: the measured attention kernel; MoE layers per kind (`choose_moe_world1`).
+    from xstage_dit.features.lora import AdapterError
+
     try:
         engine.apply(pipe, kind=spec.kind)
+    except AdapterError as exc:  # a preloaded --lora that cannot be served (a bad file, another model's adapter)
+        raise UsageError(f"--lora: {exc}") from None
     except ValueError as exc:  # a degree this model cannot take (heads, MoE, CFG): one line, exit 2
         raise UsageError(f"--sp/--ep/--cfg: {exc}") from None
     return engine, t_build
@@ -327,6 +340,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:  # an option this pipeline does not take (a negative prompt, ...)
             flag = "--negative-prompt" if "negative_prompt" in str(exc) else "--model"
             raise UsageError(f"{flag}: {exc}") from None
+        if request.lora:
+            from xstage_dit.features.lora import AdapterError
+
+            try:
+                engine.activate_loras(request.lora)
+            except AdapterError as exc:
+                raise UsageError(f"--lora: {exc}") from None
         t_warm = _warm_up(engine, spec, request, warmup_sizes)
         t1 = time.perf_counter()
         result = run_pipeline(engine.pipe, **kwargs)

@@ -85,9 +85,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_compile_option(p)
     add_warmup_sizes_option(p)
-    from xstage_dit.cli.engine_options import add_feature_options
+    from xstage_dit.cli.engine_options import add_feature_options, add_lora_options
 
     add_feature_options(p)
+    add_lora_options(p, serve=True)
     p.add_argument("--batching", default=_D.batching, choices=("auto", "always", "never"),
                    help="auto = batch a size only where warm-up measured a batch at >= 1 + --batch-margin times "
                         "the images/s of single images, with bit-identical images (else first come, first served); "
@@ -123,6 +124,7 @@ def _config(args: argparse.Namespace):
 
     check_quantize(args)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
+    _check_lora(args)
     try:
         return ServerConfig(
             max_queue=args.max_queue, max_batch_size=args.max_batch_size, batch_wait_s=args.batch_wait_ms / 1000,
@@ -137,6 +139,26 @@ def _config(args: argparse.Namespace):
     except ValueError as exc:
         option = str(exc).split(":")[0].replace("_", "-")
         raise UsageError(f"--{option}: {str(exc).split(':', 1)[1].strip()}") from None
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    """The LoRA options as the engine will take them (before any rank starts); UsageError naming the bad one."""
+    from xstage_dit.cli import UsageError
+    from xstage_dit.cli.engine_options import lora_options
+    from xstage_dit.features.lora import LoraServingConfig
+
+    fields, _ = lora_options(args)
+    if not fields:
+        return
+    try:
+        LoraServingConfig(lora_dir=fields["lora_dir"], max_loras=fields["max_loras"],
+                          max_lora_rank=fields["max_lora_rank"], max_per_request=fields["max_loras_per_request"],
+                          preload=tuple(p for p in fields["preload_loras"] if os.sep not in p))
+    except ValueError as exc:
+        option = {"lora_dir": "--lora-dir", "preloaded": "--preload-loras", "max_per_request":
+                  "--max-loras-per-request", "max_lora_rank": "--max-lora-rank"}
+        flag = next((f for word, f in option.items() if word in str(exc)), "--max-loras")
+        raise UsageError(f"{flag}: {exc}") from None
 
 
 def _argv(args: argparse.Namespace) -> list[str]:
@@ -190,13 +212,13 @@ def serve_rank(args: argparse.Namespace, config) -> int:
         # CPU ranks share the cores: without this each would start one thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     from xstage_dit.cli.compile_options import compile_extras
-    from xstage_dit.cli.engine_options import feature_switches
+    from xstage_dit.cli.engine_options import feature_switches, lora_options
 
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
     loader = model_loader(args.model, config.parallel, dtype=dtype, weights_seed=args.weights_seed,
                           compile=args.compile, max_compiled_shapes=args.max_compiled_shapes,
                           compile_guards=args.compile_guards, compile_extras=compile_extras(args),
-                          features=feature_switches(args))
+                          features=feature_switches(args), lora=lora_options(args)[0])
 
     def join() -> RankContext:
         return RankContext.join(config.parallel.timeout_s)

@@ -29,13 +29,14 @@ import contextlib
 import functools
 import hashlib
 import time
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["RanksDisagree", "RankFailed", "check_agreement", "fail_together", "publish_failure", "wait",
-           "fingerprint", "leave_together", "make_failure", "published_failure"]
+           "fingerprint", "leave_together", "make_failure", "published_failure", "clear_failure_together"]
 
 _KEY = "xstage/failure"
 _LEAVE = "xstage/leave"  # leave_together's counters
@@ -195,6 +196,34 @@ def published_failure() -> RankFailed | None:
         return None
     kind, _, message = store.get(_KEY).decode().partition("\n")
     return _failure(kind, message)
+
+
+def clear_failure_together(generation: int, timeout_s: float = 60.0, *, poll_s: float = 0.01) -> None:
+    """Every rank of the world, after a published failure: wait (on the store alone, which works when the process
+    group does not) until all have arrived, then rank 0 removes the failure and every rank goes on once it is gone.
+    `generation`: how many recoveries this process made before (the same on every rank: they fail together), so
+    each uses its own keys. TimeoutError when a rank does not arrive within `timeout_s`.
+
+    Only the store is cleared: a process group with an abandoned collective stays unusable, so the caller builds
+    new groups after this (`server.recovery`)."""
+    if not dist.is_initialized():
+        return
+    store, world = _store(), dist.get_world_size()
+    arrived, cleared = f"xstage/recover/{generation}/arrived", f"xstage/recover/{generation}/cleared"
+    deadline = time.monotonic() + timeout_s
+    store.add(arrived, 1)
+    while store.add(arrived, 0) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"expected all {world} ranks to recover from the failure within {timeout_s:g} s, got "
+                               f"{store.add(arrived, 0)}")
+        time.sleep(poll_s)
+    if dist.get_rank() == 0:
+        for key in (_KEY, _KEY + "/count"):
+            if store.check([key]):
+                store.delete_key(key)
+        store.set(cleared, "1")
+    else:
+        store.wait([cleared], timedelta(seconds=timeout_s))
 
 
 def wait(work, group=None, *, poll_s: float = 0.002) -> None:

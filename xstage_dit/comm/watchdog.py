@@ -172,6 +172,15 @@ def failure() -> agreement.RankFailed | None:
     return None if _WATCHDOG is None else _WATCHDOG.failure
 
 
+def reset() -> None:
+    """Forget the failure this process's watchdog has seen (after the ranks cleared it together and rebuilt their
+    groups: `agreement.clear_failure_together`); the barriers it aborted belonged to the groups dropped then."""
+    if _WATCHDOG is not None:
+        with _WATCHDOG._lock:
+            _WATCHDOG.failure = None
+            _WATCHDOG._seen.clear()
+
+
 def raise_if_failed() -> None:
     """Raise the `RankFailed` the watchdog has seen (a peer's published error or a barrier timeout).
 

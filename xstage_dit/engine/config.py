@@ -11,6 +11,7 @@ default) and one switch per feature of the stack (`features.stack.FEATURES`). ``
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,8 @@ import torch
 from xstage_dit.features.compile import CompileConfig, default_compile_mode
 from xstage_dit.features.config import ParallelConfig
 from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config
+from xstage_dit.features.lora import LoraServingConfig
+from xstage_dit.features.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST
 from xstage_dit.features.stack import StackConfig
 
 __all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
@@ -56,6 +59,11 @@ class EngineConfig:
     host_syncs / text_depth / prompt_cache / one_frame_vae: those features on (default) or off.
     quantize: "none" (weights as loaded) or "fp8" (the transformer's linear layers in float8: `features.fp8`).
     fp8_granularity: with quantize "fp8", one of `features.fp8.GRANULARITIES` ("row": per-token x per-channel).
+    lora_dir: the folder of LoRA adapters requests may name (`features.lora`); None: none from a folder.
+    max_loras / max_lora_rank / max_loras_per_request: resident adapters (LRU past it), the largest rank (the slots'
+        rank when compiled), adapters one call may combine.
+    preload_loras: adapters loaded at start-up: names in lora_dir, or paths of adapter files or folders (named by
+        file stem). LoRA is on when lora_dir or preload_loras is given; compiled, adapters are hot-swapped.
     """
 
     model: str | None = None
@@ -71,6 +79,11 @@ class EngineConfig:
     one_frame_vae: bool = True
     quantize: str = "none"
     fp8_granularity: str = "row"
+    lora_dir: str | None = None
+    max_loras: int = DEFAULT_MAX_LORAS
+    max_lora_rank: int = DEFAULT_MAX_LORA_RANK
+    max_loras_per_request: int = DEFAULT_PER_REQUEST
+    preload_loras: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -104,6 +117,25 @@ class EngineConfig:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
+        object.__setattr__(self, "preload_loras", tuple(self.preload_loras))
+        self.lora_config()  # a bad LoRA option fails here, naming it
+
+    def lora_config(self) -> LoraServingConfig | None:
+        """The LoRA feature's config (None without lora_dir and preload_loras). A preload entry that is a path
+        becomes an adapter named by its file stem."""
+        if self.lora_dir is None and not self.preload_loras:
+            return None
+        paths, names = {}, []
+        for entry in self.preload_loras:
+            if os.sep in entry or os.path.exists(entry):
+                name = os.path.basename(os.path.normpath(entry)).removesuffix(".safetensors")
+                paths[name] = entry
+                names.append(name)
+            else:
+                names.append(entry)
+        return LoraServingConfig(lora_dir=self.lora_dir, paths=paths, max_loras=self.max_loras,
+                                 max_lora_rank=self.max_lora_rank, preload=tuple(names),
+                                 max_per_request=self.max_loras_per_request, hotswap=self.compile.mode != "off")
 
     def expert_shard(self, rank: int) -> tuple[int, int] | None:
         """The experts rank `rank` loads (`ParallelConfig.expert_shard`); None without expert parallelism."""
@@ -117,4 +149,4 @@ class EngineConfig:
         invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
         fp8 = Fp8Config(self.fp8_granularity) if self.quantize == "fp8" else None
         return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant, fp8=fp8,
-                           **{name: getattr(self, name) for name in _FLAGS})
+                           lora=self.lora_config(), **{name: getattr(self, name) for name in _FLAGS})

@@ -100,6 +100,28 @@ class Engine:
                 "fp8": [handle.describe() for handle in stack.fp8] or None,
                 "outside_transformer": stack.describe_pipeline()}
 
+    # ----- LoRA (the stack's `features.lora` manager; the server's /v1/loras and request field do the same) -----
+    @property
+    def lora(self) -> Any:
+        """The `LoraManager` of the applied stack; ValueError when LoRA is off (no lora_dir / preload_loras)."""
+        manager = getattr(self.stack, "lora", None) if self.stack is not None else None
+        if manager is None:
+            raise ValueError("expected an engine with LoRA on (EngineConfig.lora_dir or preload_loras) and applied, "
+                             "got none")
+        return manager
+
+    def loras(self) -> list[dict]:
+        """Every adapter that can be served: name, resident, active scale, rank and digest where resident."""
+        return self.lora.describe()
+
+    def load_lora(self, name: str) -> Any:
+        """Make adapter `name` resident (LRU eviction past max_loras); its checked `AdapterFile`."""
+        return self.lora.load(name)
+
+    def activate_loras(self, adapters) -> tuple:
+        """The adapters of the next pipeline calls: ``[(name, scale), ...]``, names, or None for none."""
+        return self.lora.activate(adapters)
+
     def restore(self) -> None:
         """Undo the stack (reverse order) and forget the pipeline. Safe to call twice."""
         stack, self.stack = self.stack, None

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.features.instance_attr import set_on_instance
 
-__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "batch_invariant",
-           "batch_invariant_for", "apply"]
+__all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "InvariantLinear",
+           "batch_invariant", "batch_invariant_for", "make_invariant", "apply"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
@@ -101,6 +101,20 @@ def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(rows, module.in_features)
     padded = F.pad(flat, (0, 0, 0, SMALL_ROWS - rows))
     return F.linear(padded, module.weight, module.bias)[:rows].reshape(*x.shape[:-1], module.out_features)
+
+
+class InvariantLinear(torch.nn.Linear):
+    """A Linear layer run by `_padded_linear`, for layers made after the stack applied (a LoRA adapter's A and B):
+    a class, not an instance ``forward``, so nothing refers back to the module and it is freed with its adapter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _padded_linear(self, x)
+
+
+def make_invariant(module: torch.nn.Module) -> None:
+    """Give a plain Linear `module` this feature's rule (`InvariantLinear`); other modules are left as they are."""
+    if type(module) is torch.nn.Linear and "forward" not in vars(module):
+        module.__class__ = InvariantLinear
 
 
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)

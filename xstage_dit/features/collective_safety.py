@@ -8,7 +8,8 @@ Built on `xstage_dit.comm.agreement`:
   it compares a fingerprint of the inputs (latents, timestep, prompt embeddings...) over the sp
   group, so ranks whose generators were seeded differently fail on every rank with `RanksDisagree`
   instead of silently returning an image that matches no single-process one (eager only: a
-  ``torch.compile``'d forward skips it). An exception inside the forward is published to the peers
+  ``torch.compile``'d forward skips it); the LoRA adapters and scales each rank runs with are compared with
+  them (`features.lora`). An exception inside the forward is published to the peers
   (`agreement.publish_failure`), which stop waiting in their collectives and raise the same error. The
   peers' GPUs, which may sit in a device barrier of a fused op, are released by the barrier watchdog
   (`xstage_dit.comm.watchdog`); the hook raises the failure that watchdog has seen (a peer's, or a barrier
@@ -72,10 +73,12 @@ def check_dispatching(processor: Any, where: str) -> None:
 class CollectiveSafetyHook(ModelHook):
     """Input agreement before each forward, and a failure inside it made every rank's failure."""
 
-    def __init__(self, group, model_cls: type, check_inputs: bool = True) -> None:
+    def __init__(self, group, model_cls: type, check_inputs: bool = True,
+                 state: Callable[[], dict] | None = None) -> None:
         super().__init__()
         self.group = group
         self.check_inputs = check_inputs
+        self.state = state  # more facts the ranks compare with the inputs (the LoRA adapters and scales)
         self.names = list(inspect.signature(model_cls.forward).parameters)[1:]
         self.what = model_cls.__name__
 
@@ -87,9 +90,15 @@ class CollectiveSafetyHook(ModelHook):
             named = dict(zip(self.names, args))
             named.update({k: v for k, v in kwargs.items() if k != "return_dict"})
             facts = {f"inputs ({name})": fp for name, fp in agreement.fingerprint(named).items()}
+            facts.update(self.state() if self.state is not None else {})
             # The fingerprint's host sync waited for this rank's GPU, which a peer's failure released: raise it
-            # here, before a blocking all-gather the failed peer never joins.
+            # here, before a blocking all-gather the failed peer never joins. A peer that failed after the last
+            # collective of the previous forward (nothing of ours waited on it) is seen in the store: one round trip,
+            # beside the all-gather it saves from hanging.
             watchdog.raise_if_failed()
+            failure = agreement.published_failure()
+            if failure is not None:
+                raise failure
             agreement.check_agreement(facts, self.group, what=f"{self.what} forward")
         else:
             watchdog.raise_if_failed()
@@ -104,6 +113,12 @@ class CollectiveSafetyHook(ModelHook):
             raise agreement.publish_failure(exc, self.group, what=f"{self.what} forward") from exc
 
 
+def _lora_state(ctx) -> dict:
+    """The adapters and scales this rank runs with (`features.lora`, which applies after this feature: read from
+    the context at each forward), so ranks holding other adapters fail together instead of mixing them."""
+    return {} if ctx.lora is None else {"lora adapters": ctx.lora.fingerprint()}
+
+
 def apply(pipe, config, ctx) -> Callable[[], None] | None:
     """The stack's collective safety at sp > 1: a `CollectiveSafetyHook` on each transformer, outside the
     sequence hooks (it sees the whole inputs) and inside the CFG hook (one branch's inputs)."""
@@ -113,6 +128,7 @@ def apply(pipe, config, ctx) -> Callable[[], None] | None:
     undos = []
     for transformer in ctx.transformers:
         registry = HookRegistry.check_if_exists_or_initialize(transformer)
-        registry.register_hook(CollectiveSafetyHook(group, type(transformer), config.check_inputs), _HOOK)
+        registry.register_hook(CollectiveSafetyHook(group, type(transformer), config.check_inputs,
+                                                    functools.partial(_lora_state, ctx)), _HOOK)
         undos.append(functools.partial(remove_hook, transformer, _HOOK))
     return chained(undos)

@@ -343,6 +343,8 @@ def compile_pipeline(pipe: Any, config: CompileConfig, ctx: FeatureContext) -> C
         if config.mode == "graphs" and ctx.attention_kernels is not None:
             handle._undo.append(ctx.attention_kernels.for_cuda_graphs())  # no kernel a capture breaks
         hows, per_code_object = _compile_transformers(handle, targets, config)
+        # LoRA hot-swap slots: a graph with the LoRA layers on and one with them off, per shape (`features.lora`)
+        per_code_object *= ctx.lora.graph_variants if ctx.lora is not None else 1
         handle._undo.append(private.raise_recompile_limits(per_code_object, 2 * per_code_object))
         if config.vae:
             hows += _compile_vae_decoders(handle, pipe, config, ctx)

@@ -80,7 +80,8 @@ class FeatureContext:
     kernels / schedule_choices / attention_paths (attention kernel choice), num_moe_layers (expert parallel),
     cfg_hooks (CFG parallel and CFG batch, read by the decode check), cfg_batch_reason, text_layers_skipped
     (text depth), prompt_cache, vae_convs_2d / one_frame_decode (one-frame VAE, read by compile),
-    batch_invariance (its handle), compiled (the `CompileHandle`).
+    batch_invariance (its handle), lora (the `LoraManager`: its graph variants, read by compile), compiled (the
+    `CompileHandle`).
     """
 
     pipe: Any
@@ -102,6 +103,7 @@ class FeatureContext:
     vae_convs_2d: int = 0
     one_frame_decode: Any = None
     batch_invariance: Any = None
+    lora: Any = None
     compiled: Any = None
     fp8: list = field(default_factory=list)
 

@@ -65,8 +65,9 @@ def check_degrees(transformer: torch.nn.Module, config: ParallelConfig):
     return plan
 
 
-def prepare(pipe: Any, config: ParallelConfig, ctx: FeatureContext) -> None:
-    """Agree across ranks, validate, build the groups and resolve the params; fills ``ctx.transformers``,
+def prepare(pipe: Any, config: ParallelConfig, ctx: FeatureContext, facts: dict | None = None) -> None:
+    """Agree across ranks (on `facts` too: the other features' configs, e.g. the LoRA feature's), validate, build
+    the groups and resolve the params; fills ``ctx.transformers``,
     ``plans``, ``groups`` and ``calibration``. Errors (before any GPU work): ValueError for degrees that do not
     multiply to the world size or that the model refuses, an unsupported transformer; RuntimeError if a
     transformer is patched already. At world > 1 every rank raises the same error (`RanksDisagree`,
@@ -81,7 +82,7 @@ def prepare(pipe: Any, config: ParallelConfig, ctx: FeatureContext) -> None:
     # Before any collective that depends on them, every rank checks the others passed the same
     # configuration, model classes and weight shapes (one all-gather), then validates locally; an error
     # on one rank becomes the same error on all (one more all-gather), so none is left in new_group().
-    check_agreement(setup_facts(config, modules_of(pipe)), what="parallelize")
+    check_agreement({**setup_facts(config, modules_of(pipe)), **(facts or {})}, what="parallelize")
     with fail_together(what="parallelize"):
         private.check_diffusers_version()
         transformers = transformers_of(pipe)

@@ -28,6 +28,7 @@ from xstage_dit.features import (attention_schedules, batch_invariance, cfg_batc
                                  sequence_parallel, text_depth)
 from xstage_dit.features import compile as compile_feature
 from xstage_dit.features import fp8
+from xstage_dit.features import lora
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.config import ParallelConfig
 from xstage_dit.features.fp8 import Fp8Config
@@ -79,6 +80,9 @@ FEATURES: tuple[Feature, ...] = (
             "leaves ctx.one_frame_decode for compile"),
     Feature("batch_invariance", batch_invariance.apply, "batch_invariance",
             "after the parallel patches: a layer whose forward another patch replaced keeps it"),
+    Feature("lora", lora.apply, "lora",
+            "after batch invariance (the adapters' Linear layers take its rule) and the parallel hooks (no adapter "
+            "wraps a hooked layer); before compile (the hot-swap slots exist before anything is traced)"),
     Feature("compile", compile_feature.apply, "compile",
             "last: traces every patch above (and compiles ctx.one_frame_decode)"),
 )
@@ -96,6 +100,7 @@ class StackConfig:
     host_syncs / text_depth / prompt_cache / one_frame_vae / batch_invariance: each feature on or off (the
         first four on, as ``parallelize`` has always applied them; batch invariance off: the engine turns it on
         for image pipelines that serve batches).
+    lora: a `LoraServingConfig` (per-request LoRA adapters, `features.lora`); None: no LoRA.
     """
 
     parallel: ParallelConfig | None = field(default_factory=ParallelConfig)
@@ -106,6 +111,7 @@ class StackConfig:
     one_frame_vae: bool = True
     batch_invariance: bool = False
     fp8: Fp8Config | None = None
+    lora: lora.LoraServingConfig | None = None
 
     def __post_init__(self) -> None:
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
@@ -114,6 +120,8 @@ class StackConfig:
             raise ValueError(f"expected compile to be a CompileConfig, got {type(self.compile).__name__}")
         if self.fp8 is not None and not isinstance(self.fp8, Fp8Config):
             raise ValueError(f"expected fp8 to be an Fp8Config or None, got {type(self.fp8).__name__}")
+        if self.lora is not None and not isinstance(self.lora, lora.LoraServingConfig):
+            raise ValueError(f"expected lora to be a LoraServingConfig or None, got {type(self.lora).__name__}")
         for name in ("host_syncs", "text_depth", "prompt_cache", "one_frame_vae", "batch_invariance"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
@@ -128,7 +136,7 @@ class StackConfig:
 # What the stack's own attributes read from its context (the public handle of `parallelize`).
 _FROM_CONTEXT = ("groups", "calibration", "schedule_choices", "attention_kernels", "attention_paths", "num_moe_layers",
                  "cfg_hooks", "prompt_cache", "text_layers_skipped", "cfg_batch_reason", "vae_convs_2d",
-                 "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8")
+                 "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8", "lora")
 
 
 class FeatureStack:
@@ -229,7 +237,7 @@ def build_stack(pipe: Any, config: StackConfig, features: tuple[Feature, ...] = 
     ctx = FeatureContext(pipe=pipe, parallel=config.parallel, transformers=modules_of(pipe))
     stack = FeatureStack(ctx)
     if config.parallel is not None:
-        prepare(pipe, config.parallel, ctx)
+        prepare(pipe, config.parallel, ctx, {"lora": None if config.lora is None else config.lora.facts()})
         ctx.comm = CommBuffers(f"stack of {type(ctx.transformers[0]).__name__}")
         stack.push("comm_buffers", ctx.comm.free)  # the last undo: after every feature that used them
         groups = ctx.groups

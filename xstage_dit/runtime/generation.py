@@ -46,6 +46,8 @@ class GenerationRequest:
     true_cfg_scale: true classifier-free guidance, for pipelines that have it (None: not passed).
     frames / fps: video only (frames is 1 for images).
     inputs: the conditioning images (image edit, image-to-video: `conditioning.InputImages`), None for text alone.
+    lora: the LoRA adapters of the call, ``((name, scale), ...)`` in the order their deltas are summed (empty: none;
+        `features.lora.adapter_list` checks a client's list).
     Requests with equal `batch_key` can share one pipeline call (with input images: the same images).
     """
 
@@ -62,6 +64,7 @@ class GenerationRequest:
     fps: int = 16
     n: int = 1
     inputs: InputImages | None = None
+    lora: tuple = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -80,14 +83,19 @@ class GenerationRequest:
             raise ValueError(f"expected seeds seed .. seed + n - 1 in [0, 2**63-1], got seed {self.seed} with n {self.n}")
         if self.inputs is not None and not isinstance(self.inputs, InputImages):
             raise ValueError(f"expected inputs to be InputImages or None, got {type(self.inputs).__name__}")
+        if not isinstance(self.lora, tuple) or not all(
+                isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], float)
+                for a in self.lora):
+            raise ValueError(f"expected lora as ((name, scale), ...) with float scales, got {self.lora!r}")
 
     @property
     def batch_key(self) -> tuple:
-        # A batch mixing items with and without a negative prompt would change the CFG path of some.
-        # Input images: only the same images share a call (and a pipeline taking one prompt a call, none).
+        # A batch mixing items with and without a negative prompt would change the CFG path of some. Input images:
+        # only the same images share a call (and a pipeline taking one prompt a call, none). One call has one LoRA
+        # set: only requests of the same adapters at the same scales share it.
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
                 self.true_cfg_scale, self.negative_prompt is not None,
-                None if self.inputs is None else self.inputs.key(self.seed))
+                None if self.inputs is None else self.inputs.key(self.seed), self.lora)
 
     def per_image(self) -> list["GenerationRequest"]:
         """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""
@@ -98,11 +106,11 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
                 width: int | None = None, frames: int | None = None, steps: int | None = None,
                 guidance: float | None = None, true_cfg_scale: float | None = None, seed: int = 0,
                 n: int = 1, sp: int = 1, images: Sequence[Image.Image] = (),
-                mask: Image.Image | None = None) -> GenerationRequest:
+                mask: Image.Image | None = None, lora: tuple = ()) -> GenerationRequest:
     """A `GenerationRequest` with `spec`'s defaults where a value is None; ValueError naming a bad value.
     sp: the sequence-parallel degree it will run at (some models take only square sizes there).
     images / mask: input images (PIL), checked against how `spec`'s pipeline takes them (`InputImages.of`:
-    `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's."""
+    `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's. lora: its adapters, ``((name, scale), ...)``."""
     facts = image_inputs_for(spec.pipeline_class)
     inputs = InputImages.of(facts, images, mask, model=spec.name)
     size = default_size(facts, inputs, spec.patch_multiple) or (spec.width, spec.height)
@@ -116,7 +124,8 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
         raise ValueError(f"expected steps >= 1, got {steps}")
     return GenerationRequest(kind=spec.kind, prompt=prompt, width=width, height=height, steps=steps,
                              guidance=guidance, seed=int(seed), negative_prompt=negative_prompt,
-                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n, inputs=inputs)
+                             true_cfg_scale=true_cfg_scale, num_frames=frames, fps=spec.fps, n=n, inputs=inputs,
+                             lora=tuple(lora))
 
 
 def fixed_kwargs(spec: ModelSpec) -> dict:

@@ -1,5 +1,5 @@
 """The HTTP app of rank 0: middlewares, the error handlers and one router per endpoint (`ROUTERS`: the web
-page at `/`, health + metrics, models + calibration, images, image edits, videos, jobs). Each endpoint is a package of
+page at `/`, health + metrics, models + calibration, images, image edits, videos, jobs, LoRA adapters). Each endpoint is a package of
 `xstage_dit.server`: its `router` (the routes), `protocol` (pydantic request and response models) and
 `serving` (the handler), after vLLM's entrypoints.
 
@@ -20,6 +20,7 @@ from xstage_dit.server.health.router import router as health_router
 from xstage_dit.server.http_layer import BodyLimitMiddleware, RequestCountMiddleware, install_error_handlers
 from xstage_dit.server.images.router import router as images_router
 from xstage_dit.server.jobs.router import router as jobs_router
+from xstage_dit.server.loras.router import router as loras_router
 from xstage_dit.server.models.router import router as models_router
 from xstage_dit.server.page.router import router as page_router
 from xstage_dit.server.protocol import error_responses
@@ -27,7 +28,8 @@ from xstage_dit.server.videos.router import router as videos_router
 from xstage_dit.server.worker import Worker
 
 #: In this order in the OpenAPI schema's paths.
-ROUTERS = (page_router, health_router, models_router, images_router, edits_router, videos_router, jobs_router)
+ROUTERS = (page_router, health_router, models_router, images_router, edits_router, videos_router, jobs_router,
+           loras_router)
 
 
 def create_app(worker: Worker, config: ServerConfig | None = None) -> FastAPI:

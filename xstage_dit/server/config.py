@@ -50,6 +50,8 @@ class ServedModel:
         image-to-video), None when it takes none.
     warm_with_images: the pipeline's task is an image one (edit, image-to-video, ...): warm-ups run with synthetic
         input images (`conditioning.warmup_inputs`), the shapes its requests have.
+    lora: the LoRA manager (`features.lora.LoraManager`: the adapters requests may name, which are resident) of
+        rank 0; None: the server serves no LoRA.
     """
 
     name: str
@@ -68,6 +70,7 @@ class ServedModel:
     previews: bool = False
     image_inputs: ImageInputFacts | None = None
     warm_with_images: bool = False
+    lora: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)

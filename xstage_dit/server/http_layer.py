@@ -20,7 +20,8 @@ from xstage_dit.server.protocol import RequestError
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                 405: "method_not_allowed", 409: "conflict_error", 413: "request_too_large",
                 415: "unsupported_media_type", 422: "invalid_request_error", 429: "rate_limit_error",
-                499: "cancelled", 500: "server_error", 503: "service_unavailable", 504: "timeout_error"}
+                499: "cancelled", 500: "server_error", 503: "service_unavailable", 504: "timeout_error",
+                507: "insufficient_storage"}
 
 #: How much of a refused body the server reads (and throws away) before it answers 413. A client that
 #: writes its whole body before reading (Python's urllib, many scripts) sees a reset connection instead

@@ -15,6 +15,7 @@ import secrets
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from xstage_dit.features.lora.config import MAX_SCALE, MIN_SCALE, AdapterError, adapter_list
 from xstage_dit.runtime.generation import MAX_SEED
 from xstage_dit.server.config import ServedModel, ServerConfig
 
@@ -39,6 +40,20 @@ class StrictModel(BaseModel):
     """The base of every request model: an unknown field is a 422 naming it."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class LoraEntry(StrictModel):
+    """One LoRA adapter of a request: its name (a file or folder under the server's --lora-dir) and scale."""
+
+    name: str = Field(..., description="Adapter name (see GET /v1/loras); never a path.", examples=["style"])
+    scale: float = Field(1.0, description=f"How much of it is added, in [{MIN_SCALE:g}, {MAX_SCALE:g}] (0: none).")
+
+
+LORA_FIELD = Field(None, description="LoRA adapters for this request, combined in the order given: objects "
+                                     "{name, scale} or bare names (scale 1.0). Requests run in one batch only with "
+                                     "requests of the same adapters and scales.",
+                   examples=[[{"name": "style", "scale": 0.8}]])
+LoraList = list[LoraEntry | str] | None
 
 
 class Timings(BaseModel):
@@ -130,4 +145,26 @@ def common_params(req, served: ServedModel, config: ServerConfig, kind: str) -> 
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"expected an integer in [0, 2**63-1], got {seed}")
     return dict(kind=kind, prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
-                guidance=float(guidance), seed=seed)
+                guidance=float(guidance), seed=seed, lora=lora_params(getattr(req, "lora", None), served))
+
+
+def lora_params(entries, served: ServedModel) -> tuple[tuple[str, float], ...]:
+    """A request's ``lora`` field checked against what the server serves (`ServedModel.lora`, the LoRA manager):
+    ((name, scale), ...). 400 when the server has no LoRA or for too many adapters or a scale out of range, 404
+    naming an adapter it does not have."""
+    if not entries:
+        return ()
+    manager = served.lora
+    if manager is None:
+        raise RequestError("lora", f"expected no adapters: this server serves none (start it with --lora-dir), got "
+                                   f"{len(entries)}", 400)
+    try:
+        wanted = adapter_list(entries, manager.config.max_per_request)
+    except AdapterError as exc:
+        raise RequestError("lora", str(exc).removeprefix("lora: "), exc.status) from None
+    available = manager.available()
+    for name, _ in wanted:
+        if name not in available:
+            raise RequestError("lora", f"no adapter {name!r} (available: {', '.join(sorted(available)) or 'none'})",
+                               404)
+    return wanted

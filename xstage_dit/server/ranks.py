@@ -26,6 +26,8 @@ class LoadedModel:
     # The `xstage_dit.engine.Engine` whose stack the loader applied (batch invariance included); None for a
     # pipeline handed in as it is, to which the worker applies batch invariance itself.
     engine: Any = None
+    adapters: Any = None  # the engine's LoRA manager (`features.lora.LoraManager`), None without LoRA
+    recovery: Any = None  # rebuilds the engine's groups after a forward failed on one rank (`server.recovery`)
 
     def current_report(self) -> dict:
         return self.describe() if self.describe is not None else self.report

@@ -28,6 +28,7 @@ import torch
 
 from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.runtime.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
+from xstage_dit.runtime.memory import refuse_out_of_memory
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.previews import PreviewPlan
 from xstage_dit.server.video_stream import StreamedVideo, streams
@@ -99,11 +100,18 @@ class RunResult:
 
 
 class BatchRunner:
-    """Calls `pipe` for a batch of `GenerationRequest` items with equal `batch_key`."""
+    """Calls `pipe` for a batch of `GenerationRequest` items with equal `batch_key`.
 
-    def __init__(self, pipe: Any, served: ServedModel):
+    adapters: the LoRA manager (`features.lora.LoraManager`; None: no LoRA): each call first makes its items'
+    adapter set the active one, on every rank of `group` together (the worker's control group; None at world 1).
+    A call that runs out of memory raises `runtime.memory.GenerationOutOfMemory` naming the request, after freeing
+    what it took. recovery: a `server.recovery.Recovery`, which rebuilds the ranks' groups after a forward failed on
+    one of them (None: world 1, or a pipeline handed in as it is)."""
+
+    def __init__(self, pipe: Any, served: ServedModel, adapters: Any = None, group: Any = None, recovery: Any = None):
         self.pipe = pipe
         self.served = served
+        self.adapters, self.group, self.recovery = adapters, group, recovery
         # per-step progress through the pipeline's callback_on_step_end, or (a pipeline without one: HunyuanVideo
         # 1.5's) after each call of its scheduler's step, which every denoising step makes once
         self.step_callback = "callback_on_step_end" in inspect.signature(pipe.__call__).parameters
@@ -125,8 +133,22 @@ class BatchRunner:
         parts = [self._call([one], on_step, previews=previews, first_row=row) for row, one in enumerate(singles)]
         return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
 
+    def warmup(self, item: GenerationRequest, on_step: Callable[[int, int, int, list], bool]) -> RunResult:
+        """`run` of one warm-up item (or the batcher's probe batch); with LoRA hot-swap slots, once more with the
+        LoRA layers on at scale 0, so the graphs of a LoRA request of this shape are compiled before any request
+        (the same bytes: scale 0). Returns the first run's result."""
+        result = self.run([item], on_step)
+        if self.adapters is not None and self.adapters.graph_variants > 1:
+            with self.adapters.warming():
+                self.run([item], on_step)
+        return result
+
     def _call(self, items: list[GenerationRequest], on_step, stream_video: bool = False,
               previews: PreviewPlan | None = None, first_row: int = 0) -> RunResult:
+        if self.adapters is not None:
+            self.adapters.activate(items[0].lora, group=self.group)
+        elif items[0].lora:
+            raise ValueError(f"expected no LoRA adapters (this pipeline serves none), got {items[0].lora}")
         kwargs = pipeline_kwargs(self.pipe, items, kind=self.served.kind, fixed=self.served.pipeline_kwargs,
                                  output_type="pt")
         total = items[0].steps
@@ -153,12 +175,15 @@ class BatchRunner:
         stream = None
         if stream_video and items[0].kind == "video" and len(items) == 1 and items[0].n == 1 and streams(self.pipe):
             stream = StreamedVideo(self.pipe, items[0].fps)
-        try:
+        def call() -> np.ndarray:
             out = run_pipeline(self.pipe, **kwargs)
             if stream is not None:
                 stream.detach()
             # uint8 on the host, rounded on the GPU (output_type "pt"): the one copy after the last step waits for it.
-            pixels = output_pixels(out, items[0].kind)
+            return output_pixels(out, items[0].kind)
+
+        try:
+            pixels = refuse_out_of_memory(call, items, self.device)
             step_times.extend(clock.poll())  # the output is on the host: every step event has completed
             count = sum(item.n for item in items)
             if pixels.shape[0] != count:
@@ -166,6 +191,8 @@ class BatchRunner:
         except BaseException:
             if stream is not None:
                 stream.abort()  # stopped or failed: no MP4, no encoder left running
+            if self.recovery is not None and self.recovery.maybe_recover():
+                self.adapters = self.recovery.adapters
             raise
         finally:
             undo_step()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -21,6 +22,7 @@ from xstage_dit.features.config import ParallelConfig
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.server.config import ServedModel
 from xstage_dit.server.ranks import LoadedModel, RankContext
+from xstage_dit.server.recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
                  weights_seed: int = 0, compile: str | None = None,
                  max_compiled_shapes: int = DEFAULT_MAX_SHAPES,
                  compile_guards: str = "full", compile_extras: tuple[str, ...] = (),
-                 features: dict | None = None) -> Callable[[RankContext], LoadedModel]:
+                 features: dict | None = None, lora: dict | None = None) -> Callable[[RankContext], LoadedModel]:
     """The factory every rank calls once the ranks have joined (see `Worker`): an `Engine` loads the model and
     applies the feature stack (parallelism at world 1 too: the measured attention kernel; the pipeline patches;
     batch invariance for an image model, whose requests the server batches; compile last).
@@ -86,11 +88,13 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
     max_compiled_shapes / compile_guards / compile_extras: `CompileConfig`'s max_shapes, guards and extras.
     features: `EngineConfig` switches (host_syncs, text_depth, prompt_cache, one_frame_vae, batch_invariance)
         that differ from their defaults.
+    lora: `EngineConfig`'s LoRA fields (lora_dir, max_loras, max_lora_rank, max_loras_per_request, preload_loras);
+        None or {}: no LoRA. The manager goes to ``LoadedModel.adapters`` and ``ServedModel.lora``.
     """
     compile_options = dict(max_shapes=max_compiled_shapes, guards=compile_guards, extras=tuple(compile_extras))
     if compile is not None:
         CompileConfig(compile, **compile_options)  # a bad mode or option fails here, before any rank loads
-    switches = dict(features or {})
+    switches = {**(features or {}), **(lora or {})}
 
     def load(ctx: RankContext) -> LoadedModel:
         from xstage_dit.families import model_spec
@@ -105,6 +109,7 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
                                      parallel=parallel, compile=compiled, **switches), rank=ctx.rank)
         # With ep > 1 each rank creates or reads only its experts; the stack then binds them to the EP group.
         stack = engine.apply(engine.load(), kind=spec.kind)
+        served = replace(served, lora=stack.lora)
         report_parallel = {"sp": parallel.sp, "ep": parallel.ep, "cfg": parallel.cfg, "world_size": ctx.world_size,
                            "mode": "parallelized", "moe_layers_swapped": stack.num_moe_layers,
                            "experts_loaded": ("all" if engine.expert_shard is None
@@ -114,14 +119,20 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
                   "dtype": str(engine.config.dtype), "compile": described["compile"], "features": described["features"]}
         if described["batch_invariance"] is not None:
             report["batch_invariance"] = described["batch_invariance"]
+        if stack.lora is not None:
+            report["lora"] = {**stack.lora.config.facts(), "graph_variants": stack.lora.graph_variants}
         if ctx.rank == 0:
             report["calibration"] = calibration_report(device, stack)
             log.info("calibration: %s", report["calibration"])
 
         def describe() -> dict:
-            return {**report, "compile": engine.describe()["compile"], "schedules": schedule_report(stack),
-                    "attention_kernels": kernel_report(stack), "outside_transformer": stack.describe_pipeline()}
+            now = engine.stack  # a recovery (`server.recovery`) applies the stack again
+            return {**report, "compile": engine.describe()["compile"], "schedules": schedule_report(now),
+                    "attention_kernels": kernel_report(now), "outside_transformer": now.describe_pipeline()}
 
-        return LoadedModel(engine.pipe, served, report, describe, engine=engine)
+        loaded = LoadedModel(engine.pipe, served, report, describe, engine=engine, adapters=stack.lora)
+        if ctx.world_size > 1:
+            loaded.recovery = Recovery(loaded, spec.kind)
+        return loaded
 
     return load

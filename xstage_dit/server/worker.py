@@ -42,6 +42,7 @@ from xstage_dit.runtime.malloc_heap import keep_freed_memory
 from xstage_dit.server.batching import Batcher, Probe
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.control import StopVote, reducer
+from xstage_dit.server.failures import failure_answer
 from xstage_dit.runtime.gc_pauses import GcPauses, freeze_heap, unfreeze_heap
 from xstage_dit.server.job_queue import Batch, JobQueue
 from xstage_dit.server.media import encode_batch
@@ -154,7 +155,8 @@ class Worker:
             invariance = self._own_engine.apply(self.model.pipe, kind=self.model.served.kind).batch_invariance
             if invariance is not None:
                 self.model.report["batch_invariance"] = invariance.describe()
-        return BatchRunner(self.model.pipe, self.model.served)
+        return BatchRunner(self.model.pipe, self.model.served, self.model.adapters, self.ctx.control_group,
+                           self.model.recovery)
 
     def _restore_own(self) -> None:
         """Undo the stacks on the worker's model when it stops: what it applied itself (batch invariance on a
@@ -205,7 +207,7 @@ class Worker:
             item = GenerationRequest(kind=s.kind, prompt="warm-up", width=width, height=height, steps=2,
                                      guidance=s.default_guidance, seed=0, num_frames=s.default_frames, inputs=inputs)
             started = time.perf_counter()
-            single = runner.run([item], never)
+            single = runner.warmup(item, never)
             log.info("warm-up %dx%d (2 steps) took %.2f s", width, height, time.perf_counter() - started)
             if not self.batcher.wants_probe or s.kind != "image" or (inputs is not None and inputs.alone):
                 continue  # a batch of videos never pays and may not fit: videos run FIFO (an "alone" edit, too)
@@ -218,7 +220,7 @@ class Worker:
         n, (width, height) = self.config.max_batch_size, (item.width, item.height)
         started = time.perf_counter()
         try:
-            batch = runner.run([replace(item, n=n)], never)
+            batch = runner.warmup(replace(item, n=n), never)  # with LoRA slots: their batched graphs too
             alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
         except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
             log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
@@ -375,7 +377,7 @@ class Worker:
             return True
         if status == "error":
             self.metrics.errors.labels("pipeline").inc()
-            self.queue.fail_batch(batch, f"generation failed: {error}", 500)
+            self.queue.fail_batch(batch, *failure_answer(error))
         self.queue.release(batch)
         return False
 

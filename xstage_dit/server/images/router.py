@@ -12,7 +12,7 @@ from xstage_dit.server.images.protocol import ImageGenerationRequest, ImageGener
 from xstage_dit.server.protocol import error_responses
 from xstage_dit.server.worker import Worker
 
-router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 429, 499, 503, 504))
+router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(400, 401, 404, 429, 499, 503, 504, 507))
 
 
 @router.post("/v1/images/generations", response_model=ImageGenerationResponse,

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.image_input import reference_inputs
-from xstage_dit.server.protocol import RequestError, StrictModel, Timings, common_params
+from xstage_dit.server.protocol import LORA_FIELD, LoraList, RequestError, StrictModel, Timings, common_params
 
 
 class VideoCreateRequest(StrictModel):
@@ -39,6 +39,7 @@ class VideoCreateRequest(StrictModel):
     guidance_scale: float | None = None
     seed: int | None = None
     negative_prompt: str | None = None
+    lora: LoraList = LORA_FIELD
 
 
 class VideoError(BaseModel):

@@ -20,7 +20,7 @@ from xstage_dit.server.worker import Worker
 router = APIRouter(dependencies=[Depends(require_key)], responses=error_responses(401, 404, 503))
 
 
-@router.post("/v1/videos", response_model=VideoJob, status_code=202, responses=error_responses(429),
+@router.post("/v1/videos", response_model=VideoJob, status_code=202, responses=error_responses(400, 429),
              openapi_extra=openapi_body(VideoCreateRequest, serving.FILE_FIELDS))
 async def create_video(request: Request, worker: Worker = Depends(worker_of),
                        config: ServerConfig = Depends(config_of)):

@@ -1,0 +1,66 @@
+"""Compiled (torch.compile, regional, on the CPU with Dynamo's eager backend: guards and recompiles are Dynamo's
+whatever the backend), adapters are hot-swapped: after the warm-up (a call without LoRA and one with the slots on at
+scale 0, what the server's warm-up runs) no adapter, scale, switch or combination converts a frame again
+(Dynamo's own counters), and each image is still the adapter's."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from xstage_dit import _torch_private as tp
+from xstage_dit.engine import Engine, EngineConfig
+from xstage_dit.features.compile import CompileConfig
+from tests.helpers.lora import QV_ONLY, image, write_peft
+from tests.helpers.server import one_torch_thread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [1, 2])
+def test_swapping_adapters_never_recompiles_after_warm_up(slots, tmp_path):
+    """The feature stack as the server applies it (parallel features at world 1, the pipeline patches, batch
+    invariance), with one slot (the slot's adapter changes on every switch) and two."""
+    from xstage_dit.families import load_pipeline
+
+    model = "tiny-flux"
+    with one_torch_thread():
+        ref = load_pipeline(model, dtype=torch.float32, device="cpu", seed=0)
+        a = write_peft(ref.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
+        b = write_peft(ref.transformer, tmp_path / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
+        plain = image(ref, model)
+        ref.load_lora_weights(str(a), adapter_name="a")
+        ref.load_lora_weights(str(b), adapter_name="b")
+        want = {}
+        for key, names, scales in (("a", ["a"], [0.7]), ("b", ["b"], [1.0]), ("ab", ["a", "b"], [0.7, 0.5])):
+            ref.set_adapters(names, scales)
+            want[key] = image(ref, model)
+
+        engine = Engine(EngineConfig(model=model, device="cpu", compile=CompileConfig("regional", backend="eager"),
+                                     lora_dir=str(tmp_path), max_lora_rank=4, max_loras_per_request=slots))
+        engine.apply(engine.load())
+        try:
+            lora = engine.lora
+            assert lora.slots is not None and lora.graph_variants == 2
+            warm = image(engine.pipe, model)
+            with lora.warming():  # the LoRA-on graphs, at scale 0: the bytes of no LoRA
+                assert np.array_equal(image(engine.pipe, model), warm)
+            converted, graphs = tp.frames_converted(), tp.dynamo_counters()["stats"]["unique_graphs"]
+            assert converted > 0  # it did compile
+            got = {}
+            cases = (("a", [("a", 0.7)]), ("b", ["b"]), ("none", None), ("a2", [("a", 0.7)]), ("scale", [("a", 0.3)]))
+            for key, adapters in cases + ((("ab", [("a", 0.7), ("b", 0.5)]),) if slots == 2 else ()):
+                engine.activate_loras(adapters)
+                got[key] = image(engine.pipe, model)
+            assert tp.frames_converted() == converted, "a swap converted a frame after warm-up"
+            assert tp.dynamo_counters()["stats"]["unique_graphs"] == graphs
+        finally:
+            engine.restore()
+    # The stack's patches (batch-invariant linear layers, the cached empty prompt) move the floats by ~1e-6; the
+    # slots hold each adapter padded with zeros to rank 4: the same products and sums as diffusers' own layers.
+    np.testing.assert_allclose(warm, plain, atol=1e-5)
+    assert np.array_equal(got["none"], warm)
+    for key in ("a", "b") + (("ab",) if slots == 2 else ()):
+        np.testing.assert_allclose(got[key], want[key], atol=1e-5, err_msg=key)
+    np.testing.assert_array_equal(got["a2"], got["a"])
+    assert np.abs(got["scale"] - got["a"]).max() > 1e-4  # the scale reached the compiled graphs

@@ -1,0 +1,77 @@
+"""Random LoRA adapters for the tiny pipelines, written as users get them: diffusers/PEFT format (the keys
+``pipe.save_lora_weights`` writes: ``transformer.<module>.lora_A.weight`` / ``lora_B.weight``) and kohya's sd-scripts
+format for FLUX (``lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`` / ``lora_up`` / ``alpha``, which
+diffusers converts); and the images a tiny pipeline makes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+# Which Linear layers an adapter of each kind targets: attention and MLP projections (what trainers target).
+ATTN_MLP = (".attn", ".ff", "proj_mlp", "img_mlp", "txt_mlp", ".ffn")
+QV_ONLY = ("to_q", "to_v")
+
+
+def targets(transformer: torch.nn.Module, words=ATTN_MLP) -> list[tuple[str, torch.nn.Linear]]:
+    return [(name, m) for name, m in transformer.named_modules()
+            if type(m) is torch.nn.Linear and any(w in name for w in words)]
+
+
+def write_peft(transformer: torch.nn.Module, path: Path, *, rank: int, seed: int, words=ATTN_MLP,
+               std: float = 0.2, prefix: str = "transformer") -> Path:
+    """A random adapter of `rank` on `transformer`'s layers named by `words`, in diffusers/PEFT format."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, m in targets(transformer, words):
+        state[f"{prefix}.{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) * std
+        state[f"{prefix}.{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * std
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def write_kohya_flux(path: Path, *, dim: int, mlp: int, rank: int, seed: int, std: float = 0.2) -> Path:
+    """A random FLUX adapter in kohya sd-scripts format (BFL block names, fused qkv, alpha = rank / 2) for a FLUX
+    transformer of width `dim` and MLP width `mlp` with one double and one single block."""
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+
+    def pair(key: str, d_in: int, d_out: int) -> None:
+        state[f"{key}.lora_down.weight"] = torch.randn(rank, d_in, generator=g) * std
+        state[f"{key}.lora_up.weight"] = torch.randn(d_out, rank, generator=g) * std
+        state[f"{key}.alpha"] = torch.tensor(rank / 2.0)
+
+    pair("lora_unet_double_blocks_0_img_attn_qkv", dim, 3 * dim)
+    pair("lora_unet_double_blocks_0_img_attn_proj", dim, dim)
+    pair("lora_unet_double_blocks_0_img_mlp_0", dim, mlp)
+    pair("lora_unet_double_blocks_0_txt_attn_qkv", dim, 3 * dim)
+    pair("lora_unet_single_blocks_0_linear2", dim + mlp, dim)
+    save_file(state, str(path))
+    return path
+
+
+def image(pipe, model: str, seed: int = 3, **values) -> np.ndarray:
+    """The pipeline's float output (images, or a video's frames) for "a fox", 2 steps, `seed`, the model's tiny
+    default size, as the server and `generate` call it (under inference mode)."""
+    from xstage_dit.families import model_spec
+    from xstage_dit.runtime.generation import call_kwargs, run_pipeline
+
+    spec = model_spec(model)
+    out = run_pipeline(pipe, **call_kwargs(pipe, spec, prompt="a fox", seed=seed, steps=2, **values))
+    return np.asarray(out.frames if spec.kind == "video" else out.images, dtype=np.float32)
+
+
+def snapshot(transformer: torch.nn.Module) -> tuple:
+    """What "nothing changed" compares: module types by name, own attributes, and every weight's values."""
+    types = tuple((n, type(m).__name__) for n, m in transformer.named_modules())
+    state = {k: v.detach().clone() for k, v in transformer.state_dict().items()}
+    return types, tuple(sorted(vars(transformer))), state
+
+
+def same_snapshot(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and a[1] == b[1] and a[2].keys() == b[2].keys() and all(
+        torch.equal(a[2][k], b[2][k]) for k in a[2])
