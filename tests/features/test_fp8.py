@@ -45,6 +45,8 @@ def test_config_errors_name_the_bad_value():
         EngineConfig(quantize="int8")
     with pytest.raises(ValueError, match="expected fp8_granularity in row, tensor, weight, got 'col'"):
         EngineConfig(quantize="fp8", fp8_granularity="col")
+    with pytest.raises(ValueError, match="LoRA on FP8 linear layers is not supported, got quantize 'fp8'"):
+        EngineConfig(quantize="fp8", lora_dir="/adapters")
     assert EngineConfig(quantize="fp8").stack_config("image").fp8 == Fp8Config("row")
     assert EngineConfig().stack_config("image").fp8 is None
 

@@ -63,6 +63,9 @@ def check_quantize(args: argparse.Namespace, device=None) -> None:
     else the CPU), before any rank starts or any weight loads."""
     if getattr(args, "quantize", "none") == "none":
         return
+    if getattr(args, "lora_dir", None) or getattr(args, "preload_loras", "") or getattr(args, "lora", []):
+        raise UsageError("--quantize fp8: expected no LoRA options with it (LoRA on FP8 linear layers is not "
+                         "supported), got --lora-dir, --preload-loras or --lora")
     import torch
 
     from xstage_dit.features.fp8 import require_fp8_device
