@@ -23,6 +23,17 @@ from xstage_dit.jsonable import to_jsonable
 from xstage_dit.runtime.generation import run_pipeline
 
 
+def _fp8_refusal(b: Bench) -> str | None:
+    """Why an FP8 contender cannot run on the bench's device (row-wise FP8 GEMMs), None where it can."""
+    from xstage_dit.features.fp8 import require_fp8_device
+
+    try:
+        require_fp8_device(b.device, "row")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 class PlainDiffusers(Contender):
     """The unmodified diffusers pipeline; at a GPU count > 1 every rank runs it alone on its GPU."""
 
@@ -42,13 +53,7 @@ class PlainDiffusersFp8(PlainDiffusers):
         self._weights: list | None = None
 
     def check(self, b: Bench) -> str | None:
-        from xstage_dit.features.fp8 import require_fp8_device
-
-        try:
-            require_fp8_device(b.device, "row")
-        except ValueError as exc:
-            return str(exc)
-        return None
+        return _fp8_refusal(b)
 
     def apply(self, b: Bench) -> None:
         from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
@@ -109,14 +114,7 @@ class XStage(Contender):
             self.info["parallel_config"] = to_jsonable(self._config(b))
         except Exception as exc:
             return f"ParallelConfig refuses this configuration: {error_text(exc)}"
-        if self.quantize == "fp8":
-            from xstage_dit.features.fp8 import require_fp8_device
-
-            try:
-                require_fp8_device(b.device, "row")
-            except ValueError as exc:
-                return str(exc)
-        return None
+        return _fp8_refusal(b) if self.quantize == "fp8" else None
 
     def apply(self, b: Bench) -> None:
         self.engine = Engine(self._engine_config(b))
