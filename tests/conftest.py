@@ -18,24 +18,27 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-_SKIPPED: dict[str, int] = {"gpu": 0, "multigpu": 0}
-
-
 def pytest_collection_modifyitems(config, items):
     num_gpus = _cuda_device_count()
     for item in items:
         if "multigpu" in item.keywords and num_gpus < 2:
             item.add_marker(pytest.mark.skip(reason=f"multigpu: needs >= 2 CUDA GPUs, found {num_gpus}"))
-            _SKIPPED["multigpu"] += 1
         elif "gpu" in item.keywords and num_gpus < 1:
             item.add_marker(pytest.mark.skip(reason="gpu: needs a CUDA GPU, found none"))
-            _SKIPPED["gpu"] += 1
 
 
 def pytest_terminal_summary(terminalreporter):
-    if any(_SKIPPED.values()):
+    # Counted from the skip reports, not from collection: under pytest-xdist the workers collect, and only the
+    # reports reach the process that writes this line.
+    counts = {"gpu": 0, "multigpu": 0}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        kind = reason.removeprefix("Skipped: ").split(":", 1)[0]
+        if kind in counts:
+            counts[kind] += 1
+    if any(counts.values()):
         terminalreporter.write_line(
-            f"hardware-gated tests skipped: gpu={_SKIPPED['gpu']} multigpu={_SKIPPED['multigpu']} "
+            f"hardware-gated tests skipped: gpu={counts['gpu']} multigpu={counts['multigpu']} "
             "(run scripts/gpu_tests.sh on a GPU machine)",
             yellow=True,
         )

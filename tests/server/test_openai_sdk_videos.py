@@ -141,7 +141,7 @@ def test_bad_video_requests_name_the_field(server):
     before = len(worker.queue.jobs())
     with pytest.raises(openai.BadRequestError) as info:
         client.videos.create(prompt="x", size="32x32", input_reference=("ref.png", b"\x89PNG...", "image/png"))
-    assert info.value.body["param"] == "input_reference" and "takes no image" in info.value.body["message"]
+    assert info.value.body["param"] == "input_reference" and "takes none" in info.value.body["message"]
     cases = [
         ({"json": {"prompt": "x", "input_reference": "data:image/png;base64,AAAA"}}, 400, "input_reference"),
         ({"json": {"prompt": "x", "seconds": "1", "num_frames": 5}}, 422, "seconds"),

@@ -107,7 +107,10 @@ def reference_inputs(value: Any, served: ServedModel, config: ServerConfig,
                      param: str = "input_reference") -> InputImages | None:
     """A video request's ``input_reference`` (an uploaded file's bytes, base64 / a data URL, or ``{"image_url":
     ...}``; None when absent) as the request's `InputImages`: the first frame of an image-to-video model. A
-    text-to-video model given one, or an image-to-video model given none: 4xx naming `param`."""
+    text-to-video model given one (refused before its bytes are decoded), or an image-to-video model given none: 4xx
+    naming `param`."""
+    if value is not None and served.image_inputs is None:
+        raise RequestError(param, f"expected no input image for {served.name} (its pipeline takes none), got 1", 400)
     images = [] if value is None else [decode_any(value, param, config.max_image_pixels)]
     return checked_inputs(served, images, image_param=param)
 
