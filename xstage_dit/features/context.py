@@ -80,7 +80,9 @@ class FeatureContext:
     kernels / schedule_choices / attention_paths (attention kernel choice), num_moe_layers (expert parallel),
     cfg_hooks (CFG parallel and CFG batch, read by the decode check), cfg_batch_reason, text_layers_skipped
     (text depth), prompt_cache, vae_convs_2d / one_frame_decode (one-frame VAE, read by compile),
-    batch_invariance (its handle), compiled (the `CompileHandle`).
+    batch_invariance (its handle), compiled (the `CompileHandle`), step_cache (the `StepCacheHandle`) and
+    compile_inside (what a cache hook calls when it computes, each with its ``module`` and a ``fn`` the compile
+    feature swaps for a compiled one, the hook itself kept out of the graphs).
     """
 
     pipe: Any
@@ -104,6 +106,8 @@ class FeatureContext:
     batch_invariance: Any = None
     compiled: Any = None
     fp8: list = field(default_factory=list)
+    step_cache: Any = None
+    compile_inside: list = field(default_factory=list)
 
     @property
     def is_pipeline(self) -> bool:
