@@ -18,21 +18,31 @@ CALLS = {
 CFG_MODELS = ("tiny-wan", "tiny-qwenimage")  # CFG parallel applies (FLUX.1's tiny model is guidance-distilled)
 
 
+# The tiny transformers as sp = 4 can split them (every rank needs a head: 4 heads of 8 instead of FLUX's and Wan's
+# 2 of 16) and First Block Cache can use them (two blocks, where Qwen-Image's tiny one has one).
+TRANSFORMERS = {
+    "tiny-flux": ("FluxTransformer2DModel", "flux", dict(num_attention_heads=4, attention_head_dim=8,
+                                                         axes_dims_rope=(2, 2, 4))),
+    "tiny-wan": ("WanTransformer3DModel", "wan", dict(num_attention_heads=4, attention_head_dim=8)),
+    "tiny-qwenimage": ("QwenImageTransformer2DModel", "qwenimage", dict(num_layers=2)),
+}
+
+
 def pipeline(model: str, seed: int = 0):
-    """The tiny pipeline of `model` in float32 on the CPU (Qwen-Image's transformer with two blocks)."""
+    """The tiny pipeline of `model` in float32 on the CPU, its transformer as `TRANSFORMERS` says."""
+    import importlib
+
+    import diffusers
+
     from xstage_dit.families import load_pipeline
+    from xstage_dit.families.build import build_module
 
     pipe = load_pipeline(model, dtype=torch.float32, device="cpu", seed=seed)
     pipe.set_progress_bar_config(disable=True)
-    if model == "tiny-qwenimage":
-        from diffusers import QwenImageTransformer2DModel
-
-        from xstage_dit.families.build import build_module
-        from xstage_dit.families.qwenimage import TRANSFORMER
-
-        pipe.register_modules(transformer=build_module(
-            lambda: QwenImageTransformer2DModel(**{**TRANSFORMER["tiny"], "num_layers": 2}), seed=seed,
-            device="cpu", dtype=torch.float32))
+    cls, family, dims = TRANSFORMERS[model]
+    tiny = importlib.import_module(f"xstage_dit.families.{family}").TRANSFORMER["tiny"]
+    pipe.register_modules(transformer=build_module(lambda: getattr(diffusers, cls)(**{**tiny, **dims}), seed=seed,
+                                                   device="cpu", dtype=torch.float32))
     return pipe
 
 

@@ -105,12 +105,11 @@ class StepCacheRootHook(ModelHook):
         if named:  # no cache context from the pipeline: its second call of a step reuses the latents tensor
             name = UNCOND_CONTEXT if hidden is not None and hidden is self.last_hidden else COND_CONTEXT
         self.last_hidden = hidden
-        lead = name != UNCOND_CONTEXT
-        self.handle.enter_call(lead)
+        new_step = self.handle.enter_call(name != UNCOND_CONTEXT)
         before = self.witness.computed if self.witness is not None else 0
         with private.branch_context(module, name, self.tracker) if named else contextlib.nullcontext():
             out = forward(*args, **kwargs)
-        if lead and self.witness is not None:
+        if new_step and self.witness is not None:
             self.handle.count_step(self.witness.computed > before)
         return out
 
@@ -139,7 +138,7 @@ class StepCacheHandle:
         self.applied: list[_Applied] = []
         self._steps_default = 28  # MagCache's ratios need a step count before the first request names one
         self._timesteps: list[float] | None = None
-        self._step = -1
+        self._step, self._after_lead = -1, False
         self._counts = {"computed": 0, "skipped": 0}
         self._run: CacheRun | None = None
         try:
@@ -249,9 +248,14 @@ class StepCacheHandle:
             self._timesteps = [float(t) for t in torch.as_tensor(timesteps).detach().cpu().tolist()]
         return self._timesteps[min(max(self._step, 0), len(self._timesteps) - 1)]
 
-    def enter_call(self, lead: bool) -> None:
-        if lead:
+    def enter_call(self, lead: bool) -> bool:
+        """A transformer call begins; True where it starts a step on this rank: a lead (cond) call, or an uncond
+        call that no cond call of this rank preceded (CFG parallel's uncond ranks)."""
+        new_step = lead or not self._after_lead
+        self._after_lead = lead
+        if new_step:
             self._step += 1
+        return new_step
 
     def count_step(self, computed: bool) -> None:
         self._counts["computed" if computed else "skipped"] += 1
@@ -272,7 +276,7 @@ class StepCacheHandle:
         for point in self.points:
             point.runs = point.computed = 0
         self._counts = {"computed": 0, "skipped": 0}
-        self._timesteps, self._step = None, -1
+        self._timesteps, self._step, self._after_lead = None, -1, False
 
     @contextlib.contextmanager
     def request(self, steps: int | None = None, threshold: float | None = None) -> Iterator[CacheRun]:
