@@ -12,7 +12,7 @@ import torch
 
 from xstage_dit import _torch_private as tp
 from xstage_dit.features import apply_stack
-from xstage_dit.features.cfg_parallel import PAIR_CONTEXT
+from xstage_dit.features.context import PAIR_CONTEXT
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.stack import StackConfig
 from xstage_dit.features.step_cache import StepCacheConfig, StepGate, cache_request, handle_of

@@ -19,6 +19,7 @@ from xstage_dit.features.compile import CompileConfig, default_compile_mode
 from xstage_dit.features.config import ParallelConfig
 from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config
 from xstage_dit.features.stack import StackConfig
+from xstage_dit.features.step_cache import StepCacheConfig
 
 __all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
 
@@ -56,6 +57,8 @@ class EngineConfig:
     host_syncs / text_depth / prompt_cache / one_frame_vae: those features on (default) or off.
     quantize: "none" (weights as loaded) or "fp8" (the transformer's linear layers in float8: `features.fp8`).
     fp8_granularity: with quantize "fp8", one of `features.fp8.GRANULARITIES` ("row": per-token x per-channel).
+    cache: a `features.step_cache.StepCacheConfig` (one of diffusers' step caches, one decision for all ranks);
+        None: no step cache.
     """
 
     model: str | None = None
@@ -71,6 +74,7 @@ class EngineConfig:
     one_frame_vae: bool = True
     quantize: str = "none"
     fp8_granularity: str = "row"
+    cache: StepCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -104,6 +108,8 @@ class EngineConfig:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
+        if self.cache is not None and not isinstance(self.cache, StepCacheConfig):
+            raise ValueError(f"expected cache to be a StepCacheConfig or None, got {type(self.cache).__name__}")
 
     def expert_shard(self, rank: int) -> tuple[int, int] | None:
         """The experts rank `rank` loads (`ParallelConfig.expert_shard`); None without expert parallelism."""
@@ -117,4 +123,4 @@ class EngineConfig:
         invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
         fp8 = Fp8Config(self.fp8_granularity) if self.quantize == "fp8" else None
         return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant, fp8=fp8,
-                           **{name: getattr(self, name) for name in _FLAGS})
+                           cache=self.cache, **{name: getattr(self, name) for name in _FLAGS})

@@ -36,9 +36,9 @@ from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.families.registry import record_for_pipeline, record_for_transformer, records
 from xstage_dit import _diffusers_private as private
-from xstage_dit.features.cfg_parallel import COND_CONTEXT, PAIR_CONTEXT, _sample, _wrap_like
+from xstage_dit.features.cfg_parallel import _sample, _wrap_like
 from xstage_dit.features.compile import signature_of
-from xstage_dit.features.context import chained
+from xstage_dit.features.context import COND_CONTEXT, PAIR_CONTEXT, chained
 from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ the next transformer call or before the VAE decodes, never silently: CFG paralle
 Each forward runs under diffusers' cache context of the branch it computes ("cond" on group 0 even though
 the pipeline makes that call inside its "uncond" context; "uncond" on group 1, also where the pipeline names
 no context), so a cache hook's per-branch state (`features.step_cache`) holds one branch's values, as in one
-process. `PAIR_CONTEXT` names a forward on a batch of both (cond first), as `cfg_batch` runs it.
+process (the names: `features.context`; ``PAIR_CONTEXT``, a forward on a batch of both, is `cfg_batch`'s).
 """
 
 from __future__ import annotations
@@ -34,15 +34,12 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.sharding import all_gather_dim0
-from xstage_dit.features.context import chained
+from xstage_dit.features.context import COND_CONTEXT, UNCOND_CONTEXT, chained
 from xstage_dit.features.instance_attr import remove_hook, set_on_instance
 
 log = logging.getLogger(__name__)
 
 _HOOK = "xstage-cfg"
-# diffusers' cache-context names of the branch a forward computes (the pipelines' own for the first two)
-COND_CONTEXT, UNCOND_CONTEXT = "cond", "uncond"
-PAIR_CONTEXT = "cond+uncond"  # one forward on a batch of both branches, cond first (`cfg_batch`)
 
 
 def _sample(output: Any) -> torch.Tensor:

@@ -26,6 +26,11 @@ MARK = "_xstage_parallel_handle"  # on every transformer the stack patched: the 
 # two transformers; a workflow loads only its own, so either may be None).
 DENOISERS = ("transformer", "transformer_2", "transformer_ref")
 
+# diffusers' cache-context names of the branch a transformer forward computes (the pipelines' own "cond" and
+# "uncond"; PAIR_CONTEXT: one forward on a batch of both, cond first). The CFG hooks run each forward under its
+# branch's name; the step cache's per-branch state and its group decision read it (`features.step_cache.gate`).
+COND_CONTEXT, UNCOND_CONTEXT, PAIR_CONTEXT = "cond", "uncond", "cond+uncond"
+
 
 def transformers_of(pipe: Any) -> list[torch.nn.Module]:
     """Every denoiser component of `pipe` that is loaded (`DENOISERS`, in that order), or [pipe] for a bare

@@ -43,6 +43,7 @@ class GenerationRequest:
     seed: seed of the first image; image i uses ``seed + i`` (see `generators_for`).
     true_cfg_scale: true classifier-free guidance, for pipelines that have it (None: not passed).
     frames / fps: video only (frames is 1 for images).
+    cache_threshold: this request's step-cache threshold (`features.step_cache`; None: the server's own).
     Requests with equal `batch_key` can share one pipeline call.
     """
 
@@ -58,6 +59,7 @@ class GenerationRequest:
     num_frames: int = 1
     fps: int = 16
     n: int = 1
+    cache_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -74,12 +76,14 @@ class GenerationRequest:
             raise ValueError(f"expected true_cfg_scale >= 0, got {self.true_cfg_scale}")
         if not 0 <= self.seed or self.seed + self.n - 1 > MAX_SEED:
             raise ValueError(f"expected seeds seed .. seed + n - 1 in [0, 2**63-1], got seed {self.seed} with n {self.n}")
+        if self.cache_threshold is not None and not (math.isfinite(self.cache_threshold) and self.cache_threshold >= 0):
+            raise ValueError(f"expected cache_threshold >= 0, got {self.cache_threshold}")
 
     @property
     def batch_key(self) -> tuple:
         # A batch mixing items with and without a negative prompt would change the CFG path of some.
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
-                self.true_cfg_scale, self.negative_prompt is not None)
+                self.true_cfg_scale, self.negative_prompt is not None, self.cache_threshold)
 
     def per_image(self) -> list["GenerationRequest"]:
         """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""

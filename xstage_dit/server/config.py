@@ -42,6 +42,8 @@ class ServedModel:
         size gets 400 naming ``size`` before it is queued.
     previews: the family record has a decode tail for step latents (``FamilyRecord.latent_decode``): a stream
         may ask for partial images (`server.previews`).
+    step_cache: the step cache the pipeline runs (`StepCacheConfig.describe()`: method and parameters), None for
+        none; cache_threshold: whether a request may set its own threshold (``cache_threshold``).
     """
 
     name: str
@@ -58,6 +60,8 @@ class ServedModel:
     weights_notice: str | None = None
     square_only: bool = False
     previews: bool = False
+    step_cache: dict | None = None
+    cache_threshold: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)

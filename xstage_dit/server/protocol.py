@@ -41,6 +41,14 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class StepCacheCounts(BaseModel):
+    method: str = Field(..., description="The server's step cache (--cache): fbcache, taylorseer, magcache, ...")
+    unit: str = Field(..., description="What was counted: 'steps' (denoising steps computed fully or with the "
+                                       "cached blocks) or 'attention calls' (pab, fastercache).")
+    computed: int
+    skipped: int
+
+
 class Timings(BaseModel):
     queued_s: float | None = Field(None, description="Time waiting in the queue.")
     run_s: float | None = Field(None, description="Time in the pipeline (the whole batch).")
@@ -51,6 +59,8 @@ class Timings(BaseModel):
     encode_s: float | None = Field(None, description="PNG/MP4 encoding of the batch's outputs.")
     gc_s: float | None = Field(
         None, description="Python garbage-collection pauses (any thread) during the batch's pipeline call.")
+    step_cache: StepCacheCounts | None = Field(
+        None, description="The request's step cache: what it computed and skipped (null: no step cache runs).")
 
 
 class ErrorBody(BaseModel):
@@ -130,4 +140,21 @@ def common_params(req, served: ServedModel, config: ServerConfig, kind: str) -> 
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"expected an integer in [0, 2**63-1], got {seed}")
     return dict(kind=kind, prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
-                guidance=float(guidance), seed=seed)
+                guidance=float(guidance), seed=seed, cache_threshold=cache_threshold(req, served))
+
+
+def cache_threshold(req, served: ServedModel) -> float | None:
+    """The request's ``cache_threshold`` checked against the served step cache (None where not given)."""
+    value = getattr(req, "cache_threshold", None)
+    if value is None:
+        return None
+    if served.step_cache is None:
+        raise RequestError("cache_threshold", f"this server runs no step cache (start it with --cache fbcache or "
+                                              f"magcache), got {value}", 400)
+    if not served.cache_threshold:
+        raise RequestError("cache_threshold", f"the server's step cache {served.step_cache['method']} decides "
+                                              f"without a threshold (a step counter or a fixed schedule), got {value}",
+                           400)
+    if not (math.isfinite(value) and 0 <= value <= 100):
+        raise RequestError("cache_threshold", f"expected a number in [0, 100], got {value}")
+    return float(value)

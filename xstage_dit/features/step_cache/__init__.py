@@ -35,10 +35,19 @@ from xstage_dit.features.context import chained, modules_of
 from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.features.step_cache.config import METHODS, THRESHOLD_METHODS, StepCacheConfig
 from xstage_dit.features.step_cache.gate import StepGate
-from xstage_dit.features.step_cache.handle import CacheRun, StepCacheHandle
 
-__all__ = ["METHODS", "THRESHOLD_METHODS", "CacheRun", "StepCacheConfig", "StepCacheHandle", "StepGate", "apply",
-           "cache_request", "handle_of"]
+__all__ = ["METHODS", "THRESHOLD_METHODS", "SHARED_BRANCH_STATE", "CacheRun", "StepCacheConfig", "StepCacheHandle",
+           "StepGate", "apply", "cache_request", "handle_of"]
+
+
+def __getattr__(name: str) -> Any:
+    # The handle imports diffusers' hooks: loaded on first use, so the CLI's option checks (this package's config)
+    # stay within the time of --help.
+    if name in ("CacheRun", "StepCacheHandle"):
+        from xstage_dit.features.step_cache import handle
+
+        return getattr(handle, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Methods whose diffusers state is one for a step's cond and uncond calls (the uncond call reuses what the cond
 # call computed): a rank of paired CFG parallel sees one branch, so its schedule would not be one process's.
@@ -70,6 +79,8 @@ def apply(pipe: Any, config: StepCacheConfig | None, ctx) -> Callable[[], None] 
     gate = StepGate(world=world, group=dist.group.WORLD if world > 1 else None,
                     threshold=config.threshold if config.method == "fbcache" else 0.0,
                     compute_every=config.compute_every if config.method == "fbcache" else None)
+    from xstage_dit.features.step_cache.handle import StepCacheHandle
+
     handle = StepCacheHandle(pipe, ctx.transformers, config, gate)
     if not handle.points:
         handle.restore()
@@ -88,20 +99,22 @@ def apply(pipe: Any, config: StepCacheConfig | None, ctx) -> Callable[[], None] 
     return undo
 
 
-def handle_of(pipe: Any) -> StepCacheHandle | None:
-    """The step cache the stack applied to `pipe` (a pipeline or a bare transformer), or None."""
+def handle_of(pipe: Any) -> Any:
+    """The `StepCacheHandle` the stack applied to `pipe` (a pipeline or a bare transformer), or None."""
     modules = modules_of(pipe)
     return getattr(modules[0], _MARK, None) if modules else None
 
 
 @contextlib.contextmanager
-def cache_request(pipe: Any, steps: int | None = None, threshold: float | None = None) -> Iterator[CacheRun]:
+def cache_request(pipe: Any, steps: int | None = None, threshold: float | None = None) -> Iterator[Any]:
     """One pipeline call as one step-cache request (`StepCacheHandle.request`); where `pipe` has no step cache,
     a `CacheRun` whose stats stay None (a threshold there is a ValueError: nothing would apply it)."""
     handle = handle_of(pipe)
     if handle is None:
         if threshold is not None:
             raise ValueError(f"expected no cache threshold: no step cache runs on this pipeline, got {threshold!r}")
+        from xstage_dit.features.step_cache.handle import CacheRun
+
         yield CacheRun()
         return
     with handle.request(steps, threshold) as run:

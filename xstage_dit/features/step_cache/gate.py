@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.comm.staged import all_gather_dim0
-from xstage_dit.features.cfg_parallel import PAIR_CONTEXT, UNCOND_CONTEXT
+from xstage_dit.features.context import PAIR_CONTEXT, UNCOND_CONTEXT
 
 __all__ = ["StepGate"]
 

@@ -30,7 +30,7 @@ import torch
 from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit import _diffusers_private as private
-from xstage_dit.features.cfg_parallel import COND_CONTEXT, UNCOND_CONTEXT
+from xstage_dit.features.context import COND_CONTEXT, UNCOND_CONTEXT
 from xstage_dit.features.instance_attr import remove_hook
 from xstage_dit.features.step_cache.config import StepCacheConfig
 from xstage_dit.features.step_cache.gate import StepGate

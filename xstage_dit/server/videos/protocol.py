@@ -38,6 +38,9 @@ class VideoCreateRequest(StrictModel):
     guidance_scale: float | None = None
     seed: int | None = None
     negative_prompt: str | None = None
+    cache_threshold: float | None = Field(
+        None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; "
+                          "0 never skips with fbcache); default: the server's.")
 
 
 class VideoError(BaseModel):
