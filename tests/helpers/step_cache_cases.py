@@ -28,8 +28,8 @@ TRANSFORMERS = {
 }
 
 
-def pipeline(model: str, seed: int = 0):
-    """The tiny pipeline of `model` in float32 on the CPU, its transformer as `TRANSFORMERS` says."""
+def pipeline(model: str, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """The tiny pipeline of `model` (float32 on the CPU by default), its transformer as `TRANSFORMERS` says."""
     import importlib
 
     import diffusers
@@ -37,12 +37,12 @@ def pipeline(model: str, seed: int = 0):
     from xstage_dit.families import load_pipeline
     from xstage_dit.families.build import build_module
 
-    pipe = load_pipeline(model, dtype=torch.float32, device="cpu", seed=seed)
+    pipe = load_pipeline(model, dtype=dtype, device=device, seed=seed)
     pipe.set_progress_bar_config(disable=True)
     cls, family, dims = TRANSFORMERS[model]
     tiny = importlib.import_module(f"xstage_dit.families.{family}").TRANSFORMER["tiny"]
     pipe.register_modules(transformer=build_module(lambda: getattr(diffusers, cls)(**{**tiny, **dims}), seed=seed,
-                                                   device="cpu", dtype=torch.float32))
+                                                   device=device, dtype=dtype))
     return pipe
 
 
