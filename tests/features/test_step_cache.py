@@ -259,3 +259,50 @@ def test_refusals_name_their_reason(pipes):
     other.transformer.enable_cache(FirstBlockCacheConfig())  # a user's own diffusers cache
     with pytest.raises(ValueError, match="without a diffusers cache, got FirstBlockCacheConfig"):
         _cached(other, StepCacheConfig("taylorseer"))
+
+
+def test_pab_reads_the_timestep_on_the_host_and_keeps_to_its_range(pipes, monkeypatch):
+    from xstage_dit.features.step_cache import StepCacheHandle
+
+    pipe, seen = pipes["tiny-flux"], []
+    timestep = StepCacheHandle.timestep
+    monkeypatch.setattr(StepCacheHandle, "timestep", lambda self: seen.append(timestep(self)) or seen[-1])
+    counts = {}
+    for window in ((-1.0, 1001.0), (1001.0, 2000.0)):
+        seen.clear()
+        stack = _cached(pipe, StepCacheConfig("pab", interval=2, timestep_range=window))
+        try:
+            _, counts[window] = _run(pipe, "tiny-flux", steps=4)
+        finally:
+            stack.restore()
+        assert seen and all(isinstance(t, float) for t in seen)
+        assert sorted(set(seen), reverse=True) == pipe.scheduler.timesteps.tolist()  # each step's, in order
+    assert counts[(-1.0, 1001.0)]["skipped"] > 0 and counts[(1001.0, 2000.0)]["skipped"] == 0
+
+
+def test_a_pipeline_without_cache_contexts_counts_steps_and_batches_cfg_consistently():
+    """NucleusMoE's pipeline names no cache context and calls the transformer twice a step: the second call (the
+    same latents) is the uncond branch, so a step counts once and a forced schedule skips whole steps; with CFG
+    batching the pair runs as one batch under the pair's context and skips the same steps. (Its images are not
+    compared: the tiny NucleusMoE's images differ between two applications of the same stack.)"""
+    from xstage_dit.features import ParallelConfig
+    from xstage_dit.families import load_pipeline, model_spec
+    from xstage_dit.runtime.generation import call_kwargs
+
+    pipe, spec = load_pipeline("tiny-nucleusmoe", dtype=torch.float32, device="cpu", seed=0), model_spec(
+        "tiny-nucleusmoe")
+    kwargs = call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=4, height=32, width=32)
+    for cfg_batch in (False, True):
+        stack = apply_stack(pipe, StackConfig(parallel=ParallelConfig(cfg_batch=cfg_batch),
+                                              cache=StepCacheConfig("taylorseer", compute_every=2)))
+        try:
+            point = stack.step_cache.points[0]
+            with cache_request(pipe, steps=4) as cached:
+                out = np.asarray(pipe(**kwargs).images)
+                runs = point.runs
+            pairs = [h.stats.get("batched_pairs") for h in stack.cfg_hooks]
+        finally:
+            stack.restore()
+        assert np.isfinite(out).all() and pairs == ([4] if cfg_batch else []), pairs
+        assert cached.stats == {"method": "taylorseer", "unit": "steps", "computed": 2, "skipped": 2}, cfg_batch
+        assert runs == (4 if cfg_batch else 8)  # one hooked attention: a batched call a step, or the two branches

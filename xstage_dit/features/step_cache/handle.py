@@ -136,8 +136,10 @@ class StepCacheHandle:
         self.pipe, self.config, self.gate = pipe, config, gate
         self.unit = UNITS[config.method]
         self.applied: list[_Applied] = []
-        self._steps_default = 28  # MagCache's ratios need a step count before the first request names one
-        self._timesteps: list[float] | None = None
+        # MagCache's ratios need a step count before a request names one (`request`): diffusers' default
+        self._steps_default = 28
+        self._timesteps: list[float] = []
+        self._timesteps_of: Any = None
         self._step, self._after_lead = -1, False
         self._counts = {"computed": 0, "skipped": 0}
         self._run: CacheRun | None = None
@@ -238,15 +240,22 @@ class StepCacheHandle:
 
     # ----- per call -----
     def timestep(self) -> float:
-        """The current step's timestep, a host number (pab / fastercache compare it with their ranges)."""
-        if self._timesteps is None:
-            scheduler = getattr(self.pipe, "scheduler", None)
-            timesteps = getattr(scheduler, "timesteps", None)
-            if timesteps is None:
-                raise RuntimeError(f"step cache {self.config.method}: expected the pipeline's scheduler to hold its "
-                                   f"timesteps, got {type(scheduler).__name__}")
+        """The current step's timestep as a host number (pab / fastercache compare it with their ranges at every
+        attention call: ``pipe.current_timestep`` is a device tensor, one host sync each). The scheduler's
+        timesteps are copied to the host once per call (``set_timesteps`` makes a new tensor), its ``step_index``
+        (None before a call's first step) says which; a scheduler without one: this call's step count."""
+        scheduler = getattr(self.pipe, "scheduler", None)
+        timesteps = getattr(scheduler, "timesteps", None)
+        if timesteps is None:
+            raise RuntimeError(f"step cache {self.config.method}: expected the pipeline's scheduler to hold its "
+                               f"timesteps, got {type(scheduler).__name__}")
+        if timesteps is not self._timesteps_of:
+            self._timesteps_of = timesteps
             self._timesteps = [float(t) for t in torch.as_tensor(timesteps).detach().cpu().tolist()]
-        return self._timesteps[min(max(self._step, 0), len(self._timesteps) - 1)]
+        index = scheduler.step_index if hasattr(scheduler, "step_index") else self._step
+        if index is None:
+            index = getattr(scheduler, "begin_index", None) or 0
+        return self._timesteps[min(max(int(index), 0), len(self._timesteps) - 1)]
 
     def enter_call(self, lead: bool) -> bool:
         """A transformer call begins; True where it starts a step on this rank: a lead (cond) call, or an uncond
@@ -276,7 +285,7 @@ class StepCacheHandle:
         for point in self.points:
             point.runs = point.computed = 0
         self._counts = {"computed": 0, "skipped": 0}
-        self._timesteps, self._step, self._after_lead = None, -1, False
+        self._step, self._after_lead = -1, False
 
     @contextlib.contextmanager
     def request(self, steps: int | None = None, threshold: float | None = None) -> Iterator[CacheRun]:
