@@ -273,19 +273,37 @@ def is_taylorseer(name: str) -> bool:
     return name == _TAYLORSEER_CACHE_HOOK
 
 
-# The private method each hook decides in: First Block Cache's head hook (residual -> compute?) and TaylorSeer's
-# hook (() -> (compute?, state), which also advances the hook's step).
-_DECISION_METHODS = {"FBCHeadBlockHook": "_should_compute_remaining_blocks",
-                     "TaylorSeerCacheHook": "_measure_should_compute"}
+def replace_fbc_decision(hook: Any, decide: Callable[[str, torch.Tensor, torch.Tensor | None], bool]) -> Callable[[], None]:
+    """First Block Cache's head `hook` decides through ``decide(context name, residual, previous residual)``
+    instead of its private ``_should_compute_remaining_blocks`` (an instance attribute over the class's method:
+    the residual of the call's context state's last computed step, None at its first); returns the undo."""
+    if type(hook).__name__ != "FBCHeadBlockHook":
+        raise ValueError(f"expected First Block Cache's FBCHeadBlockHook, got {type(hook).__name__}")
+    manager = hook.state_manager
+
+    @torch.compiler.disable
+    def decision(residual: torch.Tensor) -> bool:
+        return decide(manager.context.name, residual, manager.get_state().head_block_residual)
+
+    hook._should_compute_remaining_blocks = decision
+    return lambda: vars(hook).pop("_should_compute_remaining_blocks", None)
 
 
-def replace_cache_decision(hook: Any, decide: Callable[..., Any]) -> Callable[[], None]:
-    """`decide` in place of `hook`'s decision method (an instance attribute over the class's); returns the undo."""
-    name = _DECISION_METHODS.get(type(hook).__name__)
-    if name is None:
-        raise ValueError(f"expected a hook that decides in {', '.join(_DECISION_METHODS)}, got {type(hook).__name__}")
-    setattr(hook, name, decide)
-    return lambda: vars(hook).pop(name, None)
+def force_taylorseer_schedule(hook: Any, every: int) -> Callable[[], None]:
+    """TaylorSeer's `hook` computes at its steps 0, every, 2 * every, ... and predicts the others, instead of its
+    warm-up and interval rule (its private ``_measure_should_compute``, which also advances the hook's step, wrapped);
+    returns the undo."""
+    if type(hook).__name__ != "TaylorSeerCacheHook":
+        raise ValueError(f"expected TaylorSeer's TaylorSeerCacheHook, got {type(hook).__name__}")
+    measure = hook._measure_should_compute
+
+    @torch.compiler.disable
+    def scheduled():
+        _, state = measure()
+        return state.current_step % every == 0, state
+
+    hook._measure_should_compute = scheduled
+    return lambda: vars(hook).pop("_measure_should_compute", None)
 
 
 def set_mag_cache_config(hooks: list, config: Any) -> None:
@@ -301,6 +319,20 @@ def check_no_cache(transformer: torch.nn.Module) -> None:
     if enabled is not None:
         raise ValueError(f"expected {type(transformer).__name__} without a diffusers cache, got "
                          f"{type(enabled).__name__} enabled: disable_cache() it first")
+
+
+def modules_with_hooks(transformer: torch.nn.Module) -> set[int]:
+    """The ids of the modules under `transformer` that hold a diffusers hook registry."""
+    return {id(m) for m in transformer.modules() if "_diffusers_hook" in vars(m)}
+
+
+def drop_empty_registries(transformer: torch.nn.Module, keep: set[int]) -> None:
+    """Remove the empty hook registries under `transformer` except those of modules in `keep` (ids): what a
+    diffusers ``apply_*`` that failed half-way left behind."""
+    for module in transformer.modules():
+        registry = vars(module).get("_diffusers_hook")
+        if registry is not None and not registry.hooks and id(module) not in keep:
+            del vars(module)["_diffusers_hook"]
 
 
 def forget_cache_config(transformer: torch.nn.Module) -> None:

@@ -160,17 +160,14 @@ class StepCacheHandle:
                              f"skipped), got {len(blocks)} in {type(transformer).__name__}")
         if not callable(getattr(transformer, "enable_cache", None)):
             raise ValueError(f"expected a diffusers model with enable_cache (CacheMixin), got {type(transformer).__name__}")
-        had_registry = {id(m) for m in transformer.modules() if "_diffusers_hook" in vars(m)}
+        had_registry = private.modules_with_hooks(transformer)
         try:
             attentions = tuple(f"{name}.{path}" for name, block in blocks for path, module in block.named_modules()
                                if path and getattr(module, "processor", None) is not None)
             transformer.enable_cache(self.config.diffusers_config(self._steps_default, self.timestep, attentions))
         except ValueError as exc:
             _disable(transformer, [(m, n) for _, m, n, _, _ in private.cache_hook_points(transformer)])
-            for module in transformer.modules():  # the registries diffusers made for hooks it never registered
-                registry = vars(module).get("_diffusers_hook")
-                if registry is not None and not registry.hooks and id(module) not in had_registry:
-                    del vars(module)["_diffusers_hook"]
+            private.drop_empty_registries(transformer, keep=had_registry)  # made for hooks never registered
             if "not registered" not in str(exc):
                 raise
             raise ValueError(f"cache {self.config.method}: diffusers' block registry does not know the blocks of "
@@ -193,25 +190,10 @@ class StepCacheHandle:
 
     def _decision(self, point: CachePoint):
         """Put the group decision (fbcache) or the forced schedule (taylorseer) into the point's hook; the undo."""
-        gate, every = self.gate, self.config.compute_every
         if private.is_fbc_head(point.name):
-            hook = point.hook
-
-            @torch.compiler.disable
-            def decide(residual):
-                state = hook.state_manager.get_state()
-                return gate.decide(hook.state_manager.context.name, residual, state.head_block_residual)
-
-            return private.replace_cache_decision(hook, decide)
-        if private.is_taylorseer(point.name) and every is not None:
-            measure = point.hook._measure_should_compute
-
-            @torch.compiler.disable
-            def scheduled():
-                _, state = measure()  # advances the hook's own step
-                return state.current_step % every == 0, state
-
-            return private.replace_cache_decision(point.hook, scheduled)
+            return private.replace_fbc_decision(point.hook, self.gate.decide)
+        if private.is_taylorseer(point.name) and self.config.compute_every is not None:
+            return private.force_taylorseer_schedule(point.hook, self.config.compute_every)
         return None
 
     def _witness(self, points: list[CachePoint]) -> CachePoint | None:
