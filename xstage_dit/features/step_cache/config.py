@@ -193,7 +193,7 @@ class StepCacheConfig:
         current step's timestep as a host number (pab / fastercache read it at every attention call); `attentions`:
         the module paths of the blocks' attention layers (taylorseer's, by name: diffusers' default patterns
         ``^blocks.*attn`` miss Wan's ``attn1`` / ``attn2``)."""
-        from diffusers.hooks import (FasterCacheConfig, FirstBlockCacheConfig, MagCacheConfig,
+        from diffusers.hooks import (FasterCacheConfig, FirstBlockCacheConfig,
                                      PyramidAttentionBroadcastConfig, TaylorSeerCacheConfig)
 
         if self.method == "fbcache":
