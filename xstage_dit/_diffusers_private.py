@@ -10,7 +10,11 @@ What we use and why:
   ``dispatch_attention_fn`` reaches our Ulysses op with its ``_parallel_config``; the member and its
   registration are removed again when the last sequence-parallel user restores (`ProcessWide`).
 - ``diffusers.hooks.hooks.StateManager``: the only way a hook learns the ``cache_context`` name
-  ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel).
+  ("cond" / "uncond") that pipelines set around their guidance branches (CFG parallel); ``CacheContext`` and
+  ``_set_cache_context``: the CFG hooks run each forward under the name of the branch it computes (`branch_context`).
+- The step caches' hook names (``_FBC_LEADER_BLOCK_HOOK`` ...), their decision methods (First Block Cache's
+  ``_should_compute_remaining_blocks``, TaylorSeer's ``_measure_should_compute``), the hooks' function
+  references and ``_cache_config``: `features.step_cache` wraps diffusers' own caches (`cache_hook_points`).
 - ``transformer_nucleusmoe_image._compute_text_seq_len_from_mask``: swapped for the same computation without
   its host-to-device copy (`text_seq_len_without_host_copy`, for `features.host_syncs`); the original is back
   when the last user restores.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import enum
 import threading
 from typing import Any, Callable, Iterator
@@ -178,6 +183,166 @@ def context_name(tracker: Any) -> str | None:
     """The ``cache_context`` name active now ("cond", "uncond", ...) or None outside any context."""
     ctx = getattr(tracker, "_context", None)
     return None if ctx is None else ctx.name
+
+
+@contextlib.contextmanager
+def branch_context(module: torch.nn.Module, name: str, tracker: Any, like: Any = None) -> Iterator[None]:
+    """Run under diffusers' cache context `name` on `module`'s hooks (the step fields of `like`, a context from
+    `current_context`, or of the current one kept), then put the current one back. Nothing to do where the
+    current context has that name already. `tracker`: a `context_tracker` on one of `module`'s stateful hooks."""
+    from diffusers.hooks.hooks import CacheContext, _set_cache_context
+
+    current = getattr(tracker, "_context", None)
+    base = like if like is not None else current
+    if current is not None and current.name == name and (like is None or like is current):
+        yield
+        return
+    _set_cache_context(module, CacheContext(name) if base is None else dataclasses.replace(base, name=name))
+    try:
+        yield
+    finally:
+        _set_cache_context(module, current)
+
+
+def current_context(tracker: Any) -> Any:
+    """The cache context active now (diffusers' ``CacheContext``: name and step fields), or None."""
+    return getattr(tracker, "_context", None)
+
+
+# ------------------------------------------------------------- step caches (features/step_cache)
+# diffusers' cache hooks (``transformer.enable_cache``) register under module-level private names and decide in
+# private methods. The step cache finds the hooks by those names, wraps each one's forward through its
+# HookFunctionReference (counted, outside torch.compile), replaces First Block Cache's decision with the ranks'
+# group decision (and TaylorSeer's with a forced schedule), and hands MagCache each request's config.
+
+def _cache_hook_names() -> dict[str, str]:
+    """{hook name: method} of every cache hook `enable_cache` registers for the methods the step cache offers."""
+    from diffusers.hooks.faster_cache import _FASTER_CACHE_BLOCK_HOOK, _FASTER_CACHE_DENOISER_HOOK
+    from diffusers.hooks.first_block_cache import _FBC_BLOCK_HOOK, _FBC_LEADER_BLOCK_HOOK
+    from diffusers.hooks.mag_cache import _MAG_CACHE_BLOCK_HOOK, _MAG_CACHE_LEADER_BLOCK_HOOK
+    from diffusers.hooks.pyramid_attention_broadcast import _PYRAMID_ATTENTION_BROADCAST_HOOK
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    return {_FBC_LEADER_BLOCK_HOOK: "fbcache", _FBC_BLOCK_HOOK: "fbcache", _TAYLORSEER_CACHE_HOOK: "taylorseer",
+            _MAG_CACHE_LEADER_BLOCK_HOOK: "magcache", _MAG_CACHE_BLOCK_HOOK: "magcache",
+            _PYRAMID_ATTENTION_BROADCAST_HOOK: "pab", _FASTER_CACHE_DENOISER_HOOK: "fastercache",
+            _FASTER_CACHE_BLOCK_HOOK: "fastercache"}
+
+
+def cache_hook_points(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, Any, Any]]:
+    """(module path, module, hook name, hook, its HookFunctionReference) of every cache hook under `transformer`,
+    in module order (a module with two, MagCache's one-block stack, inner first)."""
+    check_diffusers_version()
+    names = _cache_hook_names()
+    found = []
+    for path, module in transformer.named_modules():
+        registry = vars(module).get("_diffusers_hook")
+        if registry is None:
+            continue
+        for name, reference in zip(registry._hook_order, registry._fn_refs):
+            if name in names:
+                found.append((path, module, name, registry.hooks[name], reference))
+    return found
+
+
+def cache_blocks(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The repeated blocks diffusers' block caches hook, as they find them (its ``_ALL_TRANSFORMER_BLOCK_IDENTIFIERS``:
+    the transformer's ModuleLists of those names, in order)."""
+    from diffusers.hooks._common import _ALL_TRANSFORMER_BLOCK_IDENTIFIERS
+
+    return [(f"{name}.{i}", block) for name, child in transformer.named_children()
+            if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList)
+            for i, block in enumerate(child)]
+
+
+def is_fbc_head(name: str) -> bool:
+    from diffusers.hooks.first_block_cache import _FBC_LEADER_BLOCK_HOOK
+
+    return name == _FBC_LEADER_BLOCK_HOOK
+
+
+def is_mag_head(name: str) -> bool:
+    from diffusers.hooks.mag_cache import _MAG_CACHE_LEADER_BLOCK_HOOK
+
+    return name == _MAG_CACHE_LEADER_BLOCK_HOOK
+
+
+def is_taylorseer(name: str) -> bool:
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
+    return name == _TAYLORSEER_CACHE_HOOK
+
+
+def replace_fbc_decision(hook: Any, decide: Callable[[str, torch.Tensor, torch.Tensor | None], bool]) -> Callable[[], None]:
+    """First Block Cache's head `hook` decides through ``decide(context name, residual, previous residual)``
+    instead of its private ``_should_compute_remaining_blocks`` (an instance attribute over the class's method:
+    the residual of the call's context state's last computed step, None at its first); returns the undo."""
+    if type(hook).__name__ != "FBCHeadBlockHook":
+        raise ValueError(f"expected First Block Cache's FBCHeadBlockHook, got {type(hook).__name__}")
+    manager = hook.state_manager
+
+    @torch.compiler.disable
+    def decision(residual: torch.Tensor) -> bool:
+        return decide(manager.context.name, residual, manager.get_state().head_block_residual)
+
+    hook._should_compute_remaining_blocks = decision
+    return lambda: vars(hook).pop("_should_compute_remaining_blocks", None)
+
+
+def force_taylorseer_schedule(hook: Any, every: int) -> Callable[[], None]:
+    """TaylorSeer's `hook` computes at its steps 0, every, 2 * every, ... and predicts the others, instead of its
+    warm-up and interval rule (its private ``_measure_should_compute``, which also advances the hook's step, wrapped);
+    returns the undo."""
+    if type(hook).__name__ != "TaylorSeerCacheHook":
+        raise ValueError(f"expected TaylorSeer's TaylorSeerCacheHook, got {type(hook).__name__}")
+    measure = hook._measure_should_compute
+
+    @torch.compiler.disable
+    def scheduled():
+        _, state = measure()
+        return state.current_step % every == 0, state
+
+    hook._measure_should_compute = scheduled
+    return lambda: vars(hook).pop("_measure_should_compute", None)
+
+
+def set_mag_cache_config(hooks: list, config: Any) -> None:
+    """Hand every MagCache hook among `hooks` the `MagCacheConfig` of the next call (its steps, its ratios)."""
+    for hook in hooks:
+        if type(hook).__name__ in ("MagCacheHeadHook", "MagCacheBlockHook"):
+            hook.config = config
+
+
+def check_no_cache(transformer: torch.nn.Module) -> None:
+    """ValueError where a diffusers cache is enabled on `transformer` already (``enable_cache`` refuses a second)."""
+    enabled = getattr(transformer, "_cache_config", None)
+    if enabled is not None:
+        raise ValueError(f"expected {type(transformer).__name__} without a diffusers cache, got "
+                         f"{type(enabled).__name__} enabled: disable_cache() it first")
+
+
+def modules_with_hooks(transformer: torch.nn.Module) -> set[int]:
+    """The ids of the modules under `transformer` that hold a diffusers hook registry."""
+    return {id(m) for m in transformer.modules() if "_diffusers_hook" in vars(m)}
+
+
+def drop_empty_registries(transformer: torch.nn.Module, keep: set[int]) -> None:
+    """Remove the empty hook registries under `transformer` except those of modules in `keep` (ids): what a
+    diffusers ``apply_*`` that failed half-way left behind."""
+    for module in transformer.modules():
+        registry = vars(module).get("_diffusers_hook")
+        if registry is not None and not registry.hooks and id(module) not in keep:
+            del vars(module)["_diffusers_hook"]
+
+
+def forget_cache_config(transformer: torch.nn.Module) -> None:
+    """What ``disable_cache`` does besides removing the hooks (the step cache removes those itself, cleanly):
+    the model's cache config cleared and its registries' cached child lists dropped."""
+    transformer._cache_config = None
+    for module in transformer.modules():
+        registry = vars(module).get("_diffusers_hook")
+        if registry is not None:
+            registry._child_registries_cache = None
 
 
 # ------------------------------------------------------------- meta-device construction of routed experts

@@ -138,6 +138,10 @@ def _module_entry(module, *args, **kwargs):  # the template for a compiled modul
     return module._call_impl(*args, **kwargs)
 
 
+def _class_forward_entry(module, *args, **kwargs):  # the template for a module's own forward, below its hooks
+    return type(module).forward(module, *args, **kwargs)
+
+
 class OwnedCompiler:
     """``torch.compile`` for one owner (a compile feature's handle), whose graphs `drop()` removes again without
     touching any other compiled graph of the process.
@@ -191,6 +195,19 @@ class OwnedCompiler:
         # nn.Module.__call__ runs this instance attribute instead of _call_impl when set (nn.Module.compile's slot).
         module._compiled_call_impl = functools.partial(compiled, module)
         self._regions.append(module)
+
+    def compile_class_forward(self, module: torch.nn.Module, **compile_kwargs: Any) -> Callable:
+        """`module`'s class forward (not the hooks on its instance) compiled on an entry this owner owns, bound to
+        `module`; modules of one class share the entry and its graphs. For a forward called from inside a hook that
+        stays out of the graphs (a step cache's)."""
+        check_torch_version()
+        key = ("forward", type(module), tuple(sorted((k, repr(v)) for k, v in compile_kwargs.items())))
+        compiled = self._region_entries.get(key)
+        if compiled is None:
+            code = self._own_code(_class_forward_entry, f"xstage_compiled_{type(module).__name__}_forward")
+            entry = types.FunctionType(code, _class_forward_entry.__globals__, code.co_name)
+            compiled = self._region_entries[key] = torch.compile(entry, **compile_kwargs)
+        return functools.partial(compiled, module)
 
     def drop(self) -> None:
         """Uncompile the regions and drop every graph this owner compiled (idempotent)."""

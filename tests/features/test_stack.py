@@ -12,6 +12,7 @@ from xstage_dit.features import ParallelConfig, apply_stack, parallelize
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.fp8 import Fp8Config
 from xstage_dit.features.stack import FEATURES, ORDER, Feature, StackConfig
+from xstage_dit.features.step_cache import StepCacheConfig
 from xstage_dit.runtime.generation import call_kwargs
 from tests.helpers.server import one_torch_thread
 
@@ -31,9 +32,9 @@ def _call(pipe, spec, seed: int = 1):
 
 def test_the_declared_order():
     """The order the features go in, written once (`stack.FEATURES`), each with why it sits there."""
-    assert ORDER == ("attention_kernel", "expert_parallel", "compile_fixes", "fp8", "host_syncs", "sequence_parallel",
-                     "collective_safety", "cfg_parallel", "cfg_batch", "cfg_pair_check", "text_depth",
-                     "prompt_cache", "one_frame_vae", "batch_invariance", "lora", "compile")
+    assert ORDER == ("attention_kernel", "expert_parallel", "compile_fixes", "fp8", "host_syncs", "step_cache",
+                     "sequence_parallel", "collective_safety", "cfg_parallel", "cfg_batch", "cfg_pair_check",
+                     "text_depth", "prompt_cache", "one_frame_vae", "batch_invariance", "lora", "compile")
     assert all(f.why for f in FEATURES) and len(set(ORDER)) == len(ORDER)
     assert {f.config for f in FEATURES} <= set(StackConfig.__dataclass_fields__)
 
@@ -64,7 +65,8 @@ def test_the_stack_applies_in_the_declared_order_and_undoes_in_reverse():
     calls: list = []
     pipe, spec = _nucleusmoe(torch.bfloat16)
     config = StackConfig(parallel=ParallelConfig(cfg_batch=True), compile=CompileConfig("regional", backend="eager"),
-                         batch_invariance=True, fp8=Fp8Config("weight"))  # weight-only: the FP8 mode a CPU runs
+                         batch_invariance=True, fp8=Fp8Config("weight"),  # weight-only: the FP8 mode a CPU runs
+                         cache=StepCacheConfig("taylorseer", compute_every=2))
     with one_torch_thread():
         stack = apply_stack(pipe, config, _recording(calls))
         try:

@@ -20,6 +20,8 @@ from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig, parse_extras
 from xstage_dit.features.config import ParallelConfig, cfg_batch_of
 from xstage_dit.jsonable import to_jsonable
+from xstage_dit.features.step_cache import cache_request
+from xstage_dit.features.step_cache.options import cache_config
 from xstage_dit.runtime.generation import run_pipeline
 
 
@@ -107,13 +109,19 @@ class XStage(Contender):
                                      guards=getattr(b.args, "compile_guards", "full"),
                                      extras=parse_extras(getattr(b.args, "compile_extra", "")))
         return EngineConfig(device=b.device, dtype=b.dtype, parallel=self._config(b), compile=compiled,
-                            quantize=self.quantize)
+                            quantize=self.quantize, cache=self._cache(b))
+
+    def _cache(self, b: Bench):
+        """The step cache of this contender's engine: --cache's (None: none)."""
+        return cache_config(b.args)
 
     def check(self, b: Bench) -> str | None:
         try:
             self.info["parallel_config"] = to_jsonable(self._config(b))
         except Exception as exc:
             return f"ParallelConfig refuses this configuration: {error_text(exc)}"
+        if self._cache(b) is not None and self.compile and (self.compile_mode or b.args.compile) == "graphs":
+            return "a step cache does not run under CUDA graphs (a recorded forward cannot skip)"
         return _fp8_refusal(b) if self.quantize == "fp8" else None
 
     def apply(self, b: Bench) -> None:
@@ -131,7 +139,12 @@ class XStage(Contender):
             self.info["fp8"] = [handle.describe() for handle in stack.fp8]
 
     def call(self, b: Bench, kwargs: dict):
-        return run_pipeline(b.pipe, **kwargs)  # as `serve` and `generate` run it (inference mode)
+        # as `serve` and `generate` run it (inference mode; a step cache's state its own, its counts recorded)
+        with cache_request(b.pipe, steps=kwargs["num_inference_steps"]) as run:
+            out = run_pipeline(b.pipe, **kwargs)
+        if run.stats is not None:
+            self.info["step_cache"] = run.stats  # the last call's: a timed one, at the benchmark's steps
+        return out
 
     def restore(self, b: Bench) -> None:
         super().restore(b)
@@ -381,11 +394,13 @@ class DiffusersCP(Contender):
 
 
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
-                    serve=None, compile_also: tuple[str, ...] = ()) -> list[Contender]:
+                    serve=None, compile_also: tuple[str, ...] = (), expand: dict | None = None) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then the
     xstage contenders compiled in each `compile_also` mode (``<name>+compile:<mode>``), then the other
     reversible stacks, then each irreversible contender with its compiled variant (they leave the pipeline
-    modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no diffusers-repeat."""
+    modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no diffusers-repeat.
+    expand: a name standing for several contenders -> their (name, factory(compile)) pairs (the step caches'
+    variants, `cache_contenders.cache_entries`), which run with the other reversible stacks."""
     factories = {
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
@@ -399,12 +414,16 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "xfuser-runner": lambda c: XFuserRunner(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),
     }
+    expand = expand or {}
+    for name, entries in expand.items():
+        factories.update(entries)
+    names = [entry for n in names for entry in ([e for e, _ in expand[n]] if n in expand else [n])]
     eager = [factories[n](False) for n in names]
     compiled = [factories[n](True) for n in names]
     # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
     # before a diffusers/xstage measurement.
     ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
-    if rounds == 1 and "diffusers" in names and any(n.startswith("xstage") for n in names):
+    if rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES for n in names):
         # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))

@@ -44,10 +44,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from xstage_dit.bench.cache_contenders import cache_entries
 from xstage_dit.bench.contenders import make_contenders
 from xstage_dit.bench.measure import measure, measure_in_rounds, precheck, prepare_pipeline, unmeasured_row
-from xstage_dit.bench.options import (BASELINE, OUR_FAMILIES, add_arguments, command_line, compile_also_modes,
-                                      option_argv, parse_contenders, validate)
+from xstage_dit.bench.options import (BASELINE, CACHE_CONTENDERS, OUR_FAMILIES, add_arguments, cache_variants,
+                                      command_line, compile_also_modes, option_argv, parse_contenders, validate)
 from xstage_dit.bench.report import Report, rerender
 from xstage_dit.bench.results import environment
 from xstage_dit.bench.session import TORCH_DTYPES, Bench, bench_inputs, gpu_label, load_prompts, model_slug
@@ -143,8 +144,10 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
     report = Report(b, settings, env, stem)
+    methods, every = cache_variants(args)
+    expand = {name: cache_entries(name, methods, every) for name in CACHE_CONTENDERS if name in names}
     contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
-                                 compile_also=compile_also)
+                                 compile_also=compile_also, expand=expand)
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
     interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]

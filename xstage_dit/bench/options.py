@@ -18,12 +18,16 @@ from pathlib import Path
 from xstage_dit.errors import UsageError
 from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, GUARDS_HELP, parse_extras
 from xstage_dit.features.config import add_cfg_batch_option
+from xstage_dit.features.step_cache.options import add_cache_options, cache_config
 
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
 CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "diffusers-fp8",
               "xstage-fp8", "xstage-fp8-served", "xfuser-usp", "xfuser-runner", "diffusers-cp")
 DEFAULT_CONTENDERS = tuple(name for name in CONTENDERS if "fp8" not in name)
+# The step caches, asked for by name: each stands for a contender per method and forced ratio
+# (--cache-contender-methods / --cache-contender-every), run with the other reversible stacks.
+CACHE_CONTENDERS = ("xstage-cache", "cache-dit")
 BASELINE = "diffusers"
 # Plain diffusers once more after the eager xstage contenders (an A/B/A order at --rounds 1).
 BASELINE_REPEAT = "diffusers-repeat"
@@ -86,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run; auto = cuda when available (default: auto)")
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS),
-                        help=f"comma-separated subset of {','.join(CONTENDERS)} (default: all but the FP8 ones, "
-                             "which need a GPU of compute capability >= 8.9)")
+                        help=f"comma-separated subset of {','.join(CONTENDERS + CACHE_CONTENDERS)} (default: all "
+                             "but the FP8 ones, which need a GPU of compute capability >= 8.9, and the step caches "
+                             "xstage-cache and cache-dit, a row per method and forced ratio each)")
     parser.add_argument("--compile", nargs="?", const="regional", default="off", metavar="{off,regional,full,graphs}",
                         help="also run each contender with torch.compile of the transformer (xstage_dit.features.compile): "
                              "regional = diffusers' compile_repeated_blocks (each repeated block compiled once; the "
@@ -112,6 +117,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "chunked decode; default: none")
     parser.add_argument("--compile-estimate-s", type=float, default=120.0,
                         help="compile time assumed by the budget check for a torch.compile variant (default: %(default)s)")
+    parser.add_argument("--cache-contender-methods", default="fbcache,taylorseer,magcache,pab,fastercache",
+                        metavar="METHOD[,METHOD]",
+                        help="the step caches the xstage-cache contender runs, one row each per forced ratio "
+                             "(default: %(default)s)")
+    parser.add_argument("--cache-contender-every", default="4,2", metavar="N[,N]",
+                        help="the forced ratios of the xstage-cache and cache-dit contenders: a full step every N "
+                             "steps (4: 25 %% of the steps computed, 2: 50 %%; random weights make no trained residual "
+                             "curve, so speed is measured at fixed ratios) (default: %(default)s)")
+    add_cache_options(parser)  # --cache: the xstage contenders' engines run it (as generate and serve do)
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                         help="where e2e-<model>-<gpus>x<gpu>.{json,md,png} go, relative to the current directory "
                              "(default: %(default)s)")
@@ -124,10 +138,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_contenders(text: str) -> list[str]:
     """The contender names of a comma-separated list, in run order; UsageError naming an unknown one."""
     names = [n.strip() for n in str(text).split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONTENDERS]
+    known = CONTENDERS + CACHE_CONTENDERS
+    unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise UsageError(f"expected --contenders from {','.join(CONTENDERS)}, got {text!r}")
-    return [n for n in CONTENDERS if n in names]
+        raise UsageError(f"expected --contenders from {','.join(known)}, got {text!r}")
+    return [n for n in known if n in names]
 
 
 def validate(args: argparse.Namespace) -> None:
@@ -160,6 +175,26 @@ def validate(args: argparse.Namespace) -> None:
     if not Path(args.prompts).is_file():
         raise UsageError(f"expected --prompts to be a file of prompts, got {args.prompts!r}")
     parse_contenders(args.contenders)
+    cache_variants(args)
+    cache_config(args)  # --cache and its parameters
+
+
+def cache_variants(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(--cache-contender-methods, --cache-contender-every) as tuples; UsageError naming a bad value."""
+    from xstage_dit.features.step_cache.config import METHODS
+
+    text = str(getattr(args, "cache_contender_methods", "") or "")
+    methods = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not methods or any(m not in METHODS for m in methods):
+        raise UsageError(f"expected --cache-contender-methods from {','.join(METHODS)}, got {text!r}")
+    text = str(getattr(args, "cache_contender_every", "") or "")
+    try:
+        every = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        every = ()
+    if not every or any(n < 1 for n in every):
+        raise UsageError(f"expected --cache-contender-every as integers >= 1 (e.g. 4,2), got {text!r}")
+    return methods, every
 
 
 def compile_also_modes(args: argparse.Namespace) -> list[str]:

@@ -52,6 +52,9 @@ def add_notes(rows: list[dict], settings: dict) -> None:
                          f"(spread {r['baseline_round_spread_pct']:.1f}%)")
         if r.get("served_over_bare") is not None:
             notes.append(served_note(r))
+        if r.get("step_cache"):
+            c = r["step_cache"]
+            notes.append(f"step cache: {c['computed']} {c['unit']} computed, {c['skipped']} skipped")
         if "latency_s_at_default_steps_extrapolated" in r:
             notes.append(f"{r['latency_s_at_default_steps_extrapolated']:.2f} s at {settings['default_steps']} "
                          "steps (extrapolated from the measured step time, not measured)")

@@ -181,7 +181,32 @@ def build_summary(rows: list[dict], settings: dict) -> dict:
     fp8 = _fp8_ratios(rows)
     if fp8:
         summary["fp8"] = fp8
+    cached = _cache_ratios(rows)
+    if cached:
+        summary["step_cache"] = cached
     return summary
+
+
+def _cache_ratios(rows: list[dict]) -> dict:
+    """Per forced ratio and compile setting ("@1/4", "@1/4+compile"): each xstage cache method's median latency and
+    computed count, cache-dit's at the same ratio, and xstage First Block Cache over cache-dit (the same computed
+    steps, one first block on a skipped step in both)."""
+    ok = {r["name"]: r for r in rows if r.get("status") == "ok" and r.get("step_cache")}
+    out: dict = {}
+    for name, r in ok.items():
+        if not name.startswith("xstage-cache:"):
+            continue
+        method, _, rest = name[len("xstage-cache:"):].partition("@")
+        key = "@" + rest
+        entry = out.setdefault(key, {"methods": {}})
+        entry["methods"][method] = {"median_s": r["median_s"], **{k: r["step_cache"][k] for k in
+                                                                   ("unit", "computed", "skipped")}}
+        peer = ok.get("cache-dit" + key)
+        if peer is not None:
+            entry["cache_dit"] = {"median_s": peer["median_s"], "computed": peer["step_cache"]["computed"]}
+            if method == "fbcache":
+                entry["fbcache_over_cache_dit"] = r["median_s"] / peer["median_s"]
+    return out
 
 
 def _fp8_ratios(rows: list[dict]) -> dict:

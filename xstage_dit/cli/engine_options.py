@@ -2,8 +2,9 @@
 
 --no-host-syncs / --no-text-depth / --no-prompt-cache / --no-one-frame-vae: turn one feature of the stack off
 (each is on by default; `xstage_dit.features.stack.FEATURES` says what each does). --quantize fp8 (with
---fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`). The compile options are
-`cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
+--fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`). --cache (with its
+--cache-* parameters) runs one of diffusers' step caches with one decision for all ranks (`xstage_dit.features.step_cache`).
+The compile options are `cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from xstage_dit.errors import UsageError
+from xstage_dit.features.step_cache.options import add_cache_options, cache_config
 
 # flag -> (EngineConfig field, what turning it off skips)
 FEATURE_FLAGS = {
@@ -22,7 +24,7 @@ FEATURE_FLAGS = {
 
 
 def add_feature_options(parser: argparse.ArgumentParser) -> None:
-    """The --no-<feature> switches of the stack (every feature on by default), and --quantize."""
+    """The --no-<feature> switches of the stack (every feature on by default), --quantize and --cache."""
     from xstage_dit.features.fp8 import GRANULARITIES
 
     for flag, (_, skips) in FEATURE_FLAGS.items():
@@ -33,15 +35,40 @@ def add_feature_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-granularity", choices=GRANULARITIES, default="row",
                         help="with --quantize fp8: row (per-token activations x per-channel weights), tensor, or "
                              "weight (weights stored in float8, bf16 GEMMs: memory, not speed)")
+    add_cache_options(parser)
+
+
+def check_cache(args: argparse.Namespace, spec, parallel, compile_mode: str | None) -> None:
+    """What refuses --cache before any rank starts: compile mode graphs, pab / fastercache under CFG parallel of a
+    family whose CFG is two calls a step (its record says); UsageError naming --cache."""
+    config = cache_config(args)
+    if config is None:
+        return
+    from xstage_dit.families.registry import records
+    from xstage_dit.features.step_cache import SHARED_BRANCH_STATE
+
+    if compile_mode == "graphs":
+        raise UsageError(f"--cache: {config.method} with --compile graphs: a CUDA graph replays one recorded forward "
+                         "and a step cache changes what a forward runs from step to step; expected --compile off, "
+                         "regional or full")
+    family = records().get(spec.family)
+    paired = family is not None and family.sp.cfg == "paired"
+    if config.method in SHARED_BRANCH_STATE and parallel.cfg > 1 and paired:
+        raise UsageError(f"--cache: {config.method} under --cfg {parallel.cfg}: diffusers keeps one {config.method} "
+                         "state for a step's cond and uncond calls, and each CFG rank sees one of them; expected "
+                         "--cfg 1 or --cache fbcache, taylorseer or magcache")
 
 
 def feature_switches(args: argparse.Namespace) -> dict:
-    """The `EngineConfig` fields the feature options set: the switches --no-<feature> turned off, and quantize /
-    fp8_granularity where --quantize fp8 was given ({} when no option was given)."""
+    """The `EngineConfig` fields the feature options set: the switches --no-<feature> turned off, quantize /
+    fp8_granularity where --quantize fp8 was given, cache where --cache was ({} when no option was given)."""
     switches: dict = {field: False for flag, (field, _) in FEATURE_FLAGS.items()
                       if getattr(args, flag.lstrip("-").replace("-", "_"), False)}
     if getattr(args, "quantize", "none") != "none":
         switches.update(quantize=args.quantize, fp8_granularity=getattr(args, "fp8_granularity", "row"))
+    cache = cache_config(args)
+    if cache is not None:
+        switches["cache"] = cache
     return switches
 
 

@@ -153,9 +153,10 @@ def _checked(args: argparse.Namespace):
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
-    from xstage_dit.cli.engine_options import check_quantize
+    from xstage_dit.cli.engine_options import check_cache, check_quantize
 
     check_quantize(args, None if args.device == "auto" else args.device)
+    check_cache(args, spec, parallel, args.compile)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     from dataclasses import replace
 
@@ -280,6 +281,7 @@ def _warm_up(engine, spec, request, warmup_sizes) -> float:
     "generating" is the compiled speed; returns the seconds it took (0 when compile is off and no size asked)."""
     from dataclasses import replace
 
+    from xstage_dit.features.step_cache import cache_request
     from xstage_dit.runtime.generation import fixed_kwargs, pipeline_kwargs, run_pipeline
 
     if engine.config.compile.mode == "off" and not warmup_sizes:
@@ -288,12 +290,13 @@ def _warm_up(engine, spec, request, warmup_sizes) -> float:
     for width, height in ((request.width, request.height),) + warmup_sizes:
         # Its own generators: the timed call's must start from the seed.
         warm = replace(request, width=width, height=height, steps=1)
-        run_pipeline(engine.pipe, **pipeline_kwargs(engine.pipe, [warm], kind=spec.kind, fixed=fixed_kwargs(spec),
-                                                    output_type="pt"))
+        with cache_request(engine.pipe, steps=1):
+            run_pipeline(engine.pipe, **pipeline_kwargs(engine.pipe, [warm], kind=spec.kind,
+                                                        fixed=fixed_kwargs(spec), output_type="pt"))
     return time.perf_counter() - t0
 
 
-def _report(engine, spec, result, output, kwargs, times: tuple[float, float, float]) -> None:
+def _report(engine, spec, result, output, kwargs, times: tuple[float, float, float], cache: dict | None) -> None:
     """rank 0: write the output, then what was made and how long it took."""
     from xstage_dit.runtime.generation import save_output, to_pil_frames
 
@@ -310,6 +313,8 @@ def _report(engine, spec, result, output, kwargs, times: tuple[float, float, flo
         held = [m for m in engine.pipe.transformer.modules() if getattr(m, "shard", None) == shard]
         print(f"experts: loaded sharded, each rank read only its {held[0].num_experts_per_rank} of "
               f"{held[0].num_experts} experts in {len(held)} MoE layers (ep={shard[1]})")
+    if cache is not None:
+        print(f"step cache {cache['method']}: {cache['computed']} {cache['unit']} computed, {cache['skipped']} skipped")
     warm = f", {t_warm:.2f} s warm-up ({engine.describe()['compile']['how']})" if t_warm else ""
     print(f"time: {t_gen:.2f} s generating, {t_build:.2f} s loading the pipeline{warm}, "
           f"{t_gen + t_build + t_warm:.2f} s total")
@@ -348,13 +353,16 @@ def run(args: argparse.Namespace) -> int:
             except AdapterError as exc:
                 raise UsageError(f"--lora: {exc}") from None
         t_warm = _warm_up(engine, spec, request, warmup_sizes)
+        from xstage_dit.features.step_cache import cache_request
+
         t1 = time.perf_counter()
-        result = run_pipeline(engine.pipe, **kwargs)
+        with cache_request(engine.pipe, steps=request.steps) as cached:  # the cache's state is this call's own
+            result = run_pipeline(engine.pipe, **kwargs)
         if device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(device)
         t_gen = time.perf_counter() - t1
         if rank == 0:  # only rank 0 writes the output
-            _report(engine, spec, result, output, kwargs, (t_gen, t_build, t_warm))
+            _report(engine, spec, result, output, kwargs, (t_gen, t_build, t_warm), cached.stats)
     return 0

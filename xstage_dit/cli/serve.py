@@ -120,9 +120,10 @@ def _config(args: argparse.Namespace):
     from xstage_dit.cli.compile_options import check_compile_args, parse_warmup_sizes
 
     check_compile_args(args)
-    from xstage_dit.cli.engine_options import check_quantize
+    from xstage_dit.cli.engine_options import check_cache, check_quantize
 
     check_quantize(args)
+    check_cache(args, spec, parallel, args.compile)
     warmup_sizes = parse_warmup_sizes(args.warmup_sizes, spec, sp=parallel.sp)
     _check_lora(args)
     try:

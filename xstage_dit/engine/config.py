@@ -22,6 +22,7 @@ from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config
 from xstage_dit.features.lora import LoraServingConfig
 from xstage_dit.features.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST
 from xstage_dit.features.stack import StackConfig
+from xstage_dit.features.step_cache import StepCacheConfig
 
 __all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
 
@@ -64,6 +65,8 @@ class EngineConfig:
         rank when compiled), adapters one call may combine.
     preload_loras: adapters loaded at start-up: names in lora_dir, or paths of adapter files or folders (named by
         file stem). LoRA is on when lora_dir or preload_loras is given; compiled, adapters are hot-swapped.
+    cache: a `features.step_cache.StepCacheConfig` (one of diffusers' step caches, one decision for all ranks);
+        None: no step cache.
     """
 
     model: str | None = None
@@ -84,6 +87,7 @@ class EngineConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_loras_per_request: int = DEFAULT_PER_REQUEST
     preload_loras: tuple[str, ...] = ()
+    cache: StepCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and (not isinstance(self.model, str) or not self.model):
@@ -122,6 +126,8 @@ class EngineConfig:
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
+        if self.cache is not None and not isinstance(self.cache, StepCacheConfig):
+            raise ValueError(f"expected cache to be a StepCacheConfig or None, got {type(self.cache).__name__}")
         object.__setattr__(self, "preload_loras", tuple(self.preload_loras))
         self.lora_config()  # a bad LoRA option fails here, naming it
 
@@ -154,4 +160,5 @@ class EngineConfig:
         invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
         fp8 = Fp8Config(self.fp8_granularity) if self.quantize == "fp8" else None
         return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant, fp8=fp8,
-                           lora=self.lora_config(), **{name: getattr(self, name) for name in _FLAGS})
+                           lora=self.lora_config(), cache=self.cache,
+                           **{name: getattr(self, name) for name in _FLAGS})

@@ -98,6 +98,7 @@ class Engine:
         return {"features": list(stack.applied), "compile": compiled.describe(),
                 "batch_invariance": invariance.describe() if invariance is not None else None,
                 "fp8": [handle.describe() for handle in stack.fp8] or None,
+                "step_cache": stack.step_cache.describe() if stack.step_cache is not None else None,
                 "outside_transformer": stack.describe_pipeline()}
 
     # ----- LoRA (the stack's `features.lora` manager; the server's /v1/loras and request field do the same) -----

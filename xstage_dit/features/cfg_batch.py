@@ -35,9 +35,10 @@ import torch.nn.functional as F
 from diffusers.hooks import HookRegistry, ModelHook
 
 from xstage_dit.families.registry import record_for_pipeline, record_for_transformer, records
+from xstage_dit import _diffusers_private as private
 from xstage_dit.features.cfg_parallel import _sample, _wrap_like
 from xstage_dit.features.compile import signature_of
-from xstage_dit.features.context import chained
+from xstage_dit.features.context import COND_CONTEXT, PAIR_CONTEXT, chained
 from xstage_dit.features.instance_attr import remove_hook
 
 log = logging.getLogger(__name__)
@@ -85,16 +86,21 @@ class CFGBatchHook(ModelHook):
     (guidance off)}."""
 
     outside_compile = True  # its pairing state is Python's: apply_compile compiles what it calls, not it
+    _is_stateful = True  # so diffusers' cache_context() reaches its tracker: the batch runs under PAIR_CONTEXT
 
     def __init__(self, guidance_on: Callable[[], bool], text: str, text_mask: str,
                  output_like: Callable[[torch.nn.Module, dict], tuple | None] | None = None) -> None:
         super().__init__()
+        self.tracker = private.context_tracker()
         self.guidance_on = guidance_on
         self.text, self.text_mask = text, text_mask
         self.output_like = output_like
         self.output_shapes: dict[tuple, tuple] = {}
         self.pending: tuple[dict, torch.Tensor | None] | None = None
         self.stats = {"batched_pairs": 0, "plain_pairs": 0, "plain_calls": 0}
+
+    def reset_state(self, module):
+        return module  # a pair left half-made is `check_no_pending`'s to report, not a reset's to hide
 
     def check_no_pending(self, where: str) -> None:
         if self.pending is not None and self.pending[1] is not None:
@@ -132,10 +138,12 @@ class CFGBatchHook(ModelHook):
             return forward(**kwargs)
         batched = self._stacked(first, kwargs)
         if batched is None:  # not stackable: the two forwards one after the other, as without batching
-            _fill(placeholder, _sample(forward(**first)))
+            with private.branch_context(module, COND_CONTEXT, self.tracker):
+                _fill(placeholder, _sample(forward(**first)))
             self.stats["plain_pairs"] += 1
             return forward(**kwargs)
-        out = forward(**batched)
+        with private.branch_context(module, PAIR_CONTEXT, self.tracker):  # a cache's state holds both, cond first
+            out = forward(**batched)
         sample = _sample(out)
         n = placeholder.shape[0]
         _fill(placeholder, sample[:n])

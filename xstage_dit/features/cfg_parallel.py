@@ -14,6 +14,11 @@ by a hook registered outermost (outside the sequence-parallel hooks):
 
 Calls that do not come in pairs (guidance off, or a different pipeline loop) raise RuntimeError at
 the next transformer call or before the VAE decodes, never silently: CFG parallel needs guidance on.
+
+Each forward runs under diffusers' cache context of the branch it computes ("cond" on group 0 even though
+the pipeline makes that call inside its "uncond" context; "uncond" on group 1, also where the pipeline names
+no context), so a cache hook's per-branch state (`features.step_cache`) holds one branch's values, as in one
+process (the names: `features.context`; ``PAIR_CONTEXT``, a forward on a batch of both, is `cfg_batch`'s).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.sharding import all_gather_dim0
-from xstage_dit.features.context import chained
+from xstage_dit.features.context import COND_CONTEXT, UNCOND_CONTEXT, chained
 from xstage_dit.features.instance_attr import remove_hook, set_on_instance
 
 log = logging.getLogger(__name__)
@@ -150,7 +155,8 @@ class PairedCFGHook(ModelHook):
             known = self.shapes.get(key)
             if known is None:
                 # First pair of this shape: run cond now (both groups) to learn the output shape.
-                output = forward(*args, **kwargs)
+                with private.branch_context(module, COND_CONTEXT, self.tracker):
+                    output = forward(*args, **kwargs)
                 sample = _sample(output)
                 self.shapes[key] = (sample.shape, sample.dtype)
                 self.pending = {"args": args, "kwargs": kwargs, "placeholder": None, "done": sample}
@@ -158,7 +164,8 @@ class PairedCFGHook(ModelHook):
             shape, dtype = known
             hidden = self._hidden(args, kwargs)
             placeholder = torch.full(shape, float("nan"), dtype=dtype, device=hidden.device)
-            self.pending = {"args": args, "kwargs": kwargs, "placeholder": placeholder, "done": None}
+            self.pending = {"args": args, "kwargs": kwargs, "placeholder": placeholder, "done": None,
+                            "context": private.current_context(self.tracker)}
             if kwargs.get("return_dict", True) is False:
                 return (placeholder,)
             return Transformer2DModelOutput(sample=placeholder)
@@ -170,12 +177,15 @@ class PairedCFGHook(ModelHook):
         self.pending = None
         if pending["done"] is not None:
             self.stats["first_pairs"] += 1
-            return forward(*args, **kwargs)  # cond already computed at the first call
+            with private.branch_context(module, UNCOND_CONTEXT, self.tracker):
+                return forward(*args, **kwargs)  # cond already computed at the first call
         self.stats["parallel_pairs"] += 1
-        if self.cfg_rank == 0:
-            output = forward(*pending["args"], **pending["kwargs"])
+        if self.cfg_rank == 0:  # the cond call's inputs, under the cond call's context
+            with private.branch_context(module, COND_CONTEXT, self.tracker, like=pending["context"]):
+                output = forward(*pending["args"], **pending["kwargs"])
         else:
-            output = forward(*args, **kwargs)
+            with private.branch_context(module, UNCOND_CONTEXT, self.tracker):
+                output = forward(*args, **kwargs)
         cond, uncond = _exchange(_sample(output), self.group, self.cfg_rank)
         pending["placeholder"].copy_(cond)
         return _wrap_like(output, uncond)

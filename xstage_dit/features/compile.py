@@ -342,7 +342,7 @@ def compile_pipeline(pipe: Any, config: CompileConfig, ctx: FeatureContext) -> C
     try:
         if config.mode == "graphs" and ctx.attention_kernels is not None:
             handle._undo.append(ctx.attention_kernels.for_cuda_graphs())  # no kernel a capture breaks
-        hows, per_code_object = _compile_transformers(handle, targets, config)
+        hows, per_code_object = _compile_transformers(handle, targets, config, ctx.compile_inside)
         # LoRA hot-swap slots: a graph with the LoRA layers on and one with them off, per shape (`features.lora`)
         per_code_object *= ctx.lora.graph_variants if ctx.lora is not None else 1
         handle._undo.append(private.raise_recompile_limits(per_code_object, 2 * per_code_object))
@@ -370,28 +370,34 @@ def _options(config: CompileConfig, graphs: bool) -> dict:
     return {} if options is None else {"options": dict(options)}
 
 
-def _compile_transformers(handle: CompileHandle, targets: list, config: CompileConfig) -> tuple[list[str], int]:
-    """Compile each transformer (regional blocks, or its whole forward) behind the shape bound; returns what was
-    compiled and the graphs a code object may need (the recompile limit)."""
+def _compile_transformers(handle: CompileHandle, targets: list, config: CompileConfig,
+                          inside: list = ()) -> tuple[list[str], int]:
+    """Compile each transformer (regional blocks, or its whole forward) behind the shape bound, and the forwards
+    a step cache's hooks call (`inside`: ``ctx.compile_inside``); returns what was compiled and the graphs a code
+    object may need (the recompile limit)."""
     hows, per_code_object = [], config.max_shapes
     extra = _options(config, graphs=True)
+    below_hooks = {id(point.module) for point in inside}
     for module in targets:
         owner, attr = _compile_point(module)
         eager = getattr(owner, attr)
         blocks = set(getattr(module, "_repeated_blocks", None) or ())
         regions = [m for m in module.modules() if type(m).__name__ in blocks] if config.mode == "regional" else []
+        per_code_object = max(per_code_object, config.max_shapes * max(1, len(regions)))
+        # A block a cache hook wraps compiles below its hook (`_compile_inside`), not as a region around it.
+        regions = [m for m in regions if id(m) not in below_hooks]
         # Every layer of a block class runs one code object, and layers whose guarded attributes differ (a MoE
         # layer's capacity factor, a dense layer among MoE ones) each need their own graph per shape: up to
         # (layers x shapes) graphs. Dynamo's default limit of 8 per code object made NucleusMoE's later
         # layer/shape pairs fall back to eager silently (H200, 2026-12-04: "hit config.recompile_limit (8)",
         # guard "img_mlp.capacity_factor == 4.0"), more of them in the server, whose warm-up prompt adds shapes.
         # The bound on served shapes is `_guard`'s, per transformer signature, not Dynamo's.
-        per_code_object = max(per_code_object, config.max_shapes * max(1, len(regions)))
-        if regions:
+        if regions or (config.mode == "regional" and blocks and inside):
             for region in regions:
                 handle.compiler.compile_region(region, dynamic=False, backend=config.backend, **extra)
             compiled = eager  # the blocks inside compile; the glue around them stays eager
-            hows.append(f"regional: {len(regions)} {'/'.join(sorted(blocks))} blocks of {type(module).__name__}")
+            hows.append(f"regional: {len(regions)} {'/'.join(sorted(blocks))} blocks of {type(module).__name__}"
+                        + (" (the others below their cache hooks)" if inside else ""))
         else:
             compiled = handle.compiler.compile(eager, dynamic=False, backend=config.backend, **extra)
             what = "no repeated blocks, whole" if config.mode == "regional" else "whole"
@@ -399,7 +405,26 @@ def _compile_transformers(handle: CompileHandle, targets: list, config: CompileC
             hows.append(f"{config.mode}: {what} {type(module).__name__} forward{graphs}")
         handle._undo.append(set_on_instance(owner, attr, _guard(handle, eager, compiled)))
         handle._undo.append(set_on_instance(module, _COMPILED, handle))
+    if inside:
+        hows.append(_compile_inside(handle, inside, config))
     return hows, per_code_object
+
+
+def _compile_inside(handle: CompileHandle, points: list, config: CompileConfig) -> str:
+    """Each module a step cache's hook calls when it computes: its class forward compiled (one owned entry per
+    class) in the point's ``fn``, the hook left eager; any other ``fn`` stays eager, logged. Returns what compiled."""
+    extra = _options(config, graphs=False)
+    counts: dict[str, int] = {}
+    for point in points:
+        module, fn = point.module, point.fn
+        if getattr(fn, "__self__", None) is not module or getattr(fn, "__func__", None) is not type(module).forward:
+            log.info("compile: %s runs eager below its cache hook (another hook sits inside it)", type(module).__name__)
+            continue
+        compiled = handle.compiler.compile_class_forward(module, dynamic=False, backend=config.backend, **extra)
+        point.fn = compiled
+        handle._undo.append(functools.partial(setattr, point, "fn", fn))
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    return "below the step cache's hooks: " + (", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "none")
 
 
 def _compile_vae_decoders(handle: CompileHandle, pipe: Any, config: CompileConfig, ctx: FeatureContext) -> list[str]:

@@ -26,6 +26,11 @@ MARK = "_xstage_parallel_handle"  # on every transformer the stack patched: the 
 # two transformers; a workflow loads only its own, so either may be None).
 DENOISERS = ("transformer", "transformer_2", "transformer_ref")
 
+# diffusers' cache-context names of the branch a transformer forward computes (the pipelines' own "cond" and
+# "uncond"; PAIR_CONTEXT: one forward on a batch of both, cond first). The CFG hooks run each forward under its
+# branch's name; the step cache's per-branch state and its group decision read it (`features.step_cache.gate`).
+COND_CONTEXT, UNCOND_CONTEXT, PAIR_CONTEXT = "cond", "uncond", "cond+uncond"
+
 
 def transformers_of(pipe: Any) -> list[torch.nn.Module]:
     """Every denoiser component of `pipe` that is loaded (`DENOISERS`, in that order), or [pipe] for a bare
@@ -81,7 +86,9 @@ class FeatureContext:
     cfg_hooks (CFG parallel and CFG batch, read by the decode check), cfg_batch_reason, text_layers_skipped
     (text depth), prompt_cache, vae_convs_2d / one_frame_decode (one-frame VAE, read by compile),
     batch_invariance (its handle), lora (the `LoraManager`: its graph variants, read by compile), compiled (the
-    `CompileHandle`).
+    `CompileHandle`), step_cache (the `StepCacheHandle`) and compile_inside (what a cache hook calls when it
+    computes, each with its ``module`` and a ``fn`` the compile feature swaps for a compiled one, the hook itself
+    kept out of the graphs).
     """
 
     pipe: Any
@@ -106,6 +113,8 @@ class FeatureContext:
     lora: Any = None
     compiled: Any = None
     fp8: list = field(default_factory=list)
+    step_cache: Any = None
+    compile_inside: list = field(default_factory=list)
 
     @property
     def is_pipeline(self) -> bool:

@@ -27,13 +27,14 @@ from xstage_dit.features import (attention_schedules, batch_invariance, cfg_batc
                                  compile_fixes, expert_parallel, host_syncs, one_frame_vae, prompt_cache,
                                  sequence_parallel, text_depth)
 from xstage_dit.features import compile as compile_feature
-from xstage_dit.features import fp8
+from xstage_dit.features import fp8, step_cache
 from xstage_dit.features import lora
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.config import ParallelConfig
 from xstage_dit.features.fp8 import Fp8Config
 from xstage_dit.features.context import MARK, FeatureContext, modules_of
 from xstage_dit.features.setup import prepare
+from xstage_dit.features.step_cache import StepCacheConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,11 @@ FEATURES: tuple[Feature, ...] = (
             "on the final linear layers (after the MoE swap), before any hook or forward replacement wraps them"),
     Feature("host_syncs", host_syncs.apply, "host_syncs",
             "before the sequence hooks: a rope cache registered first sits inside their split of its output"),
+    Feature("step_cache", step_cache.apply, "cache",
+            "inside the sequence hooks (a block's cache hook sees this rank's shard, after the plan's split at Wan's "
+            "blocks.0 or every Qwen-Image block; its skips leave no collective half-run: the group decision) and "
+            "the CFG hooks (which name the branch each forward computes); before compile, which compiles what the "
+            "cache hooks call (ctx.compile_inside) and keeps the hooks' Python out of the graphs"),
     Feature("sequence_parallel", sequence_parallel.apply, "parallel",
             "split / gather hooks and the attention backend, on the swapped layers"),
     Feature("collective_safety", collective_safety.apply, "parallel",
@@ -97,6 +103,8 @@ class StackConfig:
         parallelism, collective safety, compile fixes, CFG batch); None: none of them (no groups, no calibration).
     compile: a `CompileConfig` (mode "off": nothing compiles).
     fp8: an `Fp8Config` (the transformer's linear layers in float8 through torchao); None: bf16 as loaded.
+    cache: a `StepCacheConfig` (one of diffusers' step caches, one decision for all ranks: `features.step_cache`);
+        None: no step cache. Refused with compile mode "graphs" (a recorded forward cannot skip).
     host_syncs / text_depth / prompt_cache / one_frame_vae / batch_invariance: each feature on or off (the
         first four on, as ``parallelize`` has always applied them; batch invariance off: the engine turns it on
         for image pipelines that serve batches).
@@ -112,6 +120,7 @@ class StackConfig:
     batch_invariance: bool = False
     fp8: Fp8Config | None = None
     lora: lora.LoraServingConfig | None = None
+    cache: StepCacheConfig | None = None
 
     def __post_init__(self) -> None:
         if self.parallel is not None and not isinstance(self.parallel, ParallelConfig):
@@ -122,6 +131,12 @@ class StackConfig:
             raise ValueError(f"expected fp8 to be an Fp8Config or None, got {type(self.fp8).__name__}")
         if self.lora is not None and not isinstance(self.lora, lora.LoraServingConfig):
             raise ValueError(f"expected lora to be a LoraServingConfig or None, got {type(self.lora).__name__}")
+        if self.cache is not None and not isinstance(self.cache, StepCacheConfig):
+            raise ValueError(f"expected cache to be a StepCacheConfig or None, got {type(self.cache).__name__}")
+        if self.cache is not None and self.compile.mode == "graphs":
+            raise ValueError(f"cache {self.cache.method} with compile mode 'graphs': a CUDA graph replays one recorded "
+                             "forward and a step cache changes what a forward runs from step to step; expected "
+                             "compile mode off, regional or full")
         for name in ("host_syncs", "text_depth", "prompt_cache", "one_frame_vae", "batch_invariance"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
@@ -136,7 +151,7 @@ class StackConfig:
 # What the stack's own attributes read from its context (the public handle of `parallelize`).
 _FROM_CONTEXT = ("groups", "calibration", "schedule_choices", "attention_kernels", "attention_paths", "num_moe_layers",
                  "cfg_hooks", "prompt_cache", "text_layers_skipped", "cfg_batch_reason", "vae_convs_2d",
-                 "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8", "lora")
+                 "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8", "lora", "step_cache")
 
 
 class FeatureStack:

@@ -48,6 +48,7 @@ class GenerationRequest:
     inputs: the conditioning images (image edit, image-to-video: `conditioning.InputImages`), None for text alone.
     lora: the LoRA adapters of the call, ``((name, scale), ...)`` in the order their deltas are summed (empty: none;
         `features.lora.adapter_list` checks a client's list).
+    cache_threshold: this request's step-cache threshold (`features.step_cache`; None: the server's own).
     Requests with equal `batch_key` can share one pipeline call (with input images: the same images).
     """
 
@@ -65,6 +66,7 @@ class GenerationRequest:
     n: int = 1
     inputs: InputImages | None = None
     lora: tuple = ()
+    cache_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in ("image", "video"):
@@ -87,6 +89,8 @@ class GenerationRequest:
                 isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) and isinstance(a[1], float)
                 for a in self.lora):
             raise ValueError(f"expected lora as ((name, scale), ...) with float scales, got {self.lora!r}")
+        if self.cache_threshold is not None and not (math.isfinite(self.cache_threshold) and self.cache_threshold >= 0):
+            raise ValueError(f"expected cache_threshold >= 0, got {self.cache_threshold}")
 
     @property
     def batch_key(self) -> tuple:
@@ -95,7 +99,7 @@ class GenerationRequest:
         # set: only requests of the same adapters at the same scales share it.
         return (self.kind, self.width, self.height, self.steps, self.guidance, self.num_frames,
                 self.true_cfg_scale, self.negative_prompt is not None,
-                None if self.inputs is None else self.inputs.key(self.seed), self.lora)
+                None if self.inputs is None else self.inputs.key(self.seed), self.lora, self.cache_threshold)
 
     def per_image(self) -> list["GenerationRequest"]:
         """The `n` one-image requests of this one (seeds seed, seed+1, ...): what a server batches."""

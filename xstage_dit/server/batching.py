@@ -102,10 +102,16 @@ class Batcher:
         self.metrics = metrics
         self._decisions: dict[tuple, Decision] = {}
         self._lock = threading.Lock()
+        self.alone: str | None = None  # why every request runs alone, whatever the policy (`run_alone`)
+
+    def run_alone(self, reason: str) -> None:
+        """Every request runs in its own pipeline call from now on, whatever the policy (a step cache: its state
+        and decisions are one request's), with `reason` in the decisions and the report."""
+        self.alone = reason
 
     @property
     def wants_probe(self) -> bool:
-        return self.policy == "auto" and self.max_batch_size > 1
+        return self.policy == "auto" and self.max_batch_size > 1 and self.alone is None
 
     def record(self, probe: Probe) -> Decision:
         decision = decide(probe, self.margin)
@@ -117,6 +123,8 @@ class Batcher:
         return decision
 
     def decision(self, batch_key: tuple) -> Decision:
+        if self.alone is not None:
+            return Decision(False, self.alone)
         if self.policy == "always":
             return Decision(True, "batching policy 'always'")
         if self.policy == "never" or self.max_batch_size == 1:
@@ -133,4 +141,5 @@ class Batcher:
         with self._lock:
             items = list(self._decisions.items())
         return {"policy": self.policy, "margin": self.margin, "max_batch_size": self.max_batch_size,
+                **({"alone": self.alone} if self.alone is not None else {}),
                 "sizes": {_label(s): {"batch": d.batch, "reason": d.reason, "speedup": d.speedup} for s, d in items}}

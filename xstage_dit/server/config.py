@@ -52,6 +52,8 @@ class ServedModel:
         input images (`conditioning.warmup_inputs`), the shapes its requests have.
     lora: the LoRA manager (`features.lora.LoraManager`: the adapters requests may name, which are resident) of
         rank 0; None: the server serves no LoRA.
+    step_cache: the step cache the pipeline runs (`StepCacheConfig.describe()`: method and parameters), None for
+        none; cache_threshold: whether a request may set its own threshold (``cache_threshold``).
     """
 
     name: str
@@ -71,6 +73,8 @@ class ServedModel:
     image_inputs: ImageInputFacts | None = None
     warm_with_images: bool = False
     lora: Any = field(default=None, compare=False, repr=False)
+    step_cache: dict | None = None
+    cache_threshold: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.name), "model name", "a non-empty string", self.name)

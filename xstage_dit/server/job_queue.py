@@ -71,6 +71,7 @@ class Job:
     gc_s: float | None = None  # Python garbage-collection pauses (any thread) during the pipeline call
     encoding: Any = None  # image jobs: the `media.ImageEncoding` of their outputs (None: PNG)
     partial_images: int = 0  # image jobs: decoded previews a stream asked for (`server.previews`)
+    cache_stats: dict | None = None  # its step cache's counts over its calls (`features.step_cache`), or None
     cancel_requested: bool = False
     _subscribers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, bool]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -106,7 +107,8 @@ class Job:
             # One step: its only interval also holds prompt encoding and decoding, the best bound there is.
             mean_step = run / self.steps_done
         return {"queued_s": queued, "run_s": run, "total_s": total, "mean_step_s": mean_step,
-                "pipeline_s": self.pipeline_s, "encode_s": self.encode_s, "gc_s": self.gc_s}
+                "pipeline_s": self.pipeline_s, "encode_s": self.encode_s, "gc_s": self.gc_s,
+                "step_cache": self.cache_stats}
 
     # --- subscribers (asyncio side) ---
     def subscribe(self, progress: bool = True) -> asyncio.Queue:
@@ -178,6 +180,22 @@ class Batch:
     @property
     def size(self) -> int:
         return len(self.items)
+
+
+def _cache_of(job: Job, owners: list, calls: list) -> dict | None:
+    """The step-cache counts of `job`'s calls added up: its items' calls (a call whose items are all its own)."""
+    total, row = None, 0
+    for count, stats in calls:
+        mine = owners[row:row + count]
+        row += count
+        if stats is None or not mine or any(owner is not job for owner in mine):
+            continue
+        if total is None:
+            total = dict(stats)
+        else:
+            total["computed"] += stats["computed"]
+            total["skipped"] += stats["skipped"]
+    return total
 
 
 class JobQueue:
@@ -356,10 +374,10 @@ class JobQueue:
         return alive
 
     def complete(self, batch: Batch, outputs: list[bytes], run_s: float, encode_s: float | None = None,
-                 gc_s: float | None = None) -> None:
+                 gc_s: float | None = None, cache: list | None = None) -> None:
         """Hand each job its outputs (`outputs[i]` for `batch.items[i]`); run_s: the pipeline call's seconds,
-        encode_s: the encoding's, gc_s: garbage-collection pauses during the call (all shown in the job's
-        timings)."""
+        encode_s: the encoding's, gc_s: garbage-collection pauses during the call, cache: (items, step-cache
+        counts) per pipeline call in item order (`RunResult.cache`), summed per job (all shown in its timings)."""
         if len(outputs) != batch.size:
             raise ValueError(f"expected {batch.size} outputs for the batch, got {len(outputs)}")
         with self._cond:
@@ -371,6 +389,7 @@ class JobQueue:
                 job.results = [out for out, owner in zip(outputs, batch.owners) if owner is job]
                 job.steps_done = job.steps_total
                 job.pipeline_s, job.encode_s, job.gc_s = run_s, encode_s, gc_s
+                job.cache_stats = _cache_of(job, batch.owners, cache or [])
                 self._end_running_locked(job, COMPLETED, None, None)
         self._gauge()
 

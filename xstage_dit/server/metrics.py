@@ -50,6 +50,16 @@ class Metrics:
                                      "1 when a measured batch gave the same bytes as single runs, per size.",
                                      ["size"], registry=r)
         self.items = Counter("xstage_generated_items", "Images or videos generated.", ["kind"], registry=r)
+        self.cache_computed = Counter("xstage_step_cache_computed", "Work the step cache computed, by method and "
+                                      "unit (steps, attention calls).", ["method", "unit"], registry=r)
+        self.cache_skipped = Counter("xstage_step_cache_skipped", "Work the step cache skipped (reused or "
+                                     "predicted), by method and unit.", ["method", "unit"], registry=r)
+
+    def count_step_cache(self, stats: dict | None) -> None:
+        """A completed job's step-cache counts (`Job.cache_stats`; None: no step cache) into the counters."""
+        if stats is not None:
+            self.cache_computed.labels(stats["method"], stats["unit"]).inc(stats["computed"])
+            self.cache_skipped.labels(stats["method"], stats["unit"]).inc(stats["skipped"])
 
     def watch_gc(self, pauses: GcPauses) -> None:
         """Expose `pauses`' running totals: xstage_gc_collections_total and xstage_gc_pause_seconds_total by

@@ -56,6 +56,14 @@ LORA_FIELD = Field(None, description="LoRA adapters for this request, combined i
 LoraList = list[LoraEntry | str] | None
 
 
+class StepCacheCounts(BaseModel):
+    method: str = Field(..., description="The server's step cache (--cache): fbcache, taylorseer, magcache, ...")
+    unit: str = Field(..., description="What was counted: 'steps' (denoising steps computed fully or with the "
+                                       "cached blocks) or 'attention calls' (pab, fastercache).")
+    computed: int
+    skipped: int
+
+
 class Timings(BaseModel):
     queued_s: float | None = Field(None, description="Time waiting in the queue.")
     run_s: float | None = Field(None, description="Time in the pipeline (the whole batch).")
@@ -66,6 +74,8 @@ class Timings(BaseModel):
     encode_s: float | None = Field(None, description="PNG/MP4 encoding of the batch's outputs.")
     gc_s: float | None = Field(
         None, description="Python garbage-collection pauses (any thread) during the batch's pipeline call.")
+    step_cache: StepCacheCounts | None = Field(
+        None, description="The request's step cache: what it computed and skipped (null: no step cache runs).")
 
 
 class ErrorBody(BaseModel):
@@ -145,7 +155,8 @@ def common_params(req, served: ServedModel, config: ServerConfig, kind: str) -> 
     if not 0 <= seed <= MAX_SEED:
         raise RequestError("seed", f"expected an integer in [0, 2**63-1], got {seed}")
     return dict(kind=kind, prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
-                guidance=float(guidance), seed=seed, lora=lora_params(getattr(req, "lora", None), served))
+                guidance=float(guidance), seed=seed, lora=lora_params(getattr(req, "lora", None), served),
+                cache_threshold=cache_threshold(req, served))
 
 
 def lora_params(entries, served: ServedModel) -> tuple[tuple[str, float], ...]:
@@ -168,3 +179,20 @@ def lora_params(entries, served: ServedModel) -> tuple[tuple[str, float], ...]:
             raise RequestError("lora", f"no adapter {name!r} (available: {', '.join(sorted(available)) or 'none'})",
                                404)
     return wanted
+
+
+def cache_threshold(req, served: ServedModel) -> float | None:
+    """The request's ``cache_threshold`` checked against the served step cache (None where not given)."""
+    value = getattr(req, "cache_threshold", None)
+    if value is None:
+        return None
+    if served.step_cache is None:
+        raise RequestError("cache_threshold", f"this server runs no step cache (start it with --cache fbcache or "
+                                              f"magcache), got {value}", 400)
+    if not served.cache_threshold:
+        raise RequestError("cache_threshold", f"the server's step cache {served.step_cache['method']} decides "
+                                              f"without a threshold (a step counter or a fixed schedule), got {value}",
+                           400)
+    if not (math.isfinite(value) and 0 <= value <= 100):
+        raise RequestError("cache_threshold", f"expected a number in [0, 100], got {value}")
+    return float(value)

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from xstage_dit.features.instance_attr import set_on_instance
+from xstage_dit.features.step_cache import cache_request
 from xstage_dit.runtime.generation import GenerationRequest, output_pixels, pipeline_kwargs, run_pipeline
 from xstage_dit.runtime.memory import refuse_out_of_memory
 from xstage_dit.server.config import ServedModel
@@ -85,12 +86,14 @@ class StepClock:
 class RunResult:
     """pixels: uint8, (batch, H, W, C) images or (batch, frames, H, W, C) videos (`generation.output_pixels`).
     step_times: seconds of every step after the first of each pipeline call (GPU time on a GPU).
+    cache: per pipeline call, its items and its step cache's counts (`features.step_cache`; None without one).
     video_stream: the MP4 encoded during the call (`video_stream.StreamedVideo`), when one was asked for and the
     pipeline streams: ``finish(pixels[0])`` it, or ``discard()`` the result."""
 
     pixels: np.ndarray
     step_times: list[float] = field(default_factory=list)
     video_stream: StreamedVideo | None = None
+    cache: list[tuple[int, dict | None]] = field(default_factory=list)  # (items, step-cache counts) per call
 
     def discard(self) -> None:
         """Drop what the result still holds open (a video stream nobody will finish); idempotent."""
@@ -131,7 +134,8 @@ class BatchRunner:
             return self._call(items, on_step, stream_video, previews)
         singles = [one for item in items for one in item.per_image()]
         parts = [self._call([one], on_step, previews=previews, first_row=row) for row, one in enumerate(singles)]
-        return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times])
+        return RunResult(np.concatenate([p.pixels for p in parts]), [t for p in parts for t in p.step_times],
+                         cache=[c for p in parts for c in p.cache])
 
     def warmup(self, item: GenerationRequest, on_step: Callable[[int, int, int, list], bool]) -> RunResult:
         """`run` of one warm-up item (or the batcher's probe batch); with LoRA hot-swap slots, once more with the
@@ -175,8 +179,13 @@ class BatchRunner:
         stream = None
         if stream_video and items[0].kind == "video" and len(items) == 1 and items[0].n == 1 and streams(self.pipe):
             stream = StreamedVideo(self.pipe, items[0].fps)
+        cache_stats: list = []
+
         def call() -> np.ndarray:
-            out = run_pipeline(self.pipe, **kwargs)
+            # the step cache's state is this call's own (reset before it), and its counts are read after it
+            with cache_request(self.pipe, steps=total, threshold=items[0].cache_threshold) as cached:
+                out = run_pipeline(self.pipe, **kwargs)
+            cache_stats.append(cached.stats)
             if stream is not None:
                 stream.detach()
             # uint8 on the host, rounded on the GPU (output_type "pt"): the one copy after the last step waits for it.
@@ -196,7 +205,7 @@ class BatchRunner:
             raise
         finally:
             undo_step()
-        return RunResult(pixels, step_times, stream)
+        return RunResult(pixels, step_times, stream, cache=[(count, cache_stats[-1])])
 
 
 def _after_scheduler_steps(pipe: Any, on_step: Callable[[int], Any]) -> Callable[[], None]:

@@ -50,6 +50,7 @@ from xstage_dit.server.metrics import Metrics
 from xstage_dit.server.previews import PreviewPlan
 from xstage_dit.server.ranks import ControlChannel, ControlError, LoadedModel, RankContext, RankDesync, _store
 from xstage_dit.server.runner import BatchRunner, BatchStopped, RunResult
+from xstage_dit.server.step_cache import adopt_step_cache
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +275,7 @@ class Worker:
             self.metrics.world_size.set(self.ctx.world_size)
             started = time.perf_counter()
             self.model = self.load(self.ctx)
+            adopt_step_cache(self.model, self.batcher)
             runner = self._runner()
             self._warmup(runner)
             self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
@@ -396,12 +398,13 @@ class Worker:
             m.errors.labels("pipeline").inc()
             self.queue.fail_batch(batch, f"generation failed: encoding failed: {exc}", 500)
         else:
-            self.queue.complete(batch, outputs, run_s, encode_s, gc_s)
+            self.queue.complete(batch, outputs, run_s, encode_s, gc_s, result.cache)
             m.batch_latency.observe(run_s)
             for job in batch.jobs:
                 if job.status == "completed":
                     m.request_latency.labels(job.kind).observe(job.timings()["total_s"])
                     m.items.labels(job.kind).inc(len(job.items))
+                    m.count_step_cache(job.cache_stats)
         self.queue.release(batch)
 
     def _monitor(self, store) -> None:
@@ -459,6 +462,7 @@ class Worker:
         store = _store(self.ctx, port, is_master=False)
         started = time.perf_counter()
         self.model = self.load(self.ctx)
+        adopt_step_cache(self.model, self.batcher)
         runner = self._runner()
         self._warmup(runner)
         store.set(f"ready/{self.ctx.rank}", json.dumps({

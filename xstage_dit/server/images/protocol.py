@@ -79,6 +79,9 @@ class ImageGenerationRequest(StrictModel):
     seed: int | None = Field(None, description="Seed of the first image; random when omitted (returned).")
     negative_prompt: str | None = Field(None, description="What to avoid (pipelines that support it).")
     lora: LoraList = LORA_FIELD
+    cache_threshold: float | None = Field(
+        None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; "
+                          "0 never skips with fbcache); default: the server's.")
 
 
 class ImageData(BaseModel):

@@ -40,6 +40,9 @@ class VideoCreateRequest(StrictModel):
     seed: int | None = None
     negative_prompt: str | None = None
     lora: LoraList = LORA_FIELD
+    cache_threshold: float | None = Field(
+        None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; "
+                          "0 never skips with fbcache); default: the server's.")
 
 
 class VideoError(BaseModel):
