@@ -148,13 +148,24 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
     expand = {name: cache_entries(name, methods, every) for name in CACHE_CONTENDERS if name in names}
     contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
                                  compile_also=compile_also, expand=expand)
+    _measure_all(b, contenders, report, settings, args.rounds, info.rank)
+    report.finish()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in report.rows)
+    return 0 if base_ok or BASELINE not in names else 1
+
+
+def _measure_all(b: Bench, contenders: list, report: Report, settings: dict, rounds: int, rank: int) -> None:
+    """Measure every contender into `report`: our eager group in interleaved rounds where asked, then the others in
+    order, each checked first (a row that cannot run says why) and compared with the baseline's output."""
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
-    interleaved = ([c for c in contenders if c.family in OUR_FAMILIES and not c.compile]
-                   if args.rounds >= 2 else [])
+    interleaved = [c for c in contenders if c.family in OUR_FAMILIES and not c.compile] if rounds >= 2 else []
     baseline_row, reference = None, None
     if interleaved:
-        baseline_row, reference = measure_in_rounds(b, interleaved, args.rounds, report)
+        baseline_row, reference = measure_in_rounds(b, interleaved, rounds, report)
     for contender in contenders:
         if contender in interleaved:
             continue
@@ -163,18 +174,12 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
             report.put(unmeasured_row(contender, status, reason))
             continue
         prepare_pipeline(b, contender, settings)
-        if info.rank == 0:
+        if rank == 0:
             print(f"[bench] {contender.name}: running", flush=True)
         row, output = measure(b, contender, reference)
         if contender.name == BASELINE and row["status"] == "ok":
             baseline_row, reference = row, output
         report.put(row)
-    report.finish()
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    base_ok = any(r["name"] == BASELINE and r["status"] == "ok" for r in report.rows)
-    return 0 if base_ok or BASELINE not in names else 1
 
 
 def main(argv: list[str] | None = None) -> int:

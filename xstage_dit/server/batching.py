@@ -24,13 +24,18 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
+
+import numpy as np
 
 POLICIES = ("auto", "always", "never")
 DEFAULT_MARGIN = 0.10
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,3 +148,22 @@ class Batcher:
         return {"policy": self.policy, "margin": self.margin, "max_batch_size": self.max_batch_size,
                 **({"alone": self.alone} if self.alone is not None else {}),
                 "sizes": {_label(s): {"batch": d.batch, "reason": d.reason, "speedup": d.speedup} for s, d in items}}
+
+    def probe(self, runner: Any, item: Any, single: Any, n: int) -> None:
+        """Measure a batch of `n` at `item`'s size on `runner` (the worker's `BatchRunner`) against `single` (its
+        one-image run) and record the decision. A batch that fails (out of memory, ...) leaves that size FIFO."""
+        never = lambda *_: True  # noqa: E731
+        width, height = item.width, item.height
+        started = time.perf_counter()
+        try:
+            batch = runner.warmup(replace(item, n=n), never)  # with LoRA slots: their batched graphs too
+            alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
+        except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
+            log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
+                        str(exc).splitlines()[0][:200])
+            return
+        identical = all(np.array_equal(b, a) for b, a in zip(batch.pixels, alone))
+        probe = Probe((width, height, item.num_frames), n, min(single.step_times), min(batch.step_times), identical)
+        decision = self.record(probe)
+        log.info("batching %dx%d: %s -> %s (probe %.2f s)", width, height, decision.reason,
+                 "batch" if decision.batch else "FIFO", time.perf_counter() - started)

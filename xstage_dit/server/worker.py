@@ -31,10 +31,7 @@ import socket
 import threading
 import time
 import traceback
-from dataclasses import replace
 from typing import Callable
-
-import numpy as np
 
 from xstage_dit.runtime.conditioning import warmup_inputs
 from xstage_dit.runtime.generation import GenerationRequest
@@ -142,10 +139,11 @@ class Worker:
         return sizes
 
     def _runner(self) -> BatchRunner:
-        """The runner; an image pipeline computes a batch as its images alone (`features.batch_invariance`, as
-        `generate` does: the same bytes), so batching can keep the promise of docs/serving.md. The loader's engine applied
-        it (`startup.model_loader`); a pipeline handed in as it is (in-process servers) gets it here, through an
-        engine of that one feature, undone when the worker stops. Same on every rank."""
+        """The runner (the model's step cache adopted first); an image pipeline computes a batch as its images alone
+        (`features.batch_invariance`, as `generate` does: the same bytes), so batching can keep the promise of
+        docs/serving.md. The loader's engine applied it (`startup.model_loader`); a pipeline handed in as it is
+        (in-process servers) gets it here, through an engine of that one feature, undone when the worker stops."""
+        adopt_step_cache(self.model, self.batcher)
         if self.model.engine is None and self._own_engine is None:
             from xstage_dit.engine import Engine, EngineConfig
             from xstage_dit.features.compile import CompileConfig
@@ -212,26 +210,7 @@ class Worker:
             log.info("warm-up %dx%d (2 steps) took %.2f s", width, height, time.perf_counter() - started)
             if not self.batcher.wants_probe or s.kind != "image" or (inputs is not None and inputs.alone):
                 continue  # a batch of videos never pays and may not fit: videos run FIFO (an "alone" edit, too)
-            self._probe(runner, item, single)
-
-    def _probe(self, runner: BatchRunner, item: GenerationRequest, single) -> None:
-        """Measure a batch of max_batch_size at `item`'s size against `single` (its one-image run) and
-        record the decision. A batch that fails (out of memory, ...) leaves that size FIFO, logged."""
-        never = lambda *_: True  # noqa: E731
-        n, (width, height) = self.config.max_batch_size, (item.width, item.height)
-        started = time.perf_counter()
-        try:
-            batch = runner.warmup(replace(item, n=n), never)  # with LoRA slots: their batched graphs too
-            alone = [single.pixels[0]] + [runner.run([replace(item, seed=i)], never).pixels[0] for i in range(1, n)]
-        except Exception as exc:  # noqa: BLE001 - the size stays unmeasured, so FIFO
-            log.warning("batching %dx%d: the probe batch of %d failed (%s): FIFO", width, height, n,
-                        str(exc).splitlines()[0][:200])
-            return
-        identical = all(np.array_equal(b, a) for b, a in zip(batch.pixels, alone))
-        probe = Probe((width, height, item.num_frames), n, min(single.step_times), min(batch.step_times), identical)
-        decision = self.batcher.record(probe)
-        log.info("batching %dx%d: %s -> %s (probe %.2f s)", width, height, decision.reason,
-                 "batch" if decision.batch else "FIFO", time.perf_counter() - started)
+            self.batcher.probe(runner, item, single, self.config.max_batch_size)
 
     # ----- rank 0 -----
     def start(self) -> "Worker":
@@ -275,7 +254,6 @@ class Worker:
             self.metrics.world_size.set(self.ctx.world_size)
             started = time.perf_counter()
             self.model = self.load(self.ctx)
-            adopt_step_cache(self.model, self.batcher)
             runner = self._runner()
             self._warmup(runner)
             self.ranks[0] = {"rank": 0, "pid": os.getpid(), "host": socket.gethostname(),
@@ -391,8 +369,8 @@ class Worker:
             started = time.perf_counter()
             stream, result.video_stream = result.video_stream, None
             streamed = stream.finish(result.pixels[0]) if stream is not None else None
-            outputs = [streamed] if streamed is not None else encode_batch(
-                result.pixels, batch.items, [job.encoding for job in batch.owners])
+            encodings = [job.encoding for job in batch.owners]
+            outputs = [streamed] if streamed is not None else encode_batch(result.pixels, batch.items, encodings)
             encode_s = time.perf_counter() - started
         except Exception as exc:  # noqa: BLE001
             m.errors.labels("pipeline").inc()
@@ -462,7 +440,6 @@ class Worker:
         store = _store(self.ctx, port, is_master=False)
         started = time.perf_counter()
         self.model = self.load(self.ctx)
-        adopt_step_cache(self.model, self.batcher)
         runner = self._runner()
         self._warmup(runner)
         store.set(f"ready/{self.ctx.rank}", json.dumps({
