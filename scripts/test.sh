@@ -12,4 +12,14 @@ for arg in "$@"; do
     -q|--quiet|-qq|-v|--verbose|-vv|-vvv|--verbosity=*) verbosity=() ;;
   esac
 done
-exec python -m pytest "${verbosity[@]}" "$@"
+# Two test processes by default (pytest-xdist; the CI machine has 2 cores), whole files to a process so a module's
+# server or pipeline fixture is built once: XSTAGE_TEST_WORKERS=0 (or -n / -p no:xdist on the command line) runs
+# in this process alone.
+workers=(-n "${XSTAGE_TEST_WORKERS:-2}" --dist loadfile)
+[ "${XSTAGE_TEST_WORKERS:-2}" = "0" ] && workers=()
+for arg in "$@"; do
+  case "$arg" in
+    -n|-n*|--numprocesses*|no:xdist) workers=() ;;
+  esac
+done
+exec python -m pytest "${verbosity[@]}" "${workers[@]}" "$@"
