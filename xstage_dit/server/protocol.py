@@ -49,6 +49,9 @@ class LoraEntry(StrictModel):
     scale: float = Field(1.0, description=f"How much of it is added, in [{MIN_SCALE:g}, {MAX_SCALE:g}] (0: none).")
 
 
+CACHE_THRESHOLD_FIELD = Field(
+    None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; 0 never "
+                      "skips with fbcache); default: the server's.")
 LORA_FIELD = Field(None, description="LoRA adapters for this request, combined in the order given: objects "
                                      "{name, scale} or bare names (scale 1.0). Requests run in one batch only with "
                                      "requests of the same adapters and scales.",

@@ -28,7 +28,8 @@ from pydantic import BaseModel, Field
 from xstage_dit.runtime.generation import MAX_SEED, GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.media import ImageEncoding
-from xstage_dit.server.protocol import LORA_FIELD, LoraList, RequestError, StrictModel, Timings, common_params
+from xstage_dit.server.protocol import (CACHE_THRESHOLD_FIELD, LORA_FIELD, LoraList, RequestError, StrictModel,
+                                        Timings, common_params)
 
 #: quality -> fraction of the model's default steps (rounded half up, at least 1, at most --max-steps).
 #: "standard" / "hd" are DALL-E 3's names for medium / high; "auto" is the model's default.
@@ -79,9 +80,7 @@ class ImageGenerationRequest(StrictModel):
     seed: int | None = Field(None, description="Seed of the first image; random when omitted (returned).")
     negative_prompt: str | None = Field(None, description="What to avoid (pipelines that support it).")
     lora: LoraList = LORA_FIELD
-    cache_threshold: float | None = Field(
-        None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; "
-                          "0 never skips with fbcache); default: the server's.")
+    cache_threshold: float | None = CACHE_THRESHOLD_FIELD
 
 
 class ImageData(BaseModel):

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.image_input import reference_inputs
-from xstage_dit.server.protocol import LORA_FIELD, LoraList, RequestError, StrictModel, Timings, common_params
+from xstage_dit.server.protocol import (CACHE_THRESHOLD_FIELD, LORA_FIELD, LoraList, RequestError, StrictModel,
+                                        Timings, common_params)
 
 
 class VideoCreateRequest(StrictModel):
@@ -40,9 +41,7 @@ class VideoCreateRequest(StrictModel):
     seed: int | None = None
     negative_prompt: str | None = None
     lora: LoraList = LORA_FIELD
-    cache_threshold: float | None = Field(
-        None, description="This request's step-cache threshold (servers started with --cache fbcache or magcache; "
-                          "0 never skips with fbcache); default: the server's.")
+    cache_threshold: float | None = CACHE_THRESHOLD_FIELD
 
 
 class VideoError(BaseModel):
