@@ -13,7 +13,7 @@ from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.lora import AdapterError, AdapterLimit, UnknownAdapter
 from xstage_dit.features.stack import ORDER
-from tests.helpers.lora import QV_ONLY, image, same_snapshot, snapshot, write_kohya_flux, write_peft
+from tests.helpers.lora import diffusers_references, image, same_snapshot, snapshot, write_kohya_flux, write_peft
 from tests.helpers.server import one_torch_thread
 
 
@@ -42,15 +42,7 @@ def _engine(model: str, lora_dir, **fields) -> Engine:
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage"])
 def test_each_adapter_set_gives_diffusers_own_image_in_any_order(model, tmp_path):
     ref = _load(model)
-    a = write_peft(ref.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
-    b = write_peft(ref.transformer, tmp_path / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
-    plain = image(ref, model)
-    ref.load_lora_weights(str(a), adapter_name="a")
-    ref.load_lora_weights(str(b), adapter_name="b")
-    want = {}
-    for key, names, scales in (("a", ["a"], [0.7]), ("b", ["b"], [1.0]), ("ab", ["a", "b"], [0.7, -0.5])):
-        ref.set_adapters(names, scales)
-        want[key] = image(ref, model)
+    plain, want = diffusers_references(ref, model, tmp_path, (0.7, -0.5))
 
     engine = _engine(model, tmp_path)
     pipe = engine.pipe

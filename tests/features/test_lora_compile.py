@@ -12,7 +12,7 @@ import torch
 from xstage_dit import _torch_private as tp
 from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig
-from tests.helpers.lora import QV_ONLY, image, write_peft
+from tests.helpers.lora import diffusers_references, image
 from tests.helpers.server import one_torch_thread
 
 
@@ -26,15 +26,7 @@ def test_swapping_adapters_never_recompiles_after_warm_up(slots, tmp_path):
     model = "tiny-flux"
     with one_torch_thread():
         ref = load_pipeline(model, dtype=torch.float32, device="cpu", seed=0)
-        a = write_peft(ref.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
-        b = write_peft(ref.transformer, tmp_path / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
-        plain = image(ref, model)
-        ref.load_lora_weights(str(a), adapter_name="a")
-        ref.load_lora_weights(str(b), adapter_name="b")
-        want = {}
-        for key, names, scales in (("a", ["a"], [0.7]), ("b", ["b"], [1.0]), ("ab", ["a", "b"], [0.7, 0.5])):
-            ref.set_adapters(names, scales)
-            want[key] = image(ref, model)
+        plain, want = diffusers_references(ref, model, tmp_path, (0.7, 0.5))
 
         engine = Engine(EngineConfig(model=model, device="cpu", compile=CompileConfig("regional", backend="eager"),
                                      lora_dir=str(tmp_path), max_lora_rank=4, max_loras_per_request=slots))

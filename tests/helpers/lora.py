@@ -65,6 +65,23 @@ def image(pipe, model: str, seed: int = 3, **values) -> np.ndarray:
     return np.asarray(out.frames if spec.kind == "video" else out.images, dtype=np.float32)
 
 
+def diffusers_references(ref, model: str, folder: Path, ab_scales: tuple[float, float]) -> tuple[np.ndarray, dict]:
+    """The reference images of two random adapters through diffusers' own LoRA API on the untouched pipeline `ref`:
+    adapter ``a`` (rank 4, every attention and MLP projection) and ``b`` (rank 2, q and v only) are written under
+    `folder` and loaded with ``load_lora_weights``; returns (the image without adapters, {"a": a at 0.7, "b": b at
+    1.0, "ab": a and b at `ab_scales`}), each set with ``set_adapters``."""
+    a = write_peft(ref.transformer, folder / "a.safetensors", rank=4, seed=1)
+    b = write_peft(ref.transformer, folder / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
+    plain = image(ref, model)
+    ref.load_lora_weights(str(a), adapter_name="a")
+    ref.load_lora_weights(str(b), adapter_name="b")
+    want = {}
+    for key, names, scales in (("a", ["a"], [0.7]), ("b", ["b"], [1.0]), ("ab", ["a", "b"], list(ab_scales))):
+        ref.set_adapters(names, scales)
+        want[key] = image(ref, model)
+    return plain, want
+
+
 def snapshot(transformer: torch.nn.Module) -> tuple:
     """What "nothing changed" compares: module types by name, own attributes, and every weight's values."""
     types = tuple((n, type(m).__name__) for n, m in transformer.named_modules())
