@@ -10,13 +10,9 @@ import pytest
 import torch
 
 from xstage_dit.cli import main
-from xstage_dit.features.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from xstage_dit.server.ranks import RankContext
-from xstage_dit.server.startup import model_loader
-from xstage_dit.server.worker import Worker
-from tests.helpers.lora import QV_ONLY, write_peft
+from tests.helpers.lora import QV_ONLY, lora_worker, write_peft
 from tests.helpers.server import live_server, one_torch_thread
 
 ARGS = ["--model", "tiny-flux", "--prompt", "a red fox", "--seed", "7", "--steps", "2", "--width", "32", "--height",
@@ -45,11 +41,9 @@ def test_generate_with_adapters_gives_the_served_png(tmp_path):
     plain = _generate(tmp_path, "plain")
     by_path = _generate(tmp_path, "path", "--lora", f"{lora_dir / 'style.safetensors'}:0.7")
     by_name = _generate(tmp_path, "name", "--lora-dir", str(lora_dir), "--lora", "style:0.7", "--lora", "detail")
-    worker = Worker(model_loader("tiny-flux", ParallelConfig(), lora={"lora_dir": str(lora_dir)}),
-                    ServerConfig(api_key=None, warmup=False, max_batch_size=1),
-                    join=lambda: RankContext(device=torch.device("cpu"))).start()
+    worker = lora_worker("tiny-flux", {"lora_dir": str(lora_dir)}, ServerConfig(api_key=None, warmup=False,
+                                                                              max_batch_size=1))
     try:
-        assert worker.wait_ready(300), worker.reason
         with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=300) as client:
             def served(lora):
                 r = client.post("/v1/images/generations", json={"prompt": "a red fox", "seed": 7, "size": "32x32",

@@ -92,3 +92,22 @@ def snapshot(transformer: torch.nn.Module) -> tuple:
 def same_snapshot(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and a[1] == b[1] and a[2].keys() == b[2].keys() and all(
         torch.equal(a[2][k], b[2][k]) for k in a[2])
+
+
+def lora_worker(model: str, lora: dict, config):
+    """A started, ready worker serving `model` on the CPU through the server's own loader (`startup.model_loader`)
+    with the LoRA options `lora` (EngineConfig's fields: ``lora_dir``, ``max_loras``, ...) and the `ServerConfig`
+    `config`; the caller stops it. A worker that does not become ready is stopped, then the test fails with its
+    reason."""
+    from xstage_dit.features.config import ParallelConfig
+    from xstage_dit.server.ranks import RankContext
+    from xstage_dit.server.startup import model_loader
+    from xstage_dit.server.worker import Worker
+
+    worker = Worker(model_loader(model, ParallelConfig(), lora=lora), config,
+                    join=lambda: RankContext(device=torch.device("cpu"))).start()
+    ready = worker.wait_ready(300)
+    if not ready:
+        worker.stop()
+    assert ready, worker.reason
+    return worker

@@ -15,13 +15,9 @@ import numpy as np
 import pytest
 import torch
 
-from xstage_dit.features.config import ParallelConfig
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from xstage_dit.server.ranks import RankContext
-from xstage_dit.server.startup import model_loader
-from xstage_dit.server.worker import Worker
-from tests.helpers.lora import QV_ONLY, write_peft
+from tests.helpers.lora import QV_ONLY, lora_worker, write_peft
 from tests.helpers.server import assert_same_image, decode_png, live_server, one_torch_thread
 
 BODY = {"prompt": "a red cat on a sofa", "seed": 7, "num_inference_steps": 2, "size": "32x32"}
@@ -38,13 +34,10 @@ def served(tmp_path_factory):
         write_peft(shapes, lora_dir / "a.safetensors", rank=4, seed=1)
         write_peft(shapes, lora_dir / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
         (lora_dir / "corrupt.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{not json")
-        loader = model_loader("tiny-flux", ParallelConfig(),
-                              lora={"lora_dir": str(lora_dir), "max_loras": 2, "max_loras_per_request": 2})
-        worker = Worker(loader, ServerConfig(api_key=None, warmup=False, max_batch_size=4, batch_wait_s=0.5,
-                                             batching="always"),
-                        join=lambda: RankContext(device=torch.device("cpu"))).start()
+        worker = lora_worker("tiny-flux", {"lora_dir": str(lora_dir), "max_loras": 2, "max_loras_per_request": 2},
+                             ServerConfig(api_key=None, warmup=False, max_batch_size=4, batch_wait_s=0.5,
+                                          batching="always"))
         try:
-            assert worker.wait_ready(300), worker.reason
             with live_server(create_app(worker)) as url:
                 yield url, worker, lora_dir
         finally:
@@ -164,11 +157,9 @@ def test_a_video_job_takes_adapters_too(tmp_path):
     with one_torch_thread():
         write_peft(load_pipeline("tiny-wan", dtype=torch.float32, device="cpu", seed=0).transformer,
                    tmp_path / "motion.safetensors", rank=4, seed=3)
-        worker = Worker(model_loader("tiny-wan", ParallelConfig(), lora={"lora_dir": str(tmp_path)}),
-                        ServerConfig(api_key=None, warmup=False, max_batch_size=1),
-                        join=lambda: RankContext(device=torch.device("cpu"))).start()
+        worker = lora_worker("tiny-wan", {"lora_dir": str(tmp_path)}, ServerConfig(api_key=None, warmup=False,
+                                                                                 max_batch_size=1))
         try:
-            assert worker.wait_ready(300), worker.reason
             with live_server(create_app(worker)) as url, httpx.Client(base_url=url, timeout=300) as client:
                 body = {"prompt": "a cat walking", "seed": 1, "num_inference_steps": 2}
                 missing = client.post("/v1/videos", json={**body, "lora": ["nope"]})
