@@ -44,6 +44,15 @@ def mask_from_image(mask: Image.Image) -> Image.Image:
     return mask.convert("L")
 
 
+def refuse_untaken(images: int, mask: bool, model: str) -> None:
+    """`ImageInputError` where `model`'s pipeline, which takes no image, is given `images` images or a mask (what
+    `InputImages.of` raises for it; callable before any image is decoded)."""
+    if images or mask:
+        what = "image" if images else "mask"
+        raise ImageInputError(what, f"expected no input {what} for {model} (its pipeline takes none), got "
+                                    f"{images if images else 1}")
+
+
 @dataclass(frozen=True, eq=False)
 class InputImages:
     """The conditioning images of one request: `images` (RGB, in order) and `mask` (grayscale, white = repaint, the
@@ -74,10 +83,7 @@ class InputImages:
             if not isinstance(image, Image.Image):
                 raise ImageInputError("image", f"expected PIL images, got {type(image).__name__} at position {i}")
         if facts is None:
-            if images or mask is not None:
-                what = "image" if images else "mask"
-                raise ImageInputError(what, f"expected no input {what} for {model} (its pipeline takes none), got "
-                                            f"{len(images) if images else 1}")
+            refuse_untaken(len(images), mask is not None, model)
             return None
         if not facts.min_images <= len(images) <= facts.max_images:
             expected = (f"{facts.max_images}" if facts.min_images == facts.max_images

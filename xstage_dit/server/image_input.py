@@ -24,7 +24,7 @@ from typing import Any
 
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from xstage_dit.runtime.conditioning import ImageInputError, InputImages
+from xstage_dit.runtime.conditioning import ImageInputError, InputImages, refuse_untaken
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.protocol import RequestError
 
@@ -110,7 +110,10 @@ def reference_inputs(value: Any, served: ServedModel, config: ServerConfig,
     text-to-video model given one (refused before its bytes are decoded), or an image-to-video model given none: 4xx
     naming `param`."""
     if value is not None and served.image_inputs is None:
-        raise RequestError(param, f"expected no input image for {served.name} (its pipeline takes none), got 1", 400)
+        try:
+            refuse_untaken(1, False, served.name)
+        except ImageInputError as exc:
+            raise RequestError(param, exc.detail, 400) from None
     images = [] if value is None else [decode_any(value, param, config.max_image_pixels)]
     return checked_inputs(served, images, image_param=param)
 
