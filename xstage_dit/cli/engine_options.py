@@ -90,19 +90,21 @@ def check_quantize(args: argparse.Namespace, device=None) -> None:
     else the CPU), before any rank starts or any weight loads."""
     if getattr(args, "quantize", "none") == "none":
         return
-    if getattr(args, "lora_dir", None) or getattr(args, "preload_loras", "") or getattr(args, "lora", []):
-        raise UsageError("--quantize fp8: expected no LoRA options with it (LoRA on FP8 linear layers is not "
-                         "supported), got --lora-dir, --preload-loras or --lora")
     import torch
 
+    from xstage_dit.engine.config import refuse_fp8_with_lora
     from xstage_dit.features.fp8 import require_fp8_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    lora = bool(getattr(args, "lora_dir", None) or getattr(args, "preload_loras", "") or getattr(args, "lora", []))
     try:
+        refuse_fp8_with_lora(args.quantize, lora)  # the engine's rule, before any rank starts
         require_fp8_device(torch.device(device), args.fp8_granularity)
     except ValueError as exc:
         raise UsageError(f"--quantize fp8: {exc}") from None
+
+
 def add_lora_options(parser: argparse.ArgumentParser, *, serve: bool) -> None:
     """The LoRA options (`features.lora`): --lora-dir, --max-loras, --max-lora-rank, --max-loras-per-request, and
     serve's --preload-loras a,b or generate's repeatable --lora NAME[:SCALE] (NAME a name in --lora-dir or a path)."""

@@ -24,7 +24,7 @@ from xstage_dit.features.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_L
 from xstage_dit.features.stack import StackConfig
 from xstage_dit.features.step_cache import StepCacheConfig
 
-__all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
+__all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE", "refuse_fp8_with_lora"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = ("image", "video")
@@ -42,6 +42,15 @@ def _device(value) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"expected a device cpu, cuda or cuda:N, got {value!r}")
     return device
+
+
+def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
+    """ValueError where FP8 (`quantize` "fp8") meets LoRA adapters (`lora`): PEFT's LoRA layers wrap the base
+    nn.Linear and read its weight, and on torchao's Float8Tensor weights that path is neither tested here nor
+    measured, so the combination is refused rather than guessed. The CLI checks it before any rank starts."""
+    if quantize == "fp8" and lora:
+        raise ValueError("expected quantize 'none' with LoRA adapters (lora_dir / preload_loras): LoRA on FP8 "
+                         "linear layers is not supported, got quantize 'fp8'")
 
 
 @dataclass(frozen=True)
@@ -118,11 +127,7 @@ class EngineConfig:
             raise ValueError(f"expected quantize in {', '.join(QUANTIZE)}, got {self.quantize!r}")
         if self.fp8_granularity not in GRANULARITIES:
             raise ValueError(f"expected fp8_granularity in {', '.join(GRANULARITIES)}, got {self.fp8_granularity!r}")
-        if self.quantize == "fp8" and (self.lora_dir is not None or self.preload_loras):
-            # PEFT's LoRA layers wrap the base nn.Linear and read its weight; on torchao's Float8Tensor weights that
-            # path is neither tested here nor measured, so the combination is refused rather than guessed.
-            raise ValueError("expected quantize 'none' with LoRA adapters (lora_dir / preload_loras): LoRA on FP8 "
-                             "linear layers is not supported, got quantize 'fp8'")
+        refuse_fp8_with_lora(self.quantize, self.lora_dir is not None or bool(self.preload_loras))
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"expected {name} to be True or False, got {getattr(self, name)!r}")
