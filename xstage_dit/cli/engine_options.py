@@ -92,8 +92,7 @@ def check_quantize(args: argparse.Namespace, device=None) -> None:
         return
     import torch
 
-    from xstage_dit.engine.config import refuse_fp8_with_lora
-    from xstage_dit.features.fp8 import require_fp8_device
+    from xstage_dit.features.fp8 import refuse_fp8_with_lora, require_fp8_device
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"

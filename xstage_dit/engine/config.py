@@ -18,13 +18,13 @@ import torch
 
 from xstage_dit.features.compile import CompileConfig, default_compile_mode
 from xstage_dit.features.config import ParallelConfig
-from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config
+from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config, refuse_fp8_with_lora
 from xstage_dit.features.lora import LoraServingConfig
 from xstage_dit.features.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST
 from xstage_dit.features.stack import StackConfig
 from xstage_dit.features.step_cache import StepCacheConfig
 
-__all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE", "refuse_fp8_with_lora"]
+__all__ = ["EngineConfig", "DTYPES", "KINDS", "QUANTIZE"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KINDS = ("image", "video")
@@ -42,15 +42,6 @@ def _device(value) -> torch.device:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"expected a device cpu, cuda or cuda:N, got {value!r}")
     return device
-
-
-def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
-    """ValueError where FP8 (`quantize` "fp8") meets LoRA adapters (`lora`): PEFT's LoRA layers wrap the base
-    nn.Linear and read its weight, and on torchao's Float8Tensor weights that path is neither tested here nor
-    measured, so the combination is refused rather than guessed. The CLI checks it before any rank starts."""
-    if quantize == "fp8" and lora:
-        raise ValueError("expected quantize 'none' with LoRA adapters (lora_dir / preload_loras): LoRA on FP8 "
-                         "linear layers is not supported, got quantize 'fp8'")
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ import torch
 
 from xstage_dit.families.registry import record_for_transformer
 
-__all__ = ["GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers", "require_fp8_device"]
+__all__ = ["GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers", "refuse_fp8_with_lora",
+           "require_fp8_device"]
 
 GRANULARITIES = ("row", "tensor", "weight")
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
@@ -81,6 +82,15 @@ def require_fp8_device(device: torch.device, granularity: str) -> None:
     if capability < _MIN_CAPABILITY:
         raise ValueError(f"FP8 {granularity}-wise GEMMs need compute capability >= 8.9, got "
                          f"{torch.cuda.get_device_name(device)} (sm{capability[0]}{capability[1]}) on {device}")
+
+
+def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
+    """ValueError where FP8 (`quantize` "fp8") meets LoRA adapters (`lora`): PEFT's LoRA layers wrap the base
+    nn.Linear and read its weight, and on torchao's Float8Tensor weights that path is neither tested here nor
+    measured, so the combination is refused rather than guessed. `EngineConfig` checks it, and the CLI before any rank starts."""
+    if quantize == "fp8" and lora:
+        raise ValueError("expected quantize 'none' with LoRA adapters (lora_dir / preload_loras): LoRA on FP8 "
+                         "linear layers is not supported, got quantize 'fp8'")
 
 
 def fp8_layers(transformer: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, str]]]:
