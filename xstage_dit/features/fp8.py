@@ -87,7 +87,8 @@ def require_fp8_device(device: torch.device, granularity: str) -> None:
 def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
     """ValueError where FP8 (`quantize` "fp8") meets LoRA adapters (`lora`): PEFT's LoRA layers wrap the base
     nn.Linear and read its weight, and on torchao's Float8Tensor weights that path is neither tested here nor
-    measured, so the combination is refused rather than guessed. `EngineConfig` checks it, and the CLI before any rank starts."""
+    measured, so the combination is refused rather than guessed. `EngineConfig` checks it, and the CLI before any
+    rank starts."""
     if quantize == "fp8" and lora:
         raise ValueError("expected quantize 'none' with LoRA adapters (lora_dir / preload_loras): LoRA on FP8 "
                          "linear layers is not supported, got quantize 'fp8'")
