@@ -3,8 +3,8 @@
 --no-host-syncs / --no-text-depth / --no-prompt-cache / --no-one-frame-vae: turn one feature of the stack off
 (each is on by default; `xstage_dit.features.stack.FEATURES` says what each does). --quantize fp8 (with
 --fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`). --cache (with its
---cache-* parameters) runs one of diffusers' step caches with one decision for all ranks (`xstage_dit.features.step_cache`).
-The compile options are `cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
+--cache-* parameters) runs one of diffusers' step caches with one decision for all ranks
+(`xstage_dit.features.step_cache`). The compile options are `cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
 """
 
 from __future__ import annotations
