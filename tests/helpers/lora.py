@@ -82,6 +82,45 @@ def diffusers_references(ref, model: str, folder: Path, ab_scales: tuple[float, 
     return plain, want
 
 
+def diffusers_fused_references(ref, model: str, sets) -> dict:
+    """The images diffusers' own ``set_adapters`` + ``fuse_lora(adapter_names=...)`` give on `ref` (its adapters
+    loaded, none fused): `sets` is ``((key, names, scales), ...)``; returns {key: image}. After each image the
+    adapters are unfused and every base weight is put back from a copy taken first (unmerging subtracts the delta
+    again, which does not give the weights back bit for bit)."""
+    bases = {name: m.base_layer for name, m in ref.transformer.named_modules()
+             if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)}
+    originals = {name: base.weight.detach().clone() for name, base in bases.items()}
+    out = {}
+    for key, names, scales in sets:
+        ref.set_adapters(list(names), list(scales))
+        ref.fuse_lora(adapter_names=list(names))
+        out[key] = image(ref, model)
+        ref.unfuse_lora()
+        with torch.no_grad():
+            for name, base in bases.items():
+                base.weight.copy_(originals[name])
+    return out
+
+
+def linear_weights(transformer: torch.nn.Module, names=None) -> dict[str, torch.Tensor]:
+    """name -> a copy of the weight of every Linear layer of `transformer` (a LoRA layer counts as the Linear it
+    wraps, under the same name; the adapters' own A and B layers are left out), or of the layers `names`."""
+    out = {}
+    for name, m in transformer.named_modules():
+        base = getattr(m, "base_layer", m)
+        own = not name.endswith(".base_layer") and ".lora_" not in name  # not a LoRA layer's parts
+        if type(base) is torch.nn.Linear and own and (names is None or name in names):
+            out[name] = base.weight.detach().clone()
+    return out
+
+
+def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ in any byte (or exist in one only)."""
+    return sorted(n for n in a.keys() | b.keys()
+                  if n not in a or n not in b or a[n].dtype != b[n].dtype or a[n].shape != b[n].shape
+                  or not torch.equal(a[n].view(torch.uint8), b[n].view(torch.uint8)))
+
+
 def snapshot(transformer: torch.nn.Module) -> tuple:
     """What "nothing changed" compares: module types by name, own attributes, and every weight's values."""
     types = tuple((n, type(m).__name__) for n, m in transformer.named_modules())

@@ -105,10 +105,11 @@ def check_quantize(args: argparse.Namespace, device=None) -> None:
 
 
 def add_lora_options(parser: argparse.ArgumentParser, *, serve: bool) -> None:
-    """The LoRA options (`features.lora`): --lora-dir, --max-loras, --max-lora-rank, --max-loras-per-request, and
-    serve's --preload-loras a,b or generate's repeatable --lora NAME[:SCALE] (NAME a name in --lora-dir or a path)."""
+    """The LoRA options (`features.lora`): --lora-dir, --max-loras, --max-lora-rank, --max-loras-per-request,
+    --lora-mode, and serve's --preload-loras a,b or generate's repeatable --lora NAME[:SCALE] (NAME a name in
+    --lora-dir or a path)."""
     from xstage_dit.features.lora.config import (DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST,
-                                                 MAX_SCALE, MIN_SCALE)
+                                                 MAX_SCALE, MIN_SCALE, MODES)
 
     parser.add_argument("--lora-dir", default=None,
                         help="folder of LoRA adapters (.safetensors files or diffusers LoRA folders, named by file or "
@@ -121,6 +122,10 @@ def add_lora_options(parser: argparse.ArgumentParser, *, serve: bool) -> None:
     parser.add_argument("--max-loras-per-request", type=int, default=DEFAULT_PER_REQUEST,
                         help="adapters one request may combine (with --compile: slots compiled in, each a rank "
                              "--max-lora-rank pass in a LoRA request); default: %(default)s")
+    parser.add_argument("--lora-mode", choices=MODES, default="auto",
+                        help="fused: a request's adapters merged into the weights for its call (a saved copy of "
+                             "each targeted weight; the speed of no LoRA); unfused: the LoRA layers run; auto: fused "
+                             "on a GPU where the copy fits, else unfused; default: %(default)s")
     if serve:
         parser.add_argument("--preload-loras", default="",
                             help="comma-separated adapter names (or paths) loaded at start-up")
@@ -138,7 +143,7 @@ def lora_options(args: argparse.Namespace) -> tuple[dict, tuple]:
     from xstage_dit.features.lora.config import parse_adapter_arg
 
     fields = {"lora_dir": args.lora_dir, "max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
-              "max_loras_per_request": args.max_loras_per_request}
+              "max_loras_per_request": args.max_loras_per_request, "lora_mode": getattr(args, "lora_mode", "auto")}
     preload = [p.strip() for p in getattr(args, "preload_loras", "").split(",") if p.strip()]
     wanted = []
     for text in getattr(args, "lora", []):

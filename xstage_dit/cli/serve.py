@@ -154,10 +154,11 @@ def _check_lora(args: argparse.Namespace) -> None:
     try:
         LoraServingConfig(lora_dir=fields["lora_dir"], max_loras=fields["max_loras"],
                           max_lora_rank=fields["max_lora_rank"], max_per_request=fields["max_loras_per_request"],
-                          preload=tuple(p for p in fields["preload_loras"] if os.sep not in p))
+                          preload=tuple(p for p in fields["preload_loras"] if os.sep not in p),
+                          mode=fields["lora_mode"])
     except ValueError as exc:
         option = {"lora_dir": "--lora-dir", "preloaded": "--preload-loras", "max_per_request":
-                  "--max-loras-per-request", "max_lora_rank": "--max-lora-rank"}
+                  "--max-loras-per-request", "max_lora_rank": "--max-lora-rank", "lora mode": "--lora-mode"}
         flag = next((f for word, f in option.items() if word in str(exc)), "--max-loras")
         raise UsageError(f"{flag}: {exc}") from None
 

@@ -65,6 +65,8 @@ class EngineConfig:
         rank when compiled), adapters one call may combine.
     preload_loras: adapters loaded at start-up: names in lora_dir, or paths of adapter files or folders (named by
         file stem). LoRA is on when lora_dir or preload_loras is given; compiled, adapters are hot-swapped.
+    lora_mode: how a request's adapters run: "auto" (default), "fused" (merged into the weights) or "unfused"
+        (`features.lora.LoraServingConfig.mode`).
     cache: a `features.step_cache.StepCacheConfig` (one of diffusers' step caches, one decision for all ranks);
         None: no step cache.
     """
@@ -87,6 +89,7 @@ class EngineConfig:
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
     max_loras_per_request: int = DEFAULT_PER_REQUEST
     preload_loras: tuple[str, ...] = ()
+    lora_mode: str = "auto"
     cache: StepCacheConfig | None = None
 
     def __post_init__(self) -> None:
@@ -142,7 +145,8 @@ class EngineConfig:
                 names.append(entry)
         return LoraServingConfig(lora_dir=self.lora_dir, paths=paths, max_loras=self.max_loras,
                                  max_lora_rank=self.max_lora_rank, preload=tuple(names),
-                                 max_per_request=self.max_loras_per_request, hotswap=self.compile.mode != "off")
+                                 max_per_request=self.max_loras_per_request, hotswap=self.compile.mode != "off",
+                                 mode=self.lora_mode)
 
     def expert_shard(self, rank: int) -> tuple[int, int] | None:
         """The experts rank `rank` loads (`ParallelConfig.expert_shard`); None without expert parallelism."""

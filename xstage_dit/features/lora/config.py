@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 __all__ = ["ADAPTER_ERRORS", "AdapterError", "AdapterLimit", "AdapterMemory", "UnknownAdapter", "from_failure",
-           "LoraServingConfig", "MIN_SCALE", "MAX_SCALE", "adapter_list", "parse_adapter_arg"]
+           "LoraServingConfig", "MIN_SCALE", "MAX_SCALE", "MODES", "adapter_list", "parse_adapter_arg"]
 
 MIN_SCALE, MAX_SCALE = -4.0, 4.0  # a LoRA scale outside this is a typo (a percentage, a rank), not a style
 DEFAULT_MAX_LORAS = 4
 DEFAULT_MAX_LORA_RANK = 64
 DEFAULT_PER_REQUEST = 2
+MODES = ("auto", "fused", "unfused")  # `fused.choose_mode` decides "auto"; `fused` says why fused pays
 
 
 class AdapterError(ValueError):
@@ -90,6 +91,7 @@ class LoraServingConfig:
     preload: tuple[str, ...] = ()
     max_per_request: int = DEFAULT_PER_REQUEST
     hotswap: bool = False
+    mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.lora_dir is not None and not os.path.isdir(self.lora_dir):
@@ -108,11 +110,13 @@ class LoraServingConfig:
             raise ValueError(f"expected at most max_loras={self.max_loras} preloaded adapters, got {len(self.preload)}")
         if not isinstance(self.hotswap, bool):
             raise ValueError(f"expected hotswap True or False, got {self.hotswap!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"expected lora mode in {', '.join(MODES)}, got {self.mode!r}")
 
     def facts(self) -> dict:
         """What every rank must be configured alike with (`comm.agreement.check_agreement` at stack build)."""
         return {"max_loras": self.max_loras, "max_lora_rank": self.max_lora_rank, "preload": self.preload,
-                "max_per_request": self.max_per_request, "hotswap": self.hotswap,
+                "max_per_request": self.max_per_request, "hotswap": self.hotswap, "mode": self.mode,
                 "names": tuple(sorted(self.paths)) + (("<dir>",) if self.lora_dir else ())}
 
 

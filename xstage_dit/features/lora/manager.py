@@ -7,10 +7,17 @@ set is ``transformer.disable_lora()`` (the LoRA layers then call their base laye
 without LoRA), eviction is ``pipe.delete_adapters``. The image of adapter A at scale s is the one diffusers' own
 ``load_lora_weights`` + ``set_adapters`` give. Compiled pipelines: `slots.HotswapSlots` (why, there).
 
+Fused (``mode`` "fused", or "auto" where `fused.choose_mode` says so): a call's set is merged into the base weights
+(`fused.FusedWeights`, from each adapter's own A and B: the PEFT adapter's in eager pipelines, the harvested
+tensors with hot-swap) and the LoRA layers are off: the image is diffusers' ``set_adapters`` + ``fuse_lora`` one,
+the cost and the compiled graph those of a call without LoRA. Auto decides per activation, one decision for every
+rank (an all-gather of each rank's verdict: fused only where the copy fits on all).
+
 `activate` is transactional over ranks: every rank loads what it lacks and switches; if any rank failed (a corrupt
-file, out of memory), every rank raises the same error and puts back what it had (its new adapters deleted, the
-previous set active); eviction happens only once every rank succeeded; then the ranks compare what they hold
-(names, file digests, scales) with `comm.agreement.check_agreement`.
+file, out of memory, a merge), every rank raises the same error and puts back what it had (its new adapters deleted,
+the previous set active, the weights as they were); eviction happens only once every rank succeeded; then the
+ranks compare what they hold (names, file digests, scales, the mode in use, the merged set) with
+`comm.agreement.check_agreement`.
 """
 
 from __future__ import annotations
@@ -26,9 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
+import torch.distributed as dist
 
 from xstage_dit.comm.agreement import RankFailed, check_agreement, fail_together
 from xstage_dit.features.lora import slots as slot_ops
+from xstage_dit.features.lora.fused import DeviceMemory, FusedWeights, choose_mode
 from xstage_dit.features.lora.config import (AdapterError, AdapterMemory, LoraServingConfig, UnknownAdapter,
                                              adapter_list, from_failure)
 from xstage_dit.features.lora.store import AdapterFile, catalog, read_adapter
@@ -42,11 +51,17 @@ _STAGING = "xstage_staging"
 
 @dataclass
 class Resident:
-    """A resident adapter: its checked file, its PEFT adapter name (eager), or its tensors (hot-swap)."""
+    """A resident adapter: its checked file, its PEFT adapter name (eager), and its per-layer A, B, alpha, rank
+    (layer name -> `fused.LayerAdapter`: the PEFT adapter's own tensors in eager pipelines, the only copy with
+    hot-swap), what a slot or a merge takes."""
 
     file: AdapterFile
     peft_name: str | None = None
     tensors: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def plain(self) -> bool:
+        return all(layer.plain for layer in self.tensors.values())
 
 
 @contextlib.contextmanager
@@ -88,20 +103,29 @@ class LoraManager:
         self.device = next(transformer.parameters()).device
         self._resident: collections.OrderedDict[str, Resident] = collections.OrderedDict()  # oldest first
         self._active: tuple[tuple[str, float], ...] = ()
+        self._mode: str | None = None  # the mode the active set runs in (None: no set)
+        self._told: set[str] = set()  # the auto modes logged once
+        self.fused = FusedWeights(transformer)
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._attrs_before = set(vars(transformer))
         self.slots: slot_ops.HotswapSlots | None = None
         if config.hotswap:
+            # Fused mode never runs the slots (the LoRA layers stay off), but they keep the LoRA layers in place from
+            # before compile, so an adapter loaded later changes no module the graphs were traced with: one slot of
+            # rank 1 does that.
+            fused_only = config.mode == "fused"
             with _quiet_diffusers():
-                self.slots = slot_ops.HotswapSlots(pipe, transformer, config.max_per_request, config.max_lora_rank)
+                self.slots = slot_ops.HotswapSlots(pipe, transformer, 1 if fused_only else config.max_per_request,
+                                                   1 if fused_only else config.max_lora_rank)
             slot_ops.patch_modules(self.slots.modules(), invariant)
             self.slots.enable(False)
 
     @property
     def graph_variants(self) -> int:
-        """Compiled graphs per input shape: LoRA layers off and on with hot-swap slots, else one."""
-        return 2 if self.slots is not None else 1
+        """Compiled graphs per input shape: LoRA layers off and on with hot-swap slots that may run (mode not
+        "fused"), else one."""
+        return 2 if self.slots is not None and self.config.mode != "fused" else 1
 
     # ----- what there is -----
     def available(self) -> dict[str, str]:
@@ -117,22 +141,29 @@ class LoraManager:
     def active(self) -> tuple[tuple[str, float], ...]:
         return self._active
 
+    @property
+    def mode_in_use(self) -> str | None:
+        """"fused" or "unfused": how the active set runs (None: no adapter active)."""
+        return self._mode
+
     def describe(self) -> list[dict]:
-        """One row per adapter: name, resident, active scale (None), rank and digest where resident."""
-        resident, active = dict(self._resident.copy()), dict(self._active)  # no lock: see `resident`
+        """One row per adapter: name, resident, active scale (None), the mode it runs in (None unless active), rank
+        and digest where resident."""
+        resident, active, mode = dict(self._resident.copy()), dict(self._active), self._mode  # no lock: `resident`
         rows = []
         for name in sorted(set(self.available()) | set(resident)):
             held = resident.get(name)
             rows.append({"name": name, "resident": held is not None, "active_scale": active.get(name),
+                         "mode": mode if name in active else None,
                          "rank": held.file.rank if held else None, "digest": held.file.digest if held else None})
         return rows
 
     def fingerprint(self) -> tuple:
-        """What every rank must hold alike before a forward: the active (name, digest, scale) in order and the
-        resident set."""
+        """What every rank must hold alike before a forward: the active (name, digest, scale) in order, the resident
+        set, the mode in use and the set merged into the weights."""
         with self._lock:
             active = tuple((n, self._resident[n].file.digest, s) for n, s in self._active)
-            return active, tuple(sorted(self._resident))
+            return active, tuple(sorted(self._resident)), self._mode, self.fused.merged
 
     # ----- loading -----
     def load(self, name: str, group=None) -> AdapterFile:
@@ -155,7 +186,8 @@ class LoraManager:
 
     def _transact(self, wanted, *, switch: bool, group) -> None:
         added: list[str] = []
-        previous = self._active
+        previous, previous_mode = self._active, self._mode
+        copies = set(self.fused.saved)
         try:
             try:
                 with fail_together(group, what="lora"):
@@ -163,22 +195,48 @@ class LoraManager:
                         if name not in self._resident:
                             self._resident[name] = self._load(name)
                             added.append(name)
-                    if switch:
-                        self._switch(wanted)
+                if switch:
+                    mode = self._decide(wanted, group)  # a collective: outside the blocks
+                    with fail_together(group, what="lora"):
+                        self._switch(wanted, mode)
+                elif added:  # diffusers made the adapter it loaded the active one: put the set back
+                    self._switch(previous, previous_mode)
             except RankFailed as exc:
                 raise (from_failure(exc) or exc) from None
         except BaseException:
             for name in added:
                 self._drop(name)
-            self._switch(previous)
+            self._switch(previous, previous_mode)
+            self.fused.drop_copies(keep=copies)
             raise
         if switch:
-            self._active = tuple(wanted)
-        elif added:
-            self._switch(self._active)  # diffusers made the adapter it loaded the active one: put the set back
+            self._active, self._mode = tuple(wanted), mode
         for name, _ in wanted:
             self._resident.move_to_end(name)
         self._evict()
+
+    def _decide(self, wanted, group) -> str | None:
+        """The mode of `wanted` on every rank of `group` (None for no set): `fused.choose_mode` on each rank, fused
+        only where every rank can (one all-gather of the verdicts with auto at world > 1); logged once per mode."""
+        if not wanted:
+            return None
+        try:
+            layers = {layer for name, _ in wanted for layer in self._resident[name].tensors}
+            copy_bytes = self.fused.copy_bytes(layers)
+            memory = DeviceMemory.of(self.device) if self.device.type == "cuda" and copy_bytes else None
+            mode, why = choose_mode(self.config.mode, self.device.type, copy_bytes, memory,
+                                    all(self._resident[name].plain for name, _ in wanted))
+        except Exception as exc:  # noqa: BLE001 - every rank must reach the all-gather below: the safe mode
+            mode, why = "unfused", f"the memory check failed ({type(exc).__name__}: {exc})"
+        if self.config.mode == "auto" and dist.is_initialized() and dist.get_world_size(group) > 1:
+            verdicts: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(verdicts, mode, group=group)
+            if mode == "fused" and "unfused" in verdicts:
+                mode, why = "unfused", f"another rank's saved copy does not fit (ranks: {verdicts})"
+        if self.config.mode == "auto" and mode not in self._told:
+            self._told.add(mode)
+            log.info("lora: auto mode runs adapters %s: %s", mode, why)
+        return mode
 
     def _agree(self, group) -> None:
         check_agreement({"lora adapters": self.fingerprint()}, group, what="lora")
@@ -196,7 +254,9 @@ class LoraManager:
                 self.pipe.load_lora_weights(path, adapter_name=peft_name)
             if self.slots is None:
                 slot_ops.patch_modules(self._adapter_modules(peft_name), self.invariant)
-                return Resident(file, peft_name=peft_name)
+                # fused mode merges plain LoRAs only; unfused and auto serve the others with their LoRA layers
+                tensors = slot_ops.harvest(self.transformer, peft_name, strict=self.config.mode == "fused")
+                return Resident(file, peft_name=peft_name, tensors=tensors)
             return Resident(file, tensors=slot_ops.harvest(self.transformer, peft_name))
         except torch.OutOfMemoryError:
             oom = True
@@ -257,7 +317,23 @@ class LoraManager:
             _free_device_memory(self.device)
 
     # ----- switching -----
-    def _switch(self, wanted) -> None:
+    def _switch(self, wanted, mode: str | None) -> None:
+        """Make `wanted` the set the next calls run, in `mode` ("fused" or "unfused"; anything with no set)."""
+        if wanted and mode == "fused":
+            if self.slots is not None:
+                self.slots.enable(False)
+            else:
+                self.transformer.disable_lora()
+            try:
+                self.fused.write(wanted, {name: self._resident[name].tensors for name, _ in wanted})
+                return
+            except torch.OutOfMemoryError:
+                pass  # refused below, once the exception (and the frames holding its tensors) is gone
+            _free_device_memory(self.device)
+            names = ", ".join(name for name, _ in wanted)
+            raise AdapterMemory(f"lora: the weights merged with adapters {names} (a saved copy of each targeted "
+                                f"weight) do not fit in the memory of {self.device}")
+        self.fused.write((), {})  # W0 in every merged weight (nothing to do when none is)
         if self.slots is None:
             if wanted:
                 self.pipe.set_adapters([self._resident[n].peft_name for n, _ in wanted], [s for _, s in wanted])
@@ -286,26 +362,29 @@ class LoraManager:
     @contextlib.contextmanager
     def warming(self):
         """With hot-swap slots: the LoRA layers on at scale 0 for the block (the bytes of no LoRA, the graphs of a
-        LoRA call), so a warm-up compiles both variants of its shape; the active set is back afterwards."""
-        if self.slots is None:
+        LoRA call), so a warm-up compiles both variants of its shape; the active set is back afterwards. A no-op
+        where only one variant runs (`graph_variants`)."""
+        if self.graph_variants == 1:
             yield
             return
         with self._lock:
             try:
+                self.fused.write((), {})  # W0: the bytes of no LoRA
                 for index in range(len(self.slots.names)):
                     self.slots.set_scale(index, 0.0)
                 self.slots.enable(True)
                 yield
             finally:
-                self._switch_slots(self._active)
+                self._switch(self._active, self._mode)
 
     # ----- undo -----
     def restore(self) -> None:
         """Every adapter and LoRA layer gone: the transformer's modules, weights and attributes as before."""
         with self._lock:
+            self.fused.restore()  # W0 in every merged weight, the saved copies freed
             for name in list(self._resident):
                 self._drop(name)
-            self._active = ()
+            self._active, self._mode = (), None
             if slot_ops.lora_layers(self.transformer):
                 self.transformer.unload_lora()
             self.slots = None

@@ -30,11 +30,12 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit.features.lora.fused import LayerAdapter
 from xstage_dit.features.lora.store import base_linear, hooked
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HotswapSlots", "lora_layers", "slot_targets"]
+__all__ = ["HotswapSlots", "harvest", "lora_layers", "patch_modules", "slot_targets"]
 
 
 def lora_layers(transformer: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -96,9 +97,9 @@ class HotswapSlots:
         """The slots' own A and B Linear modules (what batch invariance patches)."""
         return [d[s] for layer in self.layers.values() for d in (layer.lora_A, layer.lora_B) for s in self.names]
 
-    def put(self, index: int, name: str | None, tensors: dict[str, tuple[torch.Tensor, torch.Tensor, float]]) -> None:
-        """Copy an adapter's per-layer (A (r, in), B (out, r), scale) into slot `index` (zeros where it has none);
-        its scale stays 0 until `set_scale`."""
+    def put(self, index: int, name: str | None, tensors: dict[str, LayerAdapter]) -> None:
+        """Copy an adapter's per-layer A (r, in) and B (out, r) (`fused.LayerAdapter`s, by layer name) into slot
+        `index` (zeros where it has none); its scale stays 0 until `set_scale`."""
         slot = self.names[index]
         base = self._base[index]
         with torch.no_grad():
@@ -110,10 +111,9 @@ class HotswapSlots:
                 if found is None:
                     base[layer_name] = 0.0
                     continue
-                a, b, scale = found
-                a_slot[: a.shape[0]].copy_(a)
-                b_slot[:, : b.shape[1]].copy_(b)
-                base[layer_name] = float(scale)
+                a_slot[: found.a.shape[0]].copy_(found.a)
+                b_slot[:, : found.b.shape[1]].copy_(found.b)
+                base[layer_name] = float(found.scale)
         self.holds[index] = name
         self._scale[index] = float("nan")  # the next set_scale writes every layer
 
@@ -133,17 +133,22 @@ class HotswapSlots:
             (self.transformer.enable_lora if on else self.transformer.disable_lora)()
 
 
-def harvest(transformer: torch.nn.Module, adapter: str) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-    """layer name -> (A, B, scale) of PEFT adapter `adapter` as diffusers loaded it (the tensors, not copies)."""
+def harvest(transformer: torch.nn.Module, adapter: str, strict: bool = True) -> dict[str, LayerAdapter]:
+    """layer name -> `fused.LayerAdapter` of PEFT adapter `adapter` as diffusers loaded it (its own tensors, not
+    copies, unpadded; its alpha and rank). strict: ValueError for a LoRA with a bias or a variant (DoRA), which
+    neither a slot nor a merge holds; otherwise such a layer is marked ``plain=False``."""
     out = {}
     for name, layer in lora_layers(transformer).items():
         if adapter not in layer.lora_A:
             continue
-        if adapter in getattr(layer, "lora_variant", {}) or (layer.lora_B[adapter].bias is not None):
-            raise ValueError(f"expected a plain LoRA (no DoRA, no LoRA bias) to hot-swap, got one at {name!r}")
+        plain = adapter not in getattr(layer, "lora_variant", {}) and layer.lora_B[adapter].bias is None
+        if strict and not plain:
+            raise ValueError(f"expected a plain LoRA (no DoRA, no LoRA bias) to hot-swap or fuse, got one at {name!r}")
         scale = layer.scaling[adapter]
-        out[name] = (layer.lora_A[adapter].weight.detach(), layer.lora_B[adapter].weight.detach(),
-                     float(scale) if not isinstance(scale, torch.Tensor) else float(scale.item()))
+        out[name] = LayerAdapter(a=layer.lora_A[adapter].weight.detach(), b=layer.lora_B[adapter].weight.detach(),
+                                 scale=float(scale) if not isinstance(scale, torch.Tensor) else float(scale.item()),
+                                 alpha=layer.lora_alpha[adapter], r=layer.r[adapter],
+                                 rslora=bool(layer.use_rslora.get(adapter, False)), plain=plain)
     return out
 
 

@@ -12,6 +12,8 @@ class LoraCard(BaseModel):
     object: Literal["lora"] = "lora"
     resident: bool = Field(..., description="Loaded on every rank now (a request for it loads nothing).")
     active_scale: float | None = Field(None, description="Its scale in the adapter set of the last call.")
+    mode: Literal["fused", "unfused"] | None = Field(None, description="How it ran in the last call (None: not in "
+                                                                       "it): merged into the weights, or its layers.")
     rank: int | None = Field(None, description="Its LoRA rank (known once resident).")
     digest: str | None = Field(None, description="sha256 prefix of its file (known once resident).")
 
@@ -23,3 +25,6 @@ class LoraList(BaseModel):
     max_loras_per_request: int
     max_lora_rank: int
     hotswap: bool = Field(..., description="Compiled: adapters are copied into slots compiled in (no recompile).")
+    mode: Literal["auto", "fused", "unfused"] = Field(..., description="The server's --lora-mode.")
+    mode_in_use: Literal["fused", "unfused"] | None = Field(
+        None, description="How the last call's adapters ran (auto decides per adapter set); None: it had none.")

@@ -16,6 +16,8 @@ def lora_list(worker: Worker) -> LoraList:
         raise RequestError("path", "this server serves no LoRA adapters (start it with --lora-dir)", 404)
     config = manager.config
     return LoraList(data=[LoraCard(id=row["name"], resident=row["resident"], active_scale=row["active_scale"],
-                                   rank=row["rank"], digest=row["digest"]) for row in manager.describe()],
+                                   mode=row["mode"], rank=row["rank"], digest=row["digest"])
+                          for row in manager.describe()],
                     max_loras=config.max_loras, max_loras_per_request=config.max_per_request,
-                    max_lora_rank=config.max_lora_rank, hotswap=config.hotswap)
+                    max_lora_rank=config.max_lora_rank, hotswap=config.hotswap, mode=config.mode,
+                    mode_in_use=manager.mode_in_use)
