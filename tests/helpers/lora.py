@@ -5,6 +5,8 @@ diffusers converts); and the images a tiny pipeline makes."""
 
 from __future__ import annotations
 
+import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -22,15 +24,21 @@ def targets(transformer: torch.nn.Module, words=ATTN_MLP) -> list[tuple[str, tor
 
 
 def write_peft(transformer: torch.nn.Module, path: Path, *, rank: int, seed: int, words=ATTN_MLP,
-               std: float = 0.2, prefix: str = "transformer") -> Path:
-    """A random adapter of `rank` on `transformer`'s layers named by `words`, in diffusers/PEFT format."""
+               std: float = 0.2, prefix: str = "transformer", alpha: float | None = None) -> Path:
+    """A random adapter of `rank` on `transformer`'s layers named by `words`, in diffusers/PEFT format; `alpha`:
+    PEFT's lora_alpha in the file's adapter metadata, as ``save_lora_weights`` writes it (None: none, alpha = rank)."""
     g = torch.Generator().manual_seed(seed)
-    state = {}
+    state, names = {}, []
     for name, m in targets(transformer, words):
         state[f"{prefix}.{name}.lora_A.weight"] = torch.randn(rank, m.in_features, generator=g) * std
         state[f"{prefix}.{name}.lora_B.weight"] = torch.randn(m.out_features, rank, generator=g) * std
+        names.append(name)
+    metadata = None
+    if alpha is not None:
+        config = {f"{prefix}.r": rank, f"{prefix}.lora_alpha": alpha, f"{prefix}.target_modules": names}
+        metadata = {"lora_adapter_metadata": json.dumps(config)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(path))
+    save_file(state, str(path), metadata=metadata)
     return path
 
 
@@ -65,16 +73,23 @@ def image(pipe, model: str, seed: int = 3, **values) -> np.ndarray:
     return np.asarray(out.frames if spec.kind == "video" else out.images, dtype=np.float32)
 
 
-def diffusers_references(ref, model: str, folder: Path, ab_scales: tuple[float, float]) -> tuple[np.ndarray, dict]:
-    """The reference images of two random adapters through diffusers' own LoRA API on the untouched pipeline `ref`:
-    adapter ``a`` (rank 4, every attention and MLP projection) and ``b`` (rank 2, q and v only) are written under
-    `folder` and loaded with ``load_lora_weights``; returns (the image without adapters, {"a": a at 0.7, "b": b at
-    1.0, "ab": a and b at `ab_scales`}), each set with ``set_adapters``."""
+def load_reference_adapters(ref, model: str, folder: Path) -> np.ndarray:
+    """Write `diffusers_references`' adapters ``a`` and ``b`` under `folder` and load them into `ref` with
+    ``load_lora_weights``; returns `ref`'s image without adapters (made first)."""
     a = write_peft(ref.transformer, folder / "a.safetensors", rank=4, seed=1)
     b = write_peft(ref.transformer, folder / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
     plain = image(ref, model)
     ref.load_lora_weights(str(a), adapter_name="a")
     ref.load_lora_weights(str(b), adapter_name="b")
+    return plain
+
+
+def diffusers_references(ref, model: str, folder: Path, ab_scales: tuple[float, float]) -> tuple[np.ndarray, dict]:
+    """The reference images of two random adapters through diffusers' own LoRA API on the untouched pipeline `ref`:
+    adapter ``a`` (rank 4, every attention and MLP projection) and ``b`` (rank 2, q and v only) are written under
+    `folder` and loaded with ``load_lora_weights``; returns (the image without adapters, {"a": a at 0.7, "b": b at
+    1.0, "ab": a and b at `ab_scales`}), each set with ``set_adapters``."""
+    plain = load_reference_adapters(ref, model, folder)
     want = {}
     for key, names, scales in (("a", ["a"], [0.7]), ("b", ["b"], [1.0]), ("ab", ["a", "b"], list(ab_scales))):
         ref.set_adapters(names, scales)
@@ -95,7 +110,9 @@ def diffusers_fused_references(ref, model: str, sets) -> dict:
         ref.set_adapters(list(names), list(scales))
         ref.fuse_lora(adapter_names=list(names))
         out[key] = image(ref, model)
-        ref.unfuse_lora()
+        with warnings.catch_warnings():  # PEFT warns for every layer no adapter of the set was merged into
+            warnings.filterwarnings("ignore", message="Already unmerged")
+            ref.unfuse_lora()
         with torch.no_grad():
             for name, base in bases.items():
                 base.weight.copy_(originals[name])
