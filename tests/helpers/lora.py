@@ -97,11 +97,11 @@ def diffusers_references(ref, model: str, folder: Path, ab_scales: tuple[float, 
     return plain, want
 
 
-def diffusers_fused_references(ref, model: str, sets) -> dict:
+def diffusers_fused_references(ref, model: str, sets, render=None) -> dict:
     """The images diffusers' own ``set_adapters`` + ``fuse_lora(adapter_names=...)`` give on `ref` (its adapters
-    loaded, none fused): `sets` is ``((key, names, scales), ...)``; returns {key: image}. After each image the
-    adapters are unfused and every base weight is put back from a copy taken first (unmerging subtracts the delta
-    again, which does not give the weights back bit for bit)."""
+    loaded, none fused): `sets` is ``((key, names, scales), ...)``; returns {key: image} (`image`, or
+    ``render(ref)``). After each image the adapters are unfused and every base weight is put back from a copy taken
+    first (unmerging subtracts the delta again, which does not give the weights back bit for bit)."""
     bases = {name: m.base_layer for name, m in ref.transformer.named_modules()
              if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)}
     originals = {name: base.weight.detach().clone() for name, base in bases.items()}
@@ -109,7 +109,7 @@ def diffusers_fused_references(ref, model: str, sets) -> dict:
     for key, names, scales in sets:
         ref.set_adapters(list(names), list(scales))
         ref.fuse_lora(adapter_names=list(names))
-        out[key] = image(ref, model)
+        out[key] = image(ref, model) if render is None else render(ref)
         with warnings.catch_warnings():  # PEFT warns for every layer no adapter of the set was merged into
             warnings.filterwarnings("ignore", message="Already unmerged")
             ref.unfuse_lora()
