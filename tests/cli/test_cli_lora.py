@@ -62,6 +62,7 @@ def test_generate_with_adapters_gives_the_served_png(tmp_path):
     (["--lora", "style"], "--lora: expected a file or folder path, or --lora-dir holding 'style'"),
     (["--lora", "/no/such/file.safetensors:0.5"], "--lora"),
     (["--lora", "x:9"], "expected NAME[:SCALE] with a number in [-4, 4]"),
+    (["--lora-mode", "merged"], "argument --lora-mode: invalid choice: 'merged'"),
 ])
 def test_bad_lora_options_are_usage_errors(tmp_path, capsys, extra, words):
     with pytest.raises(SystemExit) as exc:

@@ -88,8 +88,8 @@ def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | N
     max_compiled_shapes / compile_guards / compile_extras: `CompileConfig`'s max_shapes, guards and extras.
     features: `EngineConfig` switches (host_syncs, text_depth, prompt_cache, one_frame_vae, batch_invariance)
         that differ from their defaults.
-    lora: `EngineConfig`'s LoRA fields (lora_dir, max_loras, max_lora_rank, max_loras_per_request, preload_loras);
-        None or {}: no LoRA. The manager goes to ``LoadedModel.adapters`` and ``ServedModel.lora``.
+    lora: `EngineConfig`'s LoRA fields (lora_dir, max_loras, max_lora_rank, max_loras_per_request, preload_loras,
+        lora_mode); None or {}: no LoRA. The manager goes to ``LoadedModel.adapters`` and ``ServedModel.lora``.
     """
     compile_options = dict(max_shapes=max_compiled_shapes, guards=compile_guards, extras=tuple(compile_extras))
     if compile is not None:

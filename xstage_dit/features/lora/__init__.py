@@ -4,12 +4,14 @@
     stack = build_stack(pipe, StackConfig(lora=LoraServingConfig(lora_dir="loras", max_loras=4)))
     stack.lora.activate([("style", 0.8)])      # the next calls add 0.8 x adapter "style"
     stack.lora.activate(None)                  # no LoRA: the bytes of the pipeline without it
+    stack.lora.mode_in_use                     # "fused" / "unfused" for the active set (config.mode decides)
     stack.restore()                            # every adapter and LoRA layer gone
 
 One module per concern: `config` (the config, a request's adapter list, the errors and their answers), `store`
 (the adapters under a folder, a file read through diffusers' converter and checked against the transformer),
 `manager` (resident set, LRU eviction, activation together over ranks), `slots` (hot-swap into a compiled
-transformer). In `features.stack.FEATURES` it sits after batch invariance (the adapters' own Linear layers get its
+transformer), `fused` (a set merged into the weights from a saved copy, and the auto rule between fused and
+unfused). In `features.stack.FEATURES` it sits after batch invariance (the adapters' own Linear layers get its
 rule) and the parallel hooks (an adapter never wraps a hooked layer), before compile (the hot-swap slots exist
 before anything is traced).
 """
