@@ -199,3 +199,32 @@ def test_auto_decides_per_activation_and_each_mode_gives_its_image(tmp_path, mon
                         "injected"], told
     finally:
         engine.restore()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_delta_is_peft_own_get_delta_weight(dtype, tmp_path):
+    """`fused.delta_weight` of a harvested layer against PEFT's ``get_delta_weight`` after PEFT's ``set_scale``, byte
+    for byte: scales 1 (no multiply), 0.7 and -0.5, lora_alpha 3 of rank 4, rsLoRA, float32 and bfloat16 (which PEFT
+    multiplies in float32 on the CPU)."""
+    from xstage_dit.families import load_pipeline
+    from xstage_dit.features.lora.slots import harvest, lora_layers
+
+    pipe = load_pipeline("tiny-flux", dtype=dtype, device="cpu", seed=0)
+    pipe.load_lora_weights(str(write_peft(pipe.transformer, tmp_path / "x.safetensors", rank=4, seed=1, alpha=3)),
+                           adapter_name="x")
+    layers = lora_layers(pipe.transformer)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # random A and B in the layers' own dtype (what a trained adapter holds)
+        for layer in layers.values():
+            for part in (layer.lora_A["x"], layer.lora_B["x"]):
+                part.weight.copy_(torch.randn(part.weight.shape, generator=g))
+    for rslora in (False, True):
+        for layer in layers.values():
+            layer.use_rslora["x"] = rslora
+        ours = harvest(pipe.transformer, "x")
+        for scale in (1.0, 0.7, -0.5):
+            for name, layer in layers.items():
+                layer.set_scale("x", scale)
+                want, got = layer.get_delta_weight("x"), fused_ops.delta_weight(ours[name], scale)
+                assert got.dtype == want.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
+                    (name, scale, rslora)

@@ -62,13 +62,17 @@ class LayerAdapter:
 
 def delta_weight(layer: LayerAdapter, scale: float) -> torch.Tensor:
     """PEFT's ``Linear.get_delta_weight`` at adapter scale `scale`: ``(B @ A) * scaling``, (out_features,
-    in_features) in B's dtype; a half-precision adapter on the CPU is multiplied in float32 and cast back."""
+    in_features) in B's dtype; a half-precision adapter on the CPU is multiplied in float32 and cast back. The same
+    bytes as PEFT's, in fewer passes over memory (what a switch costs on a large model)."""
     a, b = layer.a, layer.b
     dtype = b.dtype
     cast = b.device.type == "cpu" and dtype in (torch.float16, torch.bfloat16)
     if cast:
         a, b = a.float(), b.float()
-    out = (b @ a) * layer.scaling(scale)
+    out = b @ a
+    scaling = layer.scaling(scale)
+    if scaling != 1.0:  # x * 1.0 is x, bit for bit: a pass over the weight's size saved (alpha = rank, scale 1)
+        out.mul_(scaling)  # in place: the same rounding as PEFT's `* scaling`, one temporary fewer
     return out.to(dtype=dtype) if cast else out
 
 
