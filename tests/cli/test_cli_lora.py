@@ -79,3 +79,18 @@ def test_serve_checks_its_lora_options_before_any_rank_starts(tmp_path, capsys):
         with pytest.raises(SystemExit) as exc:
             main(["serve", "--model", "tiny-flux", *extra])
         assert exc.value.code == 2 and words in capsys.readouterr().err, words
+
+
+def test_lora_mode_reaches_the_engine_config_and_the_ranks(tmp_path):
+    from xstage_dit.cli import build_parser
+    from xstage_dit.cli.engine_options import lora_options
+    from xstage_dit.cli.serve import _argv
+    from xstage_dit.engine import EngineConfig
+
+    args = build_parser().parse_args(["serve", "--lora-dir", str(tmp_path), "--lora-mode", "fused"])
+    fields, _ = lora_options(args)
+    assert EngineConfig(device="cpu", **fields).lora_config().mode == "fused"
+    argv = _argv(args)
+    assert argv[argv.index("--lora-mode") + 1] == "fused"
+    default = lora_options(build_parser().parse_args(["generate", "--lora-dir", str(tmp_path)]))[0]
+    assert EngineConfig(device="cpu", **default).lora_config().facts()["mode"] == "auto"
