@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     if not args.no_baseline:  # against the first mode's no-lora row
         rows[0]["over_no_lora"] = rows[0]["median_s"] / rows[1]["median_s"]
     env = environment()
-    stem = Path(args.out_dir) / f"lora-{args.model}-{(env.get('gpu') or args.device).replace(' ', '_').lower()}"
+    device = (env.get('gpu') or args.device).replace(' ', '_').lower()
+    stem = Path(args.out_dir) / f"lora-{args.model}-{'-'.join(modes)}-{device}"  # runs of other modes kept apart
     write_results(stem, "serving-lora", rows, summary, COLUMNS, notes=__doc__.split("\n\n", 1)[1], env=env)
     print(summary)
     return 0 if all(summary[f"{m}_recompiles_after_warm_up"] == 0 for m in modes) else 1
