@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from xstage_dit import cli
 from xstage_dit.bench import options
@@ -82,3 +83,20 @@ def test_cache_puts_the_cache_on_the_xstage_engines(tmp_path):
     assert row["status"] == "ok" and row["step_cache"] == {"method": "taylorseer", "unit": "steps", "computed": 2,
                                                            "skipped": 2}
     assert "--cache taylorseer" in record["summary"]["settings"]["command"]
+
+
+def test_cache_dit_counts_the_blocks_of_a_model_whose_list_is_not_transformer_blocks():
+    """Wan's blocks are `blocks`: the default cache-dit contender runs there (an H100 run, 2026-12-06, called
+    Wan's 40 blocks 0)."""
+    pytest.importorskip("cache_dit", reason="cache-dit is in the bench extra: pip install 'xstage-dit[bench]'")
+    from types import SimpleNamespace
+
+    from xstage_dit.bench.cache_contenders import CacheDit
+
+    def bench(n: int):
+        transformer = torch.nn.Module()
+        transformer.blocks = torch.nn.ModuleList(torch.nn.Identity() for _ in range(n))
+        return SimpleNamespace(world_size=1, pipe=SimpleNamespace(transformer=transformer))
+
+    assert CacheDit(False, None).check(bench(40)) is None
+    assert "has 7" in CacheDit(False, None).check(bench(7))

@@ -15,6 +15,8 @@ Contender names: ``xstage-cache:<method>@1/<N>`` and ``cache-dit@1/<N>``, ``cach
 
 from __future__ import annotations
 
+import torch
+
 from xstage_dit.bench.contenders import PlainDiffusers, XStage
 from xstage_dit.bench.session import Bench, error_text
 
@@ -63,7 +65,9 @@ class CacheDit(PlainDiffusers):
             return f"cache-dit is not installed ({error_text(exc)}): pip install 'xstage-dit[bench]'"
         if b.world_size > 1:
             return "cache-dit on plain diffusers runs one GPU here (its own parallelism is another contender)"
-        blocks = len(getattr(b.pipe.transformer, "transformer_blocks", ()) or ())
+        # The longest block list (FLUX's transformer_blocks, Wan's blocks, ...): what cache-dit's adapter caches.
+        blocks = max((len(m) for m in b.pipe.transformer.children() if isinstance(m, torch.nn.ModuleList)),
+                     default=0)
         if self.every is None and blocks < 8:
             return (f"cache-dit {cache_dit.__version__}'s default cache computes the first 8 blocks of a cached step "
                     f"(Fn_compute_blocks=8); {type(b.pipe.transformer).__name__} has {blocks}")
