@@ -107,18 +107,19 @@ def test_inpainting_with_a_mask(files, tmp_path):
     assert_same_image(np.asarray(Image.open(out).convert("RGB")), want, "cli vs diffusers")
 
 
-def test_image_to_video_writes_the_pipelines_frames(files, tmp_path):
+@pytest.mark.parametrize("model, fps", [("tiny-wan-i2v", 16), ("tiny-hunyuanvideo-i2v", 24)])
+def test_image_to_video_writes_the_pipelines_frames(model, fps, files, tmp_path):
     from xstage_dit.runtime.generation import read_mp4
     from xstage_dit.runtime.mp4 import encode_mp4
 
     out = tmp_path / "fox.mp4"
     with one_torch_thread():
-        assert main(["generate", "--model", "tiny-wan-i2v", "--image", str(files["image"]), "--prompt", "make it snow",
+        assert main(["generate", "--model", model, "--image", str(files["image"]), "--prompt", "make it snow",
                      "--seed", "2", "--steps", "2", "--frames", "5", "--size", "64x48", "--output", str(out),
                      "--no-progress"]) == 0
-        want = _direct("tiny-wan-i2v", (64, 48), 2, files["image"], frames=5)
+        want = _direct(model, (64, 48), 2, files["image"], frames=5)
     assert want.shape == (5, 48, 64, 3)
-    assert out.read_bytes() == encode_mp4(want, 16)  # the same frames, the same encoder: the same bytes
+    assert out.read_bytes() == encode_mp4(want, fps)  # the same frames, the same encoder: the same bytes
     assert read_mp4(out.read_bytes()).shape == (5, 48, 64, 3)
 
 

@@ -60,7 +60,15 @@ QWEN = {
     "tiny-qwenimage-edit-plus": ({"two": dict(prompt="the two together", height=48, width=64,
                                               images=[(64, 48), (48, 48)], **CFG)}, True),
 }
-GROUPS = {"main": MODELS, "qwen": QWEN}
+# The image-to-video pipelines added after the first eight (their own group: the main one's world-2 run is already
+# a minute). True CFG where the pipeline has it (a second transformer call a step: cfg=2 is tested).
+VIDEO = {
+    # HunyuanVideo-I2V: 4 image tokens before the prompt's; 3 latent frames x 4x6 = 72 tokens, of which the first
+    # frame's 24 are modulated apart: at sp=2 rank 0 holds them and 12 others, at sp=4 ranks 0 and 1 share them (18 + 6)
+    "tiny-hunyuanvideo-i2v": ({"one": dict(prompt="the fox runs", height=32, width=48, frames=9, images=[(64, 40)],
+                                           **CFG)}, True),
+}
+GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 
 
 def configs(world: int, cfg: bool) -> dict[str, dict]:
@@ -132,7 +140,7 @@ def test_the_records_name_the_image_pipelines():
     from xstage_dit.families import model_spec
     from xstage_dit.families.registry import image_inputs_for, record_for_pipeline, supported_pipelines
 
-    for model in (*MODELS, *QWEN):
+    for model in (*MODELS, *QWEN, *VIDEO):
         spec = model_spec(model)
         assert record_for_pipeline(spec.pipeline_class).name == spec.family
         assert supported_pipelines()[spec.pipeline_class] == spec.family  # a local folder of it is served
@@ -140,7 +148,7 @@ def test_the_records_name_the_image_pipelines():
     assert image_inputs_for("FluxPipeline") is None and image_inputs_for("WanPipeline") is None
 
 
-@pytest.mark.parametrize("group", ["main", pytest.param("qwen", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group", ["main", "video", pytest.param("qwen", marks=pytest.mark.slow)])
 def test_world_1_matches_the_unpatched_pipeline(group):
     from xstage_dit.families import load_pipeline
 
@@ -155,7 +163,8 @@ def test_world_1_matches_the_unpatched_pipeline(group):
 
 # world 2 of the main group runs ~60 s on the 2-core CI machine (eight pipelines, three runs a config)
 @pytest.mark.slow
-@pytest.mark.parametrize("world, group", [(2, "main"), (4, "main"), (2, "qwen"), (4, "qwen")])
+@pytest.mark.parametrize("world, group", [(2, "main"), (4, "main"), (2, "qwen"), (4, "qwen"), (2, "video"),
+                                          (4, "video")])
 def test_parallel_pipeline_matches_one_process(world, group, tmp_path):
     _check(launch_ranks(__file__, f"images-{group}", world, tmp_path, group, timeout_s=1200), world, group)
 

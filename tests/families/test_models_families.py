@@ -244,6 +244,25 @@ def test_hunyuan_video_template_crops_exactly_its_own_tokens():
     assert PROMPT_TEMPLATE["crop_start"] == len(prefix) and full[:len(prefix)] == prefix
 
 
+def test_hunyuan_video_i2v_template_counts_the_in_code_llava_tokenizer():
+    """HunyuanVideo I2V's template: crop_start drops the prefix (and nothing of the prompt), <image> sits at
+    image_emb_start and the vision tower makes image_emb_len tokens for it, and the assistant header the pipeline
+    cuts (4 tokens) is 4 tokens."""
+    from xstage_dit.families.hunyuan_video import I2V_PROMPT_TEMPLATE as template
+
+    pipe = load_pipeline("tiny-hunyuanvideo-i2v")
+    tok, vision = pipe.tokenizer, pipe.text_encoder.config.vision_config
+    prefix = tok(template["template"].split("{}")[0]).input_ids
+    full = tok(template["template"].format("a red fox")).input_ids
+    assert template["crop_start"] == len(prefix) and full[:len(prefix)] == prefix
+    assert prefix.index(pipe.text_encoder.config.image_token_index) == template["image_emb_start"]
+    assert template["image_emb_len"] == (vision.image_size // vision.patch_size) ** 2
+    assert template["image_emb_end"] == template["image_emb_start"] + template["image_emb_len"]
+    header = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+    assert len(tok(header, add_special_tokens=False).input_ids) == 4
+    assert tok.padding_side == "right"  # the pipeline crops the template from the front of every row
+
+
 @pytest.mark.parametrize("name", ["tiny-hunyuanvideo15", "tiny-hunyuanimage"])
 def test_hunyuan_template_crop_is_counted_for_the_in_code_tokenizer(name):
     """The pipeline crops its prompt template's first ``prompt_template_encode_start_idx`` tokens (a literal for

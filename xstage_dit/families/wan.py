@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.build import build_module, check_vocab, clip_image_processor
 from xstage_dit.families.record import (FamilyRecord, FeatureFacts, ImageInputFacts, SequenceParallelFacts,
                                        SizeLimits, VideoVAEFacts)
 from xstage_dit.families.sp_plan import shipped_plan
@@ -91,15 +91,11 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, v
 
 def _clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
     """(CLIP vision tower, its image processor) of Wan 2.1 I2V, random weights."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
     config = CLIP_VISION[size]
-    side = config["image_size"]
-    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                                   image_mean=[0.48145466, 0.4578275, 0.40821073],
-                                   image_std=[0.26862954, 0.26130258, 0.27577711])
     return build_module(lambda: CLIPVisionModel(CLIPVisionConfig(**config)), seed=seed, device=device,
-                        dtype=dtype), processor
+                        dtype=dtype), clip_image_processor(config["image_size"])
 
 
 def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
