@@ -67,6 +67,10 @@ VIDEO = {
     # frame's 24 are modulated apart: at sp=2 rank 0 holds them and 12 others, at sp=4 ranks 0 and 1 share them (18 + 6)
     "tiny-hunyuanvideo-i2v": ({"one": dict(prompt="the fox runs", height=32, width=48, frames=9, images=[(64, 40)],
                                            **CFG)}, True),
+    # Wan 2.1 FLF2V: the first and the last frame's latents on channels, both images' 2 x 17 CLIP tokens (with their
+    # position embedding) in each block's cross-attention; 2 latent frames x 3x4 = 24 tokens; two prompts share them
+    "tiny-wan-flf2v": ({"two-prompts": dict(prompt=["the fox runs", "a cat sleeps"], height=48, width=64, frames=5,
+                                            images=[(80, 60), (64, 48)])}, True),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, load_pipeline, model_spec
-from xstage_dit.families.registry import image_inputs_for, record, records
+from xstage_dit.families.registry import image_inputs_for_model, record, records
 from xstage_dit.runtime.conditioning import synthetic_image
 from xstage_dit.runtime.generation import call_kwargs, output_pixels, to_pil_frames
 
@@ -41,10 +41,10 @@ def test_tiny_pipeline_runs_end_to_end(name):
     assert spec.pipeline_class in record(spec.family).served_pipelines
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}
-    facts = image_inputs_for(spec.pipeline_class)
-    if facts is not None and facts.min_images:  # an edit or image-to-video pipeline: an input image (and mask)
+    facts = image_inputs_for_model(spec)
+    if facts is not None and facts.min_images:  # an edit or image-to-video pipeline: its input images (and mask)
         side = small or dict(width=spec.width, height=spec.height)
-        small = dict(small, images=[synthetic_image(side["width"], side["height"])])
+        small = dict(small, images=[synthetic_image(side["width"], side["height"])] * facts.min_images)
         if facts.mask_argument:
             small["mask"] = synthetic_image(side["width"], side["height"], "L")
     kwargs = lambda: call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small)  # noqa: E731

@@ -118,9 +118,10 @@ class InputImages:
 def image_kwargs(facts: ImageInputFacts, inputs: InputImages | None, *, prompts: int, width: int,
                  height: int) -> dict:
     """The pipeline's keyword arguments for `inputs` in one call of `prompts` prompts at width x height: the images
-    under ``facts.argument`` (one, a list of references, or one copy per prompt, per ``facts.batch``), the mask
-    under ``facts.mask_argument``, width * height under ``facts.area_argument``. ValueError naming what the
-    pipeline cannot take (more prompts than one for an "alone" pipeline)."""
+    under ``facts.argument`` (one, a list of references, or one copy per prompt, per ``facts.batch``; the next ones
+    under ``facts.extra_arguments``, one each, likewise), the mask under ``facts.mask_argument``, width * height
+    under ``facts.area_argument``. ValueError naming what the pipeline cannot take (more prompts than one for an
+    "alone" pipeline)."""
     kwargs: dict = {}
     if facts.area_argument is not None:
         kwargs[facts.area_argument] = int(width) * int(height)
@@ -132,13 +133,12 @@ def image_kwargs(facts: ImageInputFacts, inputs: InputImages | None, *, prompts:
         raise ValueError(f"expected one prompt a call for a pipeline taking input images one request at a time, "
                          f"got {prompts}")
     images = list(inputs.images)
+    per_prompt = facts.batch == "per_prompt" and prompts > 1
     if facts.as_list:
-        value = images
-    elif facts.batch == "per_prompt" and prompts > 1:
-        value = images * prompts
+        kwargs[facts.argument] = images
     else:
-        value = images[0]
-    kwargs[facts.argument] = value
+        for name, image in zip((facts.argument, *facts.extra_arguments), images):
+            kwargs[name] = [image] * prompts if per_prompt else image
     if inputs.mask is not None:
         kwargs[facts.mask_argument] = [inputs.mask] * prompts if facts.batch == "per_prompt" and prompts > 1 \
             else inputs.mask
@@ -170,8 +170,9 @@ def synthetic_image(width: int, height: int, mode: str = "RGB") -> Image.Image:
 
 def warmup_inputs(facts: ImageInputFacts | None, width: int, height: int) -> InputImages | None:
     """The inputs a warm-up of a pipeline taking images runs with (so the shapes it serves are the ones warmed,
-    compiled and measured): one synthetic image of the warm-up size, and a mask where the pipeline takes one."""
+    compiled and measured): synthetic images of the warm-up size, as many as it needs (at least one), and a mask
+    where the pipeline takes one."""
     if facts is None:
         return None
     mask = synthetic_image(width, height, "L") if facts.mask_argument is not None else None
-    return InputImages.of(facts, [synthetic_image(width, height)], mask)
+    return InputImages.of(facts, [synthetic_image(width, height)] * max(1, facts.min_images), mask)

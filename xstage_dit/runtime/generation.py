@@ -27,7 +27,7 @@ from PIL import Image
 from xstage_dit.runtime.conditioning import InputImages, default_size, image_kwargs
 from xstage_dit.runtime.mp4 import encode_mp4
 from xstage_dit.runtime.png import encode_png
-from xstage_dit.families.registry import image_inputs_for
+from xstage_dit.families.registry import image_inputs_for, image_inputs_for_model
 from xstage_dit.families.spec import ModelSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -115,7 +115,7 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
     sp: the sequence-parallel degree it will run at (some models take only square sizes there).
     images / mask: input images (PIL), checked against how `spec`'s pipeline takes them (`InputImages.of`:
     `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's. lora: its adapters, ``((name, scale), ...)``."""
-    facts = image_inputs_for(spec.pipeline_class)
+    facts = image_inputs_for_model(spec)
     inputs = InputImages.of(facts, images, mask, model=spec.name)
     size = default_size(facts, inputs, spec.patch_multiple) or (spec.width, spec.height)
     height = size[1] if height is None else int(height)

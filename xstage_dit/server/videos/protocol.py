@@ -31,9 +31,10 @@ class VideoCreateRequest(StrictModel):
         None, description="Clip length in seconds (OpenAI's field, e.g. '4'): frames = the nearest k*frame_multiple+1 "
                           "to seconds*fps. Give it or num_frames.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; default: the model's.")
-    input_reference: str | dict[str, Any] | None = Field(
+    input_reference: str | dict[str, Any] | list[str | dict[str, Any]] | None = Field(
         None, description="Image-to-video models: the first frame, a file in multipart, or in JSON base64, a data: URL "
-                          "or {\"image_url\": a data: URL}; a text-to-video model refuses it.")
+                          "or {\"image_url\": a data: URL}; first-last-frame models (Wan FLF2V): the first and the "
+                          "last frame, two files in multipart or a JSON list of two; a text-to-video model refuses it.")
     num_frames: int | None = Field(None, description="Frames (k * frame_multiple + 1); default: the model's.")
     fps: int | None = Field(None, description="Frames per second of the MP4; default: the model's.")
     num_inference_steps: int | None = None
@@ -106,10 +107,11 @@ def _seconds(value: str | float) -> float:
 
 
 def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig,
-                 reference_file: bytes | None = None) -> GenerationRequest:
+                 reference_files: list[bytes] | None = None) -> GenerationRequest:
     """The one `GenerationRequest` of a video job: `num_frames` of the form k * frame_multiple + 1 (or from
     `seconds`), fps in [1, 120], defaults from the served model, the first frame of an image-to-video model from
-    ``input_reference``. reference_file: the bytes of a multipart ``input_reference`` file (else the JSON field)."""
+    ``input_reference``. reference_files: the bytes of the multipart ``input_reference`` files, in order (else the
+    JSON field)."""
     common = common_params(req, served, config, "video")
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
@@ -128,6 +130,6 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
         if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
             raise RequestError("num_frames",
                                f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
-    reference = reference_file if reference_file is not None else req.input_reference
+    reference = reference_files if reference_files else req.input_reference
     inputs = reference_inputs(reference, served, config)  # 4xx where the model takes no image, or needs one
     return GenerationRequest(**common, num_frames=frames, fps=fps, inputs=inputs)
