@@ -64,6 +64,8 @@ def _direct(model: str, size: tuple[int, int], seed: int, image: Path | list[Pat
      "--image: expected 2 input image(s) for tiny-wan-flf2v, got 1"),
     (["--model", "tiny-wan-i2v", "--image", "{image}", "--image", "{wide}"],
      "--image: expected 1 input image(s) for tiny-wan-i2v, got 2"),
+    (["--model", "tiny-hunyuanvideo15-i2v", "--image", "{image}", "--size", "64x64"],
+     "--size: expected no width x height or 64x48 for tiny-hunyuanvideo15-i2v (its pipeline sizes the video from"),
     (["--model", "tiny-flux-kontext", "--image", "{text}"], "--image: expected a PNG, JPEG or WebP image, got"),
     (["--model", "tiny-flux-kontext", "--image", "{cut}"], "--image: expected a PNG, JPEG or WebP image, got"),
     (["--model", "tiny-flux-kontext", "--image", "missing.png"], "--image: expected an image file, got 'missing.png'"),
@@ -115,7 +117,9 @@ def test_inpainting_with_a_mask(files, tmp_path):
 # Wan FLF2V: --image twice, the first and the last frame
 @pytest.mark.parametrize("model, images, fps", [("tiny-wan-i2v", ["image"], 16),
                                                 ("tiny-wan-flf2v", ["image", "wide"], 16),
-                                                ("tiny-hunyuanvideo-i2v", ["image"], 24)])
+                                                ("tiny-hunyuanvideo-i2v", ["image"], 24),
+                                                # its pipeline sizes the video: a 3:2 image makes the 64x48 bucket
+                                                ("tiny-hunyuanvideo15-i2v", ["image"], 24)])
 def test_image_to_video_writes_the_pipelines_frames(model, images, fps, files, tmp_path):
     from xstage_dit.runtime.generation import read_mp4
     from xstage_dit.runtime.mp4 import encode_mp4

@@ -71,6 +71,12 @@ VIDEO = {
     # position embedding) in each block's cross-attention; 2 latent frames x 3x4 = 24 tokens; two prompts share them
     "tiny-wan-flf2v": ({"two-prompts": dict(prompt=["the fox runs", "a cat sleeps"], height=48, width=64, frames=5,
                                             images=[(80, 60), (64, 48)])}, True),
+    # HunyuanVideo 1.5 I2V: the image's latents on channels, its 9 SigLIP tokens at the front of the reordered text;
+    # the pipeline sizes the video (a 5:3 image: 80x48, 2 latent frames x 3x5 = 30 tokens, 8 + 8 + 7 + 7 at sp=4).
+    # One prompt: its VAE decodes one video a call (diffusers 0.42.1's mid-block mask breaks a batch); CFG is the
+    # guider's (no cfg=2)
+    "tiny-hunyuanvideo15-i2v": ({"one": dict(prompt="the fox runs", height=48, width=80, frames=5,
+                                             images=[(100, 60)])}, False),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 

@@ -167,6 +167,33 @@ def test_later_images_go_to_their_own_arguments_and_checkpoints_set_the_counts()
     assert [image_inputs_for_model(model_spec(m)).max_images for m in ("tiny-wan-i2v", "tiny-wan-flf2v")] == [1, 2]
 
 
+def test_a_pipeline_that_sizes_its_output_fixes_the_requests_size():
+    """HunyuanVideo 1.5 I2V takes no height / width: the request's size is the bucket its processor makes of the
+    image (diffusers' own function, for the transformer's target size), an explicit other size is refused, and the
+    pipeline gets no height / width."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    from xstage_dit.families import load_pipeline
+    from xstage_dit.families.registry import image_inputs_for_model
+
+    spec = model_spec("tiny-hunyuanvideo15-i2v")
+    facts = image_inputs_for_model(spec)
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=16)
+    for width, height in ((100, 60), (60, 100), (64, 64), (300, 40), (90, 88)):
+        want = processor.calculate_default_height_width(height=height, width=width, target_size=64)[::-1]
+        request = request_for(spec, prompt="a cat", images=[_image(1, width, height)])
+        assert (request.width, request.height) == facts.made_size(width, height) == want, (width, height)
+    with pytest.raises(ValueError, match="expected no width x height or 80x48 .* got 64x64"):
+        request_for(spec, prompt="a cat", images=[_image(1, 100, 60)], width=64, height=64)
+    assert request_for(spec, prompt="a", images=[_image(1, 100, 60)], width=80, height=48).width == 80
+    pipe = load_pipeline("tiny-hunyuanvideo15-i2v", device="meta")
+    kwargs = pipeline_kwargs(pipe, [request_for(spec, prompt="a cat", images=[_image(1, 100, 60)])], kind="video",
+                             fixed=fixed_kwargs(spec))
+    assert "height" not in kwargs and "width" not in kwargs and kwargs["image"].size == (100, 60)
+    with pytest.raises(ValueError, match="resolved for a checkpoint"):
+        image_inputs_for("HunyuanVideo15ImageToVideoPipeline").made_size(100, 60)
+
+
 def test_a_local_folder_counts_its_own_checkpoint(tmp_path):
     from xstage_dit.families.registry import image_inputs_for_model
 

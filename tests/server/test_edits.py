@@ -48,6 +48,7 @@ def servers():
         out = {}
         for model, extra in (("tiny-flux-kontext", {}), ("tiny-flux-fill", {}), ("tiny-flux", {}),
                              ("tiny-wan-i2v", {}), ("tiny-wan", {}), ("tiny-wan-flf2v", {}),
+                             ("tiny-hunyuanvideo15-i2v", {}),
                              ("tiny-flux-img2img", dict(max_image_pixels=96 * 64, max_upload_bytes=32 * 1024))):
             worker = start_worker(ServerConfig(**CONFIG, **extra), model)
             stack.callback(worker.stop)
@@ -169,6 +170,30 @@ def test_first_last_frame_takes_two_references_multipart_and_json_alike(servers)
     assert np.abs(other.astype(int) - want.astype(int)).max() > 1  # the last frame reaches the pipeline
     card = client.get("/v1/models/tiny-wan-flf2v").json()["input_images"]
     assert (card["min_images"], card["max_images"]) == (2, 2)
+
+
+def test_a_pipeline_that_sizes_the_video_from_the_image_reports_that_size(servers):
+    """HunyuanVideo 1.5 I2V takes no size: a request without one gets the bucket its pipeline makes of the image
+    (a 5:3 image: 80x48), reported in the video object and made; another explicit size is a 422 naming it."""
+    from xstage_dit.runtime.generation import read_mp4
+    from xstage_dit.runtime.mp4 import encode_mp4
+
+    client, worker = servers["tiny-hunyuanvideo15-i2v"]
+    image = seeded_image(8, 100, 60)
+    reference = base64.b64encode(png_bytes(image)).decode()
+    r = client.post("/v1/videos", json={"prompt": "make it snow", "seed": 3, "num_inference_steps": 2,
+                                        "num_frames": 5, "input_reference": reference})
+    assert r.status_code == 202 and r.json()["size"] == "80x48", r.text
+    mp4 = _finished_mp4(client, r.json()["id"])
+    with one_torch_thread():
+        want = _direct(worker, "tiny-hunyuanvideo15-i2v", image, 3, 2, frames=5)
+    assert read_mp4(mp4).shape == (5, 48, 80, 3) and mp4 == encode_mp4(want, 24)
+    before = len(list(worker.queue.jobs()))
+    bad = client.post("/v1/videos", json={"prompt": "x", "num_frames": 5, "size": "64x64",
+                                          "input_reference": reference})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (422, "size"), bad.text
+    assert "expected no size or '80x48'" in bad.json()["error"]["message"]
+    assert len(list(worker.queue.jobs())) == before
 
 
 def _edit(client, *, image=None, mask=None, fields=None, files=None, **kw):

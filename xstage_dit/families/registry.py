@@ -100,18 +100,18 @@ def image_inputs_for(pipeline) -> ImageInputFacts | None:
     cls = pipeline if isinstance(pipeline, type) else type(pipeline)
     facts = next((found.image_inputs[b.__name__] for b in cls.__mro__ if b.__name__ in found.image_inputs
                   and b.__module__.startswith("diffusers.")), None)
-    if facts is None or isinstance(pipeline, type) or facts.checkpoint_counts is None:
+    if facts is None or isinstance(pipeline, type) or not facts.per_checkpoint:
         return facts
     transformer = getattr(pipeline, "transformer", None) or getattr(pipeline, "transformer_2", None)
     return facts.for_transformer(dict(transformer.config))
 
 
 def image_inputs_for_model(spec: ModelSpec) -> ImageInputFacts | None:
-    """`image_inputs_for` the model of `spec` (a built-in or a local folder), with its checkpoint's counts read
-    from its transformer config (`transformer_config`) where they depend on it: what a request is checked with
-    before any pipeline is built."""
+    """`image_inputs_for` the model of `spec` (a built-in or a local folder), resolved for its checkpoint
+    (`ImageInputFacts.for_transformer` on its `transformer_config`) where they depend on it: what a request is
+    checked with before any pipeline is built."""
     facts = image_inputs_for(spec.pipeline_class)
-    if facts is None or facts.checkpoint_counts is None:
+    if facts is None or not facts.per_checkpoint:
         return facts
     return facts.for_transformer(transformer_config(spec))
 

@@ -145,10 +145,21 @@ def image_kwargs(facts: ImageInputFacts, inputs: InputImages | None, *, prompts:
     return kwargs
 
 
+def made_size(facts: ImageInputFacts | None, inputs: InputImages | None) -> tuple[int, int] | None:
+    """(width, height) the pipeline makes from `inputs` where it takes no size (`ImageInputFacts.output_size`,
+    HunyuanVideo 1.5 I2V): the only size a request with these images may have; None elsewhere."""
+    if facts is None or inputs is None:
+        return None
+    return facts.made_size(*inputs.images[0].size)
+
+
 def default_size(facts: ImageInputFacts | None, inputs: InputImages | None, multiple: int) -> tuple[int, int] | None:
-    """(width, height) a request without a size makes: the first image's, rounded down to `multiple` (at least
-    one multiple), where the pipeline sizes its output after its input (`ImageInputFacts.size_from_image`); None
-    where the model's default size applies."""
+    """(width, height) a request without a size makes: the pipeline's own for these images (`made_size`), or the
+    first image's, rounded down to `multiple` (at least one multiple), where the pipeline sizes its output after
+    its input (`ImageInputFacts.size_from_image`); None where the model's default size applies."""
+    made = made_size(facts, inputs)
+    if made is not None:
+        return made
     if facts is None or inputs is None or not facts.size_from_image:
         return None
     width, height = inputs.images[0].size

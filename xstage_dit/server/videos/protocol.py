@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from xstage_dit.runtime.conditioning import made_size
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.image_input import reference_inputs
@@ -132,4 +133,11 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
                                f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
     reference = reference_files if reference_files else req.input_reference
     inputs = reference_inputs(reference, served, config)  # 4xx where the model takes no image, or needs one
+    made = made_size(served.image_inputs, inputs)
+    if made is not None:  # the pipeline sizes the video from the image (HunyuanVideo 1.5 I2V)
+        asked = (common["width"], common["height"])
+        if req.size is not None and req.size.strip().lower() != "auto" and asked != made:
+            raise RequestError("size", f"expected no size or '{made[0]}x{made[1]}' for {served.name} (its pipeline "
+                                       f"sizes the video from the input image), got {req.size!r}")
+        common.update(width=made[0], height=made[1])
     return GenerationRequest(**common, num_frames=frames, fps=fps, inputs=inputs)
