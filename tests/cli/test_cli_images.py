@@ -115,12 +115,14 @@ def test_inpainting_with_a_mask(files, tmp_path):
 
 
 # Wan FLF2V: --image twice, the first and the last frame
-@pytest.mark.parametrize("model, images, fps", [("tiny-wan-i2v", ["image"], 16),
-                                                ("tiny-wan-flf2v", ["image", "wide"], 16),
-                                                ("tiny-hunyuanvideo-i2v", ["image"], 24),
-                                                # its pipeline sizes the video: a 3:2 image makes the 64x48 bucket
-                                                ("tiny-hunyuanvideo15-i2v", ["image"], 24)])
-def test_image_to_video_writes_the_pipelines_frames(model, images, fps, files, tmp_path):
+@pytest.mark.parametrize("model, images, fps, size, frames", [
+    ("tiny-wan-i2v", ["image"], 16, (64, 48), 5),
+    ("tiny-wan-flf2v", ["image", "wide"], 16, (64, 48), 5),
+    ("tiny-hunyuanvideo-i2v", ["image"], 24, (64, 48), 5),
+    ("tiny-hunyuanvideo15-i2v", ["image"], 24, (64, 48), 5),  # it sizes the video: a 3:2 image makes 64x48
+    ("tiny-ltx-condition", ["image"], 24, (96, 64), 9),
+])
+def test_image_to_video_writes_the_pipelines_frames(model, images, fps, size, frames, files, tmp_path):
     from xstage_dit.runtime.generation import read_mp4
     from xstage_dit.runtime.mp4 import encode_mp4
 
@@ -128,11 +130,12 @@ def test_image_to_video_writes_the_pipelines_frames(model, images, fps, files, t
     given = [a for key in images for a in ("--image", str(files[key]))]
     with one_torch_thread():
         assert main(["generate", "--model", model, *given, "--prompt", "make it snow", "--seed", "2", "--steps", "2",
-                     "--frames", "5", "--size", "64x48", "--output", str(out), "--no-progress"]) == 0
-        want = _direct(model, (64, 48), 2, [files[key] for key in images], frames=5)
-    assert want.shape == (5, 48, 64, 3)
+                     "--frames", str(frames), "--size", f"{size[0]}x{size[1]}", "--output", str(out),
+                     "--no-progress"]) == 0
+        want = _direct(model, size, 2, [files[key] for key in images], frames=frames)
+    assert want.shape == (frames, size[1], size[0], 3)
     assert out.read_bytes() == encode_mp4(want, fps)  # the same frames, the same encoder: the same bytes
-    assert read_mp4(out.read_bytes()).shape == (5, 48, 64, 3)
+    assert read_mp4(out.read_bytes()).shape == (frames, size[1], size[0], 3)
 
 
 @pytest.mark.slow  # two ranks started by the command, ~30-40 s on the 2-core CI machine

@@ -77,6 +77,10 @@ VIDEO = {
     # guider's (no cfg=2)
     "tiny-hunyuanvideo15-i2v": ({"one": dict(prompt="the fox runs", height=48, width=80, frames=5,
                                              images=[(100, 60)])}, False),
+    # LTX-Video's condition pipeline, an image at frame 0: its latents replace the first latent frame, whose tokens
+    # get timestep 0 (per-token timesteps), with the pipeline's own video coordinates; 2 x 2x3 = 12 tokens
+    "tiny-ltx-condition": ({"one": dict(prompt="the fox runs", height=64, width=96, frames=9,
+                                        images=[(80, 60)])}, False),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 
