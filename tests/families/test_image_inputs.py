@@ -81,6 +81,9 @@ VIDEO = {
     # get timestep 0 (per-token timesteps), with the pipeline's own video coordinates; 2 x 2x3 = 12 tokens
     "tiny-ltx-condition": ({"one": dict(prompt="the fox runs", height=64, width=96, frames=9,
                                         images=[(80, 60)])}, False),
+    # LTX-2: the first latent frame is the image's (H.264 round trip first), per-token video timesteps beside the
+    # audio's; 3 latent frames x 16x16 = 768 video tokens, the audio stream whole on every rank
+    "tiny-ltx2-i2v": ({"one": dict(prompt="the fox runs", height=32, width=32, frames=5, images=[(48, 40)])}, False),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 
