@@ -122,6 +122,7 @@ def test_inpainting_with_a_mask(files, tmp_path):
     ("tiny-hunyuanvideo15-i2v", ["image"], 24, (64, 48), 5),  # it sizes the video: a 3:2 image makes 64x48
     ("tiny-ltx-condition", ["image"], 24, (96, 64), 9),
     ("tiny-ltx2-i2v", ["image"], 24, (64, 32), 5),
+    ("tiny-skyreels-v2-i2v", ["image"], 24, (64, 48), 5),
 ])
 def test_image_to_video_writes_the_pipelines_frames(model, images, fps, size, frames, files, tmp_path):
     from xstage_dit.runtime.generation import read_mp4

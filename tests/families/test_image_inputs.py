@@ -84,6 +84,9 @@ VIDEO = {
     # LTX-2: the first latent frame is the image's (H.264 round trip first), per-token video timesteps beside the
     # audio's; 3 latent frames x 16x16 = 768 video tokens, the audio stream whole on every rank
     "tiny-ltx2-i2v": ({"one": dict(prompt="the fox runs", height=32, width=32, frames=5, images=[(48, 40)])}, False),
+    # SkyReels-V2 I2V: Wan 2.1 I2V's scheme on its transformer (no CFG parallel in its record); 2 x 3x4 = 24 tokens
+    "tiny-skyreels-v2-i2v": ({"two-prompts": dict(prompt=["the fox runs", "a cat sleeps"], height=48, width=64,
+                                                  frames=5, images=[(80, 60)])}, False),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 

@@ -10,7 +10,7 @@ reads with its own key/value projections; Wan 2.2's has no image encoder and two
 ``boundary_ratio``). First-last-frame (Wan2.1-FLF2V-14B-720P, the same pipeline's ``last_image``): the last frame's
 latents are on the same channels (at the last latent frame, the mask marks it), and both images' CLIP tokens (2 x 257,
 with a position embedding over them) go to the cross-attention: that checkpoint needs both frames, the others take
-the first only (`_frame_counts`, read from the transformer config).
+the first only (`frame_counts`, read from the transformer config).
 
 The record: diffusers' own sequence plan (cross-attention keys, the text and the image tokens, are whole on every
 rank; the mask and first-frame channels are concatenated per token, so they shard with the latents), paired CFG
@@ -97,8 +97,8 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, v
     return build_module(lambda: WanTransformer3DModel(**config), seed=seed, device=device, dtype=dtype)
 
 
-def _clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
-    """(CLIP vision tower, its image processor) of Wan 2.1 I2V, random weights."""
+def clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
+    """(CLIP vision tower, its image processor) of Wan 2.1 I2V (and SkyReels-V2 I2V), random weights."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     config = CLIP_VISION[size]
@@ -127,7 +127,7 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""
     if variant == "":
         return WanPipeline(**parts)
     if variant in ("i2v", "flf2v"):
-        encoder, processor = _clip_image_encoder(size, dtype=dtype, device=device, seed=seed + 3)
+        encoder, processor = clip_image_encoder(size, dtype=dtype, device=device, seed=seed + 3)
         return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
     # Wan 2.2 A14B: no image encoder; the low-noise expert below the boundary
     expert = build_transformer(size, dtype=dtype, device=device, seed=seed + 4, variant=variant)
@@ -190,7 +190,7 @@ SPECS += (
 )
 
 
-def _frame_counts(config) -> tuple[int, int]:
+def frame_counts(config) -> tuple[int, int]:
     """(min, max) input images of a Wan image-to-video checkpoint: the FLF2V transformer (a position embedding over
     two images' CLIP tokens) needs the first and the last frame; the others take the first only (Wan 2.1 I2V's
     embedder reads one image's tokens, Wan 2.2 A14B was made for the first frame)."""
@@ -203,7 +203,7 @@ RECORD = FamilyRecord(
     # the first frame (and FLF2V's last, ``last_image``): the video's size is the model's (the images are resized
     # to it); shared by every prompt
     image_inputs={"WanImageToVideoPipeline": ImageInputFacts(max_images=2, extra_arguments=("last_image",),
-                                                             checkpoint_counts=_frame_counts,
+                                                             checkpoint_counts=frame_counts,
                                                              size_from_image=False)},
     transformers=("WanTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(CROSS_ATTENTION_KV), cfg_needs_guidance=True),
