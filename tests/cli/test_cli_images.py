@@ -33,16 +33,17 @@ def files(tmp_path) -> dict[str, Path]:
     return paths
 
 
-def _direct(model: str, size: tuple[int, int], seed: int, image: Path, mask: Path | None = None, steps: int = 2,
-            frames: int | None = None) -> np.ndarray:
+def _direct(model: str, size: tuple[int, int], seed: int, image: Path | list[Path], mask: Path | None = None,
+            steps: int = 2, frames: int | None = None) -> np.ndarray:
     """The unpatched diffusers pipeline with the product's arguments: uint8 pixels ([frames,] H, W, 3)."""
     from xstage_dit.families import load_pipeline, model_spec
     from xstage_dit.runtime.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
 
     spec = model_spec(model)
     pipe = load_pipeline(model, seed=0)
+    paths = image if isinstance(image, list) else [image]
     request = request_for(spec, prompt="make it snow", seed=seed, steps=steps, width=size[0], height=size[1],
-                          frames=frames, images=[Image.open(image)],
+                          frames=frames, images=[Image.open(p) for p in paths],
                           mask=None if mask is None else Image.open(mask))
     return output_pixels(pipe(**pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))),
                          spec.kind)[0]
@@ -59,6 +60,12 @@ def _direct(model: str, size: tuple[int, int], seed: int, image: Path, mask: Pat
     (["--model", "tiny-flux-kontext", "--image", "{image}", "--mask", "{mask}"],
      "--mask: expected no mask for tiny-flux-kontext"),
     (["--model", "tiny-wan", "--image", "{image}"], "--image: expected no input image for tiny-wan"),
+    (["--model", "tiny-wan-flf2v", "--image", "{image}"],
+     "--image: expected 2 input image(s) for tiny-wan-flf2v, got 1"),
+    (["--model", "tiny-wan-i2v", "--image", "{image}", "--image", "{wide}"],
+     "--image: expected 1 input image(s) for tiny-wan-i2v, got 2"),
+    (["--model", "tiny-hunyuanvideo15-i2v", "--image", "{image}", "--size", "64x64"],
+     "--size: expected no width x height or 64x48 for tiny-hunyuanvideo15-i2v (its pipeline sizes the video from"),
     (["--model", "tiny-flux-kontext", "--image", "{text}"], "--image: expected a PNG, JPEG or WebP image, got"),
     (["--model", "tiny-flux-kontext", "--image", "{cut}"], "--image: expected a PNG, JPEG or WebP image, got"),
     (["--model", "tiny-flux-kontext", "--image", "missing.png"], "--image: expected an image file, got 'missing.png'"),
@@ -107,19 +114,30 @@ def test_inpainting_with_a_mask(files, tmp_path):
     assert_same_image(np.asarray(Image.open(out).convert("RGB")), want, "cli vs diffusers")
 
 
-def test_image_to_video_writes_the_pipelines_frames(files, tmp_path):
+# Wan FLF2V: --image twice, the first and the last frame
+@pytest.mark.parametrize("model, images, fps, size, frames", [
+    ("tiny-wan-i2v", ["image"], 16, (64, 48), 5),
+    ("tiny-wan-flf2v", ["image", "wide"], 16, (64, 48), 5),
+    ("tiny-hunyuanvideo-i2v", ["image"], 24, (64, 48), 5),
+    ("tiny-hunyuanvideo15-i2v", ["image"], 24, (64, 48), 5),  # it sizes the video: a 3:2 image makes 64x48
+    ("tiny-ltx-condition", ["image"], 24, (96, 64), 9),
+    ("tiny-ltx2-i2v", ["image"], 24, (64, 32), 5),
+    ("tiny-skyreels-v2-i2v", ["image"], 24, (64, 48), 5),
+])
+def test_image_to_video_writes_the_pipelines_frames(model, images, fps, size, frames, files, tmp_path):
     from xstage_dit.runtime.generation import read_mp4
     from xstage_dit.runtime.mp4 import encode_mp4
 
     out = tmp_path / "fox.mp4"
+    given = [a for key in images for a in ("--image", str(files[key]))]
     with one_torch_thread():
-        assert main(["generate", "--model", "tiny-wan-i2v", "--image", str(files["image"]), "--prompt", "make it snow",
-                     "--seed", "2", "--steps", "2", "--frames", "5", "--size", "64x48", "--output", str(out),
+        assert main(["generate", "--model", model, *given, "--prompt", "make it snow", "--seed", "2", "--steps", "2",
+                     "--frames", str(frames), "--size", f"{size[0]}x{size[1]}", "--output", str(out),
                      "--no-progress"]) == 0
-        want = _direct("tiny-wan-i2v", (64, 48), 2, files["image"], frames=5)
-    assert want.shape == (5, 48, 64, 3)
-    assert out.read_bytes() == encode_mp4(want, 16)  # the same frames, the same encoder: the same bytes
-    assert read_mp4(out.read_bytes()).shape == (5, 48, 64, 3)
+        want = _direct(model, size, 2, [files[key] for key in images], frames=frames)
+    assert want.shape == (frames, size[1], size[0], 3)
+    assert out.read_bytes() == encode_mp4(want, fps)  # the same frames, the same encoder: the same bytes
+    assert read_mp4(out.read_bytes()).shape == (frames, size[1], size[0], 3)
 
 
 @pytest.mark.slow  # two ranks started by the command, ~30-40 s on the 2-core CI machine

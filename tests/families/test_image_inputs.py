@@ -60,7 +60,35 @@ QWEN = {
     "tiny-qwenimage-edit-plus": ({"two": dict(prompt="the two together", height=48, width=64,
                                               images=[(64, 48), (48, 48)], **CFG)}, True),
 }
-GROUPS = {"main": MODELS, "qwen": QWEN}
+# The image-to-video pipelines added after the first eight (their own group: the main one's world-2 run is already
+# a minute). True CFG where the pipeline has it (a second transformer call a step: cfg=2 is tested).
+VIDEO = {
+    # HunyuanVideo-I2V: 4 image tokens before the prompt's; 3 latent frames x 4x6 = 72 tokens, of which the first
+    # frame's 24 are modulated apart: at sp=2 rank 0 holds them and 12 others, at sp=4 ranks 0 and 1 share them (18 + 6)
+    "tiny-hunyuanvideo-i2v": ({"one": dict(prompt="the fox runs", height=32, width=48, frames=9, images=[(64, 40)],
+                                           **CFG)}, True),
+    # Wan 2.1 FLF2V: the first and the last frame's latents on channels, both images' 2 x 17 CLIP tokens (with their
+    # position embedding) in each block's cross-attention; 2 latent frames x 3x4 = 24 tokens; two prompts share them
+    "tiny-wan-flf2v": ({"two-prompts": dict(prompt=["the fox runs", "a cat sleeps"], height=48, width=64, frames=5,
+                                            images=[(80, 60), (64, 48)])}, True),
+    # HunyuanVideo 1.5 I2V: the image's latents on channels, its 9 SigLIP tokens at the front of the reordered text;
+    # the pipeline sizes the video (a 5:3 image: 80x48, 2 latent frames x 3x5 = 30 tokens, 8 + 8 + 7 + 7 at sp=4).
+    # One prompt: its VAE decodes one video a call (diffusers 0.42.1's mid-block mask breaks a batch); CFG is the
+    # guider's (no cfg=2)
+    "tiny-hunyuanvideo15-i2v": ({"one": dict(prompt="the fox runs", height=48, width=80, frames=5,
+                                             images=[(100, 60)])}, False),
+    # LTX-Video's condition pipeline, an image at frame 0: its latents replace the first latent frame, whose tokens
+    # get timestep 0 (per-token timesteps), with the pipeline's own video coordinates; 2 x 2x3 = 12 tokens
+    "tiny-ltx-condition": ({"one": dict(prompt="the fox runs", height=64, width=96, frames=9,
+                                        images=[(80, 60)])}, False),
+    # LTX-2: the first latent frame is the image's (H.264 round trip first), per-token video timesteps beside the
+    # audio's; 3 latent frames x 16x16 = 768 video tokens, the audio stream whole on every rank
+    "tiny-ltx2-i2v": ({"one": dict(prompt="the fox runs", height=32, width=32, frames=5, images=[(48, 40)])}, False),
+    # SkyReels-V2 I2V: Wan 2.1 I2V's scheme on its transformer (no CFG parallel in its record); 2 x 3x4 = 24 tokens
+    "tiny-skyreels-v2-i2v": ({"two-prompts": dict(prompt=["the fox runs", "a cat sleeps"], height=48, width=64,
+                                                  frames=5, images=[(80, 60)])}, False),
+}
+GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 
 
 def configs(world: int, cfg: bool) -> dict[str, dict]:
@@ -132,7 +160,7 @@ def test_the_records_name_the_image_pipelines():
     from xstage_dit.families import model_spec
     from xstage_dit.families.registry import image_inputs_for, record_for_pipeline, supported_pipelines
 
-    for model in (*MODELS, *QWEN):
+    for model in (*MODELS, *QWEN, *VIDEO):
         spec = model_spec(model)
         assert record_for_pipeline(spec.pipeline_class).name == spec.family
         assert supported_pipelines()[spec.pipeline_class] == spec.family  # a local folder of it is served
@@ -140,7 +168,7 @@ def test_the_records_name_the_image_pipelines():
     assert image_inputs_for("FluxPipeline") is None and image_inputs_for("WanPipeline") is None
 
 
-@pytest.mark.parametrize("group", ["main", pytest.param("qwen", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group", ["main", "video", pytest.param("qwen", marks=pytest.mark.slow)])
 def test_world_1_matches_the_unpatched_pipeline(group):
     from xstage_dit.families import load_pipeline
 
@@ -155,7 +183,8 @@ def test_world_1_matches_the_unpatched_pipeline(group):
 
 # world 2 of the main group runs ~60 s on the 2-core CI machine (eight pipelines, three runs a config)
 @pytest.mark.slow
-@pytest.mark.parametrize("world, group", [(2, "main"), (4, "main"), (2, "qwen"), (4, "qwen")])
+@pytest.mark.parametrize("world, group", [(2, "main"), (4, "main"), (2, "qwen"), (4, "qwen"), (2, "video"),
+                                          (4, "video")])
 def test_parallel_pipeline_matches_one_process(world, group, tmp_path):
     _check(launch_ranks(__file__, f"images-{group}", world, tmp_path, group, timeout_s=1200), world, group)
 

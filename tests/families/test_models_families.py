@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from xstage_dit.families import MODELS, load_pipeline, model_spec
-from xstage_dit.families.registry import image_inputs_for, record, records
+from xstage_dit.families.registry import image_inputs_for_model, record, records
 from xstage_dit.runtime.conditioning import synthetic_image
 from xstage_dit.runtime.generation import call_kwargs, output_pixels, to_pil_frames
 
@@ -41,10 +41,10 @@ def test_tiny_pipeline_runs_end_to_end(name):
     assert spec.pipeline_class in record(spec.family).served_pipelines
     frames_in = 1 + spec.frame_multiple
     small = dict(height=64, width=64, frames=frames_in) if spec.kind == "video" else {}
-    facts = image_inputs_for(spec.pipeline_class)
-    if facts is not None and facts.min_images:  # an edit or image-to-video pipeline: an input image (and mask)
+    facts = image_inputs_for_model(spec)
+    if facts is not None and facts.min_images:  # an edit or image-to-video pipeline: its input images (and mask)
         side = small or dict(width=spec.width, height=spec.height)
-        small = dict(small, images=[synthetic_image(side["width"], side["height"])])
+        small = dict(small, images=[synthetic_image(side["width"], side["height"])] * facts.min_images)
         if facts.mask_argument:
             small["mask"] = synthetic_image(side["width"], side["height"], "L")
     kwargs = lambda: call_kwargs(pipe, spec, prompt="ein Fuchs im Schnee, 東京 🦊", steps=2, seed=1, **small)  # noqa: E731
@@ -242,6 +242,25 @@ def test_hunyuan_video_template_crops_exactly_its_own_tokens():
     prefix = tok(PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids
     full = tok(PROMPT_TEMPLATE["template"].format("a red fox")).input_ids
     assert PROMPT_TEMPLATE["crop_start"] == len(prefix) and full[:len(prefix)] == prefix
+
+
+def test_hunyuan_video_i2v_template_counts_the_in_code_llava_tokenizer():
+    """HunyuanVideo I2V's template: crop_start drops the prefix (and nothing of the prompt), <image> sits at
+    image_emb_start and the vision tower makes image_emb_len tokens for it, and the assistant header the pipeline
+    cuts (4 tokens) is 4 tokens."""
+    from xstage_dit.families.hunyuan_video import I2V_PROMPT_TEMPLATE as template
+
+    pipe = load_pipeline("tiny-hunyuanvideo-i2v")
+    tok, vision = pipe.tokenizer, pipe.text_encoder.config.vision_config
+    prefix = tok(template["template"].split("{}")[0]).input_ids
+    full = tok(template["template"].format("a red fox")).input_ids
+    assert template["crop_start"] == len(prefix) and full[:len(prefix)] == prefix
+    assert prefix.index(pipe.text_encoder.config.image_token_index) == template["image_emb_start"]
+    assert template["image_emb_len"] == (vision.image_size // vision.patch_size) ** 2
+    assert template["image_emb_end"] == template["image_emb_start"] + template["image_emb_len"]
+    header = "<|eot_id|><|start_header_id|>assistant<|end_header_id|>"
+    assert len(tok(header, add_special_tokens=False).input_ids) == 4
+    assert tok.padding_side == "right"  # the pipeline crops the template from the front of every row
 
 
 @pytest.mark.parametrize("name", ["tiny-hunyuanvideo15", "tiny-hunyuanimage"])

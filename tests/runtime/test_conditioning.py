@@ -33,7 +33,7 @@ def test_every_record_names_real_arguments_of_its_pipelines():
     for record in records().values():
         for pipeline, facts in record.image_inputs.items():
             params = inspect.signature(getattr(diffusers, pipeline).__call__).parameters
-            for name in (facts.argument, facts.mask_argument, facts.area_argument):
+            for name in (facts.argument, facts.mask_argument, facts.area_argument, *facts.extra_arguments):
                 assert name is None or name in params, (pipeline, name)
             checked += 1
     assert checked >= 9  # Kontext, img2img, Fill, FLUX.2, Qwen edit (2), Wan I2V, LTX I2V, CogVideoX I2V (+ChronoEdit)
@@ -46,6 +46,9 @@ def test_every_record_names_real_arguments_of_its_pipelines():
     ("tiny-flux-kontext", 1, True, "mask", "expected no mask for tiny-flux-kontext (its pipeline takes none)"),
     ("tiny-wan", 1, False, "image", "expected no input image for tiny-wan (its pipeline takes none), got 1"),
     ("tiny-wan-i2v", 2, False, "image", "expected 1 input image(s) for tiny-wan-i2v, got 2"),
+    ("tiny-wan22-i2v", 2, False, "image", "expected 1 input image(s) for tiny-wan22-i2v, got 2"),
+    ("tiny-wan-flf2v", 1, False, "image", "expected 2 input image(s) for tiny-wan-flf2v, got 1"),
+    ("tiny-wan-flf2v", 3, False, "image", "expected 2 input image(s) for tiny-wan-flf2v, got 3"),
     ("tiny-flux2", 11, False, "image", "expected 0 to 10 input image(s) for tiny-flux2, got 11"),
     ("tiny-qwenimage-edit-plus", 4, False, "image", "expected 1 to 3 input image(s)"),
 ])
@@ -141,6 +144,72 @@ def test_each_pipeline_gets_its_own_arguments(facts, prompts, expected):
         assert got[key] == want[key], key
 
 
+def test_later_images_go_to_their_own_arguments_and_checkpoints_set_the_counts():
+    """Wan's first-last-frame: the second image is ``last_image`` (one copy per prompt where the first is); which
+    checkpoints take it is read from the transformer config (`checkpoint_counts`), for a built-in, a pipeline and a
+    local folder alike."""
+    from xstage_dit.families.registry import image_inputs_for_model
+
+    facts = ImageInputFacts(max_images=2, extra_arguments=("last_image",), batch="per_prompt")
+    first, last = _image(1), _image(2)
+    inputs = InputImages.of(facts, [first, last])
+    assert image_kwargs(facts, inputs, prompts=1, width=64, height=64) == {"image": inputs.images[0],
+                                                                          "last_image": inputs.images[1]}
+    two = image_kwargs(facts, inputs, prompts=2, width=64, height=64)
+    assert two["image"] == [inputs.images[0]] * 2 and two["last_image"] == [inputs.images[1]] * 2
+    assert image_kwargs(facts, InputImages.of(facts, [first]), prompts=1, width=64, height=64).keys() == {"image"}
+    with pytest.raises(ValueError, match="expected as_list=True or 2 extra_arguments for a pipeline taking 3"):
+        ImageInputFacts(max_images=3, extra_arguments=("last_image",))
+    counted = ImageInputFacts(max_images=2, extra_arguments=("last_image",), checkpoint_counts=lambda c: (2, c["n"]))
+    assert (counted.for_transformer({"n": 2}).min_images, counted.for_transformer({"n": 2}).max_images) == (2, 2)
+    with pytest.raises(ValueError, match="expected checkpoint counts within 1..2, got 2..3"):
+        counted.for_transformer({"n": 3})
+    assert [image_inputs_for_model(model_spec(m)).max_images for m in ("tiny-wan-i2v", "tiny-wan-flf2v")] == [1, 2]
+
+
+def test_a_pipeline_that_sizes_its_output_fixes_the_requests_size():
+    """HunyuanVideo 1.5 I2V takes no height / width: the request's size is the bucket its processor makes of the
+    image (diffusers' own function, for the transformer's target size), an explicit other size is refused, and the
+    pipeline gets no height / width."""
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    from xstage_dit.families import load_pipeline
+    from xstage_dit.families.registry import image_inputs_for_model
+
+    spec = model_spec("tiny-hunyuanvideo15-i2v")
+    facts = image_inputs_for_model(spec)
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=16)
+    for width, height in ((100, 60), (60, 100), (64, 64), (300, 40), (90, 88)):
+        want = processor.calculate_default_height_width(height=height, width=width, target_size=64)[::-1]
+        request = request_for(spec, prompt="a cat", images=[_image(1, width, height)])
+        assert (request.width, request.height) == facts.made_size(width, height) == want, (width, height)
+    with pytest.raises(ValueError, match="expected no width x height or 80x48 .* got 64x64"):
+        request_for(spec, prompt="a cat", images=[_image(1, 100, 60)], width=64, height=64)
+    assert request_for(spec, prompt="a", images=[_image(1, 100, 60)], width=80, height=48).width == 80
+    pipe = load_pipeline("tiny-hunyuanvideo15-i2v", device="meta")
+    kwargs = pipeline_kwargs(pipe, [request_for(spec, prompt="a cat", images=[_image(1, 100, 60)])], kind="video",
+                             fixed=fixed_kwargs(spec))
+    assert "height" not in kwargs and "width" not in kwargs and kwargs["image"].size == (100, 60)
+    with pytest.raises(ValueError, match="resolved for a checkpoint"):
+        image_inputs_for("HunyuanVideo15ImageToVideoPipeline").made_size(100, 60)
+
+
+def test_a_local_folder_counts_its_own_checkpoint(tmp_path):
+    from xstage_dit.families.registry import image_inputs_for_model
+
+    folder = tmp_path / "flf2v"
+    (folder / "transformer").mkdir(parents=True)
+    (folder / "model_index.json").write_text('{"_class_name": "WanImageToVideoPipeline"}')
+    (folder / "transformer" / "config.json").write_text('{"image_dim": 1280, "pos_embed_seq_len": 514}')
+    facts = image_inputs_for_model(model_spec(str(folder)))
+    assert (facts.min_images, facts.max_images) == (2, 2)
+    (folder / "transformer" / "config.json").write_text('{"image_dim": 1280}')
+    assert image_inputs_for_model(model_spec(str(folder))).max_images == 1
+    (folder / "transformer" / "config.json").unlink()
+    with pytest.raises(ValueError, match="expected a readable .*config.json"):
+        image_inputs_for_model(model_spec(str(folder)))
+
+
 def test_an_alone_pipeline_refuses_two_prompts_and_a_required_image_is_checked_again():
     facts = ImageInputFacts(batch="alone")
     with pytest.raises(ValueError, match="expected one prompt a call .* got 2"):
@@ -172,4 +241,7 @@ def test_warmup_inputs_are_deterministic_and_shaped_like_the_request():
     a, b = warmup_inputs(facts, 96, 64), warmup_inputs(facts, 96, 64)
     assert a.digest == b.digest and a.images[0].size == a.mask.size == (96, 64)
     assert warmup_inputs(None, 96, 64) is None
+    from xstage_dit.families.registry import image_inputs_for_model
+
+    assert len(warmup_inputs(image_inputs_for_model(model_spec("tiny-wan-flf2v")), 64, 48).images) == 2  # both frames
     assert synthetic_image(8, 4).getpixel((7, 3)) == (255, 255, 128)

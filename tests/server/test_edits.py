@@ -47,7 +47,8 @@ def servers():
     with contextlib.ExitStack() as stack, one_torch_thread():
         out = {}
         for model, extra in (("tiny-flux-kontext", {}), ("tiny-flux-fill", {}), ("tiny-flux", {}),
-                             ("tiny-wan-i2v", {}), ("tiny-wan", {}),
+                             ("tiny-wan-i2v", {}), ("tiny-wan", {}), ("tiny-wan-flf2v", {}),
+                             ("tiny-hunyuanvideo15-i2v", {}),
                              ("tiny-flux-img2img", dict(max_image_pixels=96 * 64, max_upload_bytes=32 * 1024))):
             worker = start_worker(ServerConfig(**CONFIG, **extra), model)
             stack.callback(worker.stop)
@@ -56,13 +57,15 @@ def servers():
         yield out
 
 
-def _direct(worker, model: str, image: Image.Image, seed: int, steps: int, mask=None, **size) -> np.ndarray:
-    """The served pipeline called with the product's arguments for this image (uint8 pixels of image 0)."""
+def _direct(worker, model: str, image, seed: int, steps: int, mask=None, **size) -> np.ndarray:
+    """The served pipeline called with the product's arguments for this image (or list of images): uint8 pixels of
+    output 0."""
     from xstage_dit.families import model_spec
     from xstage_dit.runtime.generation import fixed_kwargs, output_pixels, pipeline_kwargs, request_for
 
     spec = model_spec(model)
-    request = request_for(spec, prompt="make it snow", seed=seed, steps=steps, images=[image], mask=mask, **size)
+    images = image if isinstance(image, list) else [image]
+    request = request_for(spec, prompt="make it snow", seed=seed, steps=steps, images=images, mask=mask, **size)
     pipe = worker.model.pipe
     return output_pixels(pipe(**pipeline_kwargs(pipe, [request], kind=spec.kind, fixed=fixed_kwargs(spec))),
                          spec.kind)[0]
@@ -130,6 +133,67 @@ def test_image_to_video_takes_its_first_frame_as_input_reference(servers):
         want = _direct(worker, "tiny-wan-i2v", image, 6, 2, width=64, height=48, frames=5)
     assert read_mp4(mp4.content).shape == (5, 48, 64, 3)
     assert mp4.content == encode_mp4(want, 16)  # the pipeline's frames through the one encoder
+
+
+def _finished_mp4(client, video_id: str) -> bytes:
+    deadline = time.monotonic() + 300
+    while client.get(f"/v1/videos/{video_id}").json()["status"] not in ("completed", "failed"):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    mp4 = client.get(f"/v1/videos/{video_id}/content")
+    assert mp4.status_code == 200, mp4.text
+    return mp4.content
+
+
+def test_first_last_frame_takes_two_references_multipart_and_json_alike(servers):
+    """Wan FLF2V: ``input_reference`` twice in a form (the SDK's multipart shape) or a JSON list: the first and
+    the last frame, in order; the pipeline's own video for them (and another last frame, another video)."""
+    from xstage_dit.runtime.mp4 import encode_mp4
+
+    client, worker = servers["tiny-wan-flf2v"]
+    first, last = seeded_image(5, 80, 60), seeded_image(6, 64, 48)
+    fields = {"prompt": "make it snow", "seed": "6", "num_inference_steps": "2", "num_frames": "5", "size": "64x48"}
+    form = client.post("/v1/videos", data=fields, files=[("input_reference", ("a.png", png_bytes(first), "image/png")),
+                                                         ("input_reference", ("b.png", png_bytes(last), "image/png"))])
+    assert form.status_code == 202, form.text
+    as_json = client.post("/v1/videos", json={**fields, "seed": 6, "num_inference_steps": 2, "num_frames": 5,
+                                              "input_reference": [base64.b64encode(png_bytes(i)).decode()
+                                                                  for i in (first, last)]})
+    assert as_json.status_code == 202, as_json.text
+    mp4 = _finished_mp4(client, form.json()["id"])
+    assert _finished_mp4(client, as_json.json()["id"]) == mp4
+    with one_torch_thread():
+        want = _direct(worker, "tiny-wan-flf2v", [first, last], 6, 2, width=64, height=48, frames=5)
+        other = _direct(worker, "tiny-wan-flf2v", [first, seeded_image(7, 64, 48)], 6, 2, width=64, height=48,
+                        frames=5)
+    assert mp4 == encode_mp4(want, 16)
+    assert np.abs(other.astype(int) - want.astype(int)).max() > 1  # the last frame reaches the pipeline
+    card = client.get("/v1/models/tiny-wan-flf2v").json()["input_images"]
+    assert (card["min_images"], card["max_images"]) == (2, 2)
+
+
+def test_a_pipeline_that_sizes_the_video_from_the_image_reports_that_size(servers):
+    """HunyuanVideo 1.5 I2V takes no size: a request without one gets the bucket its pipeline makes of the image
+    (a 5:3 image: 80x48), reported in the video object and made; another explicit size is a 422 naming it."""
+    from xstage_dit.runtime.generation import read_mp4
+    from xstage_dit.runtime.mp4 import encode_mp4
+
+    client, worker = servers["tiny-hunyuanvideo15-i2v"]
+    image = seeded_image(8, 100, 60)
+    reference = base64.b64encode(png_bytes(image)).decode()
+    r = client.post("/v1/videos", json={"prompt": "make it snow", "seed": 3, "num_inference_steps": 2,
+                                        "num_frames": 5, "input_reference": reference})
+    assert r.status_code == 202 and r.json()["size"] == "80x48", r.text
+    mp4 = _finished_mp4(client, r.json()["id"])
+    with one_torch_thread():
+        want = _direct(worker, "tiny-hunyuanvideo15-i2v", image, 3, 2, frames=5)
+    assert read_mp4(mp4).shape == (5, 48, 80, 3) and mp4 == encode_mp4(want, 24)
+    before = len(list(worker.queue.jobs()))
+    bad = client.post("/v1/videos", json={"prompt": "x", "num_frames": 5, "size": "64x64",
+                                          "input_reference": reference})
+    assert (bad.status_code, bad.json()["error"]["param"]) == (422, "size"), bad.text
+    assert "expected no size or '80x48'" in bad.json()["error"]["message"]
+    assert len(list(worker.queue.jobs())) == before
 
 
 def _edit(client, *, image=None, mask=None, fields=None, files=None, **kw):
@@ -213,6 +277,12 @@ BAD_VIDEOS = {
     "file-id": ("tiny-wan-i2v", {"input_reference": {"file_id": "file_1"}}, 400, "keeps no file store"),
     "truncated": ("tiny-wan-i2v", {"input_reference": base64.b64encode(GOOD[:100]).decode()}, 400,
                   "truncated or corrupt"),
+    "i2v-given-two": ("tiny-wan-i2v", {"input_reference": [base64.b64encode(GOOD).decode()] * 2}, 422,
+                      "expected 1 input image(s) for tiny-wan-i2v, got 2"),
+    "flf2v-given-one": ("tiny-wan-flf2v", {"input_reference": base64.b64encode(GOOD).decode()}, 422,
+                        "expected 2 input image(s) for tiny-wan-flf2v, got 1"),
+    "t2v-given-two": ("tiny-wan", {"input_reference": [base64.b64encode(GOOD).decode()] * 2}, 400,
+                      "expected no input image for tiny-wan (its pipeline takes none), got 2"),
 }
 
 

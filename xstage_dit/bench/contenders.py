@@ -230,7 +230,8 @@ class XStageServed(XStage):
 
     def _inputs(self, b: Bench) -> dict:
         """The run's input images as a JSON client sends them (base64 PNGs, encoded once): an edit's ``image`` (and
-        ``mask``), a video's ``input_reference``; {} for a text model."""
+        ``mask``), a video's ``input_reference`` (a list of the first and last frame for first-last-frame models);
+        {} for a text model."""
         if not b.images:
             return {}
         if self._encoded is None:
@@ -243,7 +244,8 @@ class XStageServed(XStage):
                 return base64.b64encode(buf.getvalue()).decode()
 
             if b.spec.kind == "video":
-                self._encoded = {"input_reference": b64(b.images[0])}
+                frames = [b64(i) for i in b.images]
+                self._encoded = {"input_reference": frames[0] if len(frames) == 1 else frames}
             else:
                 self._encoded = {"image": [b64(i) for i in b.images],
                                  **({"mask": b64(b.mask)} if b.mask is not None else {})}

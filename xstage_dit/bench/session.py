@@ -48,20 +48,21 @@ def model_slug(model: str) -> str:
 
 def bench_inputs(args: argparse.Namespace, spec, width: int, height: int) -> tuple[tuple, object]:
     """(input images, mask) of a run: --image / --mask files; else, for a model whose pipeline edits or animates
-    images (its record's task), a synthetic image (and mask) of the run's size: the shape a served request has,
-    FLUX.1 Kontext's image tokens appended to the sequence, Wan I2V's first frame. ((), None) for text models."""
+    images (its record's task), synthetic images (as many as it needs, at least one; and a mask) of the run's size:
+    the shape a served request has, FLUX.1 Kontext's image tokens appended to the sequence, Wan I2V's first frame
+    (FLF2V's first and last). ((), None) for text models."""
     from PIL import Image
 
     from xstage_dit.families.record import IMAGE_TASKS
-    from xstage_dit.families.registry import image_inputs_for, record_for_pipeline
+    from xstage_dit.families.registry import image_inputs_for_model, record_for_pipeline
     from xstage_dit.runtime.conditioning import synthetic_image
 
-    facts = image_inputs_for(spec.pipeline_class)
+    facts = image_inputs_for_model(spec)
     family = record_for_pipeline(spec.pipeline_class)
     takes = facts is not None and family is not None and family.pipelines.get(spec.pipeline_class) in IMAGE_TASKS
     images = [Image.open(path).convert("RGB") for path in args.image or ()]
     if not images and takes:
-        images = [synthetic_image(width, height)]
+        images = [synthetic_image(width, height)] * max(1, facts.min_images)
     mask = Image.open(args.mask) if args.mask is not None else None
     if mask is None and images and facts is not None and facts.mask_argument is not None:
         mask = synthetic_image(*images[0].size, "L")

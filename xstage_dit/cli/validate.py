@@ -17,12 +17,11 @@ Example::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from xstage_dit.errors import UsageError
 from xstage_dit.families.record import FamilyRecord
+from xstage_dit.families import registry
 from xstage_dit.families.registry import record
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.features.config import ParallelConfig
@@ -44,14 +43,12 @@ class TransformerFacts:
 
 
 def transformer_config(spec: ModelSpec) -> dict:
-    """The transformer config of a built-in model (its family record's dims) or of a local folder."""
-    if spec.size == "local":
-        path = Path(spec.name).expanduser() / "transformer" / "config.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UsageError(f"--model: expected a readable {path}, got {type(exc).__name__}: {exc}") from None
-    return record(spec.family).dims(spec)
+    """The transformer config of a built-in model (its family record's dims) or of a local folder
+    (`registry.transformer_config`); `UsageError` naming --model when it cannot be read."""
+    try:
+        return registry.transformer_config(spec)
+    except ValueError as exc:
+        raise UsageError(f"--model: {exc}") from None
 
 
 def transformer_facts(spec: ModelSpec, family: FamilyRecord | None = None) -> TransformerFacts:

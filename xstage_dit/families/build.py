@@ -118,3 +118,13 @@ def check_vocab(tokenizer, vocab_size: int, what: str) -> None:
     top = max_token_id(tokenizer)
     if top >= vocab_size:
         raise ValueError(f"expected {what} token ids < vocab_size {vocab_size}, got max id {top}")
+
+
+def clip_image_processor(side: int):
+    """The `CLIPImageProcessor` of a CLIP vision tower of `side` x `side` pixels (resize the short edge, centre
+    crop, OpenAI CLIP's mean and std): what Wan 2.1 I2V and HunyuanVideo I2V (its LLaVA text encoder) ship."""
+    from transformers import CLIPImageProcessor
+
+    return CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
+                              image_mean=[0.48145466, 0.4578275, 0.40821073],
+                              image_std=[0.26862954, 0.26130258, 0.27577711])

@@ -11,6 +11,10 @@ Image-to-video (`LTXImageToVideoPipeline`, the same transformer): the first fram
 the first latent frame, whose tokens get timestep 0, so the transformer is handed per-token timesteps
 ``(batch, tokens)`` that its time embedding turns into per-token modulation; our plan adds that input to
 diffusers' (split like the tokens where it is 2-D; the text-to-video pipeline's ``(batch,)`` stays whole).
+The condition pipeline (`LTXConditionPipeline`, LTX-Video 0.9.5+), given an image at frame 0, does the same (its
+conditioning mask makes the per-token timesteps) and hands the transformer its own video coordinates, from which
+the rotary tables are made whole and then split by the same plan; conditions at later frames would add tokens in
+front of the sequence, split with it (the product passes the first frame only).
 """
 
 from __future__ import annotations
@@ -52,7 +56,7 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, v
 
 
 #: variant -> its pipeline class ("": text-to-video); the transformer is the same
-PIPELINES = {"": "LTXPipeline", "i2v": "LTXImageToVideoPipeline"}
+PIPELINES = {"": "LTXPipeline", "i2v": "LTXImageToVideoPipeline", "condition": "LTXConditionPipeline"}
 
 
 def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
@@ -91,6 +95,12 @@ SPECS = (
 
 SPECS += (
     ModelSpec(
+        name="tiny-ltx-condition", family="ltx", size="tiny", kind="video", pipeline_class="LTXConditionPipeline",
+        variant="condition", patch_multiple=32, height=64, width=96, frames=9, frame_multiple=8, steps=2,
+        guidance=3.0, max_sequence_length=16, fps=24,
+        description="LTX-Video 0.9.5+ conditioning (an image at frame 0), 1 block, 4 heads x 8, LTX VAE, random weights",
+    ),
+    ModelSpec(
         name="tiny-ltx-i2v", family="ltx", size="tiny", kind="video", pipeline_class="LTXImageToVideoPipeline",
         variant="i2v", patch_multiple=32, height=64, width=96, frames=9, frame_multiple=8, steps=2, guidance=3.0,
         max_sequence_length=16, fps=24,
@@ -109,9 +119,12 @@ def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
 
 RECORD = FamilyRecord(
     name="ltx", title="LTX-Video", kind="video",
-    pipelines={"LTXPipeline": "t2v", "LTXImageToVideoPipeline": "i2v"},
-    # the first frame, resized to the video's size; one copy per prompt (image[i] is encoded with generator[i])
-    image_inputs={"LTXImageToVideoPipeline": ImageInputFacts(batch="per_prompt", size_from_image=False)},
+    pipelines={"LTXPipeline": "t2v", "LTXImageToVideoPipeline": "i2v", "LTXConditionPipeline": "i2v"},
+    # the first frame, resized to the video's size; I2V: one copy per prompt (image[i] is encoded with
+    # generator[i]); the condition pipeline: one prompt a call (a list of images is a list of conditions, and one
+    # image's latents are drawn with the first prompt's generator)
+    image_inputs={"LTXImageToVideoPipeline": ImageInputFacts(batch="per_prompt", size_from_image=False),
+                  "LTXConditionPipeline": ImageInputFacts(batch="alone", size_from_image=False)},
     transformers=("LTXVideoTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers + per-token timesteps", build=_sequence_plan, cfg=None),
     limits=SizeLimits(patch_multiple=32, frame_multiple=8), specs=SPECS,

@@ -9,6 +9,11 @@ The pipeline pads the prompt to ``max_sequence_length`` (left, as Gemma) and pas
 both streams; CFG is one call on a (uncond, cond) batch; spatio-temporal guidance (STG) and modality
 isolation are extra calls per step. The record: diffusers' plan completed (the cross-modal rotary tables follow
 the video shards; the audio stream stays whole on every rank), no CFG parallel.
+
+Image-to-video (`LTX2ImageToVideoPipeline`, the same components): the image (re-compressed with H.264 as in
+training, through PyAV) replaces the first latent frame, whose tokens get timestep 0: the video stream is handed
+per-token timesteps ``(batch, video tokens)`` (the audio its own ``(batch,)``), which our plan splits like the
+video tokens (the text-to-video pipeline's ``(batch,)`` stays whole).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from xstage_dit import _diffusers_private as private
 from xstage_dit.families.build import build_module, check_vocab
-from xstage_dit.families.record import FamilyRecord, SequenceParallelFacts, SizeLimits
+from xstage_dit.families.record import FamilyRecord, ImageInputFacts, SequenceParallelFacts, SizeLimits
 from xstage_dit.families.sp_plan import SequenceParallelSpec, rope_split
 from xstage_dit.families.spec import ModelSpec
 from xstage_dit.families.tokenizers import gemma_tokenizer
@@ -87,18 +92,25 @@ VOCODER = {
 }
 
 
-def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0):
+#: variant -> its pipeline class ("": text-to-audio+video); the components are the same
+PIPELINES = {"": "LTX2Pipeline", "i2v": "LTX2ImageToVideoPipeline"}
+
+
+def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
     from diffusers import LTX2VideoTransformer3DModel
 
     return build_module(lambda: LTX2VideoTransformer3DModel(**TRANSFORMER[size]), seed=seed, device=device, dtype=dtype)
 
 
-def build(size: str, *, dtype: torch.dtype, device, seed: int):
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
+    import diffusers
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
+    if variant not in PIPELINES:
+        raise ValueError(f"expected an LTX-2 variant in {sorted(PIPELINES)}, got {variant!r}")
     tokenizer = gemma_tokenizer(1024)
     check_vocab(tokenizer, TEXT[size]["vocab_size"], "Gemma-3")
     config = Gemma3Config(text_config=dict(TEXT[size], model_type="gemma3_text"),
@@ -107,7 +119,7 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int):
     vae = build_module(lambda: AutoencoderKLLTX2Video(**VAE[size]), seed=seed + 2, device=device, dtype=dtype)
     if size == "tiny":  # decode all frames at once (the tiny VAE's frame-wise path would split 2 latent frames needlessly)
         vae.use_framewise_encoding = vae.use_framewise_decoding = False
-    return LTX2Pipeline(
+    return getattr(diffusers, PIPELINES[variant])(
         scheduler=FlowMatchEulerDiscreteScheduler(),
         vae=vae,
         audio_vae=build_module(lambda: AutoencoderKLLTX2Audio(**AUDIO_VAE[size]), seed=seed + 3, device=device,
@@ -136,7 +148,9 @@ def _sequence_plan(model: torch.nn.Module) -> SequenceParallelSpec:
     split_rope = getattr(model.config, "rope_type", "interleaved") == "split"
     dim, dims = (2, 4) if split_rope else (1, 3)
     rope = rope_split(cpi, dim, dims)
-    plan = {"": shipped[""], "rope": rope, "cross_attn_rope": dict(rope), "proj_out": shipped["proj_out"]}
+    # image-to-video: the video's per-token timesteps (batch, video tokens) split like its tokens
+    root = dict(shipped[""], timestep=cpi(split_dim=1, expected_dims=2))
+    plan = {"": root, "rope": rope, "cross_attn_rope": dict(rope), "proj_out": shipped["proj_out"]}
     return SequenceParallelSpec(
         cp_plan=plan,
         kv_layouts={
@@ -165,9 +179,21 @@ SPECS = (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-ltx2-i2v", family="ltx2", size="tiny", kind="video", pipeline_class="LTX2ImageToVideoPipeline",
+        variant="i2v", patch_multiple=32, height=32, width=32, frames=5, frame_multiple=2, steps=2, guidance=3.0,
+        max_sequence_length=16, fps=24, call_kwargs={"spatio_temporal_guidance_blocks": [0]},
+        description="LTX-2 image-to-video (first frame), 1 block, 4 heads x 8 per stream, random weights",
+    ),
+)
+
 RECORD = FamilyRecord(
     name="ltx2", title="LTX-2", kind="video",
-    pipelines={"LTX2Pipeline": "t2v"},
+    pipelines={"LTX2Pipeline": "t2v", "LTX2ImageToVideoPipeline": "i2v"},
+    # the first frame, resized to the video's size; one prompt a call (the H.264 round trip takes one image, which
+    # the pipeline then encodes once per generator)
+    image_inputs={"LTX2ImageToVideoPipeline": ImageInputFacts(batch="alone", size_from_image=False)},
     transformers=("LTX2VideoTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers (completed: cross-modal rotary, audio local)", build=_sequence_plan,
                              cfg=None),

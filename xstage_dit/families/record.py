@@ -150,7 +150,16 @@ class ImageInputFacts:
     max_images: how many it takes; min_images: how many it needs (0: it also runs from text alone, e.g. FLUX.1
         Kontext and FLUX.2).
     as_list: the images go as one list, several references of one prompt (FLUX.2, Qwen-Image-Edit Plus); else one
-        image (then max_images is 1).
+        image under `argument` and the next ones one each under `extra_arguments` (else max_images is 1).
+    extra_arguments: the keywords of the images after the first, in order, one image each (Wan's first-last-frame
+        ``last_image``).
+    checkpoint_counts: transformer config -> (min_images, max_images) of that checkpoint, where the class's call
+        takes more than some of its checkpoints can (Wan 2.1's last frame needs the FLF2V transformer, which needs
+        it); None: the counts above for every checkpoint. `for_transformer` applies it.
+    output_size: (transformer config, image width, image height) -> the (width, height) the pipeline makes from its
+        first image, for a pipeline that takes no height / width (HunyuanVideo 1.5 I2V picks a size bucket from the
+        image); a request's size must be that one. None: the request's size goes to the pipeline. `made_size` calls
+        it on facts resolved by `for_transformer` (which keep that config in ``transformer_config``).
     mask_argument: the keyword of the mask (FLUX.1 Fill's ``mask_image``: white = repaint); None: takes no mask.
     area_argument: a keyword the output area goes to: FLUX.1 Kontext rescales width x height to ``max_area``, so it
         gets width * height and makes the size asked for.
@@ -167,6 +176,10 @@ class ImageInputFacts:
     max_images: int = 1
     min_images: int = 1
     as_list: bool = False
+    extra_arguments: tuple[str, ...] = ()
+    checkpoint_counts: Callable[[Mapping], tuple[int, int]] | None = None
+    output_size: Callable[[Mapping, int, int], tuple[int, int]] | None = None
+    transformer_config: Mapping | None = field(default=None, compare=False, repr=False)
     mask_argument: str | None = None
     area_argument: str | None = None
     batch: str = "shared"
@@ -178,10 +191,40 @@ class ImageInputFacts:
         if not 0 <= self.min_images <= self.max_images or self.max_images < 1:
             raise ValueError(f"expected 0 <= min_images <= max_images and max_images >= 1, got {self.min_images} and "
                              f"{self.max_images}")
-        if self.max_images > 1 and not self.as_list:
-            raise ValueError(f"expected as_list=True for a pipeline taking {self.max_images} images, got False")
+        if self.max_images > 1 + len(self.extra_arguments) and not self.as_list:
+            raise ValueError(f"expected as_list=True or {self.max_images - 1} extra_arguments for a pipeline taking "
+                             f"{self.max_images} images, got as_list=False and {list(self.extra_arguments)}")
+        if self.as_list and self.extra_arguments:
+            raise ValueError(f"expected as_list or extra_arguments, got both ({list(self.extra_arguments)})")
         if self.batch not in IMAGE_BATCH_MODES:
             raise ValueError(f"expected batch in {IMAGE_BATCH_MODES}, got {self.batch!r}")
+
+    @property
+    def per_checkpoint(self) -> bool:
+        """Some of these facts depend on the checkpoint's transformer config (`for_transformer` resolves them)."""
+        return self.checkpoint_counts is not None or (self.output_size is not None and self.transformer_config is None)
+
+    def for_transformer(self, config: Mapping) -> "ImageInputFacts":
+        """These facts for the checkpoint whose transformer config is `config` (`checkpoint_counts`, and the config
+        `output_size` reads); ValueError when the rule gives counts outside the class's."""
+        if not self.per_checkpoint:
+            return self
+        low, high = (self.min_images, self.max_images) if self.checkpoint_counts is None \
+            else self.checkpoint_counts(config)
+        if not self.min_images <= low <= high <= self.max_images:
+            raise ValueError(f"expected checkpoint counts within {self.min_images}..{self.max_images}, got "
+                             f"{low}..{high}")
+        return replace(self, min_images=low, max_images=high, checkpoint_counts=None, transformer_config=dict(config))
+
+    def made_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """(width, height) the pipeline makes from a first image of width x height where it sizes its output itself
+        (`output_size`); None where the request's size goes to the pipeline. ValueError on the class's facts (not
+        resolved for a checkpoint)."""
+        if self.output_size is None:
+            return None
+        if self.transformer_config is None:
+            raise ValueError("expected image-input facts resolved for a checkpoint (for_transformer), got the class's")
+        return self.output_size(self.transformer_config, width, height)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import pkgutil
+from pathlib import Path
 
 from xstage_dit.families.record import FamilyRecord, ImageInputFacts, VideoVAEFacts
 from xstage_dit.families.spec import ModelSpec
@@ -88,15 +90,42 @@ def _by_mro(obj, by_class: dict[str, FamilyRecord]) -> FamilyRecord | None:
 
 def image_inputs_for(pipeline) -> ImageInputFacts | None:
     """How `pipeline` (an instance, a class or a class name, as `record_for_pipeline`) takes conditioning images,
-    from its family record (`FamilyRecord.image_inputs`); None when it takes none (or no record names it)."""
+    from its family record (`FamilyRecord.image_inputs`); None when it takes none (or no record names it). For an
+    instance, the counts of its own checkpoint (`ImageInputFacts.for_transformer` on its transformer's config)."""
     found = record_for_pipeline(pipeline)
     if found is None:
         return None
     if isinstance(pipeline, str):
         return found.image_inputs.get(pipeline)
     cls = pipeline if isinstance(pipeline, type) else type(pipeline)
-    return next((found.image_inputs[b.__name__] for b in cls.__mro__ if b.__name__ in found.image_inputs
-                 and b.__module__.startswith("diffusers.")), None)
+    facts = next((found.image_inputs[b.__name__] for b in cls.__mro__ if b.__name__ in found.image_inputs
+                  and b.__module__.startswith("diffusers.")), None)
+    if facts is None or isinstance(pipeline, type) or not facts.per_checkpoint:
+        return facts
+    transformer = getattr(pipeline, "transformer", None) or getattr(pipeline, "transformer_2", None)
+    return facts.for_transformer(dict(transformer.config))
+
+
+def image_inputs_for_model(spec: ModelSpec) -> ImageInputFacts | None:
+    """`image_inputs_for` the model of `spec` (a built-in or a local folder), resolved for its checkpoint
+    (`ImageInputFacts.for_transformer` on its `transformer_config`) where they depend on it: what a request is
+    checked with before any pipeline is built."""
+    facts = image_inputs_for(spec.pipeline_class)
+    if facts is None or not facts.per_checkpoint:
+        return facts
+    return facts.for_transformer(transformer_config(spec))
+
+
+def transformer_config(spec: ModelSpec) -> dict:
+    """The transformer config of a built-in model (its family record's dims) or of a local folder (its
+    ``transformer/config.json``); ValueError naming the file when it cannot be read."""
+    if spec.size == "local":
+        path = Path(spec.name).expanduser() / "transformer" / "config.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"expected a readable {path}, got {type(exc).__name__}: {exc}") from None
+    return record(spec.family).dims(spec)
 
 
 def video_vae_facts(vae) -> VideoVAEFacts | None:

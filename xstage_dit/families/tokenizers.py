@@ -164,8 +164,16 @@ def _byte_fallback_bpe(specials: tuple[str, ...]) -> tuple[dict[str, int], list[
     return vocab, merges
 
 
-def llama_tokenizer(model_max_length: int = 8192):
-    """`LlamaTokenizerFast`-style BPE with byte fallback, bos/eos as in Llama 3 instruct and a pad token."""
+#: LLaVA-Llama-3's chat header tokens and image placeholder (HunyuanVideo I2V's prompt template reads them)
+LLAVA_SPECIAL_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<image>")
+
+
+def llama_tokenizer(model_max_length: int = 8192, *, llava: bool = False):
+    """`LlamaTokenizerFast`-style BPE with byte fallback, bos/eos as in Llama 3 instruct and a pad token.
+
+    llava: as llava-llama-3's tokenizer that HunyuanVideo I2V ships: `LLAVA_SPECIAL_TOKENS` are single tokens,
+    "assistant" one word (the pipeline crops the 4 tokens ``<|eot_id|><|start_header_id|>assistant<|end_header_id|>``)
+    and padding on the right (the pipeline crops its template from the front of every row)."""
     from transformers import LlamaTokenizer
 
     vocab, merges = _byte_fallback_bpe(("<unk>", "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"))
@@ -180,6 +188,10 @@ def llama_tokenizer(model_max_length: int = 8192):
     # registered as a special (added) token, as Llama 3's own: the text "<|eot_id|>" is then one token, here and
     # after save_pretrained / from_pretrained (a plain `pad_token =` kept it a string the BPE split until a reload)
     tok.add_special_tokens({"pad_token": "<|eot_id|>"})
+    if llava:
+        tok.add_special_tokens({"additional_special_tokens": list(LLAVA_SPECIAL_TOKENS)})
+        tok.add_tokens(["assistant"])
+        tok.padding_side = "right"
     return tok
 
 

@@ -1,12 +1,16 @@
 """Wan 2.1 text-to-video (`WanPipeline`) and image-to-video (`WanImageToVideoPipeline`): tiny (CPU seconds) and
-full (Wan2.1-T2V-14B and Wan2.1-I2V-14B-480P dimensions) built-ins, and a tiny Wan 2.2 A14B image-to-video.
+full (Wan2.1-T2V-14B and Wan2.1-I2V-14B-480P dimensions) built-ins, and a tiny Wan 2.2 A14B image-to-video and a
+tiny Wan 2.1 first-last-frame-to-video (FLF2V).
 
 Full size: transformer 40 blocks, 40 heads x 128 (5120 wide), FFN 13824, patch (1, 2, 2), text dim 4096
 (UMT5-XXL); Wan VAE (8x spatial, 4x temporal, 16 latent channels); UniPC flow scheduler, shift 3 (480p).
 Image-to-video: the transformer takes 36 channels (the noise, a 4-channel first-frame mask and the first frame's
 latents), and Wan 2.1's also 257 CLIP ViT-H/14 image tokens (``image_dim`` 1280) that each block's cross-attention
 reads with its own key/value projections; Wan 2.2's has no image encoder and two experts (``transformer_2`` below
-``boundary_ratio``).
+``boundary_ratio``). First-last-frame (Wan2.1-FLF2V-14B-720P, the same pipeline's ``last_image``): the last frame's
+latents are on the same channels (at the last latent frame, the mask marks it), and both images' CLIP tokens (2 x 257,
+with a position embedding over them) go to the cross-attention: that checkpoint needs both frames, the others take
+the first only (`frame_counts`, read from the transformer config).
 
 The record: diffusers' own sequence plan (cross-attention keys, the text and the image tokens, are whole on every
 rank; the mask and first-frame channels are concatenated per token, so they shard with the latents), paired CFG
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from xstage_dit.families.build import build_module, check_vocab
+from xstage_dit.families.build import build_module, check_vocab, clip_image_processor
 from xstage_dit.families.record import (FamilyRecord, FeatureFacts, ImageInputFacts, SequenceParallelFacts,
                                        SizeLimits, VideoVAEFacts)
 from xstage_dit.families.sp_plan import shipped_plan
@@ -41,6 +45,9 @@ TRANSFORMER = {
 TRANSFORMER["full-i2v"] = dict(TRANSFORMER["full"], in_channels=16 + 4 + 16, image_dim=1280, added_kv_proj_dim=5120)
 TRANSFORMER["tiny-i2v"] = dict(TRANSFORMER["tiny"], in_channels=4 + 4 + 4, image_dim=16, added_kv_proj_dim=32)
 TRANSFORMER["tiny-i2v22"] = dict(TRANSFORMER["tiny"], in_channels=4 + 4 + 4)
+# first-last-frame (Wan2.1-FLF2V-14B-720P): the I2V transformer, whose image embedder adds a position embedding over
+# both images' CLIP tokens (2 x 257 there; the tiny tower's 2 x 17: 16 patches and the class token)
+TRANSFORMER["tiny-flf2v"] = dict(TRANSFORMER["tiny-i2v"], pos_embed_seq_len=2 * 17)
 
 # Wan 2.1 I2V's image encoder: CLIP ViT-H/14 (its hidden states -2 are read), and its processor's crop
 CLIP_VISION = {
@@ -78,7 +85,8 @@ UMT5 = {
 SCHEDULER = dict(prediction_type="flow_prediction", use_flow_sigmas=True, num_train_timesteps=1000, flow_shift=3.0)
 
 
-VARIANTS = ("", "i2v", "i2v22")  # text-to-video, Wan 2.1 image-to-video, Wan 2.2 A14B image-to-video
+# text-to-video, Wan 2.1 image-to-video, Wan 2.2 A14B image-to-video, Wan 2.1 first-last-frame-to-video
+VARIANTS = ("", "i2v", "i2v22", "flf2v")
 
 
 def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, variant: str = ""):
@@ -89,17 +97,13 @@ def build_transformer(size: str, *, dtype: torch.dtype, device, seed: int = 0, v
     return build_module(lambda: WanTransformer3DModel(**config), seed=seed, device=device, dtype=dtype)
 
 
-def _clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
-    """(CLIP vision tower, its image processor) of Wan 2.1 I2V, random weights."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+def clip_image_encoder(size: str, *, dtype: torch.dtype, device, seed: int):
+    """(CLIP vision tower, its image processor) of Wan 2.1 I2V (and SkyReels-V2 I2V), random weights."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
 
     config = CLIP_VISION[size]
-    side = config["image_size"]
-    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side},
-                                   image_mean=[0.48145466, 0.4578275, 0.40821073],
-                                   image_std=[0.26862954, 0.26130258, 0.27577711])
     return build_module(lambda: CLIPVisionModel(CLIPVisionConfig(**config)), seed=seed, device=device,
-                        dtype=dtype), processor
+                        dtype=dtype), clip_image_processor(config["image_size"])
 
 
 def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""):
@@ -122,8 +126,8 @@ def build(size: str, *, dtype: torch.dtype, device, seed: int, variant: str = ""
     )
     if variant == "":
         return WanPipeline(**parts)
-    if variant == "i2v":
-        encoder, processor = _clip_image_encoder(size, dtype=dtype, device=device, seed=seed + 3)
+    if variant in ("i2v", "flf2v"):
+        encoder, processor = clip_image_encoder(size, dtype=dtype, device=device, seed=seed + 3)
         return WanImageToVideoPipeline(**parts, image_encoder=encoder, image_processor=processor)
     # Wan 2.2 A14B: no image encoder; the low-noise expert below the boundary
     expert = build_transformer(size, dtype=dtype, device=device, seed=seed + 4, variant=variant)
@@ -175,11 +179,32 @@ SPECS += (
     ),
 )
 
+SPECS += (
+    ModelSpec(
+        name="tiny-wan-flf2v", family="wan", size="tiny", kind="video", pipeline_class="WanImageToVideoPipeline",
+        variant="flf2v", patch_multiple=16, height=128, width=128, frames=9, frame_multiple=4, steps=4,
+        guidance=5.0, max_sequence_length=32, fps=16,
+        description="Wan 2.1 FLF2V architecture (first and last frame, CLIP tokens of both), 2 blocks, 2 heads x 16, "
+                    "random weights",
+    ),
+)
+
+
+def frame_counts(config) -> tuple[int, int]:
+    """(min, max) input images of a Wan image-to-video checkpoint: the FLF2V transformer (a position embedding over
+    two images' CLIP tokens) needs the first and the last frame; the others take the first only (Wan 2.1 I2V's
+    embedder reads one image's tokens, Wan 2.2 A14B was made for the first frame)."""
+    return (2, 2) if config.get("pos_embed_seq_len") else (1, 1)
+
+
 RECORD = FamilyRecord(
     name="wan", title="Wan 2.1 / 2.2", kind="video",
     pipelines={"WanPipeline": "t2v", "WanImageToVideoPipeline": "i2v"},
-    # the first frame: the video's size is the model's (the image is resized to it); shared by every prompt
-    image_inputs={"WanImageToVideoPipeline": ImageInputFacts(size_from_image=False)},
+    # the first frame (and FLF2V's last, ``last_image``): the video's size is the model's (the images are resized
+    # to it); shared by every prompt
+    image_inputs={"WanImageToVideoPipeline": ImageInputFacts(max_images=2, extra_arguments=("last_image",),
+                                                             checkpoint_counts=frame_counts,
+                                                             size_from_image=False)},
     transformers=("WanTransformer3DModel",),
     sp=SequenceParallelFacts(plan_source="diffusers", build=shipped_plan(CROSS_ATTENTION_KV), cfg_needs_guidance=True),
     limits=SizeLimits(patch_multiple=16, frame_multiple=4), facts=FeatureFacts(video_vae=WAN_VAE), specs=SPECS,

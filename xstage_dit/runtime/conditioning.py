@@ -118,9 +118,10 @@ class InputImages:
 def image_kwargs(facts: ImageInputFacts, inputs: InputImages | None, *, prompts: int, width: int,
                  height: int) -> dict:
     """The pipeline's keyword arguments for `inputs` in one call of `prompts` prompts at width x height: the images
-    under ``facts.argument`` (one, a list of references, or one copy per prompt, per ``facts.batch``), the mask
-    under ``facts.mask_argument``, width * height under ``facts.area_argument``. ValueError naming what the
-    pipeline cannot take (more prompts than one for an "alone" pipeline)."""
+    under ``facts.argument`` (one, a list of references, or one copy per prompt, per ``facts.batch``; the next ones
+    under ``facts.extra_arguments``, one each, likewise), the mask under ``facts.mask_argument``, width * height
+    under ``facts.area_argument``. ValueError naming what the pipeline cannot take (more prompts than one for an
+    "alone" pipeline)."""
     kwargs: dict = {}
     if facts.area_argument is not None:
         kwargs[facts.area_argument] = int(width) * int(height)
@@ -132,23 +133,33 @@ def image_kwargs(facts: ImageInputFacts, inputs: InputImages | None, *, prompts:
         raise ValueError(f"expected one prompt a call for a pipeline taking input images one request at a time, "
                          f"got {prompts}")
     images = list(inputs.images)
+    per_prompt = facts.batch == "per_prompt" and prompts > 1
     if facts.as_list:
-        value = images
-    elif facts.batch == "per_prompt" and prompts > 1:
-        value = images * prompts
+        kwargs[facts.argument] = images
     else:
-        value = images[0]
-    kwargs[facts.argument] = value
+        for name, image in zip((facts.argument, *facts.extra_arguments), images):
+            kwargs[name] = [image] * prompts if per_prompt else image
     if inputs.mask is not None:
         kwargs[facts.mask_argument] = [inputs.mask] * prompts if facts.batch == "per_prompt" and prompts > 1 \
             else inputs.mask
     return kwargs
 
 
+def made_size(facts: ImageInputFacts | None, inputs: InputImages | None) -> tuple[int, int] | None:
+    """(width, height) the pipeline makes from `inputs` where it takes no size (`ImageInputFacts.output_size`,
+    HunyuanVideo 1.5 I2V): the only size a request with these images may have; None elsewhere."""
+    if facts is None or inputs is None:
+        return None
+    return facts.made_size(*inputs.images[0].size)
+
+
 def default_size(facts: ImageInputFacts | None, inputs: InputImages | None, multiple: int) -> tuple[int, int] | None:
-    """(width, height) a request without a size makes: the first image's, rounded down to `multiple` (at least
-    one multiple), where the pipeline sizes its output after its input (`ImageInputFacts.size_from_image`); None
-    where the model's default size applies."""
+    """(width, height) a request without a size makes: the pipeline's own for these images (`made_size`), or the
+    first image's, rounded down to `multiple` (at least one multiple), where the pipeline sizes its output after
+    its input (`ImageInputFacts.size_from_image`); None where the model's default size applies."""
+    made = made_size(facts, inputs)
+    if made is not None:
+        return made
     if facts is None or inputs is None or not facts.size_from_image:
         return None
     width, height = inputs.images[0].size
@@ -170,8 +181,9 @@ def synthetic_image(width: int, height: int, mode: str = "RGB") -> Image.Image:
 
 def warmup_inputs(facts: ImageInputFacts | None, width: int, height: int) -> InputImages | None:
     """The inputs a warm-up of a pipeline taking images runs with (so the shapes it serves are the ones warmed,
-    compiled and measured): one synthetic image of the warm-up size, and a mask where the pipeline takes one."""
+    compiled and measured): synthetic images of the warm-up size, as many as it needs (at least one), and a mask
+    where the pipeline takes one."""
     if facts is None:
         return None
     mask = synthetic_image(width, height, "L") if facts.mask_argument is not None else None
-    return InputImages.of(facts, [synthetic_image(width, height)], mask)
+    return InputImages.of(facts, [synthetic_image(width, height)] * max(1, facts.min_images), mask)

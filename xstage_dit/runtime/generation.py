@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-from xstage_dit.runtime.conditioning import InputImages, default_size, image_kwargs
+from xstage_dit.runtime.conditioning import InputImages, default_size, image_kwargs, made_size
 from xstage_dit.runtime.mp4 import encode_mp4
 from xstage_dit.runtime.png import encode_png
-from xstage_dit.families.registry import image_inputs_for
+from xstage_dit.families.registry import image_inputs_for, image_inputs_for_model
 from xstage_dit.families.spec import ModelSpec
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
@@ -115,9 +115,13 @@ def request_for(spec: ModelSpec, *, prompt: str, negative_prompt: str | None = N
     sp: the sequence-parallel degree it will run at (some models take only square sizes there).
     images / mask: input images (PIL), checked against how `spec`'s pipeline takes them (`InputImages.of`:
     `conditioning.ImageInputError` naming "image" or "mask"); an edit without a size makes the first image's. lora: its adapters, ``((name, scale), ...)``."""
-    facts = image_inputs_for(spec.pipeline_class)
+    facts = image_inputs_for_model(spec)
     inputs = InputImages.of(facts, images, mask, model=spec.name)
     size = default_size(facts, inputs, spec.patch_multiple) or (spec.width, spec.height)
+    made = made_size(facts, inputs)
+    if made is not None and (width, height) != (None, None) and (width, height) != made:
+        raise ValueError(f"expected no width x height or {made[0]}x{made[1]} for {spec.name} (its pipeline sizes the "
+                         f"video from the input image), got {width}x{height}")
     height = size[1] if height is None else int(height)
     width = size[0] if width is None else int(width)
     frames = spec.frames if frames is None else int(frames)
@@ -193,6 +197,8 @@ def pipeline_kwargs(pipe, requests: Sequence[GenerationRequest], *, kind: str, f
     if facts is not None:
         kwargs.update(image_kwargs(facts, first.inputs, prompts=len(kwargs["prompt"]), width=first.width,
                                    height=first.height))
+        if facts.output_size is not None:  # it sizes the output from the image (the request's is that size)
+            del kwargs["height"], kwargs["width"]
     elif first.inputs is not None:
         raise ValueError(f"expected no input image for {type(pipe).__name__} (it takes none), got "
                          f"{len(first.inputs.images)}")

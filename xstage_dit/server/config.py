@@ -93,7 +93,7 @@ class ServedModel:
         """Build from `xstage_dit.families.model_spec(name)` (a ModelSpec: kind, patch multiple, defaults), served
         on `sp` sequence-parallel ranks."""
         from xstage_dit.families.record import IMAGE_TASKS
-        from xstage_dit.families.registry import image_inputs_for, record_for_pipeline
+        from xstage_dit.families.registry import image_inputs_for_model, record_for_pipeline
         from xstage_dit.runtime.generation import fixed_kwargs
 
         family = record_for_pipeline(spec.pipeline_class)
@@ -103,7 +103,7 @@ class ServedModel:
                    pipeline_kwargs=fixed_kwargs(spec), weights_notice=spec.weights_notice,
                    square_only=bool(spec.square_under_sp and sp > 1),
                    previews=spec.kind == "image" and family is not None and family.latent_decode is not None,
-                   image_inputs=image_inputs_for(spec.pipeline_class),
+                   image_inputs=image_inputs_for_model(spec),
                    warm_with_images=family is not None and family.pipelines.get(spec.pipeline_class) in IMAGE_TASKS)
 
 

@@ -106,15 +106,16 @@ def checked_inputs(served: ServedModel, images: list[Image.Image], mask: Image.I
 def reference_inputs(value: Any, served: ServedModel, config: ServerConfig,
                      param: str = "input_reference") -> InputImages | None:
     """A video request's ``input_reference`` (an uploaded file's bytes, base64 / a data URL, or ``{"image_url":
-    ...}``; None when absent) as the request's `InputImages`: the first frame of an image-to-video model. A
-    text-to-video model given one (refused before its bytes are decoded), or an image-to-video model given none: 4xx
-    naming `param`."""
-    if value is not None and served.image_inputs is None:
+    ...}``; a list of them, in order; None when absent) as the request's `InputImages`: the first frame of an
+    image-to-video model (and the last of a first-last-frame one). A text-to-video model given any (refused before
+    their bytes are decoded), or an image-to-video model given fewer or more than it takes: 4xx naming `param`."""
+    values = [] if value is None else list(value) if isinstance(value, list) else [value]
+    if values and served.image_inputs is None:
         try:
-            refuse_untaken(1, False, served.name)
+            refuse_untaken(len(values), False, served.name)
         except ImageInputError as exc:
             raise RequestError(param, exc.detail, 400) from None
-    images = [] if value is None else [decode_any(value, param, config.max_image_pixels)]
+    images = [decode_any(v, param, config.max_image_pixels) for v in values]
     return checked_inputs(served, images, image_param=param)
 
 

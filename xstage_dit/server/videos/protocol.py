@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from xstage_dit.runtime.conditioning import made_size
 from xstage_dit.runtime.generation import GenerationRequest
 from xstage_dit.server.config import ServedModel, ServerConfig
 from xstage_dit.server.image_input import reference_inputs
@@ -31,9 +32,10 @@ class VideoCreateRequest(StrictModel):
         None, description="Clip length in seconds (OpenAI's field, e.g. '4'): frames = the nearest k*frame_multiple+1 "
                           "to seconds*fps. Give it or num_frames.")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' in pixels; default: the model's.")
-    input_reference: str | dict[str, Any] | None = Field(
+    input_reference: str | dict[str, Any] | list[str | dict[str, Any]] | None = Field(
         None, description="Image-to-video models: the first frame, a file in multipart, or in JSON base64, a data: URL "
-                          "or {\"image_url\": a data: URL}; a text-to-video model refuses it.")
+                          "or {\"image_url\": a data: URL}; first-last-frame models (Wan FLF2V): the first and the "
+                          "last frame, two files in multipart or a JSON list of two; a text-to-video model refuses it.")
     num_frames: int | None = Field(None, description="Frames (k * frame_multiple + 1); default: the model's.")
     fps: int | None = Field(None, description="Frames per second of the MP4; default: the model's.")
     num_inference_steps: int | None = None
@@ -106,10 +108,11 @@ def _seconds(value: str | float) -> float:
 
 
 def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerConfig,
-                 reference_file: bytes | None = None) -> GenerationRequest:
+                 reference_files: list[bytes] | None = None) -> GenerationRequest:
     """The one `GenerationRequest` of a video job: `num_frames` of the form k * frame_multiple + 1 (or from
     `seconds`), fps in [1, 120], defaults from the served model, the first frame of an image-to-video model from
-    ``input_reference``. reference_file: the bytes of a multipart ``input_reference`` file (else the JSON field)."""
+    ``input_reference``. reference_files: the bytes of the multipart ``input_reference`` files, in order (else the
+    JSON field)."""
     common = common_params(req, served, config, "video")
     fps = served.default_fps if req.fps is None else req.fps
     if not 1 <= fps <= 120:
@@ -128,6 +131,13 @@ def video_params(req: VideoCreateRequest, served: ServedModel, config: ServerCon
         if not 1 <= frames <= config.max_frames or (frames - 1) % served.frame_multiple:
             raise RequestError("num_frames",
                                f"expected k*{served.frame_multiple}+1 in [1, {config.max_frames}], got {frames}")
-    reference = reference_file if reference_file is not None else req.input_reference
+    reference = reference_files if reference_files else req.input_reference
     inputs = reference_inputs(reference, served, config)  # 4xx where the model takes no image, or needs one
+    made = made_size(served.image_inputs, inputs)
+    if made is not None:  # the pipeline sizes the video from the image (HunyuanVideo 1.5 I2V)
+        asked = (common["width"], common["height"])
+        if req.size is not None and req.size.strip().lower() != "auto" and asked != made:
+            raise RequestError("size", f"expected no size or '{made[0]}x{made[1]}' for {served.name} (its pipeline "
+                                       f"sizes the video from the input image), got {req.size!r}")
+        common.update(width=made[0], height=made[1])
     return GenerationRequest(**common, num_frames=frames, fps=fps, inputs=inputs)

@@ -55,10 +55,8 @@ async def create(request: Request, worker: Worker, config: ServerConfig) -> JSON
     checked before anything is queued."""
     body = await read_body(request, file_fields=FILE_FIELDS)
     req = parse_as(VideoCreateRequest, body.fields)
-    files = body.files.get("input_reference") or []
-    if len(files) > 1:
-        raise RequestError("input_reference", f"expected one input_reference file, got {len(files)}")
-    item = video_params(req, served(worker), config, reference_file=files[0].data if files else None)
+    files = body.files.get("input_reference") or []  # several: the first and last frame (counted against the model)
+    item = video_params(req, served(worker), config, reference_files=[f.data for f in files])
     job = submit(worker, config, [item])
     return JSONResponse(video_payload(worker, job).model_dump(), status_code=202)
 
