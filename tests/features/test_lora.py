@@ -13,7 +13,8 @@ from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.lora import AdapterError, AdapterLimit, UnknownAdapter
 from xstage_dit.features.stack import ORDER
-from tests.helpers.lora import diffusers_references, image, same_snapshot, snapshot, write_kohya_flux, write_peft
+from tests.helpers.lora import (diffusers_references, image, load_fp32, same_snapshot, snapshot, write_kohya_flux,
+                                write_peft)
 from tests.helpers.server import one_torch_thread
 
 
@@ -21,12 +22,6 @@ from tests.helpers.server import one_torch_thread
 def _one_thread():
     with one_torch_thread():
         yield
-
-
-def _load(model: str):
-    from xstage_dit.families import load_pipeline
-
-    return load_pipeline(model, dtype=torch.float32, device="cpu", seed=0)
 
 
 def _engine(model: str, lora_dir, **fields) -> Engine:
@@ -41,7 +36,7 @@ def _engine(model: str, lora_dir, **fields) -> Engine:
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage"])
 def test_each_adapter_set_gives_diffusers_own_image_in_any_order(model, tmp_path):
-    ref = _load(model)
+    ref = load_fp32(model)
     plain, want = diffusers_references(ref, model, tmp_path, (0.7, -0.5))
 
     engine = _engine(model, tmp_path)
@@ -80,7 +75,7 @@ def test_restore_leaves_the_transformer_bit_identical(tmp_path):
 
 def test_a_kohya_file_gives_the_image_diffusers_converts_it_to(tmp_path):
     model = "tiny-flux"
-    ref = _load(model)
+    ref = load_fp32(model)
     config = ref.transformer.config
     dim = config.num_attention_heads * config.attention_head_dim
     path = write_kohya_flux(tmp_path / "kohya-style.safetensors", dim=dim, mlp=4 * dim, rank=4, seed=5)
@@ -98,7 +93,7 @@ def test_a_kohya_file_gives_the_image_diffusers_converts_it_to(tmp_path):
 
 def test_bad_adapters_fail_naming_the_problem_and_change_nothing(tmp_path):
     model = "tiny-flux"
-    flux, wan = _load(model), _load("tiny-wan")
+    flux, wan = load_fp32(model), load_fp32("tiny-wan")
     write_peft(flux.transformer, tmp_path / "good.safetensors", rank=4, seed=1)
     write_peft(wan.transformer, tmp_path / "wan-style.safetensors", rank=4, seed=2)  # another family's adapter
     write_peft(flux.transformer, tmp_path / "big.safetensors", rank=8, seed=3)  # above max_lora_rank
@@ -141,7 +136,7 @@ def test_bad_adapters_fail_naming_the_problem_and_change_nothing(tmp_path):
 
 def test_the_least_recently_used_adapter_is_evicted_never_an_active_one(tmp_path):
     model = "tiny-flux"
-    pipe = _load(model)
+    pipe = load_fp32(model)
     for i, name in enumerate("abc"):
         write_peft(pipe.transformer, tmp_path / f"{name}.safetensors", rank=2, seed=i)
     engine = _engine(model, tmp_path, max_loras=2, max_loras_per_request=2, preload_loras=("a",))
@@ -162,7 +157,7 @@ def test_the_least_recently_used_adapter_is_evicted_never_an_active_one(tmp_path
 def test_the_feature_sits_before_compile_and_undoes_with_the_stack(tmp_path):
     """Applied after batch invariance and before compile (`stack.ORDER`); the slots exist before tracing."""
     assert ORDER.index("batch_invariance") < ORDER.index("lora") == ORDER.index("compile") - 1
-    pipe = _load("tiny-flux")
+    pipe = load_fp32("tiny-flux")
     write_peft(pipe.transformer, tmp_path / "a.safetensors", rank=2, seed=1)
     before = snapshot(pipe.transformer)
     engine = Engine(EngineConfig(device="cpu", lora_dir=str(tmp_path), compile=CompileConfig("regional", backend="eager"),
@@ -182,7 +177,7 @@ def test_an_adapter_that_runs_out_of_memory_while_loading_is_refused_and_leaves_
     from xstage_dit.features.lora import AdapterMemory
 
     model = "tiny-flux"
-    pipe = _load(model)
+    pipe = load_fp32(model)
     write_peft(pipe.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
     write_peft(pipe.transformer, tmp_path / "b.safetensors", rank=4, seed=2)
     engine = _engine(model, tmp_path)

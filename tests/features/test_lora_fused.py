@@ -17,7 +17,7 @@ from xstage_dit.features.lora import AdapterMemory, LoraServingConfig
 from xstage_dit.features.lora import fused as fused_ops
 from xstage_dit.features.lora import manager as manager_module
 from xstage_dit.features.lora.fused import DeviceMemory, choose_mode, headroom
-from tests.helpers.lora import (diffusers_fused_references, diffusers_references, image, linear_weights,
+from tests.helpers.lora import (diffusers_fused_references, diffusers_references, image, linear_weights, load_fp32,
                                 load_reference_adapters, same_bytes, same_snapshot, snapshot, write_kohya_flux,
                                 write_peft)
 from tests.helpers.server import one_torch_thread
@@ -32,31 +32,26 @@ def _one_thread():
         yield
 
 
-def _load(model: str):
-    from xstage_dit.families import load_pipeline
-
-    return load_pipeline(model, dtype=torch.float32, device="cpu", seed=0)
-
-
 def _engine(model: str, lora_dir, pipe=None, **fields) -> Engine:
     """The LoRA feature alone (as tests/features/test_lora.py builds it: the diffusers computation exactly)."""
     fields.setdefault("compile", CompileConfig("off"))
     fields.setdefault("lora_mode", "fused")
-    engine = Engine(EngineConfig(model=model, device="cpu", parallel=None, batch_invariance=False, lora_dir=str(lora_dir),
-                                 host_syncs=False, text_depth=False, prompt_cache=False, one_frame_vae=False, **fields))
+    engine = Engine(EngineConfig(model=model, device="cpu", parallel=None, batch_invariance=False,
+                                 lora_dir=str(lora_dir), host_syncs=False, text_depth=False, prompt_cache=False,
+                                 one_frame_vae=False, **fields))
     engine.apply(engine.load() if pipe is None else pipe)
     return engine
 
 
 @pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage"])
 def test_fused_images_are_diffusers_fuse_lora_images_and_none_gives_back_every_weight(model, tmp_path):
-    ref = _load(model)
+    ref = load_fp32(model)
     plain = load_reference_adapters(ref, model, tmp_path)
     want = diffusers_fused_references(ref, model, SETS)
     ref.set_adapters(["a"], [0.7])
     unfused_a = image(ref, model)
 
-    pipe = _load(model)
+    pipe = load_fp32(model)
     before, original = snapshot(pipe.transformer), linear_weights(pipe.transformer)  # before LoRA existed
     engine = _engine(model, tmp_path, pipe)
     manager = engine.lora
@@ -86,7 +81,7 @@ def test_adapters_with_their_own_alpha_fuse_as_diffusers_does(tmp_path):
     """An adapter whose PEFT metadata sets lora_alpha 3 at rank 4 (the merge scales by ``scale * alpha / r``) and a
     kohya file (diffusers converts its alpha into the weights): diffusers' fused images, byte for byte."""
     model = "tiny-flux"
-    ref = _load(model)
+    ref = load_fp32(model)
     dim = ref.transformer.config.num_attention_heads * ref.transformer.config.attention_head_dim
     kohya = write_kohya_flux(tmp_path / "kohya-style.safetensors", dim=dim, mlp=4 * dim, rank=4, seed=5)
     alpha = write_peft(ref.transformer, tmp_path / "alpha3.safetensors", rank=4, seed=6, alpha=3)
@@ -110,7 +105,7 @@ def test_a_merge_that_fails_half_way_leaves_every_weight_as_it_was(tmp_path, mon
     """A test double makes the fifth delta of a switch raise (or run out of memory): the activation fails, every
     weight holds its bytes from before, no saved copy of the failed switch stays, the next image is the one before."""
     model = "tiny-flux"
-    pipe = _load(model)
+    pipe = load_fp32(model)
     write_peft(pipe.transformer, tmp_path / "a.safetensors", rank=4, seed=1)
     write_peft(pipe.transformer, tmp_path / "b.safetensors", rank=2, seed=2)
     engine = _engine(model, tmp_path, pipe)
@@ -170,7 +165,7 @@ def test_auto_decides_per_activation_and_each_mode_gives_its_image(tmp_path, mon
     """The rule's verdict injected (a test double for a device whose memory runs short, then frees): each set runs
     in the mode it was given, with that mode's image; each mode is logged once."""
     model = "tiny-flux"
-    ref = _load(model)
+    ref = load_fp32(model)
     plain, unfused = diffusers_references(ref, model, tmp_path, (0.7, -0.5))
     fused = diffusers_fused_references(ref, model, SETS)
     verdicts = iter(["fused", "unfused", "fused", "unfused"])
@@ -226,5 +221,5 @@ def test_each_delta_is_peft_own_get_delta_weight(dtype, tmp_path):
             for name, layer in layers.items():
                 layer.set_scale("x", scale)
                 want, got = layer.get_delta_weight("x"), fused_ops.delta_weight(ours[name], scale)
-                assert got.dtype == want.dtype == dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), \
-                    (name, scale, rslora)
+                same = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                assert got.dtype == want.dtype == dtype and same, (name, scale, rslora)

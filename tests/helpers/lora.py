@@ -167,3 +167,18 @@ def lora_worker(model: str, lora: dict, config):
         worker.stop()
     assert ready, worker.reason
     return worker
+
+
+def load_fp32(model: str):
+    """A built-in tiny pipeline in float32 on the CPU, weights seed 0 (what the LoRA feature tests compare)."""
+    from xstage_dit.families import load_pipeline
+
+    return load_pipeline(model, dtype=torch.float32, device="cpu", seed=0)
+
+
+def png_of(response) -> bytes:
+    """The PNG bytes of a 200 answer of /v1/images/generations (its first image)."""
+    import base64
+
+    assert response.status_code == 200, response.text
+    return base64.b64decode(response.json()["data"][0]["b64_json"])

@@ -11,13 +11,12 @@ import base64
 import weakref
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from tests.helpers.lora import QV_ONLY, lora_worker, write_peft
+from tests.helpers.lora import QV_ONLY, lora_worker, png_of, write_peft
 from tests.helpers.server import assert_same_image, decode_png, live_server, one_torch_thread
 
 BODY = {"prompt": "a red cat on a sofa", "seed": 7, "num_inference_steps": 2, "size": "32x32"}
@@ -52,22 +51,17 @@ def _post_all(url, bodies):
     return asyncio.run(run())
 
 
-def _png(response) -> bytes:
-    assert response.status_code == 200, response.text
-    return base64.b64decode(response.json()["data"][0]["b64_json"])
-
-
 def test_requests_choose_their_adapters(served):
     url, worker, _ = served
     with httpx.Client(base_url=url, timeout=300) as client:
         listed = client.get("/v1/loras").json()
         assert {c["id"]: c["resident"] for c in listed["data"]} == {"a": False, "b": False, "corrupt": False}
         assert listed["max_loras_per_request"] == 2 and listed["hotswap"] is False
-        plain = _png(client.post("/v1/images/generations", json=BODY))
+        plain = png_of(client.post("/v1/images/generations", json=BODY))
         images = {}
         for key, lora in (("a", [{"name": "a", "scale": 0.7}]), ("b", ["b"]), ("none", []), ("a2", [{"name": "a",
                           "scale": 0.7}]), ("ab", [{"name": "a", "scale": 0.7}, {"name": "b", "scale": -0.5}])):
-            images[key] = _png(client.post("/v1/images/generations", json={**BODY, "lora": lora}))
+            images[key] = png_of(client.post("/v1/images/generations", json={**BODY, "lora": lora}))
         listed = {c["id"]: c for c in client.get("/v1/loras").json()["data"]}
     assert images["none"] == plain and images["a2"] == images["a"]
     assert len({images["a"], images["b"], images["ab"], plain}) == 4
@@ -91,9 +85,9 @@ def test_batches_mix_only_equal_adapter_sets_and_each_image_is_its_solo_bytes(se
     url, _, _ = served
     bodies = [{**BODY, "lora": ["a"]}, {**BODY, "lora": ["b"]}, dict(BODY), {**BODY, "seed": 8, "lora": ["a"]},
               {**BODY, "seed": 9}]
-    solo = [_png(r) for r in [_post_all(url, [b])[0] for b in bodies]]
+    solo = [png_of(r) for r in [_post_all(url, [b])[0] for b in bodies]]
     crowd = _post_all(url, bodies)
-    assert [_png(r) for r in crowd] == solo
+    assert [png_of(r) for r in crowd] == solo
     sizes = [r.json()["batch_size"] for r in crowd]
     assert max(sizes) == 2, sizes  # a batch formed (the two "a" requests, or the two without LoRA), no larger
 
@@ -101,7 +95,7 @@ def test_batches_mix_only_equal_adapter_sets_and_each_image_is_its_solo_bytes(se
 def test_bad_adapters_get_a_4xx_naming_them_and_the_server_goes_on(served):
     url, _, _ = served
     with httpx.Client(base_url=url, timeout=300) as client:
-        before = _png(client.post("/v1/images/generations", json={**BODY, "lora": ["a"]}))
+        before = png_of(client.post("/v1/images/generations", json={**BODY, "lora": ["a"]}))
         cases = [(["nope"], 404, "no adapter 'nope' (available: a, b, corrupt)"),
                  ([{"name": "a", "scale": 9}], 400, "expected a scale in [-4, 4], got 9"),
                  (["a", "b", "a"], 400, "each adapter once"),
@@ -113,7 +107,7 @@ def test_bad_adapters_get_a_4xx_naming_them_and_the_server_goes_on(served):
             assert r.status_code == status and words in r.json()["error"]["message"], (lora, r.text)
             assert r.json()["error"]["param"] in ("lora", None)
         assert client.get("/health").status_code == 200
-        assert _png(client.post("/v1/images/generations", json={**BODY, "lora": ["a"]})) == before
+        assert png_of(client.post("/v1/images/generations", json={**BODY, "lora": ["a"]})) == before
         bad = client.post("/v1/images/generations", json={**BODY, "lora": [{"name": "a", "weight": 1}]})
         assert bad.status_code == 422 and "weight" in bad.text
 
@@ -134,7 +128,7 @@ def test_out_of_memory_is_a_507_naming_the_request_and_the_next_image_is_unchang
 
     with httpx.Client(base_url=url, timeout=300) as client:
         body = {**BODY, "lora": [{"name": "a", "scale": 0.5}]}
-        before = _png(client.post("/v1/images/generations", json=body))
+        before = png_of(client.post("/v1/images/generations", json=body))
         handle = block.register_forward_pre_hook(out_of_memory)
         r = client.post("/v1/images/generations", json=body)
         assert r.status_code == 507, r.text
@@ -144,7 +138,7 @@ def test_out_of_memory_is_a_507_naming_the_request_and_the_next_image_is_unchang
         assert taken and taken[0]() is None  # what the failed call took is freed
         health = client.get("/health")
         assert health.status_code == 200 and health.json()["status"] == "ready"
-        assert _png(client.post("/v1/images/generations", json=body)) == before
+        assert png_of(client.post("/v1/images/generations", json=body)) == before
 
 
 def test_a_video_job_takes_adapters_too(tmp_path):

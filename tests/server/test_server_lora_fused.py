@@ -13,7 +13,7 @@ import torch
 
 from xstage_dit.server.app import create_app
 from xstage_dit.server.config import ServerConfig
-from tests.helpers.lora import QV_ONLY, diffusers_fused_references, lora_worker, write_peft
+from tests.helpers.lora import QV_ONLY, diffusers_fused_references, lora_worker, png_of, write_peft
 from tests.helpers.server import assert_same_image, decode_png, live_server, one_torch_thread, reference_image
 
 BODY = {"prompt": "a red cat on a sofa", "seed": 7, "num_inference_steps": 2, "size": "32x32"}
@@ -41,11 +41,6 @@ def served(tmp_path_factory):
             worker.stop()
 
 
-def _png(response) -> bytes:
-    assert response.status_code == 200, response.text
-    return base64.b64decode(response.json()["data"][0]["b64_json"])
-
-
 def test_a_fused_server_gives_each_set_diffusers_fused_image_and_none_the_plain_bytes(served):
     url, worker, lora_dir = served
     from xstage_dit.families import load_pipeline
@@ -53,12 +48,12 @@ def test_a_fused_server_gives_each_set_diffusers_fused_image_and_none_the_plain_
     with httpx.Client(base_url=url, timeout=300) as client:
         listed = client.get("/v1/loras").json()
         assert listed["mode"] == "fused" and listed["mode_in_use"] is None, listed
-        plain = _png(client.post("/v1/images/generations", json=BODY))
+        plain = png_of(client.post("/v1/images/generations", json=BODY))
         images, modes = {}, {}
         for key, lora in (("a", [{"name": "a", "scale": 0.7}]), ("b", ["b"]), ("none", []),
                           ("a2", [{"name": "a", "scale": 0.7}]),
                           ("ab", [{"name": "a", "scale": 0.7}, {"name": "b", "scale": -0.5}])):
-            images[key] = _png(client.post("/v1/images/generations", json={**BODY, "lora": lora}))
+            images[key] = png_of(client.post("/v1/images/generations", json={**BODY, "lora": lora}))
             modes[key] = client.get("/v1/loras").json()["mode_in_use"]
         rows = {c["id"]: c for c in client.get("/v1/loras").json()["data"]}
     assert images["none"] == plain and images["a2"] == images["a"]
@@ -89,8 +84,8 @@ def test_fused_batches_mix_only_equal_adapter_sets_and_each_image_is_its_solo_by
 
     bodies = [{**BODY, "lora": ["a"]}, {**BODY, "lora": ["b"]}, dict(BODY), {**BODY, "seed": 8, "lora": ["a"]},
               {**BODY, "seed": 9}]
-    solo = [_png(asyncio.run(post_all([b]))[0]) for b in bodies]
+    solo = [png_of(asyncio.run(post_all([b]))[0]) for b in bodies]
     crowd = asyncio.run(post_all(bodies))
-    assert [_png(r) for r in crowd] == solo
+    assert [png_of(r) for r in crowd] == solo
     sizes = [r.json()["batch_size"] for r in crowd]
     assert max(sizes) == 2, sizes  # a batch formed (the two "a" requests, or the two without LoRA), no larger
