@@ -283,6 +283,61 @@ class TestVideoJobsAcrossReplicas:
         assert state.json()["status"] == "failed" and state.json()["error"]["code"] == "cancelled", state.text
 
 
+class TestScaleDownDrains:
+    def test_the_removed_replica_finishes_its_video_job_first(self, cluster):
+        """Autoscaling starts two replicas and, with no request in flight, removes the newer one after
+        `downscale_delay_s`; each has a video job running then (a job is no request in flight once its POST is
+        answered): the removed one ends its job before it goes, and its MP4 is served by the one left."""
+        from ray import serve
+
+        scaling = Autoscaling(min_replicas=1, max_replicas=2, initial_replicas=2, target_ongoing_requests=1,
+                              downscale_delay_s=6, metrics_interval_s=0.5, look_back_period_s=2)
+        took = deploy(dataclasses.replace(options("tiny-wan"), autoscaling=scaling))
+        print(f"\n2 x tiny-wan (autoscaled) ready in {took:.1f} s")
+        try:
+            with httpx.Client(base_url=cluster, timeout=180) as client:
+                jobs: dict[str, str] = {}  # owner -> its job
+                for _ in range(30):
+                    owner, job_id = _create(client, size="256x256", num_frames=17, num_inference_steps=20,
+                                            seed=len(jobs))
+                    if owner in jobs:
+                        client.delete(f"/v1/jobs/{job_id}")
+                    else:
+                        jobs[owner] = job_id
+                    if len(jobs) == 2:
+                        break
+                assert len(jobs) == 2, f"expected a job on each replica, got {jobs}"
+                stopping = _when_stopping(client, jobs)
+                states = {owner: client.get(f"/v1/videos/{job_id}").json() for owner, job_id in jobs.items()}
+                left = set(client.get("/health").json()["replicas"])
+                removed = [owner for owner in jobs if owner not in left]
+                assert len(removed) == 1, (removed, jobs, left)
+                assert stopping[removed[0]] != "completed", "its job had ended before the scale-down: no drain"
+                assert states[removed[0]]["status"] == "completed", states  # the one left goes on with its own
+                mp4 = client.get(f"/v1/videos/{jobs[removed[0]]}/content")
+                assert mp4.status_code == 200 and mp4.content[4:8] == b"ftyp", mp4.text[:200]
+                print(f"scale-down: replica {removed[0]} was stopped with its job {stopping[removed[0]]}; it ended "
+                      f"the job, and its MP4 is served by {replica_of(mp4)}")
+        finally:
+            serve.delete("xstage")
+
+
+def _when_stopping(client: httpx.Client, jobs: dict[str, str], timeout_s: float = 120.0) -> dict[str, str]:
+    """Wait until Serve stops a replica (scale-down): the jobs' statuses at that moment; then until it is gone."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    statuses = None
+    while True:
+        states = serve.status().applications["xstage"].deployments["engine"].replica_states
+        if statuses is None and states.get("STOPPING", 0):
+            statuses = {owner: client.get(f"/v1/videos/{job_id}").json()["status"] for owner, job_id in jobs.items()}
+        if statuses is not None and not states.get("STOPPING", 0) and states.get("RUNNING", 0) == 1:
+            return statuses
+        assert time.monotonic() < deadline, f"no scale-down within {timeout_s:.0f} s: {states}"
+        time.sleep(0.2)
+
+
 class TestAutoscaling:
     def test_one_to_two_replicas_under_load_and_back(self, cluster):
         from ray import serve

@@ -62,7 +62,9 @@ def build(options: DeployOptions):
                                  request_routing_stats_period_s=options.routing_stats_period_s)
     deployment = serve.deployment(EngineReplica, request_router_config=router, deployment_actors=[directory],
                                   **deployment_options(options))
-    return deployment.bind(options)
+    # The replicas' own options leave the replica count out: changing it (or the autoscaling bounds) is then a
+    # lightweight update of the running deployment (replicas added, or removed after draining), not a restart.
+    return deployment.bind(dataclasses.replace(options, replicas=1, autoscaling=None))
 
 
 def app(args: dict[str, Any]):

@@ -52,7 +52,8 @@ def server_arg_types() -> dict[str, type]:
 def split_args(options_cls: type, autoscaling_cls: type, args: dict[str, Any]):
     """`DeployOptions` of `args` (see `DeployOptions.from_args`)."""
     server_types = server_arg_types()
-    autoscaling_types = {f.name: type(getattr(autoscaling_cls(), f.name)) for f in dataclasses.fields(autoscaling_cls)}
+    autoscaling_types = {f.name: int if f.name == "initial_replicas" else type(getattr(autoscaling_cls(), f.name))
+                         for f in dataclasses.fields(autoscaling_cls)}
     known = {**_DEPLOY_TYPES, **PARALLEL_ARGS, **server_types, **autoscaling_types}
     unknown = sorted(set(args) - set(known))
     if unknown:

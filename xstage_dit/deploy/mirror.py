@@ -212,7 +212,8 @@ class Mirror:
     async def run(self) -> None:
         """Poll the directory until `stop`: carry out its commands, register again what it lacks."""
         while not self._stopped.is_set():
-            held = [job.id for job in self.queue.own_jobs() if job.kind == "video"]
+            # jobs still being pushed are not listed: their push task registers them
+            held = [job.id for job in self.queue.own_jobs() if job.kind == "video" and job.id not in self._pushes]
             try:
                 answer = await self.directory.call("poll", self.owner, self.state(), held, POLL_S)
             except Exception:  # noqa: BLE001 - the client retried for RETRY_S already: keep trying, slower
@@ -223,8 +224,18 @@ class Mirror:
                 self._command(verb, arg)
             for job_id in answer["missing"]:
                 job = self.queue.get(job_id)
-                if job is not None and job.id not in self._pushes:
-                    self._spawn(self._register(job))
+                if job is not None and job_id not in self._pushes:
+                    self._pushes[job_id] = self.loop.create_task(self._register_again(job))
+            if answer["missing"]:
+                await asyncio.sleep(0.1)  # the answer came at once: let the registrations go first
+
+    async def _register_again(self, job: Job) -> None:
+        try:
+            await self._register(job)
+        except Exception:  # noqa: BLE001 - named missing again at the next poll
+            log.exception("registering video job %s again failed", job.id)
+        finally:
+            self._pushes.pop(job.id, None)
 
     def _command(self, verb: str, arg: str) -> None:
         if verb == "cancel":

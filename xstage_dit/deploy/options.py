@@ -40,7 +40,8 @@ class Autoscaling:
     `max_replicas`, aiming at `target_ongoing_requests` requests in flight per replica (a waiting or running image
     request is one; a video job counts while a request follows it). upscale / downscale delays: how long the
     demand must hold before a replica is added / removed (a removed replica first drains: `DeployOptions`).
-    metrics_interval_s / look_back_period_s: how often replicas report, over what window Serve averages."""
+    metrics_interval_s / look_back_period_s: how often replicas report, over what window Serve averages.
+    initial_replicas: how many to start with (None: min_replicas)."""
 
     min_replicas: int = 1
     max_replicas: int = 2
@@ -49,6 +50,7 @@ class Autoscaling:
     downscale_delay_s: float = 600.0
     metrics_interval_s: float = 10.0
     look_back_period_s: float = 30.0
+    initial_replicas: int | None = None
 
     def __post_init__(self) -> None:
         _check(_positive_int(self.min_replicas), "min_replicas", "an integer >= 1 (a replica takes minutes to "
@@ -60,6 +62,10 @@ class Autoscaling:
         for name in ("upscale_delay_s", "downscale_delay_s"):
             _check(math.isfinite(getattr(self, name)) and getattr(self, name) >= 0, name, "a number >= 0",
                    getattr(self, name))
+        if self.initial_replicas is not None:
+            _check(_positive_int(self.initial_replicas) and self.min_replicas <= self.initial_replicas
+                   <= self.max_replicas, "initial_replicas", f"an integer in [{self.min_replicas}, "
+                                                             f"{self.max_replicas}] or None", self.initial_replicas)
         for name in ("metrics_interval_s", "look_back_period_s"):
             _check(math.isfinite(getattr(self, name)) and getattr(self, name) > 0, name, "a number > 0",
                    getattr(self, name))
