@@ -5,6 +5,7 @@ directory), each rank's environment, the router's choice and the merged metrics.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,15 @@ def test_metrics_of_several_replicas_merge_per_family_with_a_replica_label():
     assert text.count("# TYPE x_depth gauge") == 1
     assert 'x_depth{replica="r1"} 1.0' in text and 'x_depth{replica="r2"} 2.0' in text
     assert 'x_req_total{code="200",replica="r1"} 3.0' in text
+
+
+def test_the_kuberay_manifests_application_arguments_are_valid():
+    import yaml
+
+    manifest = yaml.safe_load((Path(__file__).resolve().parents[2] / "docs" / "kuberay-rayservice.yaml").read_text())
+    application = yaml.safe_load(manifest["spec"]["serveConfigV2"])["applications"][0]
+    assert application["import_path"] == "xstage_dit.deploy:app"
+    o = DeployOptions.from_args(application["args"])
+    assert o.world_size == 4 and o.autoscaling.max_replicas == 4 and o.gpus_per_rank == 1.0
+    workers = manifest["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert int(workers["resources"]["limits"]["nvidia.com/gpu"]) == o.world_size * o.gpus_per_rank  # a pod a replica

@@ -82,36 +82,60 @@ def run(options: DeployOptions, *, ray_address: str | None = None, host: str = "
     import ray
     from ray import serve
 
-    from xstage_dit.families import model_spec
-    from xstage_dit.server.announce import ready_lines
-    from xstage_dit.server.config import ServedModel
-
     ray.init(address=ray_address, log_to_driver=True)
+    stop = stop or threading.Event()
+    starting = _on_stop_signals(stop)  # after ray.init, which sets a SIGTERM handler of its own
     try:
         if gpus_per_rank is None:
             gpus_per_rank = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
         options = dataclasses.replace(options, gpus_per_rank=gpus_per_rank)
-        serve.start(http_options={"host": host, "port": port})
-        serve.run(build(options), name=options.app_name, route_prefix="/")
-        served = ServedModel.from_spec(options.model, model_spec(options.model), sp=options.server.parallel.sp)
-        replicas = (f"{options.autoscaling.min_replicas}..{options.autoscaling.max_replicas}"
-                    if options.autoscaling is not None else str(options.replicas))
-        print(f"xstage-dit serve: {replicas} replica(s) of {options.world_size} rank(s) on Ray Serve",
-              file=sys.stderr, flush=True)
-        for line in ready_lines(served, f"http://{host}:{port}", options.world_size,
-                                needs_key=options.server.api_key is not None):
-            print(line, file=sys.stderr, flush=True)
-        _wait(stop or threading.Event())
+        try:
+            serve.start(http_options={"host": host, "port": port})
+            serve.run(build(options), name=options.app_name, route_prefix="/")
+        except _Stopped:
+            log.warning("stopped while the replicas were starting")
+        else:
+            starting.clear()
+            _announce(options, host, port)
+            while not stop.wait(0.5):
+                pass
         serve.delete(options.app_name)
         return 0
     finally:
         ray.shutdown()
 
 
-def _wait(stop: threading.Event) -> None:
-    """Until SIGINT / SIGTERM or `stop` is set."""
+class _Stopped(Exception):
+    """SIGINT / SIGTERM while the application starts (loading can take minutes)."""
+
+
+def _on_stop_signals(stop: threading.Event) -> threading.Event:
+    """SIGINT / SIGTERM set `stop`; while the returned event is set (start-up) they also interrupt it."""
+    starting = threading.Event()
+    starting.set()
+
+    def handler(signum, frame) -> None:
+        stop.set()
+        if starting.is_set():
+            starting.clear()
+            raise _Stopped()
+
     if threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, lambda *_: stop.set())
-    while not stop.wait(0.5):
-        pass
+            signal.signal(signum, handler)
+    return starting
+
+
+def _announce(options: DeployOptions, host: str, port: int) -> None:
+    from xstage_dit.families import model_spec
+    from xstage_dit.server.announce import ready_lines
+    from xstage_dit.server.config import ServedModel
+
+    served = ServedModel.from_spec(options.model, model_spec(options.model), sp=options.server.parallel.sp)
+    replicas = (f"{options.autoscaling.min_replicas}..{options.autoscaling.max_replicas}"
+                if options.autoscaling is not None else str(options.replicas))
+    print(f"xstage-dit serve: {replicas} replica(s) of {options.world_size} rank(s) on Ray Serve", file=sys.stderr,
+          flush=True)
+    for line in ready_lines(served, f"http://{host}:{port}", options.world_size,
+                            needs_key=options.server.api_key is not None):
+        print(line, file=sys.stderr, flush=True)

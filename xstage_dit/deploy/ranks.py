@@ -1,5 +1,5 @@
 """The ranks of one replica's engine as Ray actors: rank 0 is the Serve replica itself (it runs the worker thread
-and answers HTTP, as rank 0 of ``xstage-dit serve`` does), ranks 1 .. world-1 are `RankActor`s that the replica
+and answers HTTP, as rank 0 of ``xstage-dit serve`` does), ranks 1 to world-1 are `RankActor`s that the replica
 starts in its own placement group.
 
 The replica's placement group has one bundle per rank (one GPU and `cpus_per_rank` CPUs on a GPU cluster),
