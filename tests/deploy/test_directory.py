@@ -134,6 +134,9 @@ def test_ended_jobs_expire_after_the_ttl_and_beyond_the_store_size():
         await d.poll("a", {}, [], timeout_s=0.0)
         assert [v["record"]["id"] for v in await d.listing("video")] == ["live"]
         assert await d.listing("image") == []
+        await d.register("a", "video", ["image of the first frame"], rec("i2v", 1, "in_progress"))
+        views = {v["record"]["id"]: v for v in await d.listing("video", held=["i2v"])}
+        assert views["i2v"]["items"] is None and views["live"]["items"] == []  # the caller holds i2v's items
 
     run(scenario())
 

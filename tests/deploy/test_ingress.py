@@ -169,3 +169,24 @@ def test_health_is_200_while_any_replica_is_ready():
         assert health["ready_replicas"] == 1 and set(health["replicas"]) == {"a", "b"} and health["replica"] == "a"
 
     asyncio.run(scenario())
+
+
+def test_a_503_whose_body_cannot_be_read_again_stands():
+    async def scenario():
+        retry = Elsewhere()
+        ingress, _, _ = make(error_503("server unavailable"), retry, read_bytes=2)
+        scope = request_scope("/v1/images/generations", "POST")
+        incoming = [{"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.disconnect"}]
+        sent: list[dict] = []
+
+        async def receive():
+            return incoming.pop(0)
+
+        async def send(message):
+            sent.append(message)
+
+        await ingress(scope, receive, send)  # the client left before its body was all sent
+        assert sent[0]["status"] == 503 and not retry.requests
+        assert header(sent, RETRY_FAILED_HEADER) == "the request's body could not be kept to send again"
+
+    asyncio.run(scenario())

@@ -285,9 +285,10 @@ class TestVideoJobsAcrossReplicas:
 
 class TestScaleDownDrains:
     def test_the_removed_replica_finishes_its_video_job_first(self, cluster):
-        """Autoscaling starts two replicas and, with no request in flight, removes the newer one after
-        `downscale_delay_s`; each has a video job running then (a job is no request in flight once its POST is
-        answered): the removed one ends its job before it goes, and its MP4 is served by the one left."""
+        """Autoscaling starts two replicas; event streams held open (requests in flight) keep both while a long
+        video job is made on each; once the streams close, Serve removes the newer replica after
+        `downscale_delay_s` (a job whose POST was answered is no request in flight): it ends its job before it
+        goes, and its MP4 is served by the one left."""
         from ray import serve
 
         scaling = Autoscaling(min_replicas=1, max_replicas=2, initial_replicas=2, target_ongoing_requests=1,
@@ -296,17 +297,18 @@ class TestScaleDownDrains:
         print(f"\n2 x tiny-wan (autoscaled) ready in {took:.1f} s")
         try:
             with httpx.Client(base_url=cluster, timeout=180) as client:
-                jobs: dict[str, str] = {}  # owner -> its job
-                for _ in range(30):
-                    owner, job_id = _create(client, size="256x256", num_frames=17, num_inference_steps=20,
-                                            seed=len(jobs))
-                    if owner in jobs:
-                        client.delete(f"/v1/jobs/{job_id}")
-                    else:
-                        jobs[owner] = job_id
-                    if len(jobs) == 2:
-                        break
-                assert len(jobs) == 2, f"expected a job on each replica, got {jobs}"
+                long_job = {"size": "256x256", "num_frames": 17, "num_inference_steps": 60}
+                owner, job_id = _create(client, **long_job)
+                jobs = {owner: job_id}  # owner -> its job
+                with holding_streams(cluster, job_id, count=4):  # 4 in flight: autoscaling wants both replicas
+                    for _ in range(30):
+                        owner, job_id = _create(client, **long_job, seed=len(jobs))
+                        if owner in jobs:
+                            client.delete(f"/v1/jobs/{job_id}")
+                        else:
+                            jobs[owner] = job_id
+                            break
+                    assert len(jobs) == 2, f"expected a job on each replica, got {jobs}"
                 stopping = _when_stopping(client, jobs)
                 states = {owner: client.get(f"/v1/videos/{job_id}").json() for owner, job_id in jobs.items()}
                 left = set(client.get("/health").json()["replicas"])
@@ -320,6 +322,32 @@ class TestScaleDownDrains:
                       f"the job, and its MP4 is served by {replica_of(mp4)}")
         finally:
             serve.delete("xstage")
+
+
+@contextlib.contextmanager
+def holding_streams(url: str, job_id: str, count: int):
+    """`count` event streams of `job_id` held open while the block runs (requests in flight for autoscaling)."""
+    stop = threading.Event()
+    opened = threading.Semaphore(0)
+
+    def hold() -> None:
+        with httpx.Client(base_url=url, timeout=180) as client, client.stream("GET", f"/v1/jobs/{job_id}/events") as r:
+            opened.release()
+            for _ in r.iter_lines():  # a step's event or a keep-alive at least every 2 s
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=hold, daemon=True) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for _ in threads:
+        assert opened.acquire(timeout=30), "an event stream did not open"
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
 
 
 def _when_stopping(client: httpx.Client, jobs: dict[str, str], timeout_s: float = 120.0) -> dict[str, str]:

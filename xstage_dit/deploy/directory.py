@@ -187,10 +187,13 @@ class JobDirectory:
         job = self._jobs.get(job_id)
         return None if job is None else job["content"]
 
-    async def listing(self, kind: str) -> list[dict]:
-        """`get` of every job of `kind`."""
+    async def listing(self, kind: str, held: list[str] = ()) -> list[dict]:
+        """`get` of every job of `kind`, without the items of those in `held` (the caller has them already: an
+        image-to-video job's items carry its input image)."""
         await self._expire()
-        return [self._view(j) for j in self._jobs.values() if j["kind"] == kind]
+        held = set(held)
+        return [{**self._view(j), "items": None} if j["record"]["id"] in held else self._view(j)
+                for j in self._jobs.values() if j["kind"] == kind]
 
     async def cancel(self, job_id: str) -> bool:
         """Ask the job's owner to cancel it (its state comes back through `update`); False when unknown or ended,

@@ -41,6 +41,7 @@ RETRY_FAILED_HEADER = b"x-xstage-retry-failed"
 RETRY_MARK = b"x-xstage-retry-of"  # on a request sent again: never retried a second time
 JOB_PATH = re.compile(r"^/v1/(?:videos|jobs)/(?P<id>[^/]+)(?P<rest>/content|/events)?$")
 METRICS_WAIT_S = 2.0
+MAX_RETRY_BODY_BYTES = 80 << 20  # past the largest upload the server takes (64 MiB): such a 503 is not retried
 
 Retry = Callable[[dict], Awaitable[AsyncIterator[dict]]]
 
@@ -144,15 +145,12 @@ class ReplicaIngress:
 
     async def _retry(self, scope: dict, receive: Callable, body: list[dict], held: list[dict], send: Callable) -> None:
         """Send the request again to another replica (see the module docstring); the held 503 when none answers."""
-        while body and body[-1].get("more_body", False):  # the app answered before reading it all
-            message = await receive()
-            if message["type"] != "http.request":
-                break
-            body.append(message)
+        data = await _whole_body(receive, body)
+        if data is None:
+            return await self._stand(held, send, "the request's body could not be kept to send again")
         reason = _message_of(held)
         request = {"method": scope["method"], "path": scope["path"], "query_string": scope.get("query_string", b""),
-                   "headers": [*scope.get("headers", []), (RETRY_MARK, self.replica_id.encode())],
-                   "body": b"".join(m.get("body", b"") for m in body)}
+                   "headers": [*scope.get("headers", []), (RETRY_MARK, self.replica_id.encode())], "body": data}
         messages = None
         try:
             messages = await self.retry(request)
@@ -162,15 +160,17 @@ class ReplicaIngress:
             log.warning("retry of %s %s failed: %s", scope["method"], scope["path"], why)
             if messages is not None and hasattr(messages, "cancel"):
                 messages.cancel()
-            held[0] = with_header(with_header(held[0], REPLICA_HEADER, self.replica_id), RETRY_FAILED_HEADER,
-                                  f"{why} within {self.retry_wait_s:g} s")
-            for message in held:
-                await send(message)
-            return
+            return await self._stand(held, send, f"{why} within {self.retry_wait_s:g} s")
         log.info("%s %s answered 503 here before it started (%s): retried on another replica", scope["method"],
                  scope["path"], reason)
         await send(with_header(first, RETRIED_HEADER, f"{self.replica_id}: {reason}"))
         async for message in messages:
+            await send(message)
+
+    async def _stand(self, held: list[dict], send: Callable, why: str) -> None:
+        """Send the held 503 after all, saying why it was not retried."""
+        held[0] = with_header(with_header(held[0], REPLICA_HEADER, self.replica_id), RETRY_FAILED_HEADER, why)
+        for message in held:
             await send(message)
 
     async def _health(self, scope: dict, send: Callable) -> None:
@@ -202,6 +202,21 @@ class ReplicaIngress:
     async def local_metrics(self) -> str:
         """This replica's Prometheus text (what another replica's ``/metrics`` asks for)."""
         return (await capture(self.app, request_scope("/metrics")))[2].decode()
+
+
+async def _whole_body(receive: Callable, body: list[dict]) -> bytes | None:
+    """The request's body: what the app read (`body`, its messages) and the rest, which the app may have left
+    unread when it answered; None past `MAX_RETRY_BODY_BYTES` or when the client left."""
+    size = sum(len(m.get("body", b"")) for m in body)
+    while body and body[-1].get("more_body", False) and size <= MAX_RETRY_BODY_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        body.append(message)
+        size += len(message.get("body", b""))
+    if size > MAX_RETRY_BODY_BYTES:
+        return None
+    return b"".join(m.get("body", b"") for m in body)
 
 
 def _message_of(held: list[dict]) -> str:

@@ -197,16 +197,17 @@ class Mirror:
     async def sync(self, kind: str = "video") -> None:
         """Before a listing: hold every job of `kind` the directory has (but this replica's own), and drop the copies
         it no longer has."""
+        held = {job.id: job for job in self.queue.jobs() if isinstance(job, HeldJob) and job.kind == kind}
         known = set()
-        for view in await self.directory.call("listing", kind):
+        for view in await self.directory.call("listing", kind, list(held)):
             job_id = view["record"]["id"]
             known.add(job_id)
-            local = self.queue.get(job_id)
-            if local is None or isinstance(local, HeldJob):
+            if job_id in held:
+                held[job_id].apply(view["record"], view["owner"])
+            elif self.queue.get(job_id) is None:
                 self._hold(view)
-        for job in self.queue.jobs():
-            if isinstance(job, HeldJob) and job.kind == kind and job.id not in known:
-                self.queue.drop(job.id)
+        for job_id in set(held) - known:
+            self.queue.drop(job_id)
 
     # ----- the poll loop -----
     async def run(self) -> None:
