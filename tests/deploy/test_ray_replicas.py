@@ -8,10 +8,13 @@
   `RESTART_BOUND_S`;
 - two replicas of tiny Wan: a video job created through one replica is polled, streamed, listed, downloaded,
   cancelled and deleted through the other;
-- autoscaling from 1 to 2 replicas under load and back to 1, every request answered 200.
+- a scale-down drains the removed replica's video job;
+- autoscaling from 1 to 2 replicas under load and back to 1, every request answered 200;
+- ``xstage-dit serve --replicas 1``: the command starts its own local cluster, answers, and exits 0 on SIGTERM.
 
-One cluster for the module (at most 4 rank processes at a time: the machine has 2 cores); each class deploys its
-application and deletes it. The test times are printed (pytest -s)."""
+One file, so that pytest-xdist (``--dist loadfile``) never runs two Ray clusters at once; the command's test comes
+first, before the module's cluster starts. One cluster for the rest (at most 4 rank processes at a time: the
+machine has 2 cores); each class deploys its application and deletes it. The times are printed (pytest -s)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import httpx
 import pytest
 
 from tests.helpers.ray_cluster import deploy, ray_cluster, replica_of, running_replicas, single_process_pngs
-from tests.helpers.server import assert_same_image, decode_png
+from tests.helpers.server import assert_same_image, decode_png, multirank_server
 from xstage_dit.deploy import Autoscaling, DeployOptions
 from xstage_dit.deploy.ingress import RETRIED_HEADER
 
@@ -44,6 +47,23 @@ def options(model: str, sp: int = 1, **fields) -> DeployOptions:
             "health_check_period_s": 1, "routing_stats_period_s": 0.5, "heartbeat_timeout_s": 3,
             "graceful_shutdown_timeout_s": 60, **fields}
     return DeployOptions.from_args(args)
+
+
+def test_serve_with_replicas_starts_ray_answers_and_stops_cleanly():
+    started = time.monotonic()
+    with multirank_server("--replicas", "1", "--gpus-per-rank", "0", "--no-warmup", "--log-level", "warning",
+                          sp=1, log_name="serve-replicas", ready_within_s=240) as (client, proc, log):
+        ready_s = time.monotonic() - started
+        health = client.get("/health")
+        assert health.json()["ready_replicas"] == 1 and health.json()["replica"] == replica_of(health)
+        r = client.post("/v1/images/generations", json={"prompt": PROMPT, "seed": 3, "size": "32x32",
+                                                        "num_inference_steps": 2})
+        assert r.status_code == 200 and r.json()["data"][0]["seed"] == 3 and replica_of(r) == replica_of(health)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+        log.seek(0)
+        assert code == 0, log.read()[-3000:]
+    print(f"\nxstage-dit serve --replicas 1: ready in {ready_s:.1f} s, stopped cleanly")
 
 
 @pytest.fixture(scope="module")
