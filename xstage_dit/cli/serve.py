@@ -89,6 +89,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     add_feature_options(p)
     add_lora_options(p, serve=True)
+    from xstage_dit.cli.serve_replicas import add_options as add_replica_options
+
+    add_replica_options(p)
     p.add_argument("--batching", default=_D.batching, choices=("auto", "always", "never"),
                    help="auto = batch a size only where warm-up measured a batch at >= 1 + --batch-margin times "
                         "the images/s of single images, with bit-identical images (else first come, first served); "
@@ -183,6 +186,10 @@ def run(args: argparse.Namespace) -> int:
     # transformers warns at import about optional vision backends no pipeline here uses.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     config = _config(args)
+    from xstage_dit.cli import serve_replicas
+
+    if serve_replicas.wanted(args):  # replicas of the engine on Ray Serve (xstage_dit.deploy)
+        return serve_replicas.run(args, config)
     world_size = config.parallel.world_size
     started_as_rank = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if world_size > 1 and not started_as_rank:
