@@ -192,15 +192,16 @@ def test_run_order_baseline_first_irreversible_last():
     assert order[0] == "diffusers"
     assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
                           "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
-    assert order[:17] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
-                          "diffusers-fp8", "xstage-fp8", "xstage-fp8-served",
+    assert order[:21] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
+                          "diffusers-fp8", "xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served",
                           "diffusers-repeat", "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
                           "xstage-cfgbatch+compile", "xstage-served+compile", "diffusers-fp8+compile",
-                          "xstage-fp8+compile", "xstage-fp8-served+compile"]
+                          "xstage-fp8+compile", "xstage-fp8-served+compile", "xstage-fp8-attn+compile",
+                          "xstage-fp8-attn-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
                            "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 23
+    assert len(order1) == len(set(order1)) == 27
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
