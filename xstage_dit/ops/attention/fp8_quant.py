@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX
+from xstage_dit.ops.attention.fp8_reference import E4M3
 
 __all__ = ["Fp8QKV", "quantize_qkv", "store_rows"]
 
@@ -48,10 +48,25 @@ def _amax_kernel(Q, K, V, amax, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, 
 
 
 @triton.jit
+def _pow2(power):
+    """2.0 ** power (int32, within fp32's normal exponents) built from its bits: exact, no approximate exp2."""
+    return ((power + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_power(amax):
+    """floor(log2(448 / amax)) exactly, from amax's exponent and mantissa bits (amax = m * 2**E, m in [1, 2);
+    448 = 1.75 * 2**8): 8 - E, one less where m > 1.75 (fp8_reference.po2_scale's rule)."""
+    bits = tl.maximum(amax, 8.673617379884035e-19).to(tl.int32, bitcast=True)  # 2**-60, as fp8_reference clamps
+    exponent = ((bits >> 23) & 0xFF) - 127
+    return 8 - exponent - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+
+
+@triton.jit
 def _quant_kernel(Q, K, V, Qo, Ko, Vo, scales, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, heads,
-                  rows_q, rows_kv, FP8_MAX: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+                  rows_q, rows_kv, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row block, batch*head, tensor t): x * scale_t -> e4m3 into the contiguous (B, rows, H, D) output;
-    scale_t = 2**floor(log2(448 / amax_t)) (fp8_reference.po2_scale). The first program of each tensor writes its
+    scale_t = 2**floor(log2(448 / amax_t)) (fp8_reference.po2_scale, exactly: `_scale_power`). The first program of each tensor writes its
     descale, and of V also O's scale and descale (half V's scale: fp8_reference's rule)."""
     pid_s, pid_bh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b, h = pid_bh // heads, pid_bh % heads
@@ -61,13 +76,13 @@ def _quant_kernel(Q, K, V, Qo, Ko, Vo, scales, sq_b, sq_s, sq_h, sk_b, sk_s, sk_
         src, dst, sb, ss, sh, rows = K, Ko, sk_b, sk_s, sk_h, rows_kv
     else:
         src, dst, sb, ss, sh, rows = V, Vo, sv_b, sv_s, sv_h, rows_kv
-    amax = tl.maximum(tl.load(scales + t * 4), 8.673617379884035e-19)  # 2**-60, as fp8_reference clamps
-    scale = tl.exp2(tl.floor(tl.log2(FP8_MAX / amax)))
+    power = _scale_power(tl.load(scales + t * 4))
+    scale = _pow2(power)
     if pid_s == 0 and pid_bh == 0:
-        tl.store(scales + (3 + t) * 4, 1.0 / scale)
+        tl.store(scales + (3 + t) * 4, _pow2(-power))
         if t == 2:
-            tl.store(scales + 6 * 4, 0.5 * scale)
-            tl.store(scales + 7 * 4, 2.0 / scale)
+            tl.store(scales + 6 * 4, _pow2(power - 1))
+            tl.store(scales + 7 * 4, _pow2(1 - power))
     r = pid_s * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
     ok = (r < rows)[:, None]
@@ -138,8 +153,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8QKV:
     grid = (triton.cdiv(max(rows_q, rows_kv, 1), _BLOCK_ROWS), batch * heads, 3)
     strides = [s for t in (q, k, v) for s in t.stride()[:3]]
     _amax_kernel[grid](q, k, v, scales, *strides, heads, rows_q, rows_kv, HEAD_DIM=head_dim, BLOCK=_BLOCK_ROWS)
-    _quant_kernel[grid](q, k, v, *outs, scales, *strides, heads, rows_q, rows_kv, FP8_MAX=E4M3_MAX,
-                        HEAD_DIM=head_dim, BLOCK=_BLOCK_ROWS)
+    _quant_kernel[grid](q, k, v, *outs, scales, *strides, heads, rows_q, rows_kv, HEAD_DIM=head_dim,
+                        BLOCK=_BLOCK_ROWS)
     return Fp8QKV(outs[0], outs[1], outs[2], scales)
 
 

@@ -39,9 +39,12 @@ _MIN_AMAX = 2.0 ** -60
 
 
 def po2_scale(amax: torch.Tensor) -> torch.Tensor:
-    """The e4m3 scale of a tensor whose largest magnitude is ``amax`` (fp32): ``2 ** floor(log2(448 / amax))``."""
-    amax = amax.float().clamp(min=_MIN_AMAX)
-    return torch.exp2(torch.floor(torch.log2(E4M3_MAX / amax)))
+    """The e4m3 scale of a tensor whose largest magnitude is ``amax`` (fp32): ``2 ** floor(log2(448 / amax))``,
+    exactly: from amax's exponent and mantissa (``frexp``: amax = m * 2**E, m in [0.5, 1); 448 = 0.875 * 2**9), not
+    from a rounded quotient or logarithm, which can land on the wrong side of a power of two."""
+    mantissa, exponent = torch.frexp(amax.float().clamp(min=_MIN_AMAX))
+    power = 9 - exponent - (mantissa > 0.875).to(exponent.dtype)
+    return torch.ldexp(torch.ones_like(mantissa), power)
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
