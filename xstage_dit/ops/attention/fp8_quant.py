@@ -106,8 +106,9 @@ def _store_rows_kernel(src, dst, descale, ss_b, ss_s, ss_h, sd_slot, sd_row, sd_
     d = tl.arange(0, HEAD_DIM)
     ok = (r < valid)[:, None]
     src_row = o * rows_per_owner + r
+    # No ``other``: the masked-out values are never stored (and a float constant need not convert to e4m3).
     x = tl.load(src + b.to(tl.int64) * ss_b + src_row[:, None].to(tl.int64) * ss_s + h.to(tl.int64) * ss_h
-                + d[None, :], mask=ok, other=0.0).to(tl.float32)
+                + d[None, :], mask=ok).to(tl.float32)
     if HAS_DESCALE:
         x = x * tl.load(descale)
     tl.store(dst + slot.to(tl.int64) * sd_slot + r[:, None].to(tl.int64) * sd_row + h.to(tl.int64) * sd_h
