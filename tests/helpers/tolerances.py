@@ -35,6 +35,9 @@ class Tolerances:
     # and fp16 P V: ~0.013 emulated.
     cudnn_fp8_attention: float = 8e-2
     sage_attention: float = 2e-2
+    # FP8 SwiGLU experts (ops/moe/fp8_experts.py) against the bf16 experts: e4m3 roundings of x, both weights and
+    # the SwiGLU output around two GEMMs; the emulation measured ~0.066 on N(0, 1) tokens (CPU).
+    fp8_experts: float = 1e-1
     # A kernel against its own emulation: its error may exceed the emulated one by this factor plus bf16_kernel
     # (the kernel rounds P against a running row maximum, the emulation against the final one).
     fp8_over_emulation: float = 1.25

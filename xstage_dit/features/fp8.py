@@ -20,7 +20,9 @@ Granularity (`GRANULARITIES`):
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
 GEMM cannot take (input or output features not a multiple of 16). MoE expert weights stored as 3-D tensors
-(grouped GEMMs) are not ``nn.Linear`` and stay in their dtype.
+(grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
+(``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities "row" and "tensor",
+row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
 
 Restore: the original weights are kept on the CPU while FP8 is on (the GPU holds only the float8 copy) and
 copied back on restore, so the pipeline returns bit-identical and the GPU memory to what it was.
@@ -142,13 +144,21 @@ class Fp8Handle:
         wanted = {id(layer) for _, layer in chosen}
         from torchao.quantization import quantize_
 
+        from xstage_dit.features.fp8_experts import Fp8ExpertsHandle, expert_modules
+
+        self.experts = None
         try:
             quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
+            if config.granularity != "weight" and expert_modules(transformer):
+                self.experts = Fp8ExpertsHandle(transformer, config.keep)
         except Exception:
             self.restore()  # a layer converted before the failure goes back too
             raise
 
     def restore(self) -> None:
+        experts, self.experts = getattr(self, "experts", None), None
+        if experts is not None:
+            experts.restore()
         originals, self._originals = self._originals, []
         for layer, saved, device, requires_grad in originals:
             if isinstance(saved, torch.nn.Parameter):
@@ -157,7 +167,10 @@ class Fp8Handle:
                 layer.weight = torch.nn.Parameter(saved.to(device), requires_grad=requires_grad)
 
     def describe(self) -> dict:
-        return {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+        out = {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+        if self.experts is not None:
+            out.update(self.experts.describe())
+        return out
 
 
 def _use_fp8_attention(config: Fp8Config, ctx) -> Callable[[], None] | None:
