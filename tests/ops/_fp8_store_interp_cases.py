@@ -2,7 +2,9 @@
 whose local output is the fp32 reference (optionally scaled by 4 and handed a descale of 1/4), stored through a fake
 peer window (one flat NaN-poisoned CPU tensor, the window view as ``as_strided``) by the Triton store kernel, run in
 a subprocess with TRITON_INTERPRET=1. Prints one JSON object: case -> {"rel_err", "nan", "shape_ok",
-"padding_untouched"}.
+"padding_untouched"}, and "quantize_scales": the device quantizer's amaxes and scales against its torch definition
+(the interpreter rounds float8 values wrongly, so only the scales and shapes are compared here; the GPU test
+compares the values bit for bit).
 """
 
 from __future__ import annotations
@@ -87,8 +89,26 @@ def run_case(batch, seq_len, heads, head_dim, world, descale, seed):
             "rows_seen": sorted(set(kernel.seen)), "rows_expected": [world * length, seq_len]}
 
 
+def quantize_scales() -> dict:
+    from xstage_dit.ops.attention import fp8_quant
+    from xstage_dit.ops.attention.fp8_reference import quantize_reference
+
+    fp8_quant._check_qkv = lambda q, k, v: None  # its CUDA-device check: the interpreter runs on the CPU
+    qkv = torch.randn(2, 20, 3, 4, 16, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    qkv[..., 0, :, :] *= 40.0
+    q, k, v = qkv[:, :13, 0, :3], qkv[:, 3:, 1, 1:], qkv[:, 3:, 2, 1:]  # strided views, other row counts
+    x = fp8_quant.quantize_qkv(q, k, v)
+    descales = [float(quantize_reference(t)[1]) for t in (q, k, v)]
+    return {"amax": [float(x.scales[i, 0]) for i in range(3)], "amax_expected": [float(t.abs().max()) for t in (q, k, v)],
+            "descale": [float(x.scales[3 + i, 0]) for i in range(3)], "descale_expected": descales,
+            "o_scales": [float(x.scales[6, 0]), float(x.scales[7, 0])],
+            "o_scales_expected": [0.5 / descales[2], 2 * descales[2]],
+            "shapes_ok": [tuple(t.shape) for t in (x.q, x.k, x.v)] == [(2, 13, 3, 16), (2, 17, 3, 16), (2, 17, 3, 16)]}
+
+
 def main() -> None:
     results = {name: run_case(*args, seed=i) for i, (name, args) in enumerate(CASES.items())}
+    results["quantize_scales"] = quantize_scales()
     print(json.dumps(results))
 
 

@@ -94,6 +94,12 @@ def test_window_plumbing_stores_every_valid_row_once(interp_store_results, case)
     assert r["rel_err"] < 1.5e-2, r
 
 
+def test_the_device_quantizers_scales_are_its_definitions(interp_store_results):
+    r = interp_store_results["quantize_scales"]
+    assert r["amax"] == r["amax_expected"] and r["descale"] == r["descale_expected"], r
+    assert r["o_scales"] == r["o_scales_expected"] and r["shapes_ok"], r
+
+
 def test_the_8bit_kernels_refuse_a_cpu_a_pointer_table_and_fp32_naming_why():
     geom = WindowGeometry(2, 1, 64, 4, 128, 32 * 4 * 128)
     cpu = torch.device("cpu")

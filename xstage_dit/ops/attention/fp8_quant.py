@@ -6,9 +6,9 @@ Device code knows pointers, strides and sizes; the launchers check tensors. The 
 rounds float8 wrongly, so only the GPU tests compare the two) and plain indexing for `store_rows` (checked in
 the interpreter with a bf16 source).
 
-Quantizing costs two passes over q, k, v (the amax, then scale and cast: 5 bytes an element of bf16 input), in
-two launches whatever the layout; no host synchronization: the scales stay on the device and reach the
-attention kernel as pointers.
+Quantizing costs two passes over q, k, v (the amax, then scale and cast: 5 bytes an element of bf16 input), one
+launch per pass and tensor whatever the layout; no host synchronization: the scales stay on the device and reach
+the attention kernel as pointers.
 """
 
 from __future__ import annotations
@@ -25,26 +25,21 @@ __all__ = ["Fp8QKV", "quantize_qkv", "store_rows"]
 
 # Slots of the scales buffer (one fp32 per 16-byte row: every slot an aligned scalar tensor for cuDNN).
 AMAX_Q, AMAX_K, AMAX_V, DESCALE_Q, DESCALE_K, DESCALE_V, SCALE_O, DESCALE_O = range(8)
+_SCALE_O, _DESCALE_O = tl.constexpr(SCALE_O), tl.constexpr(DESCALE_O)  # the kernels' view of the two O slots
 _BLOCK_ROWS = 64
 
 
 @triton.jit
-def _amax_kernel(Q, K, V, amax, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, heads, rows_q, rows_kv,
-                 HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row block, batch*head, tensor t): max |x| of its rows into amax[t] (atomic; amax zeroed first)."""
-    pid_s, pid_bh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _amax_kernel(X, scales, slot, s_b, s_s, s_h, heads, rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (row block, batch*head): max |x| of its rows into scales[slot] (atomic; the buffer is zeroed first).
+    One launch per tensor: no run-time branch picks a tensor (Triton would have to merge a pointer per branch)."""
+    pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // heads, pid_bh % heads
-    if t == 0:
-        src, sb, ss, sh, rows = Q, sq_b, sq_s, sq_h, rows_q
-    elif t == 1:
-        src, sb, ss, sh, rows = K, sk_b, sk_s, sk_h, rows_kv
-    else:
-        src, sb, ss, sh, rows = V, sv_b, sv_s, sv_h, rows_kv
     r = pid_s * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
-    ptrs = src + b.to(tl.int64) * sb + h.to(tl.int64) * sh + r[:, None].to(tl.int64) * ss + d[None, :]
+    ptrs = X + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + r[:, None].to(tl.int64) * s_s + d[None, :]
     x = tl.load(ptrs, mask=(r < rows)[:, None], other=0.0).to(tl.float32)
-    tl.atomic_max(amax + t * 4, tl.max(tl.max(tl.abs(x), 1), 0))
+    tl.atomic_max(scales + slot * 4, tl.max(tl.max(tl.abs(x), 1), 0))
 
 
 @triton.jit
@@ -63,33 +58,27 @@ def _scale_power(amax):
 
 
 @triton.jit
-def _quant_kernel(Q, K, V, Qo, Ko, Vo, scales, sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, heads,
-                  rows_q, rows_kv, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row block, batch*head, tensor t): x * scale_t -> e4m3 into the contiguous (B, rows, H, D) output;
-    scale_t = 2**floor(log2(448 / amax_t)) (fp8_reference.po2_scale, exactly: `_scale_power`). The first program of each tensor writes its
-    descale, and of V also O's scale and descale (half V's scale: fp8_reference's rule)."""
-    pid_s, pid_bh, t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _quant_kernel(X, Xo, scales, slot, s_b, s_s, s_h, heads, rows, IS_V: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program (row block, batch*head): x * scale -> e4m3 into the contiguous (B, rows, H, D) output; scale =
+    2**floor(log2(448 / amax)) of scales[slot] (fp8_reference.po2_scale, exactly: `_scale_power`). The first program
+    writes the descale at slot + 3 and, for V, O's scale and descale (half V's scale: fp8_reference's rule)."""
+    pid_s, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // heads, pid_bh % heads
-    if t == 0:
-        src, dst, sb, ss, sh, rows = Q, Qo, sq_b, sq_s, sq_h, rows_q
-    elif t == 1:
-        src, dst, sb, ss, sh, rows = K, Ko, sk_b, sk_s, sk_h, rows_kv
-    else:
-        src, dst, sb, ss, sh, rows = V, Vo, sv_b, sv_s, sv_h, rows_kv
-    power = _scale_power(tl.load(scales + t * 4))
+    power = _scale_power(tl.load(scales + slot * 4))
     scale = _pow2(power)
-    if pid_s == 0 and pid_bh == 0:
-        tl.store(scales + (3 + t) * 4, _pow2(-power))
-        if t == 2:
-            tl.store(scales + 6 * 4, _pow2(power - 1))
-            tl.store(scales + 7 * 4, _pow2(1 - power))
+    if (pid_s == 0) & (pid_bh == 0):
+        tl.store(scales + (slot + 3) * 4, _pow2(-power))
+        if IS_V:
+            tl.store(scales + _SCALE_O * 4, _pow2(power - 1))
+            tl.store(scales + _DESCALE_O * 4, _pow2(1 - power))
     r = pid_s * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, HEAD_DIM)
     ok = (r < rows)[:, None]
-    x = tl.load(src + b.to(tl.int64) * sb + h.to(tl.int64) * sh + r[:, None].to(tl.int64) * ss + d[None, :],
+    x = tl.load(X + b.to(tl.int64) * s_b + h.to(tl.int64) * s_h + r[:, None].to(tl.int64) * s_s + d[None, :],
                 mask=ok, other=0.0).to(tl.float32)
     out_row = (b.to(tl.int64) * rows + r[:, None].to(tl.int64)) * heads + h
-    tl.store(dst + out_row * HEAD_DIM + d[None, :], (x * scale).to(dst.dtype.element_ty), mask=ok)
+    tl.store(Xo + out_row * HEAD_DIM + d[None, :], (x * scale).to(Xo.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -151,11 +140,14 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Fp8QKV:
     rows_kv = k.shape[1]
     outs = [torch.empty((batch, n, heads, head_dim), dtype=E4M3, device=q.device) for n in (rows_q, rows_kv, rows_kv)]
     scales = torch.zeros((8, 4), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(max(rows_q, rows_kv, 1), _BLOCK_ROWS), batch * heads, 3)
-    strides = [s for t in (q, k, v) for s in t.stride()[:3]]
-    _amax_kernel[grid](q, k, v, scales, *strides, heads, rows_q, rows_kv, HEAD_DIM=head_dim, BLOCK=_BLOCK_ROWS)
-    _quant_kernel[grid](q, k, v, *outs, scales, *strides, heads, rows_q, rows_kv, HEAD_DIM=head_dim,
-                        BLOCK=_BLOCK_ROWS)
+    for slot, (src, out) in enumerate(zip((q, k, v), outs)):  # slots AMAX_Q, AMAX_K, AMAX_V
+        grid = (max(1, triton.cdiv(src.shape[1], _BLOCK_ROWS)), batch * heads)
+        _amax_kernel[grid](src, scales, slot, *src.stride()[:3], heads, src.shape[1], HEAD_DIM=head_dim,
+                           BLOCK=_BLOCK_ROWS)
+    for slot, (src, out) in enumerate(zip((q, k, v), outs)):
+        grid = (max(1, triton.cdiv(src.shape[1], _BLOCK_ROWS)), batch * heads)
+        _quant_kernel[grid](src, out, scales, slot, *src.stride()[:3], heads, src.shape[1], IS_V=slot == AMAX_V,
+                            HEAD_DIM=head_dim, BLOCK=_BLOCK_ROWS)
     return Fp8QKV(outs[0], outs[1], outs[2], scales)
 
 
