@@ -9,9 +9,15 @@ transformer: the transformer's inputs are cast to its dtype and its output back 
 Random weights have no outlier channels, so these numbers are a proxy for a trained model's error, not a
 measurement of it: they say how far FP8 moves the result relative to how far bf16 already does, on this model.
 
-    python benchmarks/bench_fp8_error.py --model full-flux --seeds 4 --steps 28 --variants bf16,fp8-row,fp8-tensor
+A variant ``fp8-<granularity>+<kernel>`` adds an 8-bit attention kernel (``cudnn-fp8``, ``sage``) asked for by name
+(``EngineConfig(fp8_attention=<kernel>)``, through the attention backend at world 1: ``ParallelConfig(sp=1)``).
 
-Writes <out-dir>/fp8-error-<model>-<tag>.{json,md}.
+    python benchmarks/bench_fp8_error.py --model full-flux --seeds 4 --steps 28 --variants bf16,fp8-row,fp8-tensor
+    python benchmarks/bench_fp8_error.py --attention --attention-shapes flux,wan,nucleus   # kernels alone
+
+Writes <out-dir>/fp8-error-<model>-<tag>.{json,md}; with --attention, every attention kernel's error against the
+fp32 reference and its time on the served shapes (`benchmarks/_fp8_attention.py`) in
+<out-dir>/fp8-attention-<tag>.{json,md}.
 """
 
 from __future__ import annotations
@@ -29,10 +35,22 @@ from benchmarks._common import environment, write_results  # noqa: E402
 from xstage_dit.engine import Engine, EngineConfig  # noqa: E402
 from xstage_dit.families import load_pipeline, model_spec  # noqa: E402
 from xstage_dit.features.compile import CompileConfig  # noqa: E402
+from xstage_dit.features.config import ParallelConfig  # noqa: E402
 from xstage_dit.features.fp8 import GRANULARITIES  # noqa: E402
 from xstage_dit.runtime.generation import call_kwargs  # noqa: E402
+from xstage_dit.schedule.attention_kernel import FP8_KERNELS  # noqa: E402
 
-VARIANTS = ("bf16",) + tuple(f"fp8-{g}" for g in GRANULARITIES)
+VARIANTS = (("bf16",) + tuple(f"fp8-{g}" for g in GRANULARITIES)
+            + tuple(f"fp8-{g}+{k}" for g in GRANULARITIES if g != "weight" for k in FP8_KERNELS))
+
+
+def engine_config(variant: str, device) -> EngineConfig:
+    """The engine of an FP8 variant: ``fp8-<granularity>`` (linear layers only, no parallel features) or
+    ``fp8-<granularity>+<kernel>`` (and that 8-bit attention kernel, through the attention backend at world 1)."""
+    granularity, _, kernel = variant.removeprefix("fp8-").partition("+")
+    parallel = ParallelConfig(sp=1, calibrate=False) if kernel else None
+    return EngineConfig(device=device, dtype=torch.bfloat16, parallel=parallel, compile=CompileConfig("off"),
+                        quantize="fp8", fp8_granularity=granularity, fp8_attention=kernel or "off")
 
 
 def _cast_floats(value, dtype):
@@ -86,9 +104,7 @@ def run(args) -> tuple[list[dict], dict]:
             for variant in args.variants:
                 engine = None
                 if variant != "bf16":
-                    engine = Engine(EngineConfig(device=device, dtype=torch.bfloat16, parallel=None,
-                                                 compile=CompileConfig("off"), quantize="fp8",
-                                                 fp8_granularity=variant.removeprefix("fp8-")))
+                    engine = Engine(engine_config(variant, device))
                     engine.apply(pipe, kind=spec.kind)
                 try:
                     out = latents(pipe, spec, seed, args)
@@ -125,7 +141,15 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out-dir", default="benchmarks/results/fp8")
     p.add_argument("--tag", default="1xh100")
+    p.add_argument("--attention", action="store_true",
+                   help="instead: every attention kernel (16- and 8-bit) on --attention-shapes, error vs fp32 and time")
+    p.add_argument("--attention-shapes", default="flux,wan,nucleus", help="with --attention: flux, wan, nucleus")
+    p.add_argument("--rounds", type=int, default=3, help="with --attention: interleaved timing rounds")
     args = p.parse_args(argv)
+    if args.attention:
+        from benchmarks._fp8_attention import main as attention_main
+
+        return attention_main(args)
     args.variants = [v for v in args.variants.split(",") if v]
     bad = [v for v in args.variants if v not in VARIANTS]
     if bad or not args.variants or args.seeds < 1:

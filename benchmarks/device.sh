@@ -30,6 +30,12 @@
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
+#   fp8-attention  issue 41's FP8 attention in one call (carry [".whl-fp8attn"] with WHEEL_DIRS=.whl-fp8attn: diffusers
+#                & co, torchao, nvidia-cudnn-frontend, sageattention): the GPU tests of the 8-bit kernels, of FP8 at
+#                sp = 2 (two processes on the GPU), of the FP8 feature and of the FP8 expert MLPs (FP8_ATTN_TESTS_S,
+#                default 360 s), then
+#                bench_fp8_error.py --attention: every kernel's error vs fp32 and time on the FLUX / Wan / NucleusMoE
+#                attention shapes (FP8_ATTN_SHAPES, FP8_ATTN_BENCH_S default 150 s)
 #   served-path  bench_serving.py served-path: bare call vs the server's runner (main thread, worker thread) vs HTTP
 #                (SERVED_PATH_ARGS; default NucleusMoE, 4 steps, regional compile, then 16 adjacent bare / served
 #                pairs: the served / bare ratio's 95 % interval against 1.02)
@@ -255,11 +261,21 @@ step_compile_variants() {
     ${CV_ARGS:---model flux --variants eager,regional,full,regional+qkv,regional+tuned --vae}
 }
 
+step_fp8_attention() {
+  OUT="$1" timeout -k 10 "${FP8_ATTN_TESTS_S:-360}" bash scripts/gpu_tests.sh -s tests/ops/test_attention_fp8_gpu.py \
+    tests/features/test_fp8_sp_gpu.py tests/features/test_fp8.py tests/ops/test_moe_fp8.py
+  local rc_tests=$?
+  timeout -k 10 "${FP8_ATTN_BENCH_S:-150}" "$py" benchmarks/bench_fp8_error.py --attention \
+    --attention-shapes "${FP8_ATTN_SHAPES:-flux,wan,nucleus}" --out-dir "$1" --tag "${FP8_ATTN_TAG:-gpu}"
+  local rc_bench=$?
+  [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+}
+
 status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance fp8-attention)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

@@ -18,6 +18,8 @@ What we use and why (each accessor checks the torch version first, then that the
   mapping a peer GPU's memory is the peer.
 - ``torch.distributed._symmetric_memory``: symmetric allocations and their rendezvous (`comm.distributed`,
   `comm.barrier`, `comm.peer_window`).
+- ``torch._scaled_grouped_mm``: the grouped FP8 GEMM with row-wise scales (Hopper and newer) under the FP8 expert
+  MLPs (`ops.moe.fp8_experts`); torchao's MoE path calls the same op.
 
 Tested with torch 2.11 (GPU machine) and 2.13 (CPU CI); `SUPPORTED_TORCH` is pyproject's range.
 (`bench/xfuser_stack.py` keeps two uses of its own: ``torch._dynamo.reset()`` after an xfuser contender's
@@ -380,3 +382,24 @@ def symmetric_memory() -> types.ModuleType:
     import torch.distributed._symmetric_memory as symm_mem
 
     return symm_mem
+
+
+# ------------------------------------------------------------------------------------------- FP8 GEMMs
+
+
+def has_scaled_grouped_mm() -> bool:
+    """Whether this torch (in the tested range) has ``torch._scaled_grouped_mm``."""
+    try:
+        check_torch_version()
+    except TorchPrivateAPIError:
+        return False
+    return getattr(torch, "_scaled_grouped_mm", None) is not None
+
+
+def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor, b_descale: torch.Tensor, *,
+                      offsets: torch.Tensor, out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_grouped_mm``: a (M, K) e4m3 row-major, b (G, K, N) e4m3 column-major, a_descale (M,) and
+    b_descale (G, N) fp32, offsets (G,) int32 group ends -> (M, N) in out_dtype: row i of group g is
+    ``(a[i] * a_descale[i]) @ (b[g] * b_descale[g])``."""
+    op = _private(torch, "_scaled_grouped_mm", "torch._scaled_grouped_mm")
+    return op(a, b, a_descale, b_descale, offs=offsets, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

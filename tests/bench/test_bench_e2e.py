@@ -192,15 +192,16 @@ def test_run_order_baseline_first_irreversible_last():
     assert order[0] == "diffusers"
     assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
                           "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
-    assert order[:17] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
-                          "diffusers-fp8", "xstage-fp8", "xstage-fp8-served",
+    assert order[:21] == ["diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served",
+                          "diffusers-fp8", "xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served",
                           "diffusers-repeat", "diffusers+compile", "xstage-serial+compile", "xstage-calibrated+compile",
                           "xstage-cfgbatch+compile", "xstage-served+compile", "diffusers-fp8+compile",
-                          "xstage-fp8+compile", "xstage-fp8-served+compile"]
+                          "xstage-fp8+compile", "xstage-fp8-served+compile", "xstage-fp8-attn+compile",
+                          "xstage-fp8-attn-served+compile"]
     order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
                            "diffusers-cp", "diffusers-cp+compile"]
-    assert len(order1) == len(set(order1)) == 23
+    assert len(order1) == len(set(order1)) == 27
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
     order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
@@ -256,7 +257,9 @@ def test_fp8_contenders_cannot_run_on_a_cpu_and_say_why():
 
     b = _fake_bench(spec=model_spec("tiny-flux"))
     for contender in (contenders.PlainDiffusersFp8(False), contenders.XStageFp8(True),
-                      contenders.XStageFp8Served(False, serve=lambda *a, **k: None)):
+                      contenders.XStageFp8Served(False, serve=lambda *a, **k: None),
+                      contenders.XStageFp8Attention(True),
+                      contenders.XStageFp8AttentionServed(False, serve=lambda *a, **k: None)):
         assert "FP8 row-wise GEMMs need a CUDA GPU" in contender.check(b) and "got device cpu" in contender.check(b)
     assert "fp8" not in ",".join(options.DEFAULT_CONTENDERS)  # asked for by name only
 
@@ -272,6 +275,24 @@ def test_fp8_ratios_in_the_summary_are_the_measured_medians():
     assert fp8["+compile"] == {"fp8_over_bf16": pytest.approx(2.7 / 4.0), "fp8_over_peer_fp8": pytest.approx(2.7 / 3.0)}
     assert fp8["eager"] == {"fp8_over_bf16": pytest.approx(5.0 / 6.0), "fp8_over_peer_fp8": None}
     assert "fp8" not in stats.build_summary(records[:2], {"steps": 4})
+
+
+def test_fp8_attention_rows_get_their_own_ratios():
+    records = [_ok("xstage-served+compile", 4.0, compile=True, family="xstage-served"),
+               _ok("diffusers-fp8+compile", 3.0, compile=True, family="diffusers-fp8"),
+               _ok("xstage-fp8-served+compile", 2.7, compile=True, family="xstage-fp8-served"),
+               _ok("xstage-fp8-attn-served+compile", 2.4, compile=True, family="xstage-fp8-attn-served"),
+               _ok("xstage-fp8-attn", 4.5, family="xstage-fp8-attn"), _ok("xstage-calibrated", 6.0)]
+    fp8 = stats.build_summary(records, {"steps": 4})["fp8"]
+    assert fp8["+compile"] == {"fp8_over_bf16": pytest.approx(2.7 / 4.0), "fp8_over_peer_fp8": pytest.approx(2.7 / 3.0),
+                               "fp8_attn_over_bf16": pytest.approx(2.4 / 4.0),
+                               "fp8_attn_over_peer_fp8": pytest.approx(2.4 / 3.0),
+                               "fp8_attn_over_fp8": pytest.approx(2.4 / 2.7)}
+    # Only the FP8-attention row ran eager: its ratios, the linear-only ones None.
+    assert fp8["eager"] == {"fp8_over_bf16": None, "fp8_over_peer_fp8": None,
+                            "fp8_attn_over_bf16": pytest.approx(4.5 / 6.0), "fp8_attn_over_peer_fp8": None,
+                            "fp8_attn_over_fp8": None}
+    assert stats.SERVED_BARE_ROWS["xstage-fp8-attn-served"] == ("xstage-fp8-attn",)
 
 
 def test_budget_estimate_uses_the_measured_baseline():

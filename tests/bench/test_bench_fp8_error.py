@@ -34,3 +34,30 @@ def test_unknown_variant_is_refused_naming_it(capsys):
     with pytest.raises(SystemExit):
         bench_fp8_error.main(["--variants", "bf16,fp8-block"])
     assert "fp8-block" in capsys.readouterr().err
+
+
+def test_fp8_attention_variants_ask_for_each_kernel_through_the_backend():
+    import torch
+
+    from benchmarks import bench_fp8_error
+
+    assert {"fp8-row+cudnn-fp8", "fp8-row+sage", "fp8-tensor+sage"} <= set(bench_fp8_error.VARIANTS)
+    config = bench_fp8_error.engine_config("fp8-row+sage", torch.device("cpu"))
+    assert (config.quantize, config.fp8_granularity, config.fp8_attention) == ("fp8", "row", "sage")
+    assert config.parallel is not None and config.parallel.sp == 1  # the attention backend at world 1
+    plain = bench_fp8_error.engine_config("fp8-tensor", torch.device("cpu"))
+    assert plain.parallel is None and plain.fp8_attention == "off"
+
+
+def test_the_attention_table_refuses_unknown_shapes_and_a_cpu(capsys):
+    import torch
+
+    from benchmarks import _fp8_attention, bench_fp8_error
+
+    assert set(_fp8_attention.SHAPES) == {"flux", "wan", "nucleus"}
+    assert _fp8_attention.SHAPES["flux"][:3] == (4608, 24, 128) and _fp8_attention.SHAPES["wan"][:3] == (32760, 40, 128)
+    with pytest.raises(SystemExit, match="expected --attention-shapes from flux,wan,nucleus, got 'flux,sd3'"):
+        bench_fp8_error.main(["--attention", "--attention-shapes", "flux,sd3"])
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="expected a CUDA device"):
+            bench_fp8_error.main(["--attention", "--attention-shapes", "flux"])

@@ -130,3 +130,26 @@ def test_fp8_gemms_on_the_gpu_compose_with_compile_and_restore_bit_for_bit():
         engine.restore()
         assert all(torch.equal(v, before[k]) for k, v in _weights(pipe.transformer).items())
         assert torch.equal(_latents(pipe, spec), reference)
+
+
+@pytest.mark.gpu
+def test_nucleusmoe_experts_run_the_grouped_fp8_gemm_compiled_and_restore_bit_for_bit():
+    """NucleusMoE's SwiGLUExperts (3-D expert weights) on torch._scaled_grouped_mm under --quantize fp8: converted
+    (the family record's fp8_expert_classes), the latents near bf16's, restore gives back bf16 bit for bit."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("gpu: the grouped FP8 GEMM needs compute capability >= 9.0")
+    pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cuda", seed=0)
+    spec = model_spec("tiny-nucleusmoe")
+    before = _weights(pipe.transformer)
+    reference = _latents(pipe, spec)
+    engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", compile=CompileConfig("regional"), quantize="fp8"))
+    engine.apply(pipe, kind="image")
+    (described,) = engine.describe()["fp8"]
+    out = _latents(pipe, spec)
+    rel = ((out - reference).norm() / reference.norm()).item()
+    print(f"tiny NucleusMoE fp8 (linear + experts), regional compile: {described}, latents rel L2 vs bf16 {rel:.4f}")
+    assert described["experts_fp8"] > 0 and described["experts_kept"] == 0, described
+    assert 0 < rel < 0.3, rel
+    engine.restore()
+    assert all(torch.equal(v, before[k]) for k, v in _weights(pipe.transformer).items())
+    assert torch.equal(_latents(pipe, spec), reference)

@@ -85,6 +85,7 @@ class XStage(Contender):
 
     ours = True
     quantize = "none"  # the FP8 contenders: "fp8"
+    fp8_attention = "off"  # the FP8-attention contenders: "auto"
 
     def __init__(self, compile: bool, schedule: str):
         super().__init__(compile)
@@ -109,7 +110,7 @@ class XStage(Contender):
                                      guards=getattr(b.args, "compile_guards", "full"),
                                      extras=parse_extras(getattr(b.args, "compile_extra", "")))
         return EngineConfig(device=b.device, dtype=b.dtype, parallel=self._config(b), compile=compiled,
-                            quantize=self.quantize, cache=self._cache(b))
+                            quantize=self.quantize, fp8_attention=self.fp8_attention, cache=self._cache(b))
 
     def _cache(self, b: Bench):
         """The step cache of this contender's engine: --cache's (None: none)."""
@@ -328,6 +329,28 @@ class XStageFp8Served(XStageServed):
         self.family = "xstage-fp8-served"
 
 
+class XStageFp8Attention(XStageFp8):
+    """``xstage-fp8`` with FP8 attention too (``EngineConfig(fp8_attention="auto")``: the 8-bit attention kernels
+    join the kernel sweep and run where they measured faster than the 16-bit ones)."""
+
+    fp8_attention = "auto"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile)
+        self.family = "xstage-fp8-attn"
+
+
+class XStageFp8AttentionServed(XStageFp8Served):
+    """``xstage-fp8-served`` with FP8 attention too: what ``xstage-dit serve --quantize fp8 --fp8-attention auto``
+    answers."""
+
+    fp8_attention = "auto"
+
+    def __init__(self, compile: bool, serve=None):
+        super().__init__(compile, serve)
+        self.family = "xstage-fp8-attn-served"
+
+
 class _EncodedOutput:
     """A served answer: the encoded bytes, decoded to float pixels on first access of ``images`` / ``frames``
     (MP4 is lossy: a served video differs from the bare call's frames by the codec's error)."""
@@ -412,6 +435,8 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
         "diffusers-fp8": lambda c: PlainDiffusersFp8(c),
         "xstage-fp8": lambda c: XStageFp8(c),
         "xstage-fp8-served": lambda c: XStageFp8Served(c, serve),
+        "xstage-fp8-attn": lambda c: XStageFp8Attention(c),
+        "xstage-fp8-attn-served": lambda c: XStageFp8AttentionServed(c, serve),
         "xfuser-usp": lambda c: XFuserUSP(c, world_size),
         "xfuser-runner": lambda c: XFuserRunner(c, world_size),
         "diffusers-cp": lambda c: DiffusersCP(c),

@@ -23,7 +23,8 @@ from xstage_dit.features.step_cache.options import add_cache_options, cache_conf
 # Contender names in the order they run: the baseline first, the irreversible one (diffusers' native
 # context parallelism has no public way to undo) after every reversible one.
 CONTENDERS = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "diffusers-fp8",
-              "xstage-fp8", "xstage-fp8-served", "xfuser-usp", "xfuser-runner", "diffusers-cp")
+              "xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served", "xfuser-usp",
+              "xfuser-runner", "diffusers-cp")
 DEFAULT_CONTENDERS = tuple(name for name in CONTENDERS if "fp8" not in name)
 # The step caches, asked for by name: each stands for a contender per method and forced ratio
 # (--cache-contender-methods / --cache-contender-every), run with the other reversible stacks.
@@ -34,7 +35,7 @@ BASELINE_REPEAT = "diffusers-repeat"
 # Our group: the baseline and the xstage contenders. Their eager variants are reversible (apply/restore leave
 # the pipeline as it was), which is what lets --rounds measure them in interleaved rounds.
 OUR_FAMILIES = ("diffusers", "xstage-serial", "xstage-calibrated", "xstage-cfgbatch", "xstage-served", "diffusers-fp8",
-                "xstage-fp8", "xstage-fp8-served")
+                "xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served")
 
 # The sample prompts ship inside the package, so an installed wheel benchmarks too.
 PROMPTS = Path(__file__).resolve().parent / "prompts.txt"

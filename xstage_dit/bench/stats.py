@@ -91,7 +91,8 @@ DERIVED_FIELDS = ("speedup_vs_diffusers_1gpu", "speedup_vs_diffusers_same_compil
 SERVED_OVER_BARE_TARGET = 1.02
 #: The bare row a served row is compared with: the same configuration (`xstage-served` is `xstage-calibrated`
 #: behind the server), else the serial schedule (the same at world 1 but for the attention kernel's choice).
-SERVED_BARE_ROWS = {"xstage-served": ("xstage-calibrated", "xstage-serial"), "xstage-fp8-served": ("xstage-fp8",)}
+SERVED_BARE_ROWS = {"xstage-served": ("xstage-calibrated", "xstage-serial"), "xstage-fp8-served": ("xstage-fp8",),
+                    "xstage-fp8-attn-served": ("xstage-fp8-attn",)}
 
 
 def add_comparisons(rows: list[dict], default_steps: int, steps: int) -> None:
@@ -212,15 +213,28 @@ def _cache_ratios(rows: list[dict]) -> dict:
 def _fp8_ratios(rows: list[dict]) -> dict:
     """Per compile setting ("eager", "+compile", "+compile:<mode>"): fp8_over_bf16 (xstage FP8 over xstage bf16:
     the served rows where both were measured, else the bare ones) and fp8_over_peer_fp8 (xstage FP8, served else
-    bare, over diffusers + torchao FP8), each a ratio of median latencies; None where a row is missing."""
+    bare, over diffusers + torchao FP8), each a ratio of median latencies; None where a row is missing. Where the
+    FP8-attention rows ran, fp8_attn_over_bf16 / fp8_attn_over_peer_fp8 the same for them, and fp8_attn_over_fp8
+    (FP8 attention over FP8 linear layers alone: what the 8-bit attention kernels add)."""
     ok = [r for r in rows if r.get("status") == "ok"]
     median = {r["name"]: r["median_s"] for r in ok}
-    suffixes = {r["name"][len(r["family"]):] for r in ok if r["family"] in ("xstage-fp8", "xstage-fp8-served")}
+    families = ("xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served")
+    suffixes = {r["name"][len(r["family"]):] for r in ok if r["family"] in families}
     out = {}
     for suffix in sorted(suffixes):
-        served, bare = median.get("xstage-fp8-served" + suffix), median.get("xstage-fp8" + suffix)
-        pairs = [(served, median.get("xstage-served" + suffix)), (bare, median.get("xstage-calibrated" + suffix))]
+        bf16 = [median.get("xstage-served" + suffix), median.get("xstage-calibrated" + suffix)]
         peer = median.get("diffusers-fp8" + suffix)
-        out[suffix or "eager"] = {"fp8_over_bf16": next((a / b for a, b in pairs if a and b), None),
-                                  "fp8_over_peer_fp8": (served or bare) / peer if peer else None}
+        entry = {}
+        for label, prefix in (("fp8", "xstage-fp8"), ("fp8_attn", "xstage-fp8-attn")):
+            served, bare = median.get(prefix + "-served" + suffix), median.get(prefix + suffix)
+            if label == "fp8_attn" and served is None and bare is None:
+                continue
+            pairs = [(served, bf16[0]), (bare, bf16[1])]
+            entry[f"{label}_over_bf16"] = next((a / b for a, b in pairs if a and b), None)
+            entry[f"{label}_over_peer_fp8"] = (served or bare) / peer if peer and (served or bare) else None
+        if "fp8_attn_over_bf16" in entry:
+            pairs = [(median.get(f"xstage-fp8-attn{kind}" + suffix), median.get(f"xstage-fp8{kind}" + suffix))
+                     for kind in ("-served", "")]
+            entry["fp8_attn_over_fp8"] = next((a / b for a, b in pairs if a and b), None)
+        out[suffix or "eager"] = entry
     return out

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 # 2: world-1 families time torch SDPA ("sdpa", diffusers' call) against FA4 plain; world > 1 families add
 # "sdpa" (the serial schedule's local attention) as the reference of each kernel's speed. 3: world-1 families
 # also time torch's cuDNN SDPA backend ("cudnn"). 4: world > 1 families also time fa4-gqa. 5: and
-# fa4-gqa-unpacked.
-SWEEP_VERSION = 5
+# fa4-gqa-unpacked. 6: "-fp8" families also time the 8-bit kernels (cudnn-fp8, sage), and the key names the
+# sageattention version.
+SWEEP_VERSION = 6
 
 
 def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:

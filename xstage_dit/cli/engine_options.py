@@ -2,8 +2,9 @@
 
 --no-host-syncs / --no-text-depth / --no-prompt-cache / --no-one-frame-vae: turn one feature of the stack off
 (each is on by default; `xstage_dit.features.stack.FEATURES` says what each does). --quantize fp8 (with
---fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`). --cache (with its
---cache-* parameters) runs one of diffusers' step caches with one decision for all ranks
+--fp8-granularity) puts the transformer's linear layers in float8 (`xstage_dit.features.fp8`), and with
+--fp8-attention auto its attention may run on 8-bit kernels where the kernel sweep measured them faster. --cache
+(with its --cache-* parameters) runs one of diffusers' step caches with one decision for all ranks
 (`xstage_dit.features.step_cache`). The compile options are `cli.compile_options`'; the parallel degrees `cli.parallel_config`'s.
 """
 
@@ -25,7 +26,7 @@ FEATURE_FLAGS = {
 
 def add_feature_options(parser: argparse.ArgumentParser) -> None:
     """The --no-<feature> switches of the stack (every feature on by default), --quantize and --cache."""
-    from xstage_dit.features.fp8 import GRANULARITIES
+    from xstage_dit.features.fp8 import FP8_ATTENTION, GRANULARITIES
 
     for flag, (_, skips) in FEATURE_FLAGS.items():
         parser.add_argument(flag, action="store_true", help=f"feature off: {skips}")
@@ -35,6 +36,10 @@ def add_feature_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fp8-granularity", choices=GRANULARITIES, default="row",
                         help="with --quantize fp8: row (per-token activations x per-channel weights), tensor, or "
                              "weight (weights stored in float8, bf16 GEMMs: memory, not speed)")
+    parser.add_argument("--fp8-attention", choices=FP8_ATTENTION, default="off",
+                        help="with --quantize fp8: auto = 8-bit attention kernels (cuDNN FP8 SDPA, SageAttention) join "
+                             "the attention kernel sweep and run where measured faster (lossy: docs/performance.md); "
+                             "a kernel's name runs that kernel wherever it takes the shape; default: %(default)s")
     add_cache_options(parser)
 
 
@@ -65,7 +70,8 @@ def feature_switches(args: argparse.Namespace) -> dict:
     switches: dict = {field: False for flag, (field, _) in FEATURE_FLAGS.items()
                       if getattr(args, flag.lstrip("-").replace("-", "_"), False)}
     if getattr(args, "quantize", "none") != "none":
-        switches.update(quantize=args.quantize, fp8_granularity=getattr(args, "fp8_granularity", "row"))
+        switches.update(quantize=args.quantize, fp8_granularity=getattr(args, "fp8_granularity", "row"),
+                        fp8_attention=getattr(args, "fp8_attention", "off"))
     cache = cache_config(args)
     if cache is not None:
         switches["cache"] = cache
@@ -87,8 +93,12 @@ def compile_config(args: argparse.Namespace, device):
 
 def check_quantize(args: argparse.Namespace, device=None) -> None:
     """UsageError naming --quantize where its FP8 GEMMs cannot run on `device` (None: the GPU where there is one,
-    else the CPU), before any rank starts or any weight loads."""
+    else the CPU), or --fp8-attention without --quantize fp8, before any rank starts or any weight loads."""
+    attention = getattr(args, "fp8_attention", "off")
     if getattr(args, "quantize", "none") == "none":
+        if attention != "off":
+            raise UsageError(f"--fp8-attention {attention}: expected --quantize fp8 (FP8 attention is part of the FP8 "
+                             "mode), got --quantize none")
         return
     import torch
 

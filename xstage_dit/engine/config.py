@@ -18,7 +18,7 @@ import torch
 
 from xstage_dit.features.compile import CompileConfig, default_compile_mode
 from xstage_dit.features.config import ParallelConfig
-from xstage_dit.features.fp8 import GRANULARITIES, Fp8Config, refuse_fp8_with_lora
+from xstage_dit.features.fp8 import FP8_ATTENTION, GRANULARITIES, Fp8Config, refuse_fp8_with_lora
 from xstage_dit.features.lora import LoraServingConfig
 from xstage_dit.features.lora.config import DEFAULT_MAX_LORA_RANK, DEFAULT_MAX_LORAS, DEFAULT_PER_REQUEST
 from xstage_dit.features.stack import StackConfig
@@ -60,6 +60,8 @@ class EngineConfig:
     host_syncs / text_depth / prompt_cache / one_frame_vae: those features on (default) or off.
     quantize: "none" (weights as loaded) or "fp8" (the transformer's linear layers in float8: `features.fp8`).
     fp8_granularity: with quantize "fp8", one of `features.fp8.GRANULARITIES` ("row": per-token x per-channel).
+    fp8_attention: with quantize "fp8", one of `features.fp8.FP8_ATTENTION`: "off" (default), "auto" (the 8-bit
+        attention kernels join the attention kernel sweep, chosen per shape where faster) or a kernel's name.
     lora_dir: the folder of LoRA adapters requests may name (`features.lora`); None: none from a folder.
     max_loras / max_lora_rank / max_loras_per_request: resident adapters (LRU past it), the largest rank (the slots'
         rank when compiled), adapters one call may combine.
@@ -84,6 +86,7 @@ class EngineConfig:
     one_frame_vae: bool = True
     quantize: str = "none"
     fp8_granularity: str = "row"
+    fp8_attention: str = "off"
     lora_dir: str | None = None
     max_loras: int = DEFAULT_MAX_LORAS
     max_lora_rank: int = DEFAULT_MAX_LORA_RANK
@@ -121,6 +124,11 @@ class EngineConfig:
             raise ValueError(f"expected quantize in {', '.join(QUANTIZE)}, got {self.quantize!r}")
         if self.fp8_granularity not in GRANULARITIES:
             raise ValueError(f"expected fp8_granularity in {', '.join(GRANULARITIES)}, got {self.fp8_granularity!r}")
+        if self.fp8_attention not in FP8_ATTENTION:
+            raise ValueError(f"expected fp8_attention in {', '.join(FP8_ATTENTION)}, got {self.fp8_attention!r}")
+        if self.fp8_attention != "off" and self.quantize != "fp8":
+            raise ValueError(f"expected quantize 'fp8' with fp8_attention {self.fp8_attention!r} (FP8 attention is part "
+                             f"of the FP8 mode), got quantize {self.quantize!r}")
         refuse_fp8_with_lora(self.quantize, self.lora_dir is not None or bool(self.preload_loras))
         for name in _FLAGS:
             if not isinstance(getattr(self, name), bool):
@@ -158,7 +166,7 @@ class EngineConfig:
         if kind not in KINDS:
             raise ValueError(f"expected kind 'image' or 'video', got {kind!r}")
         invariant = kind == "image" if self.batch_invariance == "auto" else self.batch_invariance
-        fp8 = Fp8Config(self.fp8_granularity) if self.quantize == "fp8" else None
+        fp8 = Fp8Config(self.fp8_granularity, attention=self.fp8_attention) if self.quantize == "fp8" else None
         return StackConfig(parallel=self.parallel, compile=self.compile, batch_invariance=invariant, fp8=fp8,
                            lora=self.lora_config(), cache=self.cache,
                            **{name: getattr(self, name) for name in _FLAGS})

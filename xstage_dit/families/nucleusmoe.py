@@ -236,6 +236,7 @@ FACTS = FeatureFacts(
     padded_text_attention=True,  # padded text keys and a (batch, image + text) mask
     rope_host_sync_classes=("NucleusMoEEmbedRope",),
     grouped_mm_expert_classes=("SwiGLUExperts",),
+    fp8_expert_classes=("SwiGLUExperts",),
     video_vae=QWEN_IMAGE_VAE,
 )
 

@@ -241,6 +241,9 @@ class FeatureFacts:
     video_vae: the video VAE of the family's pipelines (`VideoVAEFacts`), None for others.
     fp8_skip: module-path patterns (fnmatch, relative to the transformer) of linear layers the `fp8` feature keeps
         in their dtype (e.g. the final projection to latents); every other eligible nn.Linear goes to float8.
+    fp8_expert_classes: grouped-GEMM expert modules the `fp8` feature runs on the grouped FP8 GEMM
+        (`features.fp8_experts`: ``gate_up_proj`` (E, hidden, 2 inter), ``down_proj`` (E, inter, hidden), a grouped
+        path ``_run_experts_grouped_mm(x, num_tokens_per_expert)``).
     """
 
     cfg_batch_guidance: Callable[[Any], bool] | None = None
@@ -252,6 +255,7 @@ class FeatureFacts:
     grouped_mm_expert_classes: tuple[str, ...] = ()
     video_vae: VideoVAEFacts | None = None
     fp8_skip: tuple[str, ...] = ()
+    fp8_expert_classes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -39,8 +39,8 @@ import torch.distributed as dist
 from xstage_dit.calibration import kernel_sweep as ks
 from xstage_dit.ops.attention.kernels import kernel_versions
 from xstage_dit.ops.attention.window_path import problem_family, problem_refusals, sweep_cases
-from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, WORLD1_ORDER, BASELINE, KernelChoice,
-                                                  choose_attention_kernel)
+from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, FP8_ATTENTION, FP8_KERNELS, WORLD1_ORDER, BASELINE,
+                                                  KernelChoice, choose_attention_kernel, with_fp8)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,11 @@ log = logging.getLogger(__name__)
 # (benchmarks/results/attention/NOTES.md). Eager runs of the same plans pass.
 CAPTURE_UNSAFE = {"cudnn": "cudnn-frontend's graphs failed inside CUDA-graph captures on the H200 (b3a1445) and "
                            "the H100 (c5f5f69): not under --compile graphs"}
+# cudnn-fp8 runs cudnn-frontend's graphs at every world size (at world 1 too: torch has no FP8 SDPA backend).
+CAPTURE_UNSAFE_ANY_WORLD = {"cudnn-fp8": "cudnn-frontend's graphs failed inside CUDA-graph captures (see cudnn): "
+                                         "not under --compile graphs"}
+# The 16-bit dtypes the 8-bit kernels quantize from.
+FP8_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
 __all__ = ["KernelChooser"]
 
@@ -79,15 +84,30 @@ class KernelChooser:
         self._sweeps: dict[str, dict] = {}  # family -> {"timings_ms", "source", "path"} (report)
         self._errors: dict[str, str] = {}
         self.capture_refusals: dict[str, str] = {}  # kernel -> why not, while calls run under CUDA graphs
+        self.fp8_attention = "off"  # `use_fp8_attention`
 
     def for_cuda_graphs(self) -> Callable[[], None]:
         """Refuse, from now on, the kernels that failed inside a CUDA-graph capture (``apply_compile(mode=
         "graphs")`` records the forward); returns the undo. Shapes chosen before keep their choice."""
-        if self.world > 1:  # at world 1 "cudnn" is torch's cuDNN SDPA backend, captured by torch itself
-            self.capture_refusals = dict(CAPTURE_UNSAFE)
+        # at world 1 "cudnn" is torch's cuDNN SDPA backend, captured by torch itself
+        self.capture_refusals = {**(CAPTURE_UNSAFE if self.world > 1 else {}), **CAPTURE_UNSAFE_ANY_WORLD}
 
         def undo() -> None:
             self.capture_refusals = {}
+
+        return undo
+
+    def use_fp8_attention(self, mode: str) -> Callable[[], None]:
+        """From now on, the 8-bit kernels (``FP8_KERNELS``) are candidates of every bf16/fp16 shape decided: "auto"
+        (timed in the shape's "-fp8" sweep family beside the 16-bit kernels, chosen where measured fastest), or one
+        of them by name (that kernel wherever it takes the shape, without timing); "off": none. Returns the undo
+        (mode "off" again). Set before the first shape is decided (``features.fp8`` does, at apply time)."""
+        if mode not in FP8_ATTENTION:
+            raise ValueError(f"expected fp8 attention in {', '.join(FP8_ATTENTION)}, got {mode!r}")
+        self.fp8_attention = mode
+
+        def undo() -> None:
+            self.fp8_attention = "off"
 
         return undo
 
@@ -123,20 +143,25 @@ class KernelChooser:
             # picked per batch size would break that. The one-image shape is timed and decides for all.
             problem = {**problem, "batch": 1}
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
-        refusals = (self._refusals or problem_refusals)(**args, device=problem["device"])
+        fp8 = self.fp8_attention != "off" and problem["dtype"] in FP8_INPUT_DTYPES
+        refusals = (self._refusals or problem_refusals)(**args, device=problem["device"], **({"fp8": True} if fp8
+                                                                                             else {}))
         refusals = {k: self.capture_refusals.get(k) if r is None else r for k, r in refusals.items()}
+        if fp8 and self.fp8_attention in FP8_KERNELS and refusals.get(self.fp8_attention, "not offered") is None:
+            return KernelChoice(self.fp8_attention, f"asked for by fp8 attention {self.fp8_attention!r}", {},
+                                {k: r for k, r in refusals.items() if r}, forced=True)
         takers = [k for k, r in refusals.items() if r is None]
         timings = None
         # Something to compare only where two candidates take the shape (never on a CPU: the stock kernels
         # refuse it there, and torch SDPA or our Triton kernel is all that is left).
         if len(takers) >= 2:
-            family = problem_family(**args)
+            family = problem_family(**args, fp8=fp8)
             # No sweep inside a CUDA graph capture (it synchronizes): the cache only.
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             measure = self.allow_measure and not capturing
-            timings = self._timings(problem, family, measure)
+            timings = self._timings({**problem, "fp8": fp8}, family, measure)
         order, baseline = (WORLD1_ORDER, BASELINE) if self.world == 1 else (DEFAULT_ORDER, None)
-        return choose_attention_kernel(timings, refusals, order, baseline=baseline)
+        return choose_attention_kernel(timings, refusals, with_fp8(order) if fp8 else order, baseline=baseline)
 
     def _timings(self, problem: dict, family: str, measure: bool) -> dict | None:
         if family in self._sweeps:

@@ -20,10 +20,19 @@ Granularity (`GRANULARITIES`):
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
 GEMM cannot take (input or output features not a multiple of 16). MoE expert weights stored as 3-D tensors
-(grouped GEMMs) are not ``nn.Linear`` and stay in their dtype.
+(grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
+(``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities "row" and "tensor",
+row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
 
 Restore: the original weights are kept on the CPU while FP8 is on (the GPU holds only the float8 copy) and
 copied back on restore, so the pipeline returns bit-identical and the GPU memory to what it was.
+
+Attention (``Fp8Config.attention``, off by default): "auto" makes the 8-bit attention kernels
+(``xstage_dit.ops.attention.fp8_kernels``: cuDNN's FP8 SDPA on e4m3 q, k, v with per-tensor scales computed on
+the fly; SageAttention's int8 Q K^T) candidates of the attention kernel sweep, chosen per shape where measured
+faster than the 16-bit kernels; a kernel's name forces it wherever it takes the shape. It needs the attention
+kernel choice (the parallel features with schedule "auto": the engine's default); its error against the fp32
+reference is ``benchmarks/bench_fp8_error.py --attention``'s table.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from typing import Callable
 import torch
 
 from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 
-__all__ = ["GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers", "refuse_fp8_with_lora",
-           "require_fp8_device"]
+__all__ = ["FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
+           "refuse_fp8_with_lora", "require_fp8_device"]
 
 GRANULARITIES = ("row", "tensor", "weight")
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
@@ -47,14 +57,20 @@ _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwar
 class Fp8Config:
     """granularity: one of `GRANULARITIES` ("row": per-token activations x per-channel weights, dynamic).
     keep: where the original weights wait for restore ("cpu": off the GPU; "device": where they were, for a
-    restore without copies at the cost of keeping both)."""
+    restore without copies at the cost of keeping both).
+    attention: one of `FP8_ATTENTION`: "off" (16-bit attention kernels only), "auto" (the 8-bit kernels join the
+    attention kernel sweep) or an 8-bit kernel's name ("cudnn-fp8", "sage": that kernel wherever it takes the shape).
+    """
 
     granularity: str = "row"
     keep: str = "cpu"
+    attention: str = "off"
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
             raise ValueError(f"expected fp8 granularity in {', '.join(GRANULARITIES)}, got {self.granularity!r}")
+        if self.attention not in FP8_ATTENTION:
+            raise ValueError(f"expected fp8 attention in {', '.join(FP8_ATTENTION)}, got {self.attention!r}")
         if self.keep not in ("cpu", "device"):
             raise ValueError(f"expected fp8 keep 'cpu' or 'device', got {self.keep!r}")
 
@@ -128,13 +144,21 @@ class Fp8Handle:
         wanted = {id(layer) for _, layer in chosen}
         from torchao.quantization import quantize_
 
+        from xstage_dit.features.fp8_experts import Fp8ExpertsHandle, expert_modules
+
+        self.experts = None
         try:
             quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
+            if config.granularity != "weight" and expert_modules(transformer):
+                self.experts = Fp8ExpertsHandle(transformer, config.keep)
         except Exception:
             self.restore()  # a layer converted before the failure goes back too
             raise
 
     def restore(self) -> None:
+        experts, self.experts = getattr(self, "experts", None), None
+        if experts is not None:
+            experts.restore()
         originals, self._originals = self._originals, []
         for layer, saved, device, requires_grad in originals:
             if isinstance(saved, torch.nn.Parameter):
@@ -143,16 +167,41 @@ class Fp8Handle:
                 layer.weight = torch.nn.Parameter(saved.to(device), requires_grad=requires_grad)
 
     def describe(self) -> dict:
-        return {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+        out = {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+        if self.experts is not None:
+            out.update(self.experts.describe())
+        return out
+
+
+def _use_fp8_attention(config: Fp8Config, ctx) -> Callable[[], None] | None:
+    """The 8-bit attention kernels made candidates of the attention kernel choice the stack built first
+    (``ctx.attention_kernels``); ValueError naming what is missing where there is none to extend."""
+    if config.attention == "off":
+        return None
+    chooser = ctx.attention_kernels
+    if chooser is None:
+        schedule = None if ctx.parallel is None else ctx.parallel.schedule
+        raise ValueError(f"fp8 attention {config.attention!r} is a candidate of the attention kernel choice: expected "
+                         f"the parallel features with schedule 'auto', got "
+                         f"{'no parallel features' if schedule is None else f'schedule {schedule!r}'}")
+    for transformer in ctx.transformers:
+        device = next(transformer.parameters()).device
+        if device.type != "cuda":
+            raise ValueError(f"fp8 attention {config.attention!r} runs 8-bit attention kernels on a CUDA GPU, got "
+                             f"device {device}")
+    return chooser.use_fp8_attention(config.attention)
 
 
 def apply(pipe, config: Fp8Config | None, ctx) -> Callable[[], None] | None:
     """The stack's FP8 feature: every transformer's eligible linear layers in float8 (`fp8_layers`); ctx.fp8 holds
-    the handles (what `describe` reports). ValueError naming the device where FP8 GEMMs cannot run."""
+    the handles (what `describe` reports); with ``config.attention`` on, the 8-bit attention kernels become
+    candidates of the attention kernel choice. ValueError naming the device where FP8 GEMMs cannot run, or what
+    FP8 attention lacks."""
     if config is None:
         return None
     for transformer in ctx.transformers:
         require_fp8_device(next(transformer.parameters()).device, config.granularity)
+    attention_undo = _use_fp8_attention(config, ctx)
     handles: list[Fp8Handle] = []
     try:
         for transformer in ctx.transformers:
@@ -160,12 +209,16 @@ def apply(pipe, config: Fp8Config | None, ctx) -> Callable[[], None] | None:
     except Exception:
         for handle in reversed(handles):
             handle.restore()
+        if attention_undo is not None:
+            attention_undo()
         raise
     ctx.fp8 = handles
 
     def undo() -> None:
         for handle in reversed(handles):
             handle.restore()
+        if attention_undo is not None:
+            attention_undo()
         ctx.fp8 = []
 
     return undo

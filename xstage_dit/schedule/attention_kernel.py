@@ -32,6 +32,19 @@ DEFAULT_ORDER = ("fa4", "fa4-gqa", "fa4-gqa-unpacked", "cudnn", "triton")
 # schedule's local attention at world > 1, where its time is the sweep's reference for the ratio).
 BASELINE = "sdpa"
 WORLD1_ORDER = (BASELINE, "fa4", "cudnn")
+# The 8-bit kernels (``ops.attention.fp8_kernels``): candidates only where FP8 attention was asked for
+# (``features.fp8.Fp8Config.attention``), after every 16-bit kernel in the order (unmeasured, one of those is
+# preferred), in their own sweep family (``shape_family(..., fp8=True)``), so that they are timed in the same run as
+# the 16-bit kernels they replace.
+FP8_KERNELS = ("cudnn-fp8", "sage")
+# What ``Fp8Config.attention`` takes: "off", "auto" (the 8-bit kernels join the sweep) or one kernel by name
+# (that kernel wherever it takes the shape: the error benchmark and tests force each).
+FP8_ATTENTION = ("off", "auto") + FP8_KERNELS
+
+
+def with_fp8(order: tuple[str, ...]) -> tuple[str, ...]:
+    """``order`` with the 8-bit kernels appended (the candidates' order where FP8 attention is on)."""
+    return tuple(order) + tuple(k for k in FP8_KERNELS if k not in order)
 
 
 def _seq_bucket(seq_len: int) -> int:
@@ -40,15 +53,17 @@ def _seq_bucket(seq_len: int) -> int:
 
 
 def shape_family(*, batch: int, seq_len: int, heads_local: int, head_dim: int, world_size: int,
-                 dtype_name: str) -> str:
+                 dtype_name: str, fp8: bool = False) -> str:
     """The sweep's key of a shape: dtype, head_dim, batch, bucketed S, heads per launch, P, and whether S
-    divides by P (kernels refuse differently with padding rows)."""
+    divides by P (kernels refuse differently with padding rows); ``fp8``: the family whose sweep also times the
+    8-bit kernels (suffix "-fp8")."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("heads_local", heads_local),
                         ("head_dim", head_dim), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {name} to be a positive int, got {value!r}")
     pad = "-pad" if seq_len % world_size else ""
-    return (f"{dtype_name}-d{head_dim}-b{batch}-s{_seq_bucket(seq_len)}-hr{heads_local}-p{world_size}{pad}")
+    return (f"{dtype_name}-d{head_dim}-b{batch}-s{_seq_bucket(seq_len)}-hr{heads_local}-p{world_size}{pad}"
+            f"{'-fp8' if fp8 else ''}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +76,7 @@ class KernelChoice:
     timings_ms: dict = field(default_factory=dict)
     refused: dict = field(default_factory=dict)
     baseline_ms: float | None = None  # torch SDPA at the same shape, where the sweep measured it
+    forced: bool = False  # asked for by name (fp8 attention "<kernel>"): runs fused, without the design test
 
     @property
     def over_baseline(self) -> float | None:
@@ -70,7 +86,7 @@ class KernelChoice:
 
     def describe(self) -> dict:
         return {"kernel": self.name, "reason": self.reason, "timings_ms": dict(self.timings_ms),
-                "refused": dict(self.refused), "baseline_ms": self.baseline_ms}
+                "refused": dict(self.refused), "baseline_ms": self.baseline_ms, "forced": self.forced}
 
 
 def _valid_ms(t) -> float | None:

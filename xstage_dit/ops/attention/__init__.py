@@ -59,10 +59,18 @@ def _split_schedule(schedule: str) -> tuple[str, str | None]:
     return name, kernel or None
 
 
-def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len):
-    """A stock kernel (FA4, cuDNN) writing the post-A2A through the peer window; at world size 1 the same
-    kernel writes a plain output (a one-GPU user gets its speed too)."""
+@functools.cache
+def _op_kernel(name: str):
+    """The op's kernel object of ``name``, one per process: kernels keep their per-shape state (cuDNN graphs and
+    tuned plans, FA4's small tensors) across calls, which a fresh object per call would build again every call."""
     from xstage_dit.ops.attention.kernels import make_kernel
+
+    return make_kernel(name)
+
+
+def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len):
+    """A stock kernel (FA4, cuDNN, the 8-bit ones) writing the post-A2A through the peer window; at world size 1
+    the same kernel writes a plain output (a one-GPU user gets its speed too)."""
     from xstage_dit.ops.attention.window_path import (cudnn_plain_attention, fa4_plain_attention,
                                                        fused_window_attention, plain_kernel_attention)
 
@@ -74,7 +82,7 @@ def _window_kernel_attention(q, k, v, kernel_name: str, *, group, scale, seq_len
     if world_size == 1 and kernel_name == "cudnn":
         # cuDNN's kernel through torch's backend: no window to write, so no cudnn-frontend graph per call.
         return cudnn_plain_attention(q, k, v, scale=scale)
-    kernel = make_kernel(kernel_name)
+    kernel = _op_kernel(kernel_name)
     if world_size == 1:
         return plain_kernel_attention(q, k, v, kernel, scale=scale)
     return fused_window_attention(q, k, v, group=group, kernel=kernel, scale=scale, seq_len=seq_len)

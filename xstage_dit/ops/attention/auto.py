@@ -53,7 +53,8 @@ def resolve_attention_decision(xparams, kernel: KernelChoice, *, batch: int, seq
 
     World size 1: "fused:<kernel>" (plain, no window) where the kernel measured faster than torch SDPA, else
     "serial" (diffusers' own SDPA call). World size > 1: the X-Stage design test for that kernel, at its
-    measured speed relative to torch SDPA where the sweep has both, decides "fused:<kernel>" vs "serial".
+    measured speed relative to torch SDPA where the sweep has both, decides "fused:<kernel>" vs "serial"; a kernel
+    asked for by name (``kernel.forced``) runs fused.
     Example: ``resolve_attention_decision(None, choice, batch=1, seq_len=32760, heads=40, head_dim=128,
     world_size=1, dtype=torch.bfloat16, device="cuda:0").name == "fused:fa4"`` when ``choice.name == "fa4"``.
     """
@@ -67,6 +68,9 @@ def resolve_attention_decision(xparams, kernel: KernelChoice, *, batch: int, seq
                                     f"{faster}", kernel)
     if kernel.name is None:
         return AttentionDecision.of("serial", f"no kernel writes the post-A2A here ({kernel.reason})", kernel)
+    if kernel.forced:
+        return AttentionDecision.of(f"fused:{kernel.name}", f"{kernel.name} through the window, asked for by name "
+                                    "(no design test)", kernel)
     ratio = kernel.over_baseline
     if ratio is None:
         ratio, note = FUSED_OVER_CUDNN, f"; {kernel.name} vs torch SDPA not measured: assumed {FUSED_OVER_CUDNN}x"

@@ -15,7 +15,8 @@ half tile), ``fa4-split`` (FA4's 128-row tiles, then the slots' half-tile tails 
 (the same launch unpacked, for slots of whole tiles),
 ``cudnn`` (cuDNN through cudnn-frontend's graph with an explicit O stride), ``triton`` (our kernel through
 its pointer table: takes what the others refuse, runs in the CPU interpreter, and is the reference fast
-path). Which one runs for a shape is chosen by ``xstage_dit.schedule.attention_kernel`` from a measured
+path); and, only where FP8 attention was asked for, the 8-bit kernels of ``fp8_kernels`` (``cudnn-fp8``,
+``sage``: a local output stored into the window by a store kernel). Which one runs for a shape is chosen by ``xstage_dit.schedule.attention_kernel`` from a measured
 sweep and handed to the op; nothing here measures or loads a cache.
 """
 
@@ -26,8 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from xstage_dit.ops.attention.fp8_kernels import FP8_KERNEL_CLASSES
 from xstage_dit.ops.attention.window import WindowGeometry
-from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER
+from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER, FP8_KERNELS
 
 TRITON_DTYPES = (torch.float16, torch.bfloat16)
 TRITON_HEAD_DIMS = (16, 32, 64, 128)
@@ -231,7 +233,9 @@ class CudnnKernel:
 
 KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4SplitTileKernel,
            "fa4-gqa": FA4OwnerHeadsKernel, "fa4-gqa-unpacked": FA4OwnerHeadsUnpackedKernel, "cudnn": CudnnKernel,
-           "triton": TritonTableKernel}
+           "triton": TritonTableKernel,
+           # the 8-bit kernels, by the one list of their names (schedule.attention_kernel.FP8_KERNELS)
+           **{name: FP8_KERNEL_CLASSES[name] for name in FP8_KERNELS}}
 # The kernels the sweep times and, where nothing was measured, their order of preference: DEFAULT_ORDER, owned
 # by `schedule.attention_kernel` (the chooser reads the same tuple). fa4-m64 is not swept by default: it
 # measured below FA4's own 128-row tiles on every half-tile slot it takes; nor is fa4-split (below fa4-gqa on
@@ -241,7 +245,7 @@ KERNELS = {"fa4": FA4Kernel, "fa4-m64": FA4HalfTileKernel, "fa4-split": FA4Split
 
 def make_kernel(name: str, **kwargs):
     """A fresh kernel object by name (``fa4``, ``fa4-m64``, ``fa4-split``, ``fa4-gqa``, ``fa4-gqa-unpacked``,
-    ``cudnn``, ``triton``)."""
+    ``cudnn``, ``triton``, and the 8-bit ``cudnn-fp8``, ``sage``)."""
     if name not in KERNELS:
         raise ValueError(f"expected a kernel in {sorted(KERNELS)}, got {name!r}")
     return KERNELS[name](**kwargs)
@@ -255,10 +259,10 @@ def refusals(geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has
 
 def kernel_versions() -> dict[str, object]:
     """The version of every library whose kernels the sweep times (part of its cache key): torch, triton,
-    torch's cuDNN, flash-attn-4, cudnn-frontend and the cuDNN it runs on (None where missing)."""
+    torch's cuDNN, flash-attn-4, cudnn-frontend and the cuDNN it runs on, sageattention (None where missing)."""
     from importlib import metadata
 
-    from xstage_dit.ops.attention import cudnn_fe, fa4
+    from xstage_dit.ops.attention import cudnn_fe, fa4, sage
 
     try:
         triton = metadata.version("triton")
@@ -267,4 +271,4 @@ def kernel_versions() -> dict[str, object]:
     return {"torch": torch.__version__, "triton": triton,
             "torch_cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
             "flash_attn_4": fa4.version(), "cudnn_frontend": cudnn_fe.PINNED if cudnn_fe.available() is None else None,
-            "cudnn_frontend_backend": cudnn_fe.backend_version()}
+            "cudnn_frontend_backend": cudnn_fe.backend_version(), "sageattention": sage.version()}

@@ -31,7 +31,7 @@ from xstage_dit.comm.distributed import local_buffer_table, world_of
 from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable
 from xstage_dit.ops.attention.kernels import OutTarget
 from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
-from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER
+from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER, FP8_KERNELS, with_fp8
 
 log = logging.getLogger(__name__)
 
@@ -253,39 +253,42 @@ def _fa4_plain():
 
 def _problem(prob: dict) -> tuple:
     b, s, h, d, p = (int(prob[k]) for k in ("batch", "seq_len", "heads", "head_dim", "world_size"))
-    return b, s, h, d, p, prob["dtype"], torch.device(prob["device"])
+    return b, s, h, d, p, prob["dtype"], torch.device(prob["device"]), bool(prob.get("fp8", False))
 
 
 def problem_family(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
-                   dtype: torch.dtype) -> str:
+                   dtype: torch.dtype, fp8: bool = False) -> str:
     """The sweep's family of one rank's problem (``schedule.attention_kernel.shape_family`` at the heads of the
-    last rank, the launch ``sweep_cases`` times): the one rule the sweep and the chooser share."""
+    last rank, the launch ``sweep_cases`` times): the one rule the sweep and the chooser share. ``fp8``: the family
+    that also times the 8-bit kernels."""
     from xstage_dit.schedule.attention_kernel import shape_family
 
     heads_local = heads if world_size == 1 else head_ranges(heads, world_size)[-1][1]
     return shape_family(batch=batch, seq_len=seq_len, heads_local=heads_local, head_dim=head_dim,
-                        world_size=world_size, dtype_name=str(dtype).removeprefix("torch."))
+                        world_size=world_size, dtype_name=str(dtype).removeprefix("torch."), fp8=fp8)
 
 
 def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, dtype: torch.dtype,
-                     device: torch.device) -> dict[str, str | None]:
+                     device: torch.device, fp8: bool = False) -> dict[str, str | None]:
     """Every candidate's answer for q of (batch, seq_len / world_size, heads, head_dim) per rank: None (takes it)
     or why not. World size 1: torch SDPA ("sdpa", always), FA4 plain ("fa4") and torch's cuDNN SDPA backend
-    ("cudnn"); else the window kernels."""
+    ("cudnn"); else the window kernels. ``fp8``: the 8-bit kernels too (``FP8_KERNELS``, at every world size)."""
     from xstage_dit.ops.attention.kernels import make_kernel, refusals
 
     device = torch.device(device)
     length = -(-seq_len // world_size)
     geom = WindowGeometry(world_size, batch, seq_len, heads, head_dim, length * heads * head_dim)
+    eight_bit = refusals(geom, dtype, device, True, FP8_KERNELS) if fp8 else {}
     if world_size == 1:
         return {"sdpa": None, "fa4": make_kernel("fa4").supports(geom, dtype, device, True),
-                "cudnn": cudnn_sdpa_supports(dtype, head_dim, device)}
-    return refusals(geom, dtype, device, True, DEFAULT_ORDER)
+                "cudnn": cudnn_sdpa_supports(dtype, head_dim, device), **eight_bit}
+    return {**refusals(geom, dtype, device, True, DEFAULT_ORDER), **eight_bit}
 
 
 def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
-    """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain and torch's
-    cuDNN backend, at the real (B, S, H, D) shape."""
+    """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain, torch's
+    cuDNN backend and the 8-bit kernels named in ``kernel_names`` (their plain world-1 path), at the real
+    (B, S, H, D) shape."""
     import torch.nn.functional as F
 
     q, k, v = (torch.randn((b, s, h, d), dtype=dtype, device=device) for _ in range(3))
@@ -307,6 +310,12 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
             fns["fa4"] = plain
     if "cudnn" in kernel_names and cudnn_sdpa_supports(dtype, d, device) is None:
         fns["cudnn"] = lambda q=q, k=k, v=v: cudnn_plain_attention(q, k, v, scale=scale)
+    from xstage_dit.ops.attention.kernels import make_kernel
+
+    for name in (n for n in kernel_names if n in FP8_KERNELS):
+        kernel = make_kernel(name)
+        if kernel.supports(geom, dtype, device, True) is None:
+            fns[name] = lambda q=q, k=k, v=v, kernel=kernel: plain_kernel_attention(q, k, v, kernel, scale=scale)
     return fns
 
 
@@ -317,8 +326,10 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     offset is not 0) through a local peer window, and "sdpa": the serial schedule's local attention
     (``serial.sdpa``) at the same heads, the reference of the kernel's speed. World size 1: "sdpa" (torch SDPA
     as diffusers calls it), "fa4" (FA4 plain on all heads) and "cudnn" (torch's cuDNN backend) at the real shape.
+    A problem with ``fp8`` true also times the 8-bit kernels (``FP8_KERNELS``), in its own family.
 
-    problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype) and device.
+    problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype), device and optionally
+    fp8.
     The closures hold their windows and tensors; dropping the dict releases them.
     """
     from xstage_dit.ops.attention.kernels import make_kernel
@@ -326,12 +337,13 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
 
     cases = {}
     for prob in problems:
-        b, s, h, d, p, dtype, device = _problem(prob)
-        family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype)
+        b, s, h, d, p, dtype, device, fp8 = _problem(prob)
+        family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8)
         if family in cases:
             continue
+        names = with_fp8(kernel_names) if fp8 else tuple(kernel_names)
         if p == 1:
-            cases[family] = _world1_cases(b, s, h, d, dtype, device, kernel_names)
+            cases[family] = _world1_cases(b, s, h, d, dtype, device, names)
             continue
         h0, hr = head_ranges(h, p)[-1]
         length = -(-s // p)
@@ -345,7 +357,7 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
             serial_sdpa(buf[0, :, :s], buf[1, :, :s], buf[2, :, :s], scale)
 
         fns = {"sdpa": local}
-        for name in kernel_names:
+        for name in names:
             kernel = make_kernel(name)
             if kernel.supports(geom, dtype, device, True) is None:
                 # The default argument keeps the window alive as long as the closure.

@@ -1,0 +1,155 @@
+"""cuDNN's FP8 SDPA forward through ``nvidia-cudnn-frontend``'s graph API (``pygraph.sdpa_fp8``).
+
+Inputs: q, k, v in float8 e4m3, contiguous (B, S, H, D) (cuDNN's BSHD strides), each with a per-tensor descale
+(one fp32 on the device); the softmax numerator P is rounded to e4m3 at ``fp8_reference.P_SCALE``. Output: O in
+e4m3 at ``scale_o`` (on Hopper cuDNN writes no bf16 O from FP8 inputs: that needs Blackwell and cuDNN >= 9.13, per
+the frontend's support checks), (B, Sq, H, D) contiguous; the caller dequantizes it where it belongs
+(`fp8_quant.store_rows`). The semantics: ``fp8_reference.cudnn_fp8_emulation``.
+
+One graph per (shapes, scale, device), built on first use and cached, its execution plans timed on the first real
+call (`cudnn_fe.CudnnWindowKernel._autotune`, as for the bf16 window kernel). Graphs that ask for Amax_S are
+declined by some cuDNN engines and required by others: the graph is built without it first, then with it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel, _cudnn, available, backend_version
+from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O, Fp8QKV
+from xstage_dit.ops.attention.fp8_reference import P_SCALE
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CudnnFp8Attention", "unavailable"]
+
+HEAD_DIMS = (64, 128)
+# cuDNN's FP8 forward: from 9.1, not 9.10.0 (the frontend's own support surface), Hopper or newer.
+_MIN_BACKEND = 90100
+_BROKEN_BACKENDS = (91000,)
+
+
+def unavailable(device: torch.device, head_dim: int) -> str | None:
+    """Why cuDNN's FP8 forward cannot run on ``device`` at ``head_dim``, or None."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"cuDNN's FP8 attention needs a CUDA device, got {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (9, 0):
+        return f"cuDNN's FP8 attention needs compute capability >= 9.0 (Hopper), got sm{capability[0]}{capability[1]}"
+    if head_dim not in HEAD_DIMS:
+        return f"cuDNN's FP8 attention is checked at head_dim {HEAD_DIMS}, got {head_dim}"
+    reason = available()
+    if reason:
+        return reason
+    version = backend_version()
+    if version is None or version < _MIN_BACKEND or version in _BROKEN_BACKENDS:
+        return f"cuDNN's FP8 attention needs cuDNN >= 9.1 other than 9.10.0, got {version}"
+    return None
+
+
+class CudnnFp8Attention:
+    """``run(x: Fp8QKV, attn_scale) -> O`` (e4m3, (B, Sq, H, D)), one cached graph per problem."""
+
+    def __init__(self):
+        self._graphs: dict[tuple, list] = {}
+        self._handles: dict[int, object] = {}
+        self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _handle(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._handles:
+            with torch.cuda.device(idx):
+                self._handles[idx] = _cudnn().create_handle()
+        return self._handles[idx]
+
+    def _p_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale_s, descale_s) on ``device``: P's fixed power-of-two scale (P lies in [0, 1])."""
+        key = str(device)
+        if key not in self._consts:
+            self._consts[key] = (torch.full((1,), P_SCALE, dtype=torch.float32, device=device),
+                                 torch.full((1,), 1.0 / P_SCALE, dtype=torch.float32, device=device))
+        return self._consts[key]
+
+    def _build(self, q_shape, kv_shape, attn_scale: float, device: torch.device, with_amax_s: bool) -> list:
+        cudnn = _cudnn()
+        fp8, flt = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        handle = self._handle(device)
+        graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=flt, compute_data_type=flt, handle=handle)
+
+        def bshd(name, shape, dtype=fp8):
+            b, s, h, d = shape  # cuDNN's logical order is (B, H, S, D); the strides say BSHD
+            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=dtype)
+
+        def scalar(name):
+            return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=flt)
+
+        tq, tk, tv = bshd("q", q_shape), bshd("k", kv_shape), bshd("v", kv_shape)
+        names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+        scal = {name: scalar(name) for name in names}
+        kwargs = dict(q=tq, k=tk, v=tv, attn_scale=attn_scale, use_causal_mask=False, name="sdpa_fp8", **scal)
+        try:
+            o, _, amax_s, amax_o = graph.sdpa_fp8(generate_stats=False, **kwargs)
+        except TypeError:  # frontends before generate_stats
+            o, _, amax_s, amax_o = graph.sdpa_fp8(is_inference=True, **kwargs)
+        b, s, h, d = q_shape
+        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(fp8)
+        outputs = [amax_o] + ([amax_s] if with_amax_s else [])
+        for t in outputs:
+            t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(flt)
+        graph.validate()
+        graph.build_operation_graph()
+        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+        graph.check_support()
+        graph.build_plans(cudnn.build_plan_policy.ALL)
+        sizes = []
+        for i in range(graph.get_execution_plan_count()):
+            try:
+                sizes.append(graph.get_workspace_size_plan_at_index(i))
+            except Exception:  # noqa: BLE001 - a plan that did not build has no workspace: never timed
+                sizes.append(None)
+        workspace = torch.empty(max([z for z in sizes if z is not None] + [1]), dtype=torch.uint8, device=device)
+        amax = torch.empty((len(outputs), 4), dtype=torch.float32, device=device)
+        tensors = {"q": tq, "k": tk, "v": tv, "o": o, **scal, "amax": outputs}
+        return [graph, tensors, workspace, handle, sizes, amax, None]  # [-1]: the tuned plan, once known
+
+    def _graph(self, q_shape, kv_shape, attn_scale: float, device: torch.device) -> list:
+        key = (q_shape, kv_shape, attn_scale, str(device))
+        hit = self._graphs.get(key)
+        if hit is None:
+            errors = []
+            for with_amax_s in (False, True):
+                try:
+                    hit = self._build(q_shape, kv_shape, attn_scale, device, with_amax_s)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the other form is tried; both failing is raised
+                    errors.append(f"{'with' if with_amax_s else 'without'} Amax_S: {type(exc).__name__}: {exc}")
+            if hit is None:
+                raise RuntimeError(f"cuDNN built no FP8 SDPA graph for q {q_shape}, k/v {kv_shape}: "
+                                   + "; ".join(errors))
+            self._graphs[key] = hit
+        return hit
+
+    def run(self, x: Fp8QKV, attn_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: `Fp8QKV` (q (B, Sq, H, D), k, v (B, Skv, H, D) e4m3 contiguous, their scales) -> O (B, Sq, H, D) e4m3
+        at x's SCALE_O (``out`` when given: contiguous, e4m3, q's shape)."""
+        q = x.q
+        if out is None:
+            out = torch.empty_like(q)
+        elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"expected out of shape {tuple(q.shape)}, e4m3, contiguous, got {tuple(out.shape)} "
+                             f"{out.dtype}")
+        entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device)
+        graph, t, workspace, handle, sizes, amax, tuned = entry
+        scale_s, descale_s = self._p_scales(q.device)
+        pack = {t["q"]: q, t["k"]: x.k, t["v"]: x.v, t["o"]: out, t["descale_q"]: x.slot(DESCALE_Q),
+                t["descale_k"]: x.slot(DESCALE_K), t["descale_v"]: x.slot(DESCALE_V), t["descale_s"]: descale_s,
+                t["scale_s"]: scale_s, t["scale_o"]: x.slot(SCALE_O)}
+        pack.update({tensor: amax[i, :1] for i, tensor in enumerate(t["amax"])})
+        _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
+        if tuned is None and not torch.cuda.is_current_stream_capturing():
+            entry[-1] = CudnnWindowKernel._autotune(graph, [pack], workspace, handle, sizes)
+        graph.execute(pack, workspace, handle=handle)
+        return out
