@@ -30,6 +30,8 @@
 #   e2e          bench_e2e.py per model in E2E_MODELS (default "flux"); E2E_<MODEL>_ARGS override the
 #                options, E2E_S the time budget of each
 #   compile-variants  bench_compile_variants.py (CV_ARGS: model, variants): which torch.compile setup is fastest
+#   lora         issue 40: bench_serving.py lora (LORA_ARGS; default fused rows) + tests/server/test_server_lora_gpu.py
+#                (carry [".whl", ".whl-ao"], WHEEL_DIRS=".whl .whl-ao"; ~8 min: LORA_BENCH_S / LORA_TESTS_S)
 #   fp8-attention  issue 41's FP8 attention in one call (carry [".whl-fp8attn"] with WHEEL_DIRS=.whl-fp8attn: diffusers
 #                & co, torchao, nvidia-cudnn-frontend, sageattention): the GPU tests of the 8-bit kernels, of FP8 at
 #                sp = 2 (two processes on the GPU), of the FP8 feature and of the FP8 expert MLPs (FP8_ATTN_TESTS_S,
@@ -271,11 +273,24 @@ step_fp8_attention() {
   [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
 }
 
+step_lora() {
+  # Issue 40: the LoRA latency rows (LORA_ARGS; default the fused mode's rows beside the no-LoRA request of the
+  # same build; unfused rows are in benchmarks/results/lora/), then the LoRA GPU tests (the forced out-of-memory
+  # request, the compiled server switching adapters in each mode).
+  # shellcheck disable=SC2086
+  timeout -k 10 "${LORA_BENCH_S:-260}" "$py" benchmarks/bench_serving.py lora --out-dir "$1" \
+    ${LORA_ARGS:---model full-flux --size 1024x1024 --steps 28 --rank 64 --compile regional --requests 4 --modes fused --no-baseline}
+  local rc_bench=$?
+  OUT="$1" timeout -k 10 "${LORA_TESTS_S:-240}" bash scripts/gpu_tests.sh -s tests/server/test_server_lora_gpu.py
+  local rc_tests=$?
+  [ "$rc_bench" -eq 0 ] && [ "$rc_tests" -eq 0 ]
+}
+
 status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance fp8-attention)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance fp8-attention lora)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
