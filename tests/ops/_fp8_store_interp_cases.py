@@ -21,6 +21,8 @@ from xstage_dit.ops.attention.kernels import OutTarget  # noqa: E402
 from xstage_dit.ops.attention.reference import attention_reference  # noqa: E402
 from xstage_dit.ops.attention.window import WindowGeometry  # noqa: E402
 
+from tests.ops._window_interp_cases import window_result  # noqa: E402
+
 CASES = {  # batch, seq_len, heads, head_dim, world, descale
     "p1_b2": (2, 40, 2, 32, 1, False),
     "p2_b2_uneven_heads": (2, 70, 5, 32, 2, False),
@@ -69,24 +71,8 @@ def run_case(batch, seq_len, heads, head_dim, world, descale, seed):
         view = flat.as_strided((spec.shape[0], spec.shape[1], hr, head_dim), spec.strides, spec.offset + h0 * head_dim)
         kernel.run(mine[0], mine[1], mine[2], OutTarget(view, torch.zeros(1, dtype=torch.int64), (0, 0, 0), h0),
                    geom, head_dim ** -0.5)
-    rows = geom.owner_rows()
-    outs = []
-    for o in range(world):
-        per_b = [flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
-                                 geom.owner_buffer(b, o).offset)[:rows[o]] for b in range(batch)]
-        outs.append(torch.stack(per_b))
-    out = torch.cat(outs, dim=1)
-    ref = attention_reference(q, k, v)
-    untouched = all(bool(torch.isnan(flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
-                                                     geom.owner_buffer(b, o).offset)[first:end]).all())
-                    for b, o, first, end in geom.padding_rows())
-    for i in range(geom.num_slots):
-        start = i * geom.slot_elems + geom.buffer_elems
-        untouched = untouched and bool(torch.isnan(flat[start:(i + 1) * geom.slot_elems]).all())
-    return {"shape_ok": out.shape == ref.shape, "nan": bool(torch.isnan(out).any()),
-            "rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(),
-            "padding_untouched": untouched, "padding_rows": len(geom.padding_rows()),
-            "rows_seen": sorted(set(kernel.seen)), "rows_expected": [world * length, seq_len]}
+    return {**window_result(flat, geom, q, k, v), "rows_seen": sorted(set(kernel.seen)),
+            "rows_expected": [world * length, seq_len]}
 
 
 def quantize_scales() -> dict:

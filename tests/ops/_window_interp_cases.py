@@ -27,6 +27,30 @@ CASES = {  # batch, seq_len, heads, head_dim, world, dtype
 }
 
 
+
+def window_result(flat: torch.Tensor, geom: WindowGeometry, q, k, v) -> dict:
+    """Read the owners' rows back out of the fake window `flat` (NaN-poisoned before the kernels ran) and compare
+    them with the fp32 reference of q, k, v (B, S, H, D): "shape_ok", "nan", "rel_err", "padding_untouched" (no
+    padding row or slot tail written), "padding_rows"."""
+    batch, world = q.shape[0], geom.world_size
+    rows = geom.owner_rows()
+    outs = []
+    for o in range(world):
+        per_b = [flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
+                                 geom.owner_buffer(b, o).offset)[:rows[o]] for b in range(batch)]
+        outs.append(torch.stack(per_b))
+    out = torch.cat(outs, dim=1)
+    ref = attention_reference(q, k, v)
+    untouched = all(bool(torch.isnan(flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
+                                                     geom.owner_buffer(b, o).offset)[first:end]).all())
+                    for b, o, first, end in geom.padding_rows())
+    for i in range(geom.num_slots):
+        start = i * geom.slot_elems + geom.buffer_elems
+        untouched = untouched and bool(torch.isnan(flat[start:(i + 1) * geom.slot_elems]).all())
+    return {"shape_ok": out.shape == ref.shape, "nan": bool(torch.isnan(out).any()),
+            "rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(),
+            "padding_untouched": untouched, "padding_rows": len(geom.padding_rows())}
+
 def run_case(batch, seq_len, heads, head_dim, world, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(batch, seq_len, heads, head_dim, generator=gen).to(dtype) for _ in range(3))
@@ -45,23 +69,7 @@ def run_case(batch, seq_len, heads, head_dim, world, dtype, seed):
             mine[t, :, :seq_len] = src[:, :, h0:h0 + hr]
         kernel.run(mine[0], mine[1], mine[2], OutTarget(None, table, geom.table_strides(), h0), geom,
                    head_dim ** -0.5)
-    rows = geom.owner_rows()
-    outs = []
-    for o in range(world):
-        per_b = [flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
-                                 geom.owner_buffer(b, o).offset)[:rows[o]] for b in range(batch)]
-        outs.append(torch.stack(per_b))
-    out = torch.cat(outs, dim=1)
-    ref = attention_reference(q, k, v)
-    untouched = all(bool(torch.isnan(flat.as_strided(geom.owner_buffer(b, o).shape, geom.owner_buffer(b, o).strides,
-                                                     geom.owner_buffer(b, o).offset)[first:end]).all())
-                    for b, o, first, end in geom.padding_rows())
-    for i in range(geom.num_slots):
-        start = i * geom.slot_elems + geom.buffer_elems
-        untouched = untouched and bool(torch.isnan(flat[start:(i + 1) * geom.slot_elems]).all())
-    return {"shape_ok": out.shape == ref.shape, "nan": bool(torch.isnan(out).any()),
-            "rel_err": ((out.float() - ref.float()).norm() / ref.float().norm()).item(),
-            "padding_untouched": untouched, "padding_rows": len(geom.padding_rows())}
+    return window_result(flat, geom, q, k, v)
 
 
 def main() -> None:

@@ -6,10 +6,6 @@ run, naming why."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +19,9 @@ from xstage_dit.ops.attention.window import WindowGeometry
 from xstage_dit.ops.attention.window_path import problem_family, problem_refusals
 from xstage_dit.schedule.attention_kernel import FP8_KERNELS
 
+from tests.helpers.interp import run_interp_script
 from tests.helpers.tolerances import TOL
 
-ROOT = Path(__file__).resolve().parents[2]
 CUDNN_FP8_BOUND, SAGE_BOUND = TOL.cudnn_fp8_attention, TOL.sage_attention
 
 
@@ -76,11 +72,7 @@ def test_emulations_take_other_key_counts_and_keep_the_dtype():
 
 @pytest.fixture(scope="module")
 def interp_store_results() -> dict:
-    script = Path(__file__).with_name("_fp8_store_interp_cases.py")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interp_script(Path(__file__).with_name("_fp8_store_interp_cases.py"))
 
 
 @pytest.mark.parametrize("case", ["p1_b2", "p2_b2_uneven_heads", "p4_b1_padding_descale", "p4_empty_owner",

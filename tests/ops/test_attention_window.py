@@ -6,11 +6,7 @@ window under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +17,7 @@ from xstage_dit.ops.attention.window import (WindowGeometry, head_ranges, owner_
 from xstage_dit.ops.attention.partition import shard_bounds
 from xstage_dit.ops.attention.reference import attention_reference
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.interp import run_interp_script
 
 GEOMETRIES = [  # world, batch, seq_len, heads, head_dim
     (1, 1, 7, 2, 4), (2, 2, 10, 5, 4), (4, 1, 9, 6, 2), (4, 2, 13, 30, 2), (8, 1, 3, 8, 2), (8, 2, 77, 30, 4),
@@ -158,11 +154,7 @@ def test_random_geometries_cover_exactly_once():
 
 @pytest.fixture(scope="module")
 def interp_window_results() -> dict:
-    script = Path(__file__).with_name("_window_interp_cases.py")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interp_script(Path(__file__).with_name("_window_interp_cases.py"))
 
 
 @pytest.mark.parametrize("case", ["p2_b2_uneven_heads", "p4_b1_padding", "p4_b2_h30_padding", "p1_b2"])

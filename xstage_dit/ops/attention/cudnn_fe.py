@@ -123,18 +123,7 @@ class CudnnWindowKernel:
         except TypeError:  # frontends before generate_stats
             to, _ = graph.sdpa(name="sdpa", q=tq, k=tk, v=tv, is_inference=True, attn_scale=scale, **extra)
         to.set_output(True).set_dim(list(q_shape)).set_stride(list(o_strides)).set_data_type(io)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.ALL)
-        sizes = []
-        for i in range(graph.get_execution_plan_count()):
-            try:
-                sizes.append(graph.get_workspace_size_plan_at_index(i))
-            except Exception:  # noqa: BLE001 - a plan that did not build has no workspace: never timed
-                sizes.append(None)
-        workspace = torch.empty(max([z for z in sizes if z is not None] + [1]), dtype=torch.uint8, device=device)
+        sizes, workspace = build_plans(graph, cudnn, device)
         hit = [graph, tq, tk, tv, to, seq, workspace, handle, sizes, None]  # [-1]: the tuned plan, once known
         self._graphs[key] = hit
         return hit
@@ -214,6 +203,24 @@ class CudnnWindowKernel:
     def _seq_tensor(self, geom: WindowGeometry, device: torch.device, which: str) -> torch.Tensor:
         rows = geom.owner_rows() if which == "q" else [geom.seq_len] * geom.world_size
         return torch.tensor(rows, dtype=torch.int32, device=device).view(-1, 1, 1, 1)
+
+
+def build_plans(graph, cudnn, device: torch.device) -> tuple[list[int | None], torch.Tensor]:
+    """Validate `graph`, build every execution plan the heuristics offer (A, B, fallback), and return each plan's
+    workspace size (None: a plan that did not build, never timed) and one workspace as large as the largest."""
+    graph.validate()
+    graph.build_operation_graph()
+    graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
+    graph.check_support()
+    graph.build_plans(cudnn.build_plan_policy.ALL)
+    sizes = []
+    for i in range(graph.get_execution_plan_count()):
+        try:
+            sizes.append(graph.get_workspace_size_plan_at_index(i))
+        except Exception:  # noqa: BLE001 - a plan that did not build has no workspace: never timed
+            sizes.append(None)
+    workspace = torch.empty(max([z for z in sizes if z is not None] + [1]), dtype=torch.uint8, device=device)
+    return sizes, workspace
 
 
 def _plan_label(graph, index: int | None) -> str:

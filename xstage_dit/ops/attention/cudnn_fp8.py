@@ -17,7 +17,7 @@ import logging
 
 import torch
 
-from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel, _cudnn, available, backend_version
+from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel, _cudnn, available, backend_version, build_plans
 from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O, Fp8QKV
 from xstage_dit.ops.attention.fp8_reference import P_SCALE
 
@@ -99,18 +99,7 @@ class CudnnFp8Attention:
         outputs = [amax_o] + ([amax_s] if with_amax_s else [])
         for t in outputs:
             t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(flt)
-        graph.validate()
-        graph.build_operation_graph()
-        graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.B, cudnn.heur_mode.FALLBACK])
-        graph.check_support()
-        graph.build_plans(cudnn.build_plan_policy.ALL)
-        sizes = []
-        for i in range(graph.get_execution_plan_count()):
-            try:
-                sizes.append(graph.get_workspace_size_plan_at_index(i))
-            except Exception:  # noqa: BLE001 - a plan that did not build has no workspace: never timed
-                sizes.append(None)
-        workspace = torch.empty(max([z for z in sizes if z is not None] + [1]), dtype=torch.uint8, device=device)
+        sizes, workspace = build_plans(graph, cudnn, device)
         amax = torch.empty((len(outputs), 4), dtype=torch.float32, device=device)
         tensors = {"q": tq, "k": tk, "v": tv, "o": o, **scal, "amax": outputs}
         return [graph, tensors, workspace, handle, sizes, amax, None]  # [-1]: the tuned plan, once known
