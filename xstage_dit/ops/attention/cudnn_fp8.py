@@ -20,6 +20,7 @@ import torch
 from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel, _cudnn, available, backend_version, build_plans
 from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O, Fp8QKV
 from xstage_dit.ops.attention.fp8_reference import P_SCALE
+from xstage_dit.ops.capability import capability_refusal
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,9 @@ _BROKEN_BACKENDS = (91000,)
 
 def unavailable(device: torch.device, head_dim: int) -> str | None:
     """Why cuDNN's FP8 forward cannot run on ``device`` at ``head_dim``, or None."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"cuDNN's FP8 attention needs a CUDA device, got {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
-        return f"cuDNN's FP8 attention needs compute capability >= 9.0 (Hopper), got sm{capability[0]}{capability[1]}"
+    refusal = capability_refusal(device, (9, 0), "cuDNN's FP8 attention", " (Hopper)")
+    if refusal:
+        return refusal
     if head_dim not in HEAD_DIMS:
         return f"cuDNN's FP8 attention is checked at head_dim {HEAD_DIMS}, got {head_dim}"
     reason = available()

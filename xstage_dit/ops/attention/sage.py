@@ -18,6 +18,8 @@ from importlib import metadata
 
 import torch
 
+from xstage_dit.ops.capability import capability_refusal
+
 __all__ = ["DISTRIBUTION", "PINNED", "sage_attention", "unavailable", "version"]
 
 DISTRIBUTION = "sageattention"
@@ -51,12 +53,9 @@ def _sageattn():
 
 def unavailable(device: torch.device, head_dim: int) -> str | None:
     """Why SageAttention cannot run on ``device`` at ``head_dim``, or None."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"SageAttention needs a CUDA device, got {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (8, 0):
-        return f"SageAttention's int8 Q K^T needs compute capability >= 8.0, got sm{capability[0]}{capability[1]}"
+    refusal = capability_refusal(device, (8, 0), "SageAttention", " (its int8 Q K^T)")
+    if refusal:
+        return refusal
     if head_dim not in HEAD_DIMS:
         return f"SageAttention is checked at head_dim {HEAD_DIMS}, got {head_dim}"
     try:

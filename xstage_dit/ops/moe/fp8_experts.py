@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from xstage_dit import _torch_private as tp
 from xstage_dit.ops.attention.fp8_reference import E4M3, po2_scale
+from xstage_dit.ops.capability import capability_refusal
 
 __all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_emulated", "grouped_fp8_unavailable", "quantize_expert_weight",
            "quantize_rows"]
@@ -27,12 +28,9 @@ __all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_emulated", "grouped_fp8_una
 
 def grouped_fp8_unavailable(device: torch.device) -> str | None:
     """Why torch's grouped FP8 GEMM cannot run on ``device``, or None (it is built for Hopper and newer)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return f"the grouped FP8 GEMM needs a CUDA device, got {device}"
-    capability = torch.cuda.get_device_capability(device)
-    if capability < (9, 0):
-        return f"the grouped FP8 GEMM needs compute capability >= 9.0, got sm{capability[0]}{capability[1]}"
+    refusal = capability_refusal(device, (9, 0), "the grouped FP8 GEMM")
+    if refusal:
+        return refusal
     if not tp.has_scaled_grouped_mm():
         return f"torch {torch.__version__} has no grouped FP8 GEMM (or is outside the tested range)"
     return None
