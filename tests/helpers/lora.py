@@ -5,6 +5,7 @@ diffusers converts); and the images a tiny pipeline makes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
 from pathlib import Path
@@ -182,3 +183,27 @@ def png_of(response) -> bytes:
 
     assert response.status_code == 200, response.text
     return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
+@contextlib.contextmanager
+def served_tiny_flux(lora_dir: Path, **lora):
+    """(url, worker): tiny FLUX served on the CPU with adapters ``a`` (rank 4, attention and MLP) and ``b`` (rank 2,
+    q/v only) written into `lora_dir`, the LoRA options `lora` (besides lora_dir, max_loras 2, 2 a request), and
+    batching every compatible request; stopped on exit."""
+    from xstage_dit.server.app import create_app
+    from xstage_dit.server.config import ServerConfig
+    from tests.helpers.server import live_server, one_torch_thread
+
+    with one_torch_thread():
+        shapes = load_fp32("tiny-flux").transformer
+        write_peft(shapes, lora_dir / "a.safetensors", rank=4, seed=1)
+        write_peft(shapes, lora_dir / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
+        worker = lora_worker("tiny-flux", {"lora_dir": str(lora_dir), "max_loras": 2, "max_loras_per_request": 2,
+                                           **lora},
+                             ServerConfig(api_key=None, warmup=False, max_batch_size=4, batch_wait_s=0.5,
+                                          batching="always"))
+        try:
+            with live_server(create_app(worker)) as url:
+                yield url, worker
+        finally:
+            worker.stop()

@@ -11,10 +11,8 @@ import httpx
 import pytest
 import torch
 
-from xstage_dit.server.app import create_app
-from xstage_dit.server.config import ServerConfig
-from tests.helpers.lora import QV_ONLY, diffusers_fused_references, lora_worker, png_of, write_peft
-from tests.helpers.server import assert_same_image, decode_png, live_server, one_torch_thread, reference_image
+from tests.helpers.lora import diffusers_fused_references, png_of, served_tiny_flux
+from tests.helpers.server import assert_same_image, decode_png, one_torch_thread, reference_image
 
 BODY = {"prompt": "a red cat on a sofa", "seed": 7, "num_inference_steps": 2, "size": "32x32"}
 
@@ -23,22 +21,9 @@ BODY = {"prompt": "a red cat on a sofa", "seed": 7, "num_inference_steps": 2, "s
 def served(tmp_path_factory):
     """(url, worker, lora dir): tiny FLUX served with --lora-dir and --lora-mode fused, batching every compatible
     request."""
-    from xstage_dit.families import load_pipeline
-
     lora_dir = tmp_path_factory.mktemp("loras")
-    with one_torch_thread():
-        shapes = load_pipeline("tiny-flux", dtype=torch.float32, device="cpu", seed=0).transformer
-        write_peft(shapes, lora_dir / "a.safetensors", rank=4, seed=1)
-        write_peft(shapes, lora_dir / "b.safetensors", rank=2, seed=2, words=QV_ONLY)
-        worker = lora_worker("tiny-flux", {"lora_dir": str(lora_dir), "max_loras": 2, "max_loras_per_request": 2,
-                                           "lora_mode": "fused"},
-                             ServerConfig(api_key=None, warmup=False, max_batch_size=4, batch_wait_s=0.5,
-                                          batching="always"))
-        try:
-            with live_server(create_app(worker)) as url:
-                yield url, worker, lora_dir
-        finally:
-            worker.stop()
+    with served_tiny_flux(lora_dir, lora_mode="fused") as (url, worker):
+        yield url, worker, lora_dir
 
 
 def test_a_fused_server_gives_each_set_diffusers_fused_image_and_none_the_plain_bytes(served):
