@@ -317,17 +317,26 @@ class TestScaleDownDrains:
         print(f"\n2 x tiny-wan (autoscaled) ready in {took:.1f} s")
         try:
             with httpx.Client(base_url=cluster, timeout=180) as client:
-                long_job = {"size": "256x256", "num_frames": 17, "num_inference_steps": 60}
+                # Long enough to outlast the scale-down (streams closed + downscale_delay_s) on an idle 2-core
+                # machine: 60 steps ended first there (CI, 2026-12-06).
+                long_job = {"size": "256x256", "num_frames": 33, "num_inference_steps": 100}
                 owner, job_id = _create(client, **long_job)
                 jobs = {owner: job_id}  # owner -> its job
                 with holding_streams(cluster, job_id, count=4):  # 4 in flight: autoscaling wants both replicas
-                    for _ in range(30):
-                        owner, job_id = _create(client, **long_job, seed=len(jobs))
-                        if owner in jobs:
-                            client.delete(f"/v1/jobs/{job_id}")
-                        else:
-                            jobs[owner] = job_id
-                            break
+                    # Bursts of concurrent creates: Serve sends each to the shorter queue of two replicas, so one
+                    # create at a time can land on the same replica every time when the held streams sit on the
+                    # other (seen on CI, 2026-12-06); a burst fills the first queue and reaches the second.
+                    with cf.ThreadPoolExecutor(8) as pool:
+                        for burst in range(6):
+                            made = list(pool.map(lambda i: _create(client, **long_job, seed=1 + 8 * burst + i),
+                                                 range(8)))
+                            for owner, made_id in made:
+                                if owner in jobs:
+                                    client.delete(f"/v1/jobs/{made_id}")
+                                else:
+                                    jobs[owner] = made_id
+                            if len(jobs) == 2:
+                                break
                     assert len(jobs) == 2, f"expected a job on each replica, got {jobs}"
                 stopping = _when_stopping(client, jobs)
                 states = {owner: client.get(f"/v1/videos/{job_id}").json() for owner, job_id in jobs.items()}
