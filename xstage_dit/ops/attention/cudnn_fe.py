@@ -64,6 +64,20 @@ def backend_version() -> int | None:
     return int(_cudnn().backend_version())
 
 
+class DeviceHandles:
+    """``handles(device)``: this owner's cuDNN handle on ``device``, created on first use on that device."""
+
+    def __init__(self):
+        self._handles: dict[int, object] = {}
+
+    def __call__(self, device: torch.device):
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if idx not in self._handles:
+            with torch.cuda.device(idx):
+                self._handles[idx] = _cudnn().create_handle()
+        return self._handles[idx]
+
+
 class CudnnWindowKernel:
     """``run(q, k, v, out, geom, scale)``: one cached graph per problem, executed per batch element."""
 
@@ -71,7 +85,7 @@ class CudnnWindowKernel:
 
     def __init__(self):
         self._graphs: dict[tuple, tuple] = {}
-        self._handles: dict[int, object] = {}
+        self._handle = DeviceHandles()
 
     def supports(self, geom: WindowGeometry, dtype: torch.dtype, device: torch.device, has_window: bool
                  ) -> str | None:
@@ -89,13 +103,6 @@ class CudnnWindowKernel:
             return (f"cuDNN writes the padding rows (S={geom.seq_len} not divisible by P={geom.world_size}) into "
                     f"the owner's buffer")
         return available()
-
-    def _handle(self, device: torch.device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._handles:
-            with torch.cuda.device(idx):
-                self._handles[idx] = _cudnn().create_handle()
-        return self._handles[idx]
 
     def _graph(self, q_shape, q_strides, k_shape, k_strides, o_strides, dtype, scale, padded, device):
         key = (q_shape, q_strides, k_shape, k_strides, o_strides, dtype, scale, padded, str(device))

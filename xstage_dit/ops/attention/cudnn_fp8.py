@@ -17,7 +17,8 @@ import logging
 
 import torch
 
-from xstage_dit.ops.attention.cudnn_fe import CudnnWindowKernel, _cudnn, available, backend_version, build_plans
+from xstage_dit.ops.attention.cudnn_fe import (CudnnWindowKernel, DeviceHandles, _cudnn, available, backend_version,
+                                              build_plans)
 from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O, Fp8QKV
 from xstage_dit.ops.attention.fp8_reference import P_SCALE
 from xstage_dit.ops.capability import capability_refusal
@@ -53,15 +54,8 @@ class CudnnFp8Attention:
 
     def __init__(self):
         self._graphs: dict[tuple, list] = {}
-        self._handles: dict[int, object] = {}
+        self._handle = DeviceHandles()
         self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _handle(self, device: torch.device):
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        if idx not in self._handles:
-            with torch.cuda.device(idx):
-                self._handles[idx] = _cudnn().create_handle()
-        return self._handles[idx]
 
     def _p_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale_s, descale_s) on ``device``: P's fixed power-of-two scale (P lies in [0, 1])."""
