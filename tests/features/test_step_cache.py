@@ -306,3 +306,37 @@ def test_a_pipeline_without_cache_contexts_counts_steps_and_batches_cfg_consiste
         assert np.isfinite(out).all() and pairs == ([4] if cfg_batch else []), pairs
         assert cached.stats == {"method": "taylorseer", "unit": "steps", "computed": 2, "skipped": 2}, cfg_batch
         assert runs == (4 if cfg_batch else 8)  # one hooked attention: a batched call a step, or the two branches
+
+
+@pytest.mark.parametrize("model", ["tiny-wan", "tiny-flux"])
+def test_taylorseer_state_that_would_not_fit_is_refused_by_its_size_and_leaves_nothing(pipes, model):
+    """Where TaylorSeer's factors (max_order + 1 per attention output, per branch) exceed the free memory, the
+    request is refused (StepCacheMemory, 507) at the branch's first attention output, naming the estimate and what
+    to change; the next request with room is the image it gives alone. The estimate is the hooked layers' count x
+    factors x that output's bf16 bytes."""
+    from xstage_dit.features.step_cache.config import StepCacheMemory
+    from xstage_dit.server.failures import failure_answer
+
+    pipe = pipes[model]
+    stack = _cached(pipe, StepCacheConfig("taylorseer", compute_every=2, max_order=2))
+    check = handle_of(pipe).memory_check
+    seen = []
+    try:
+        alone, _ = _run(pipe, model)
+        check.headroom = lambda device: seen.append(device) or 1024
+        with pytest.raises(StepCacheMemory, match=r"cache taylorseer would keep 3 factors of each of \d+ attention "
+                           r"outputs of shape .* for the cond branch: about .* GiB, with 0\.0 GiB free on cpu") as err:
+            _run(pipe, model)
+        check.headroom = lambda device: 2**40
+        after, _ = _run(pipe, model)
+    finally:
+        stack.restore()
+    assert handle_of(pipe) is None  # restored
+    assert check.layers == len([n for n, m in pipe.transformer.named_modules()
+                                if getattr(m, "processor", None) is not None]), check.layers
+    assert len(seen) == 1, seen  # one check per branch per request, at its first output
+    out = torch.ones(2, 3, 4)
+    assert check.need_bytes(out) == 24 * 2 * 3 * check.layers and check.need_bytes((out, out)) == 2 * check.need_bytes(out)
+    np.testing.assert_array_equal(after, alone)
+    message, status = failure_answer(f"rank 1: StepCacheMemory: {err.value}")
+    assert status == 507 and message == str(err.value), (status, message)

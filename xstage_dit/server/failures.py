@@ -3,6 +3,7 @@
 
 - an adapter error (`features.lora`: unknown 404, bad file or shapes 400, too many / out of range 400, does not
   fit 507) keeps its own status and message;
+- a step cache whose state would not fit (`features.step_cache.config.StepCacheMemory`) is 507 with its message;
 - out of memory (`runtime.memory.GenerationOutOfMemory`, on any rank) is 507 with the message naming the request's
   size, frames, images and adapters (no allocator internals: the runner wrote it);
 - anything else is 500 "generation failed: ...", as before.
@@ -13,12 +14,13 @@ from __future__ import annotations
 import re
 
 from xstage_dit.features.lora.config import ADAPTER_ERRORS
+from xstage_dit.features.step_cache.config import StepCacheMemory
 from xstage_dit.runtime.memory import GenerationOutOfMemory
 
 __all__ = ["failure_answer"]
 
 _STATUS = {**{name: cls.status for name, cls in ADAPTER_ERRORS.items()},
-           GenerationOutOfMemory.__name__: GenerationOutOfMemory.status}
+           GenerationOutOfMemory.__name__: GenerationOutOfMemory.status, StepCacheMemory.__name__: StepCacheMemory.status}
 _KIND = re.compile(r"^(?:rank (\d+): )?(\w+): (.*)$", re.DOTALL)
 
 

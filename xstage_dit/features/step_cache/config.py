@@ -40,7 +40,7 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-__all__ = ["METHODS", "THRESHOLD_METHODS", "StepCacheConfig", "parse_mag_ratios", "parse_timestep_range"]
+__all__ = ["METHODS", "THRESHOLD_METHODS", "StepCacheConfig", "StepCacheMemory", "parse_mag_ratios", "parse_timestep_range"]
 
 METHODS = ("fbcache", "taylorseer", "magcache", "pab", "fastercache")
 THRESHOLD_METHODS = ("fbcache", "magcache")  # a per-request threshold means something for these
@@ -99,6 +99,13 @@ def parse_timestep_range(text: str) -> tuple[float, float]:
 def _positive_int(name: str, value: Any) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"expected cache {name} to be an integer >= 1, got {value!r}")
+
+
+class StepCacheMemory(RuntimeError):
+    """A cache's state would not fit in the device's free memory (TaylorSeer keeps max_order + 1 copies of every
+    cached attention output per CFG branch): refused before it grows there, answered 507 by the server."""
+
+    status = 507
 
 
 @dataclass(frozen=True)

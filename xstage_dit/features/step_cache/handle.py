@@ -34,6 +34,7 @@ from xstage_dit.features.context import COND_CONTEXT, UNCOND_CONTEXT
 from xstage_dit.features.instance_attr import remove_hook
 from xstage_dit.features.step_cache.config import StepCacheConfig
 from xstage_dit.features.step_cache.gate import StepGate
+from xstage_dit.features.step_cache.memory import TaylorSeerMemoryCheck
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,15 @@ class CachePoint:
         self.path, self.module, self.name, self.hook, self.reference = path, module, name, hook, reference
         self.fn = reference.original_forward
         self.runs = self.computed = 0
+        self.on_compute: Any = None  # called with each output it computes (TaylorSeer's memory check)
         self._hook_forward = reference.forward
 
     def inner(self, *args: Any, **kwargs: Any) -> Any:
         self.computed += 1
-        return self.fn(*args, **kwargs)
+        out = self.fn(*args, **kwargs)
+        if self.on_compute is not None:
+            self.on_compute(out)
+        return out
 
     @torch.compiler.disable
     def outer(self, *args: Any, **kwargs: Any) -> Any:
@@ -105,6 +110,8 @@ class StepCacheRootHook(ModelHook):
         if named:  # no cache context from the pipeline: its second call of a step reuses the latents tensor
             name = UNCOND_CONTEXT if hidden is not None and hidden is self.last_hidden else COND_CONTEXT
         self.last_hidden = hidden
+        if self.handle.memory_check is not None:
+            self.handle.memory_check.branch = name
         new_step = self.handle.enter_call(name != UNCOND_CONTEXT)
         before = self.witness.computed if self.witness is not None else 0
         with private.branch_context(module, name, self.tracker) if named else contextlib.nullcontext():
@@ -143,6 +150,7 @@ class StepCacheHandle:
         self._step, self._after_lead = -1, False
         self._counts = {"computed": 0, "skipped": 0}
         self._run: CacheRun | None = None
+        self.memory_check: TaylorSeerMemoryCheck | None = None
         try:
             for transformer in transformers:
                 self.applied.append(self._apply(transformer))
@@ -179,6 +187,7 @@ class StepCacheHandle:
             point.install()
             applied.undos.append(point.uninstall)
             applied.points.append(point)
+        self._check_memory(applied.points)
         for point in applied.points:
             undo = self._decision(point)
             if undo is not None:
@@ -195,6 +204,18 @@ class StepCacheHandle:
         if private.is_taylorseer(point.name) and self.config.compute_every is not None:
             return private.force_taylorseer_schedule(point.hook, self.config.compute_every)
         return None
+
+    def _check_memory(self, points: list[CachePoint]) -> None:
+        """TaylorSeer (not lite) checks its state against the free memory at each branch's first output
+        (`memory.TaylorSeerMemoryCheck`)."""
+        if self.config.method != "taylorseer" or self.config.lite:
+            return
+        cached = [p for p in points if private.is_taylorseer(p.name)]
+        if self.memory_check is None:
+            self.memory_check = TaylorSeerMemoryCheck(0, self.config.max_order + 1)
+        self.memory_check.layers += len(cached)
+        for point in cached:
+            point.on_compute = self.memory_check
 
     def _witness(self, points: list[CachePoint]) -> CachePoint | None:
         """The point whose compute tells a step computed from a skipped one: the block stack's last block
@@ -268,6 +289,8 @@ class StepCacheHandle:
             point.runs = point.computed = 0
         self._counts = {"computed": 0, "skipped": 0}
         self._step, self._after_lead = -1, False
+        if self.memory_check is not None:
+            self.memory_check.reset()
 
     @contextlib.contextmanager
     def request(self, steps: int | None = None, threshold: float | None = None) -> Iterator[CacheRun]:
