@@ -7,6 +7,7 @@ end up in the committed tables (percentiles, speedups, budget decisions, the tra
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from xstage_dit import cli
+from xstage_dit.errors import UsageError
 from xstage_dit.bench import contenders, measure, options, report, session, stats
 
 
@@ -846,3 +848,16 @@ def test_served_rows_are_paired_with_the_bare_row_of_their_configuration():
     records = [r for r in records if not r["name"].startswith(("xstage-calibrated", "xstage-serial"))]
     stats.add_comparisons(records, default_steps=4, steps=4)
     assert all("served_over_bare" not in r for r in records)
+
+
+def test_compiled_only_lists_the_eager_variants_as_skipped_and_needs_compile():
+    names = ["diffusers", "xstage-fp8-served", "diffusers-fp8"]
+    made = contenders.make_contenders(names, True, with_eager=False)
+    assert [c.name for c in made] == ["diffusers", "xstage-fp8-served", "diffusers-fp8", "diffusers+compile",
+                                      "xstage-fp8-served+compile", "diffusers-fp8+compile"]  # no diffusers-repeat
+    assert all(("skip_reason" in c.info) != c.compile for c in made), [(c.name, c.info) for c in made]
+    parser = argparse.ArgumentParser()
+    options.add_arguments(parser)
+    with pytest.raises(UsageError, match="expected --compile with --compiled-only"):
+        options.validate(parser.parse_args(["--compiled-only"]))
+    options.validate(parser.parse_args(["--compiled-only", "--compile"]))

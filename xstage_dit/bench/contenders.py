@@ -419,13 +419,15 @@ class DiffusersCP(Contender):
 
 
 def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
-                    serve=None, compile_also: tuple[str, ...] = (), expand: dict | None = None) -> list[Contender]:
+                    serve=None, compile_also: tuple[str, ...] = (), expand: dict | None = None,
+                    with_eager: bool = True) -> list[Contender]:
     """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then the
     xstage contenders compiled in each `compile_also` mode (``<name>+compile:<mode>``), then the other
     reversible stacks, then each irreversible contender with its compiled variant (they leave the pipeline
     modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no diffusers-repeat.
     expand: a name standing for several contenders -> their (name, factory(compile)) pairs (the step caches'
-    variants, `cache_contenders.cache_entries`), which run with the other reversible stacks."""
+    variants, `cache_contenders.cache_entries`), which run with the other reversible stacks. with_eager False
+    (--compiled-only): the eager variants are listed as skipped (no diffusers-repeat)."""
     factories = {
         "diffusers": lambda c: PlainDiffusers(c),
         "xstage-serial": lambda c: XStage(c, "serial"),
@@ -450,7 +452,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
     # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
     # before a diffusers/xstage measurement.
     ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
-    if rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES for n in names):
+    if with_eager and rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES for n in names):
         # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
@@ -467,4 +469,7 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
     if not with_compile:
         for c in compiled:
             c.info["skip_reason"] = "torch.compile variants not requested (--compile)"
+    if not with_eager:
+        for c in eager:
+            c.info["skip_reason"] = "eager variants not requested (--compiled-only)"
     return ordered

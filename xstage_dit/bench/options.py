@@ -101,6 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "graphs = full under CUDA graphs; "
                              "a bare --compile is regional; off reports the compiled variants as skipped "
                              "(default: %(default)s)")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="run only the torch.compile variants (with --compile): the eager rows are listed as "
+                             "skipped, for a device call that has time for the compiled rows alone")
     parser.add_argument("--compile-also", default=None, metavar="MODE[,MODE]",
                         help="more torch.compile modes (full, graphs, regional) for the xstage contenders only, each "
                              "a variant named <contender>+compile:<mode> in the same run, after the --compile ones "
@@ -160,6 +163,8 @@ def validate(args: argparse.Namespace) -> None:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:
         raise UsageError(f"expected --time-budget-s >= 0 (0 = unlimited), got {args.time_budget_s}")
+    if getattr(args, "compiled_only", False) and args.compile == "off":
+        raise UsageError("expected --compile with --compiled-only (nothing would run), got --compile off")
     if args.compile not in COMPILE_MODES:
         raise UsageError(f"expected --compile in {', '.join(COMPILE_MODES)}, got {args.compile!r}")
     if compile_also_modes(args) and args.compile == "off":
