@@ -23,7 +23,7 @@ from xstage_dit.features.nucleus_routing import nucleus_routing
 from xstage_dit.schedule.facts import DeviceFacts
 from xstage_dit.schedule.moe import MoESchedule, MoEScheduler, check_moe_path
 
-__all__ = ["NucleusMoEEPLayer", "HiDreamMoEEPLayer"]
+__all__ = ["NucleusMoEEPLayer", "HiDreamMoEEPLayer", "is_expert_parallel_layer"]
 
 
 def _check_sharding(num_experts: int, group) -> tuple[int, int, int]:
@@ -51,6 +51,11 @@ def _check_local_experts(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> 
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"expected {name} of shape {shape} (this rank's experts), got {got}")
     return t
+
+
+def is_expert_parallel_layer(module: nn.Module) -> bool:
+    """Whether `module` is one of the expert-parallel MoE layers (holding one rank's shard of the experts)."""
+    return isinstance(module, _ShardBinding)
 
 
 class _ShardBinding:

@@ -138,10 +138,32 @@ def _split(key: str) -> tuple[str, str | None]:
     return key, None
 
 
+def _expert_parallel_owner(transformer: torch.nn.Module, module_name: str) -> tuple[str, int] | None:
+    """(path, ep) of the expert-parallel MoE layer above `module_name` (which it replaced: its experts are this
+    rank's shard, stored as one tensor), or None."""
+    from xstage_dit.features.ep_layers import is_expert_parallel_layer
+
+    parts = module_name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        path = ".".join(parts[:end])
+        try:
+            module = transformer.get_submodule(path)
+        except AttributeError:
+            continue
+        return (path, module.shard[1]) if is_expert_parallel_layer(module) else None
+    return None
+
+
 def _module(transformer: torch.nn.Module, name: str, module_name: str) -> torch.nn.Module:
     try:
         module = transformer.get_submodule(module_name)
     except AttributeError:
+        sharded = _expert_parallel_owner(transformer, module_name)
+        if sharded is not None:
+            raise AdapterError(f"adapter {name!r}: targets {module_name!r}, a routed expert of {sharded[0]!r}, whose "
+                               f"experts expert parallelism shards over {sharded[1]} ranks: LoRA on routed experts is "
+                               "not served under expert parallelism; expected an adapter on the attention, dense and "
+                               "shared-expert layers, or ep=1") from None
         raise AdapterError(f"adapter {name!r}: targets {module_name!r}, which "
                                       f"{type(transformer).__name__} does not have (an adapter for another model "
                                       f"family?)") from None
