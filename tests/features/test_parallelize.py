@@ -214,13 +214,13 @@ CASES_4 = ["flux", "flux-cfg", "wan", "wan-cfg", "nucleusmoe", "hidream", "hidre
 
 
 def _run_group(world: int, tmp_path: Path) -> dict:
-    from xstage_dit.comm.launcher import launch
+    from tests.helpers.preloaded import launch_preloaded
 
     cases = CASES if world == 2 else CASES_4
     out = tmp_path / f"world{world}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XSTAGE_TEST_TIMEOUT="60", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, WORKER, str(out), *cases], timeout_s=240, env=env)
+    code = launch_preloaded(world, WORKER, [str(out), *cases], env=env, timeout_s=240, logs=out)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return json.loads(out.read_text())
 
