@@ -13,9 +13,10 @@ for arg in "$@"; do
   esac
 done
 # Two test processes by default (pytest-xdist; the CI machine has 2 cores), whole files to a process so a module's
-# server or pipeline fixture is built once: XSTAGE_TEST_WORKERS=0 (or -n / -p no:xdist on the command line) runs
-# in this process alone.
-workers=(-n "${XSTAGE_TEST_WORKERS:-2}" --dist loadfile)
+# server or pipeline fixture is built once, in the order tests/conftest.py gives them (files with slow tests first,
+# so the longest start early instead of ending on one worker): XSTAGE_TEST_WORKERS=0 (or -n / -p no:xdist on the
+# command line) runs in this process alone.
+workers=(-n "${XSTAGE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 [ "${XSTAGE_TEST_WORKERS:-2}" = "0" ] && workers=()
 for arg in "$@"; do
   case "$arg" in

@@ -11,6 +11,7 @@ the unpatched output itself, then the parallel one, restores and computes a thir
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -53,8 +54,8 @@ MODELS = {
     "tiny-cogvideox-i2v": ({"one": dict(prompt="the fox runs", height=48, width=48, frames=5,
                                         images=[(48, 48)])}, False),
 }
-# Qwen-Image-Edit: the pipeline encodes its image at about 1024^2 (4096 image tokens after 12 latent ones): minutes
-# on 2 cores at world 4, so their own group
+# Qwen-Image-Edit: the pipeline encodes its image at about 1024^2 (4144 image tokens after 12 latent ones; Plus: 4144 +
+# 4096): minutes on 2 cores, so their own group
 QWEN = {
     "tiny-qwenimage-edit": ({"one": dict(prompt="make it snow", height=48, width=64, images=[(64, 48)], **CFG)}, True),
     "tiny-qwenimage-edit-plus": ({"two": dict(prompt="the two together", height=48, width=64,
@@ -89,6 +90,33 @@ VIDEO = {
                                                   frames=5, images=[(80, 60)])}, False),
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
+# The pixel area the Qwen-Image edits resize each input image to for their VAE (and Edit's for its text encoder too),
+# per world: diffusers' own ~1024^2 at worlds 1 and 2; at world 4 (four ranks on the 2-core CI machine, each encoding
+# the images at every call) 256^2: 252 (+ 256) appended image tokens, still sharded with the 12 latent ones across
+# all four ranks (264 and 520 in all, a shard each), for a sixteenth of the VAE's work.
+QWEN_VAE_AREA = {4: 256 * 256}
+PIPELINE_VAE_AREA = 1024 * 1024  # diffusers 0.42.1's pipeline_qwenimage_edit(_plus): the target area of calculate_dimensions
+
+
+@contextlib.contextmanager
+def qwen_vae_area(area: int | None):
+    """Within: the Qwen-Image edit pipelines size their input images' VAE encodes (and Edit's text-encoder image) to
+    about `area` pixels instead of diffusers' 1024^2; the reference and the parallel run both see it. None: as
+    diffusers has it. (Their ``__call__`` takes no such argument: the area is a literal / module constant.)"""
+    if area is None:
+        yield
+        return
+    from unittest import mock
+
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit, pipeline_qwenimage_edit_plus as plus
+
+    def scaled(original):
+        return lambda target_area, ratio: original(area if target_area == PIPELINE_VAE_AREA else target_area, ratio)
+
+    assert plus.VAE_IMAGE_SIZE == PIPELINE_VAE_AREA, plus.VAE_IMAGE_SIZE  # diffusers changed: revisit the patch
+    with mock.patch.object(edit, "calculate_dimensions", scaled(edit.calculate_dimensions)), \
+            mock.patch.object(plus, "calculate_dimensions", scaled(plus.calculate_dimensions)):
+        yield
 
 
 def configs(world: int, cfg: bool) -> dict[str, dict]:
@@ -120,6 +148,9 @@ def rank_main(out: str, world: int, group: str) -> int:
     info = init_distributed(backend="gloo", timeout_s=300)
     torch.set_num_threads(1)
     results = {}
+    stack = contextlib.ExitStack()
+    if group == "qwen":
+        stack.enter_context(qwen_vae_area(QWEN_VAE_AREA.get(world)))
     for model, (cases, cfg) in GROUPS[group].items():
         pipe = load_pipeline(model, seed=0)
         if world == 4:
@@ -132,6 +163,7 @@ def rank_main(out: str, world: int, group: str) -> int:
                 results[f"{model}/{case_name}/{config_name}"] = equivalence(
                     pipe, config, lambda: request_output(pipe, model, case), ref)
         del pipe
+    stack.close()
     Path(f"{out}.{info.rank}").write_text(json.dumps(results))
     close_distributed()
     return 0

@@ -155,15 +155,15 @@ def _run_group(world: int, tmp_path: Path) -> dict:
     sys.path.insert(0, str(ROOT / "tests" / "features"))
     import _ep_loading_worker as worker
 
-    from xstage_dit.comm.launcher import launch
+    from tests.helpers.preloaded import launch_preloaded
 
     for family in ("nucleusmoe", "hidream"):  # the real-weights folders the ranks read their experts from
         worker.build_transformer(family, None).save_pretrained(tmp_path / family / "transformer")
     out = tmp_path / f"world{world}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XSTAGE_TEST_TIMEOUT="60", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, WORKER, str(out), str(tmp_path), "nucleusmoe", "hidream"], timeout_s=240,
-                  env=env)
+    code = launch_preloaded(world, WORKER, [str(out), str(tmp_path), "nucleusmoe", "hidream"], env=env, timeout_s=240,
+                            logs=out)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return json.loads(out.read_text())
 

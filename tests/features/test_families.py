@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -42,13 +41,13 @@ FAMILY_CLASSES = {
 
 
 def _launch(world: int, cases: list[str], tmp_path: Path, timeout_s: float = 400) -> list[dict]:
-    from xstage_dit.comm.launcher import launch
+    from tests.helpers.preloaded import launch_preloaded
 
     # Named by a digest of the cases: joined names outgrow a file name (255 bytes) as families are added.
     out = tmp_path / f"{hashlib.sha1('-'.join(cases).encode()).hexdigest()[:12]}-w{world}.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                XSTAGE_TEST_TIMEOUT="120", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, WORKER, str(out), *cases], timeout_s=timeout_s, env=env)
+    code = launch_preloaded(world, WORKER, [str(out), *cases], env=env, timeout_s=timeout_s, logs=out)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -101,13 +100,14 @@ def equivalence(pipe, config: dict, image, ref: np.ndarray) -> dict:
 
 def launch_ranks(rank_program: str, name: str, world: int, tmp_path: Path, *args: str,
                  timeout_s: float = 400) -> list[dict]:
-    """Run `rank_program` (``python FILE OUT WORLD [ARGS...]``) on `world` gloo ranks; each rank's ``OUT.<rank>``
-    JSON."""
-    from xstage_dit.comm.launcher import launch
+    """Run `rank_program` (``python FILE OUT WORLD [ARGS...]``) on `world` gloo ranks, forked from the preloaded
+    server (`tests.helpers.preloaded`); each rank's ``OUT.<rank>`` JSON."""
+    from tests.helpers.preloaded import launch_preloaded
 
     out = tmp_path / f"{name}-w{world}"
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
-    code = launch(world, [sys.executable, rank_program, str(out), str(world), *args], timeout_s=timeout_s, env=env)
+    code = launch_preloaded(world, rank_program, [str(out), str(world), *args], env=env, timeout_s=timeout_s,
+                            logs=out)
     assert code == 0, f"world {world}: a rank exited with {code}"
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
 
