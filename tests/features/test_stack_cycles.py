@@ -15,9 +15,7 @@ the cycles began, still answering from its graphs (no frame converted: Dynamo's 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import logging
-import os
 
 import pytest
 import torch
@@ -27,25 +25,10 @@ from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.config import ParallelConfig
 from xstage_dit.features.context import MARK
-from xstage_dit.runtime.generation import call_kwargs
 from tests.helpers.server import one_torch_thread
+from tests.helpers.stack_cycles import RSS_TOLERANCE, images as _images, rss_bytes as _rss_bytes
 
 CYCLES = 20
-RSS_TOLERANCE = 0.05
-
-
-def _rss_bytes() -> int:
-    """This process's resident set after a full garbage collection (Linux: /proc/self/statm)."""
-    gc.collect()
-    with open("/proc/self/statm") as statm:
-        pages = int(statm.read().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE")
-
-
-def _images(pipe, spec) -> torch.Tensor:
-    kwargs = call_kwargs(pipe, spec, prompt="a fox", seed=1, steps=2, height=32, width=32)
-    with torch.inference_mode():
-        return pipe(**{**kwargs, "output_type": "pt"}).images
 
 
 def _instance_state(pipe) -> dict:
@@ -113,31 +96,3 @@ def test_the_whole_stack_applied_and_restored_20_times_leaves_the_process_as_fou
         finally:
             second.restore()
     assert list(AttentionBackendName) == members  # the last user gone: the member too
-
-
-INDUCTOR_CYCLES = 5
-
-
-@pytest.mark.slow
-def test_inductor_compiles_applied_and_restored_leave_the_pipeline_and_memory_as_found(monkeypatch):
-    """The same with Inductor itself, on a smaller loop (tiny FLUX, 5 cycles): its first compile takes ~45 s on the
-    2-core CPU machine, later rounds hit its caches. After each restore the untouched images bit for bit and the
-    resident memory within 5 % of where the first round left it."""
-    from xstage_dit.families import load_pipeline, model_spec
-
-    monkeypatch.setattr(logging.getLogger("torch.__trace"), "handlers", [])  # see the test above
-    spec = model_spec("tiny-flux")
-    config = EngineConfig(device="cpu", compile=CompileConfig("regional"))
-    with one_torch_thread():
-        pipe = load_pipeline("tiny-flux", dtype=torch.float32, device="cpu", seed=0)
-        untouched = _images(pipe, spec)
-        rss = []
-        for cycle in range(INDUCTOR_CYCLES):
-            engine = Engine(config)
-            engine.apply(pipe, kind="image")
-            assert engine.stack.compiled.how.startswith("regional: 2 ")
-            _images(pipe, spec)
-            engine.restore()
-            assert torch.equal(_images(pipe, spec), untouched), f"cycle {cycle}: not the untouched images"
-            rss.append(_rss_bytes())
-        assert max(rss[1:]) <= rss[0] * (1 + RSS_TOLERANCE), [round(r / 2**20, 1) for r in rss]
