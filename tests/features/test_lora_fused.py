@@ -16,7 +16,8 @@ from xstage_dit.features.compile import CompileConfig
 from xstage_dit.features.lora import AdapterMemory, LoraServingConfig
 from xstage_dit.features.lora import fused as fused_ops
 from xstage_dit.features.lora import manager as manager_module
-from xstage_dit.features.lora.fused import DeviceMemory, choose_mode, headroom
+from xstage_dit.features.device_memory import DeviceMemory
+from xstage_dit.features.lora.fused import choose_mode, headroom
 from tests.helpers.lora import (diffusers_fused_references, diffusers_references, image, linear_weights, load_fp32,
                                 load_reference_adapters, same_bytes, same_snapshot, snapshot, write_kohya_flux,
                                 write_peft)

@@ -30,10 +30,11 @@ from typing import Iterable
 
 import torch
 
+from xstage_dit.features.device_memory import DeviceMemory
 from xstage_dit.features.lora.config import MODES
 from xstage_dit.features.lora.store import base_linear
 
-__all__ = ["DeviceMemory", "FusedWeights", "LayerAdapter", "choose_mode", "delta_weight", "headroom"]
+__all__ = ["FusedWeights", "LayerAdapter", "choose_mode", "delta_weight", "headroom"]
 
 # Fragmentation margin of the auto rule, as a fraction of the device's memory (see `headroom`).
 FRAGMENTATION_MARGIN = 1 / 32
@@ -76,25 +77,6 @@ def delta_weight(layer: LayerAdapter, scale: float) -> torch.Tensor:
     return out.to(dtype=dtype) if cast else out
 
 
-@dataclass(frozen=True)
-class DeviceMemory:
-    """What the auto rule reads of a CUDA device, in bytes: free (the driver's), cached (reserved by this
-    process's caching allocator, not allocated), peak_extra (the largest call so far beyond what is allocated now:
-    ``max_memory_allocated - memory_allocated``), total."""
-
-    free: int
-    cached: int
-    peak_extra: int
-    total: int
-
-    @classmethod
-    def of(cls, device: torch.device) -> "DeviceMemory":
-        free, total = torch.cuda.mem_get_info(device)
-        allocated = torch.cuda.memory_allocated(device)
-        return cls(free=free, cached=torch.cuda.memory_reserved(device) - allocated,
-                   peak_extra=max(torch.cuda.max_memory_allocated(device) - allocated, 0), total=total)
-
-
 def headroom(memory: DeviceMemory) -> int:
     """Bytes the saved copy must leave free: the largest call seen so far (after the warm-up the cached memory is
     mostly what its activations left; a copy taken from it would make the next call of that size run out of
@@ -122,7 +104,7 @@ def choose_mode(mode: str, device_type: str, copy_bytes: int, memory: DeviceMemo
         return "fused", "the saved copies of the targeted weights are held already"
     if memory is None:
         raise ValueError("expected the device's memory for the auto rule on a CUDA device, got None")
-    room = memory.free + memory.cached - headroom(memory)
+    room = memory.available - headroom(memory)
     mib = 2 ** 20
     if copy_bytes <= room:
         return "fused", f"the saved copy of the targeted weights ({copy_bytes / mib:.0f} MiB) fits ({room / mib:.0f} MiB)"

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from xstage_dit.comm.agreement import RankFailed, check_agreement, fail_together
 from xstage_dit.features.lora import slots as slot_ops
-from xstage_dit.features.lora.fused import DeviceMemory, FusedWeights, choose_mode
+from xstage_dit.features.device_memory import DeviceMemory
+from xstage_dit.features.lora.fused import FusedWeights, choose_mode
 from xstage_dit.features.lora.config import (AdapterError, AdapterMemory, LoraServingConfig, UnknownAdapter,
                                              adapter_list, from_failure)
 from xstage_dit.features.lora.store import AdapterFile, catalog, read_adapter
@@ -277,11 +278,10 @@ class LoraManager:
         """Refuse an adapter larger than the device's free memory (CUDA) before anything is allocated."""
         if self.device.type != "cuda":
             return
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if file.num_bytes > free + cached:
+        available = DeviceMemory.of(self.device).available
+        if file.num_bytes > available:
             raise AdapterMemory(f"lora: adapter {file.name!r} ({file.num_bytes / 2**20:.1f} MiB) does not fit in "
-                                f"the free memory of {self.device} ({(free + cached) / 2**20:.1f} MiB)")
+                                f"the free memory of {self.device} ({available / 2**20:.1f} MiB)")
 
     def _adapter_modules(self, peft_name: str) -> list[torch.nn.Module]:
         layers = slot_ops.lora_layers(self.transformer).values()

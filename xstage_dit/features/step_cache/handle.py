@@ -150,13 +150,13 @@ class StepCacheHandle:
         self._step, self._after_lead = -1, False
         self._counts = {"computed": 0, "skipped": 0}
         self._run: CacheRun | None = None
-        self.memory_check: TaylorSeerMemoryCheck | None = None
         try:
             for transformer in transformers:
                 self.applied.append(self._apply(transformer))
         except BaseException:
             self.restore()
             raise
+        self.memory_check = self._memory_check(self.points)
 
     # ----- apply / restore -----
     def _apply(self, transformer: torch.nn.Module) -> _Applied:
@@ -187,7 +187,6 @@ class StepCacheHandle:
             point.install()
             applied.undos.append(point.uninstall)
             applied.points.append(point)
-        self._check_memory(applied.points)
         for point in applied.points:
             undo = self._decision(point)
             if undo is not None:
@@ -205,17 +204,16 @@ class StepCacheHandle:
             return private.force_taylorseer_schedule(point.hook, self.config.compute_every)
         return None
 
-    def _check_memory(self, points: list[CachePoint]) -> None:
-        """TaylorSeer (not lite) checks its state against the free memory at each branch's first output
-        (`memory.TaylorSeerMemoryCheck`)."""
+    def _memory_check(self, points: list[CachePoint]) -> TaylorSeerMemoryCheck | None:
+        """TaylorSeer (not lite): its state checked against the free memory at each branch's first output
+        (`memory.TaylorSeerMemoryCheck`), on every cached point; None for the other methods."""
         if self.config.method != "taylorseer" or self.config.lite:
-            return
+            return None
         cached = [p for p in points if private.is_taylorseer(p.name)]
-        if self.memory_check is None:
-            self.memory_check = TaylorSeerMemoryCheck(0, self.config.max_order + 1)
-        self.memory_check.layers += len(cached)
+        check = TaylorSeerMemoryCheck(len(cached), self.config.max_order + 1)
         for point in cached:
-            point.on_compute = self.memory_check
+            point.on_compute = check
+        return check
 
     def _witness(self, points: list[CachePoint]) -> CachePoint | None:
         """The point whose compute tells a step computed from a skipped one: the block stack's last block

@@ -17,24 +17,22 @@ from typing import Any
 
 import torch
 
+from xstage_dit.features.device_memory import DeviceMemory
 from xstage_dit.features.step_cache.config import StepCacheMemory
 
-__all__ = ["TaylorSeerMemoryCheck", "device_headroom"]
+__all__ = ["TaylorSeerMemoryCheck"]
 
 _FACTOR_BYTES = torch.tensor([], dtype=torch.bfloat16).element_size()  # diffusers' taylor_factors_dtype default
 
 
-def device_headroom(device: torch.device) -> int:
-    """Bytes a new tensor on `device` can still take: the driver's free memory plus the allocator's reserve that
-    no tensor holds."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def _cuda_available(device: torch.device) -> int:
+    return DeviceMemory.of(device).available
 
 
 class TaylorSeerMemoryCheck:
     """Called with each cached attention output (`CachePoint.on_compute`); `reset` per request. layers: how many
     attention layers TaylorSeer caches; orders: factors kept per output (max_order + 1); headroom: bytes free on a
-    device (default `device_headroom` on CUDA; nothing is checked on other devices unless one is given)."""
+    device (default `DeviceMemory.available` on CUDA; nothing is checked on other devices unless one is given)."""
 
     def __init__(self, layers: int, orders: int, headroom: Any = None) -> None:
         self.layers, self.orders, self.headroom = layers, orders, headroom
@@ -57,7 +55,7 @@ class TaylorSeerMemoryCheck:
         first = output[0] if isinstance(output, (tuple, list)) else output
         if not isinstance(first, torch.Tensor):
             return
-        headroom = self.headroom or (device_headroom if first.device.type == "cuda" else None)
+        headroom = self.headroom or (_cuda_available if first.device.type == "cuda" else None)
         if headroom is None:
             return  # host memory: the operating system's business, no allocator to ask
         need, free = self.need_bytes(output), headroom(first.device)
