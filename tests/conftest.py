@@ -42,7 +42,8 @@ def slow_files_first(items: list) -> list:
 
     def key(path: str) -> tuple:
         tests = files[path]
-        slow = sum(1 for t in tests if t.get_closest_marker("slow") is not None and t.get_closest_marker("skip") is None)
+        slow = sum(1 for t in tests
+                   if t.get_closest_marker("slow") is not None and t.get_closest_marker("skip") is None)
         return -slow, -len(tests), path
 
     return [item for path in sorted(files, key=key) for item in files[path]]

@@ -95,7 +95,8 @@ GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 # the images at every call) 256^2: 252 (+ 256) appended image tokens, still sharded with the 12 latent ones across
 # all four ranks (264 and 520 in all, a shard each), for a sixteenth of the VAE's work.
 QWEN_VAE_AREA = {4: 256 * 256}
-PIPELINE_VAE_AREA = 1024 * 1024  # diffusers 0.42.1's pipeline_qwenimage_edit(_plus): the target area of calculate_dimensions
+# diffusers 0.42.1's pipeline_qwenimage_edit(_plus): the target area of calculate_dimensions
+PIPELINE_VAE_AREA = 1024 * 1024
 
 
 @contextlib.contextmanager

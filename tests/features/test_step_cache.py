@@ -336,7 +336,8 @@ def test_taylorseer_state_that_would_not_fit_is_refused_by_its_size_and_leaves_n
                                 if getattr(m, "processor", None) is not None]), check.layers
     assert len(seen) == 1, seen  # one check per branch per request, at its first output
     out = torch.ones(2, 3, 4)
-    assert check.need_bytes(out) == 24 * 2 * 3 * check.layers and check.need_bytes((out, out)) == 2 * check.need_bytes(out)
+    assert check.need_bytes(out) == 24 * 2 * 3 * check.layers
+    assert check.need_bytes((out, out)) == 2 * check.need_bytes(out)
     np.testing.assert_array_equal(after, alone)
     message, status = failure_answer(f"rank 1: StepCacheMemory: {err.value}")
     assert status == 507 and message == str(err.value), (status, message)

@@ -452,7 +452,8 @@ def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, r
     # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
     # before a diffusers/xstage measurement.
     ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
-    if with_eager and rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES for n in names):
+    if with_eager and rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES
+                                                                   for n in names):
         # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
         last_eager = max(i for i, c in enumerate(ours) if not c.compile)
         ours.insert(last_eager + 1, PlainDiffusersRepeat(False))

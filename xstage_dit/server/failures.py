@@ -20,7 +20,8 @@ from xstage_dit.runtime.memory import GenerationOutOfMemory
 __all__ = ["failure_answer"]
 
 _STATUS = {**{name: cls.status for name, cls in ADAPTER_ERRORS.items()},
-           GenerationOutOfMemory.__name__: GenerationOutOfMemory.status, StepCacheMemory.__name__: StepCacheMemory.status}
+           GenerationOutOfMemory.__name__: GenerationOutOfMemory.status,
+           StepCacheMemory.__name__: StepCacheMemory.status}
 _KIND = re.compile(r"^(?:rank (\d+): )?(\w+): (.*)$", re.DOTALL)
 
 

@@ -40,7 +40,8 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-__all__ = ["METHODS", "THRESHOLD_METHODS", "StepCacheConfig", "StepCacheMemory", "parse_mag_ratios", "parse_timestep_range"]
+__all__ = ["METHODS", "THRESHOLD_METHODS", "StepCacheConfig", "StepCacheMemory", "parse_mag_ratios",
+           "parse_timestep_range"]
 
 METHODS = ("fbcache", "taylorseer", "magcache", "pab", "fastercache")
 THRESHOLD_METHODS = ("fbcache", "magcache")  # a per-request threshold means something for these
