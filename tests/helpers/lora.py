@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from xstage_dit.features.batch_invariance import is_linear
+
 # Which Linear layers an adapter of each kind targets: attention and MLP projections (what trainers target).
 ATTN_MLP = (".attn", ".ff", "proj_mlp", "img_mlp", "txt_mlp", ".ffn")
 QV_ONLY = ("to_q", "to_v")
@@ -21,7 +23,7 @@ QV_ONLY = ("to_q", "to_v")
 
 def targets(transformer: torch.nn.Module, words=ATTN_MLP) -> list[tuple[str, torch.nn.Linear]]:
     return [(name, m) for name, m in transformer.named_modules()
-            if type(m) is torch.nn.Linear and any(w in name for w in words)]
+            if is_linear(m) and any(w in name for w in words)]
 
 
 def write_peft(transformer: torch.nn.Module, path: Path, *, rank: int, seed: int, words=ATTN_MLP,
@@ -127,7 +129,7 @@ def linear_weights(transformer: torch.nn.Module, names=None) -> dict[str, torch.
     for name, m in transformer.named_modules():
         base = getattr(m, "base_layer", m)
         own = not name.endswith(".base_layer") and ".lora_" not in name  # not a LoRA layer's parts
-        if type(base) is torch.nn.Linear and own and (names is None or name in names):
+        if is_linear(base) and own and (names is None or name in names):
             out[name] = base.weight.detach().clone()
     return out
 

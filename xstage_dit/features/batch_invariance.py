@@ -55,7 +55,7 @@ from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.features.instance_attr import set_on_instance
 
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "InvariantLinear",
-           "batch_invariant", "batch_invariant_for", "make_invariant", "apply"]
+           "batch_invariant", "batch_invariant_for", "is_linear", "make_invariant", "apply"]
 
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
@@ -104,8 +104,11 @@ def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 class InvariantLinear(torch.nn.Linear):
-    """A Linear layer run by `_padded_linear`, for layers made after the stack applied (a LoRA adapter's A and B):
-    a class, not an instance ``forward``, so nothing refers back to the module and it is freed with its adapter."""
+    """A Linear layer run by `_padded_linear`. The feature swaps a plain Linear's class to this one (and back on
+    restore) rather than giving each layer its own ``forward``: Dynamo guards an instance ``forward`` by its object
+    id, so per-layer forwards compiled one graph per block instance (57 for FLUX.1-dev instead of 2; with FP8
+    weights the bench's compiled FP8 rows never finished, H100 2026-12-06), while a class is one guard for all.
+    A LoRA adapter's A and B layers take it too (`make_invariant`): nothing refers back to the module."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _padded_linear(self, x)
@@ -117,14 +120,32 @@ def make_invariant(module: torch.nn.Module) -> None:
         module.__class__ = InvariantLinear
 
 
+def is_linear(module: torch.nn.Module) -> bool:
+    """Whether `module` is a plain Linear layer, with this feature's rule (`InvariantLinear`) or without it; not a
+    subclass of another kind (quantized, LoRA)."""
+    return type(module) in (torch.nn.Linear, InvariantLinear)
+
+
 _CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 
 
-def _per_sample_conv(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    forward = functools.partial(type(module).forward, module)
-    if x.dim() < 3 or x.shape[0] <= 1:
-        return forward(x)
-    return _one_sample_at_a_time(forward, x)
+def _invariant_conv(base: type) -> type:
+    """`base` (a Conv class) run one sample at a time: the class the feature swaps a plain convolution's to (a
+    class, not an instance forward, for the reason `InvariantLinear` gives)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 3 or x.shape[0] <= 1:
+            return base.forward(self, x)
+        return _one_sample_at_a_time(functools.partial(base.forward, self), x)
+
+    name = f"Invariant{base.__name__}"
+    return type(name, (base,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                "__doc__": f"A {base.__name__} run one sample at a time (batch invariance)."})
+
+
+InvariantConv1d, InvariantConv2d, InvariantConv3d = (_invariant_conv(c) for c in _CONVS)
+_INVARIANT = {torch.nn.Linear: InvariantLinear, torch.nn.Conv1d: InvariantConv1d, torch.nn.Conv2d: InvariantConv2d,
+              torch.nn.Conv3d: InvariantConv3d}
 
 
 class _TrimmedTextAttention:
@@ -176,6 +197,12 @@ class _TrimmedTextAttention:
 
 def _patch_forward(module: torch.nn.Module, forward: Callable, handle: BatchInvarianceHandle) -> None:
     handle._undo.append(set_on_instance(module, "forward", forward))
+
+
+def _swap_class(module: torch.nn.Module, cls: type, handle: BatchInvarianceHandle) -> None:
+    original = module.__class__
+    module.__class__ = cls
+    handle._undo.append(functools.partial(setattr, module, "__class__", original))
 
 
 def _split(value: Any, batch: int, i: int) -> Any:
@@ -253,12 +280,13 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
                 # gathers) keep theirs.
                 if "forward" in vars(module):
                     continue
-                if type(module) is torch.nn.Linear:
-                    _patch_forward(module, functools.partial(_padded_linear, module), handle)
-                    handle.linears += 1
-                elif type(module) in _CONVS:
-                    _patch_forward(module, functools.partial(_per_sample_conv, module), handle)
-                    handle.convs += 1
+                invariant = _INVARIANT.get(type(module))
+                if invariant is not None:
+                    _swap_class(module, invariant, handle)
+                    if invariant is InvariantLinear:
+                        handle.linears += 1
+                    else:
+                        handle.convs += 1
             # its family record: attention over padded text keys and a (batch, image + text) mask
             record = record_for_transformer(model)
             if record is not None and record.facts.padded_text_attention:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from xstage_dit.features.batch_invariance import is_linear
 from xstage_dit.features.lora.fused import LayerAdapter
 from xstage_dit.features.lora.store import base_linear, hooked
 
@@ -48,7 +49,7 @@ def slot_targets(transformer: torch.nn.Module) -> list[tuple[str, torch.nn.Linea
     """Every plain Linear layer of `transformer` that no feature hooks: what a slot covers (any adapter targets a
     subset of them, or is refused by `store.read_adapter`)."""
     return [(name, m) for name, m in transformer.named_modules()
-            if type(m) is torch.nn.Linear and not hooked(m)]
+            if is_linear(m) and not hooked(m)]
 
 
 class HotswapSlots:
