@@ -12,6 +12,7 @@ import json
 import math
 import re
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -310,6 +311,26 @@ def test_budget_estimate_uses_the_measured_baseline():
     assert measure.estimate_cost_s(b, plain, baseline) == pytest.approx(1.0 + 3 * 2.0 + 7.0)
 
 
+def test_budget_uses_what_a_measured_row_of_the_same_kind_cost():
+    b = _fake_bench(t_start=time.perf_counter())
+    b.args.time_budget_s = 100.0  # seconds left: ~100
+
+    class Runnable(contenders.XStageFp8Served):
+        def check(self, bench):  # FP8 cannot run on this CPU: the budget is what is tested
+            return None
+
+    fp8 = Runnable(True, serve=lambda *a, **k: None)
+    bf16 = contenders.PlainDiffusers(True)
+    assert measure.precheck(b, fp8, None, []) == (None, None)  # nothing measured, no baseline: run it
+    # the peer's compiled FP8 row: 20 s set-up, 232 s of warm-up (its compile), one 3 s run per prompt
+    peer = dict(_ok("diffusers-fp8+compile", 3.0, compile=True), setup_s=20.0, warmup_s=232.0)
+    status, reason = measure.precheck(b, fp8, None, [peer])
+    assert status == "skipped" and reason.startswith("time budget (needs ~261 s, "), reason  # 20 + 232 + 3 x 3.0
+    # a bf16 compiled row is not judged by an FP8 one's compile, nor an eager row by a compiled one
+    assert measure.precheck(b, bf16, None, [peer]) == (None, None)
+    assert measure.observed_cost_s(b, contenders.XStageFp8(False), [peer]) is None
+
+
 def test_measure_times_every_prompt_and_counts_forwards():
     b = _fake_bench()
     record, output = measure.measure(b, contenders.PlainDiffusers(False), None)
@@ -318,6 +339,21 @@ def test_measure_times_every_prompt_and_counts_forwards():
     assert record["transformer_forwards_per_step"] == 1.0
     assert record["transformer_step_ms"] > 0
     assert output.shape == (2, 2, 3)
+
+
+def test_measure_counts_the_frames_dynamo_converts_in_the_warm_up_and_in_the_timed_runs():
+    b = _fake_bench()
+
+    class Compiling(contenders.PlainDiffusers):
+        def call(self, bench, kwargs):  # the warm-up's one step and the timed runs' three: two shapes
+            fn(torch.ones(kwargs["num_inference_steps"]))
+            return super().call(bench, kwargs)
+
+    fn = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    record, _ = measure.measure(b, Compiling(False), None)
+    assert record["status"] == "ok", record
+    # a recompile inside the timing shows (the H100's FP8 rows: per-block graphs were found this way)
+    assert (record["dynamo_frames_setup_warmup"], record["dynamo_frames_timed"]) == (1, 1)
 
 
 def test_repeats_time_each_prompt_back_to_back_and_cost_their_runs():

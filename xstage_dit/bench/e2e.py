@@ -16,7 +16,8 @@ ratios: "slower" or "faster" only when the interval excludes 1, else "same withi
 Writes ``<out-dir>/e2e-<model>-<gpus>x<gpu>.json`` (top-level ``summary``: per contender the median
 latency in seconds and the speedup over plain diffusers on one GPU), ``.md`` (table) and ``.png``
 (bar chart). The JSON and the table are rewritten after every contender, so a run cut short by a
-time limit still leaves what it measured.
+time limit still leaves what it measured; SIGTERM writes the row it was measuring as "interrupted" (how long it
+ran, the frames Dynamo converted) and exits 143 (`xstage_dit.bench.interrupt`).
 
 Usage (the options are those of ``xstage-dit bench``; see ``--help``)::
 
@@ -46,6 +47,7 @@ import torch.distributed as dist
 
 from xstage_dit.bench.cache_contenders import cache_entries
 from xstage_dit.bench.contenders import make_contenders
+from xstage_dit.bench.interrupt import Stopped, row_on_sigterm
 from xstage_dit.bench.measure import measure, measure_in_rounds, precheck, prepare_pipeline, unmeasured_row
 from xstage_dit.bench.options import (BASELINE, CACHE_CONTENDERS, OUR_FAMILIES, add_arguments, cache_variants,
                                       command_line, compile_also_modes, option_argv, parse_contenders, validate)
@@ -149,7 +151,10 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
     contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
                                  compile_also=compile_also, expand=expand,
                                  with_eager=not args.compiled_only)
-    _measure_all(b, contenders, report, settings, args.rounds, info.rank)
+    try:
+        _measure_all(b, contenders, report, settings, args.rounds, info.rank)
+    except Stopped:
+        return 128 + 15  # the row it was measuring is written ("interrupted"), as a shell reports SIGTERM
     report.finish()
     if dist.is_initialized():
         dist.barrier()
@@ -171,14 +176,15 @@ def _measure_all(b: Bench, contenders: list, report: Report, settings: dict, rou
     for contender in contenders:
         if contender in interleaved:
             continue
-        status, reason = precheck(b, contender, baseline_row)
+        status, reason = precheck(b, contender, baseline_row, report.rows)
         if status is not None:
             report.put(unmeasured_row(contender, status, reason))
             continue
         prepare_pipeline(b, contender, settings)
         if rank == 0:
             print(f"[bench] {contender.name}: running", flush=True)
-        row, output = measure(b, contender, reference)
+        with row_on_sigterm(report, contender):
+            row, output = measure(b, contender, reference)
         # the baseline's output is the reference (its compiled variant's where --compiled-only skipped it)
         if contender.name in (BASELINE, BASELINE + "+compile") and reference is None and row["status"] == "ok":
             baseline_row, reference = row, output

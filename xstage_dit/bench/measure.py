@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from xstage_dit._torch_private import frames_converted
 from xstage_dit.bench.contenders import Contender
 from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
@@ -122,6 +123,23 @@ def estimate_cost_s(b: Bench, contender: Contender, measured: dict | None, round
     return cost
 
 
+def observed_cost_s(b: Bench, contender: Contender, rows: list[dict]) -> float | None:
+    """Seconds the costliest measured row of the contender's kind (the same compile setting, FP8 or not) took
+    from apply to its last timed run (set-up, warm-up, the timed runs), plus a rebuild where the contender needs
+    one; None before any.
+
+    Why: ``--compile-estimate-s`` is one guess for every compiled row, and it can be far off: compiling FLUX's
+    FP8 blocks took 130-290 s on an H100 (2026-12-06), so a compiled FP8 row started with 100 s left ran until
+    the call was killed and left nothing. A row measured in the same run is the better estimate."""
+    fp8 = "fp8" in contender.family
+    costs = [r["setup_s"] + r["warmup_s"] + r["median_s"] * len(b.prompts) * b.args.repeats
+             for r in rows if r.get("status") == "ok" and r.get("compile") == contender.compile and "setup_s" in r
+             and ("fp8" in r.get("family", "")) == fp8]
+    if not costs:
+        return None
+    return max(costs) + (0.0 if contender.accepts(b.dirty) else b.build_s)
+
+
 def _row(contender: Contender, status: str, reason: str | None = None) -> dict:
     """A result row: flat headline fields (the table's columns) first, details after."""
     row = {"name": contender.name, "family": contender.family, "compile": contender.compile, "status": status}
@@ -147,6 +165,10 @@ class RoundResult:
     warmup_s: float
     peak_memory_gib: float | None  # None on the CPU
     first_output: np.ndarray | None  # the first prompt's output, to compare contenders' results
+    # Dynamo frames converted (each a trace, and a graph unless it breaks) while applying and warming up, and
+    # during the timed runs (a nonzero count there is a recompile inside the timing)
+    frames_warmup: int = 0
+    frames_timed: int = 0
 
 
 def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, dict]:
@@ -162,6 +184,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     timer = None
     applied = False
     try:
+        frames0 = frames_converted()
         t0 = time.perf_counter()
         applied = True  # a half-applied contender is undone too: every restore() tolerates that
         contender.apply(b)
@@ -177,6 +200,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         if b.device.type == "cuda":
             torch.cuda.synchronize()
         warmup_s = time.perf_counter() - t0
+        frames1 = frames_converted()
         timer.collect()
         latencies, step_times, forwards = [], [], []
         first_output = None
@@ -190,7 +214,8 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
                 if i == 0 and repeat == 0:
                     first_output = _output_array(output)
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
-        result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output)
+        result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output,
+                             frames1 - frames0, frames_converted() - frames1)
     except Exception as exc:
         problems.update(reason=error_text(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
@@ -232,6 +257,8 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         transformer_forwards_per_step=statistics.median(forwards) / steps,
         setup_s=results[0].setup_s,
         warmup_s=results[0].warmup_s,
+        dynamo_frames_setup_warmup=results[0].frames_warmup,
+        dynamo_frames_timed=sum(r.frames_timed for r in results),
     )
     first = results[0].first_output
     if reference is not None and first is not None and first.shape == reference.shape:
@@ -249,16 +276,21 @@ def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tup
     return row, None if result is None else result.first_output
 
 
-def precheck(b: Bench, contender: Contender, baseline_row: dict | None) -> tuple[str | None, str | None]:
+def precheck(b: Bench, contender: Contender, baseline_row: dict | None,
+             rows: list[dict] = ()) -> tuple[str | None, str | None]:
     """(status, reason) of a contender that will not be measured ("skipped": not requested or no time left,
-    "cannot run": what it detected), or (None, None); the same on every rank."""
+    "cannot run": what it detected), or (None, None); the same on every rank. The time it needs: the larger of
+    the baseline's estimate (`estimate_cost_s`) and what the measured `rows` of its compile setting cost
+    (`observed_cost_s`)."""
     reason = contender.info.get("skip_reason")
     status = "skipped" if reason else None
     if status is None:
         reason = _agree(b, contender.check(b))
         status = "cannot run" if reason else None
     if status is None and contender.name != BASELINE:
-        cost = estimate_cost_s(b, contender, baseline_row)
+        costs = [c for c in (estimate_cost_s(b, contender, baseline_row), observed_cost_s(b, contender, list(rows)))
+                 if c is not None]
+        cost = max(costs) if costs else None
         left = b.seconds_left()
         if cost is not None and cost > left:
             status, reason = "skipped", f"time budget (needs ~{cost:.0f} s, {max(left, 0):.0f} s left)"

@@ -98,7 +98,9 @@ def notes_text(settings: dict) -> str:
         "transformer_step_ms: CUDA events around every transformer forward, summed per denoising step "
         "(CFG pipelines run two forwards a step). peak_memory_gib: torch.cuda.max_memory_allocated, reset per "
         "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
-        "speedup_vs_xstage_serial: the difference the calibrated schedule makes. " + rounds_text(s),
+        "speedup_vs_xstage_serial: the difference the calibrated schedule makes. setup_s / warmup_s / "
+        "dynamo_frames_setup_warmup / dynamo_frames_timed (JSON): applying, warming up (compiles land here), and "
+        "the frames Dynamo converted in each (a timed frame is a recompile inside the timing). " + rounds_text(s),
         "",
         "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
         "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "

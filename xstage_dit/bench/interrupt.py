@@ -1,0 +1,52 @@
+"""A bench cut short by SIGTERM writes the row it was measuring before it stops.
+
+    with row_on_sigterm(report, contender):
+        row, output = measure(b, contender, reference)
+
+Why: a device call ends with ``timeout``'s SIGTERM, and a row still compiling then left nothing in the results:
+three FP8 rows on an H100 (2026-12-06) ran 100-400 s each and were lost without a word of how far they got. The
+row written here ("interrupted") says how long it ran and how many frames Dynamo converted meanwhile (per-block
+recompiles against one slow compile), and the run's files are complete up to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from typing import Iterator
+
+from xstage_dit._torch_private import frames_converted
+
+__all__ = ["Stopped", "row_on_sigterm"]
+
+
+class Stopped(BaseException):
+    """SIGTERM arrived while a row was measured (a BaseException: a contender's ``except Exception`` must not
+    swallow it and go on)."""
+
+
+@contextlib.contextmanager
+def row_on_sigterm(report, contender) -> Iterator[None]:
+    """While the block runs, SIGTERM puts an "interrupted" row for `contender` into `report` (which rewrites the
+    files) and raises `Stopped`. Only the main thread can take signals; elsewhere the block runs unguarded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    started, frames = time.perf_counter(), frames_converted()
+
+    def stop(signum, frame):
+        elapsed = time.perf_counter() - started
+        converted = frames_converted() - frames
+        report.put({"name": contender.name, "family": contender.family, "compile": contender.compile,
+                    "status": "interrupted", "reason": f"stopped by SIGTERM after {elapsed:.0f} s of this row "
+                    f"({converted} Dynamo frames converted meanwhile)", "interrupted_after_s": elapsed,
+                    "dynamo_frames_so_far": converted})
+        raise Stopped(f"SIGTERM during {contender.name}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
