@@ -16,7 +16,7 @@
 #   parallelize  bench_parallelize_flux.py (FLUX step, world 1 vs 2 ranks sharing the GPU)
 #   flux-step    bench_flux_step.py (plain diffusers FLUX step, tiny and full size)
 #   regime       bench_xstage_regime.py: host-target calibration, attention and MoE sweeps vs the X-Stage model
-#   (FA4)        one call: carry [".whl-fa4"] (benchmarks/pack_fa4_site.sh packs FA4 + the CuTe DSL into one ~60 MB
+#   (FA4)        one call: carry [".whl-fa4"] (benchmarks/pack_site.sh packs FA4 + the CuTe DSL into one ~60 MB
 #                file) with WHEEL_DIRS=none; device_env.sh unpacks it into /tmp/site, no step needed. The two
 #                steps below are the older two-call way, for when that file is not built:
 #   fa4-stash    call 1 of ../shared/tools/device-bigwheel.sh for the CuTe DSL wheels (carry .whl-a .whl):

@@ -11,7 +11,7 @@
 #   plus, with pip download --no-deps: xfuser==0.7.0 beautifulsoup4 soupsieve distvae yunchang (the bench's peer).
 # FlashAttention-4 (flash-attn-4==4.0.0b36, nvidia-cutlass-dsl{,-libs-base,-libs-core,-libs-cu13}==4.8.1,
 # apache-tvm-ffi, torch-c-dlpack-ext, quack-kernels==0.6.5) travels in ONE call as .whl-fa4/fa4-site.tar.xz
-# (`bash benchmarks/pack_fa4_site.sh .whl-a .whl-b .whl-fe .whl-s1`, below); before 2026-12-05 in two calls: split the 92 MB cu13 wheel
+# (`bash benchmarks/pack_site.sh fa4 ...`, below); before 2026-12-05 in two calls: split the 92 MB cu13 wheel
 # with ../shared/tools/device-bigwheel.sh, carry [.whl-a, .whl] for `device.sh fa4-stash ...`, then at once
 # [.whl-b, .whl-fe] (the small FA4 wheels in .whl-fe) for `device.sh fa4-install ...`; nvidia-cudnn-frontend
 # (11.6 MB) in a third call's WHEEL_DIRS. Never carry one wheel in two dirs: pip refuses the duplicate.
@@ -22,24 +22,27 @@
 # Video served rows (/v1/videos answers MP4) need imageio-ffmpeg==0.7.0 (29.5 MB, the ffmpeg binary inside):
 # `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl-video
 # imageio-ffmpeg==0.7.0`, carried in a call of its own size budget (WHEEL_DIRS=".whl .whl-video").
-# FlashAttention-4 and the CuTe DSL pre-installed and xz-packed in ONE file (benchmarks/pack_fa4_site.sh, ~60 MB):
-# carry [".whl-fa4"] (WHEEL_DIRS=none where .whl does not fit beside it); unpacked into /tmp/site once per machine,
-# a later call on the warm machine finds the same archive's checksum there and skips the ~3 s.
-if [ -f .whl-fa4/fa4-site.tar.xz ]; then
-  _sum=$(cksum < .whl-fa4/fa4-site.tar.xz)
-  if [ "$(cat /tmp/site/.fa4-site-packed 2>/dev/null)" != "$_sum" ]; then
+# Packed sites (benchmarks/pack_site.sh): FlashAttention-4 + the CuTe DSL as .whl-fa4/fa4-site.tar.xz (~60 MB),
+# Ray + the server's wheels as .whl-rayserve/rayserve-site.tar.xz (40 MB). Carry the folder (WHEEL_DIRS=none where
+# .whl does not fit beside it); each is unpacked into /tmp/site once per machine, and a later call on the warm
+# machine finds the same archive's checksum there and skips the unpacking.
+for _pack in .whl-*/*-site.tar.xz; do
+  [ -f "$_pack" ] || continue
+  _sum=$(cksum < "$_pack")
+  _mark="/tmp/site/.$(basename "$_pack" .tar.xz)-packed"
+  if [ "$(cat "$_mark" 2>/dev/null)" != "$_sum" ]; then
     mkdir -p /tmp/site
-    if python3 - .whl-fa4/fa4-site.tar.xz /tmp/site <<'PYEOF'
+    if python3 - "$_pack" /tmp/site <<'PYEOF'
 import sys, tarfile
 with tarfile.open(sys.argv[1], "r:xz") as archive:  # the device's Python: lzma is built in, no xz binary needed
     archive.extractall(sys.argv[2], **({"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}))
 PYEOF
-    then echo "$_sum" > /tmp/site/.fa4-site-packed
-    else echo "[device_env] unpacking .whl-fa4/fa4-site.tar.xz failed" >&2
+    then echo "$_sum" > "$_mark"
+    else echo "[device_env] unpacking $_pack failed" >&2
     fi
   fi
-  unset _sum
-fi
+done
+unset _pack _sum _mark
 _wheels=()
 for _d in ${WHEEL_DIRS:-.whl .whl-e2e} /tmp/bigwheel; do
   for _w in "$_d"/*.whl; do [ -f "$_w" ] && _wheels+=("$_w"); done
