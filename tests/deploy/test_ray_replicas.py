@@ -184,11 +184,15 @@ def watching_health(url: str):
 def wait_for_work(client: httpx.Client, victim: str, timeout_s: float = 60.0) -> None:
     """Until the victim replica runs a request and has another waiting (its poll state, at most 2 s old)."""
     deadline = time.monotonic() + timeout_s
+    seen: dict[tuple[int, int], int] = {}  # (running, waiting) -> polls: what the victim showed, for a failure
     while True:
         state = client.get("/health").json()["replicas"][victim]
         if state["running"] >= 1 and state["queue_depth"] >= 1:
             return
-        assert time.monotonic() < deadline, f"the victim never had work waiting: {state}"
+        key = (state["running"], state["queue_depth"])
+        seen[key] = seen.get(key, 0) + 1
+        assert time.monotonic() < deadline, f"the victim never had work waiting: {state}; polls by (running, " \
+                                            f"waiting): {seen}"
         time.sleep(0.1)
 
 
