@@ -51,7 +51,7 @@ from xstage_dit.bench.interrupt import Stopped, row_on_sigterm
 from xstage_dit.bench.measure import measure, measure_in_rounds, precheck, prepare_pipeline, unmeasured_row
 from xstage_dit.bench.options import (BASELINE, CACHE_CONTENDERS, OUR_FAMILIES, add_arguments, cache_variants,
                                       command_line, compile_also_modes, option_argv, parse_contenders, validate)
-from xstage_dit.bench.report import Report, rerender
+from xstage_dit.bench.report import Report, rerender, resumed_rows
 from xstage_dit.bench.results import environment
 from xstage_dit.bench.session import TORCH_DTYPES, Bench, bench_inputs, gpu_label, load_prompts, model_slug
 from xstage_dit.comm.distributed import init_distributed
@@ -146,6 +146,9 @@ def run_benchmark(args: argparse.Namespace, serve=None) -> int:
         "rounds": args.rounds, "rounds_completed": 1 if args.rounds == 1 else 0,
     }
     report = Report(b, settings, env, stem)
+    if args.resume:
+        report.rows.extend(resumed_rows(args.resume, settings, env))
+        settings["resumed_from"] = {"path": str(args.resume), "rows": [r["name"] for r in report.rows]}
     methods, every = cache_variants(args)
     expand = {name: cache_entries(name, methods, every) for name in CACHE_CONTENDERS if name in names}
     contenders = make_contenders(names, args.compile != "off", info.world_size, rounds=args.rounds, serve=serve,
@@ -170,11 +173,18 @@ def _measure_all(b: Bench, contenders: list, report: Report, settings: dict, rou
     # Only the eager group goes in rounds: a compiled variant would compile again every round (minutes on a
     # full-size model), and the other stacks cannot all be undone or must not run before ours (xfuser).
     interleaved = [c for c in contenders if c.family in OUR_FAMILIES and not c.compile] if rounds >= 2 else []
-    baseline_row, reference = None, None
+    # a baseline kept from --resume still estimates the budget; its output is gone, so nothing is compared with it
+    baseline_row = report.row(BASELINE) or report.row(BASELINE + "+compile")
+    reference = None
     if interleaved:
         baseline_row, reference = measure_in_rounds(b, interleaved, rounds, report)
     for contender in contenders:
         if contender in interleaved:
+            continue
+        kept = report.row(contender.name)
+        if kept is not None and kept.get("resumed"):
+            if rank == 0:
+                print(f"[bench] {contender.name}: kept from --resume (median {kept['median_s']:.3f} s)", flush=True)
             continue
         status, reason = precheck(b, contender, baseline_row, report.rows)
         if status is not None:

@@ -133,6 +133,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default=DEFAULT_OUT_DIR,
                         help="where e2e-<model>-<gpus>x<gpu>.{json,md,png} go, relative to the current directory "
                              "(default: %(default)s)")
+    parser.add_argument("--resume", metavar="PATH.json", default=None,
+                        help="keep the measured rows of an earlier run of the same settings, commit and GPU (a "
+                             "results JSON of this benchmark) and measure only the others: the rows of a long run "
+                             "spread over several device calls on one machine, in one file (default: none)")
     parser.add_argument("--rerender", metavar="PATH.json", default=None,
                         help="measure nothing: recompute the comparisons, verdicts, summary and notes of a results "
                              "JSON written by this benchmark with the current code, and rewrite its .json/.md/.png "
@@ -159,6 +163,11 @@ def validate(args: argparse.Namespace) -> None:
             raise UsageError(f"expected {flag} >= 1, got {value}")
     if args.rerender is not None and not Path(args.rerender).is_file():
         raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {args.rerender!r}")
+    if getattr(args, "resume", None) is not None:
+        if not Path(args.resume).is_file():
+            raise UsageError(f"expected --resume to be a results JSON written by xstage-dit bench, got {args.resume!r}")
+        if args.rounds != 1:
+            raise UsageError(f"expected --rounds 1 with --resume (rounds pair rows of one run), got {args.rounds}")
     if args.warmup < 0:
         raise UsageError(f"expected --warmup >= 0, got {args.warmup}")
     if not args.time_budget_s >= 0:

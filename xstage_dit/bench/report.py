@@ -37,6 +37,8 @@ def add_notes(rows: list[dict], settings: dict) -> None:
         notes = []
         if r["status"] != "ok":
             notes.append(r.get("reason", ""))
+        if r.get("resumed"):
+            notes.append("measured by the earlier call this run resumed (--resume)")
         if r.get("round_failure"):
             notes.append(f"no later rounds after {r['round_failure']}")
         if r.get("compile_mode"):
@@ -161,22 +163,53 @@ def write_all(rows: list[dict], settings: dict, env: dict, stem: Path, chart: bo
     return paths
 
 
+def _read_results(path: Path, option: str) -> dict:
+    """A results JSON written by this benchmark (its environment, rows and summary.settings), or UsageError naming
+    `option` and the path."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"expected {option} to be a results JSON written by xstage-dit bench, got {str(path)!r} "
+                         f"({error_text(exc)})") from None
+    settings = doc.get("summary", {}).get("settings") if isinstance(doc, dict) else None
+    if not (isinstance(doc, dict) and doc.get("benchmark") == "e2e" and isinstance(doc.get("rows"), list)
+            and isinstance(settings, dict) and isinstance(doc.get("environment"), dict)):
+        raise UsageError(f"expected {option} to be a results JSON written by xstage-dit bench (benchmark 'e2e' with "
+                         f"environment, rows and summary.settings), got {str(path)!r}")
+    return doc
+
+
+# What must match for a row of an earlier run to stand beside this run's rows (`resumed_rows`).
+RESUME_SETTINGS = ("model", "gpus", "height", "width", "frames", "steps", "guidance", "seed", "weights_seed", "dtype",
+                   "prompts", "repeats", "warmup", "warmup_steps", "input_images", "mask")
+RESUME_ENVIRONMENT = ("gpu", "git_commit", "torch", "diffusers")
+
+
+def resumed_rows(path: str | Path, settings: dict, env: dict) -> list[dict]:
+    """The "ok" rows of the earlier run in `path` (the others are measured again), after checking that it ran
+    the same `RESUME_SETTINGS` on the same GPU, commit and versions; UsageError naming the first difference."""
+    path = Path(path)
+    doc = _read_results(path, "--resume")
+    before = doc["summary"]["settings"]
+    for key in RESUME_SETTINGS:
+        if before.get(key) != settings.get(key):
+            raise UsageError(f"expected --resume {str(path)!r} to have run with this run's {key} "
+                             f"{settings.get(key)!r}, got {before.get(key)!r}")
+    for key in RESUME_ENVIRONMENT:
+        if doc["environment"].get(key) != env.get(key):
+            raise UsageError(f"expected --resume {str(path)!r} to come from this {key} {env.get(key)!r}, got "
+                             f"{doc['environment'].get(key)!r}")
+    return [dict(r, resumed=True) for r in doc["rows"] if r.get("status") == "ok"]
+
+
 def rerender(path: str | Path) -> list[Path]:
     """Recompute the comparisons, verdicts, summary and notes of a results JSON written by this script with
     the current code, and rewrite its .json/.md/.png in place. Measures nothing: the measured fields
     (latencies, step times, memory), the settings and the environment stay as they are; the JSON's
     ``provenance.rerendered`` records the commit that recomputed them (earlier provenance is kept)."""
     path = Path(path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench, got {str(path)!r} "
-                         f"({error_text(exc)})") from None
-    settings = doc.get("summary", {}).get("settings") if isinstance(doc, dict) else None
-    if not (isinstance(doc, dict) and doc.get("benchmark") == "e2e" and isinstance(doc.get("rows"), list)
-            and isinstance(settings, dict) and isinstance(doc.get("environment"), dict)):
-        raise UsageError(f"expected --rerender to be a results JSON written by xstage-dit bench (benchmark 'e2e' with "
-                         f"environment, rows and summary.settings), got {str(path)!r}")
+    doc = _read_results(path, "--rerender")
+    settings = doc["summary"]["settings"]
     rows = doc["rows"]
     add_comparisons(rows, settings["default_steps"], settings["steps"])
     extra = {k: v for k, v in doc.items() if k not in ("benchmark", "environment", "summary", "rows")}
