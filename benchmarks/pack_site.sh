@@ -62,4 +62,5 @@ ls "$work/wheels" > "$work/site/.$name-site-wheels"
 tar cf - -C "$work/site" --sort=name --owner=0 --group=0 --mtime=@0 . \
   | xz --x86 --lzma2=preset=9e,dict=256MiB -T1 > "$out/$name-site.tar.xz.tmp"
 mv "$out/$name-site.tar.xz.tmp" "$out/$name-site.tar.xz"
-echo "$(du -b "$out/$name-site.tar.xz" | cut -f1) bytes: $out/$name-site.tar.xz ($(wc -l < "$work/site/.$name-site-wheels") wheels)"
+wheels=$(wc -l < "$work/site/.$name-site-wheels")
+echo "$(du -b "$out/$name-site.tar.xz" | cut -f1) bytes: $out/$name-site.tar.xz ($wheels wheels)"
