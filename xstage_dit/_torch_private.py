@@ -88,6 +88,22 @@ def frames_converted() -> int:
     return dynamo_counters()["frames"]["total"]
 
 
+# Phases of torch.compile's own timers (torch._dynamo.utils.compilation_time_metrics: name -> durations), as the
+# bench reports them: the whole conversion, Dynamo's bytecode tracing, AOTAutograd, Inductor, and the wait on the
+# Triton compile workers.
+COMPILE_PHASES = {"total": "_compile.compile_inner", "dynamo_tracing": "bytecode_tracing",
+                  "aot_autograd": "create_aot_dispatcher_function", "inductor": "compile_fx_inner",
+                  "triton_compile_wait": "async_compile.wait"}
+
+
+def compile_seconds() -> dict[str, float]:
+    """Seconds this process has spent so far in each of `COMPILE_PHASES` (0 for a phase not reached)."""
+    import torch._dynamo.utils as utils
+
+    metrics = _private(utils, "compilation_time_metrics", "torch._dynamo.utils.compilation_time_metrics")
+    return {phase: float(sum(metrics.get(name, ()))) for phase, name in COMPILE_PHASES.items()}
+
+
 # ------------------------------------------------------------------------------------------- recompile limits
 
 _LIMIT_NAMES = ("recompile_limit", "accumulated_recompile_limit")

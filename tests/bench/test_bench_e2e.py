@@ -354,6 +354,9 @@ def test_measure_counts_the_frames_dynamo_converts_in_the_warm_up_and_in_the_tim
     assert record["status"] == "ok", record
     # a recompile inside the timing shows (the H100's FP8 rows: per-block graphs were found this way)
     assert (record["dynamo_frames_setup_warmup"], record["dynamo_frames_timed"]) == (1, 1)
+    phases = record["compile_s_setup_warmup"]  # the eager backend: Dynamo's tracing, no AOTAutograd or Inductor
+    assert set(phases) == {"total", "dynamo_tracing", "aot_autograd", "inductor", "triton_compile_wait"}
+    assert phases["total"] >= phases["dynamo_tracing"] > 0 and phases["inductor"] == phases["aot_autograd"] == 0
 
 
 def test_repeats_time_each_prompt_back_to_back_and_cost_their_runs():

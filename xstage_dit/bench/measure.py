@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from xstage_dit._torch_private import frames_converted
+from xstage_dit._torch_private import compile_seconds, frames_converted
 from xstage_dit.bench.contenders import Contender
 from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
@@ -169,6 +169,7 @@ class RoundResult:
     # during the timed runs (a nonzero count there is a recompile inside the timing)
     frames_warmup: int = 0
     frames_timed: int = 0
+    compile_s: dict = dataclasses.field(default_factory=dict)  # torch.compile's phases while applying and warming up
 
 
 def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, dict]:
@@ -184,7 +185,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     timer = None
     applied = False
     try:
-        frames0 = frames_converted()
+        frames0, compiled0 = frames_converted(), compile_seconds()
         t0 = time.perf_counter()
         applied = True  # a half-applied contender is undone too: every restore() tolerates that
         contender.apply(b)
@@ -201,6 +202,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
             torch.cuda.synchronize()
         warmup_s = time.perf_counter() - t0
         frames1 = frames_converted()
+        compiled = {k: round(v - compiled0[k], 3) for k, v in compile_seconds().items()}
         timer.collect()
         latencies, step_times, forwards = [], [], []
         first_output = None
@@ -215,7 +217,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
                     first_output = _output_array(output)
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
         result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output,
-                             frames1 - frames0, frames_converted() - frames1)
+                             frames1 - frames0, frames_converted() - frames1, compiled)
     except Exception as exc:
         problems.update(reason=error_text(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
@@ -259,6 +261,7 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         warmup_s=results[0].warmup_s,
         dynamo_frames_setup_warmup=results[0].frames_warmup,
         dynamo_frames_timed=sum(r.frames_timed for r in results),
+        compile_s_setup_warmup=results[0].compile_s,
     )
     first = results[0].first_output
     if reference is not None and first is not None and first.shape == reference.shape:

@@ -102,7 +102,9 @@ def notes_text(settings: dict) -> str:
         "contender. speedup_vs_diffusers_1gpu: plain diffusers on one GPU (eager) / contender; "
         "speedup_vs_xstage_serial: the difference the calibrated schedule makes. setup_s / warmup_s / "
         "dynamo_frames_setup_warmup / dynamo_frames_timed (JSON): applying, warming up (compiles land here), and "
-        "the frames Dynamo converted in each (a timed frame is a recompile inside the timing). " + rounds_text(s),
+        "the frames Dynamo converted in each (a timed frame is a recompile inside the timing); compile_s_setup_warmup "
+        "(JSON): torch.compile's own timers over both, by phase (Dynamo tracing, AOTAutograd, Inductor, the wait on "
+        "Triton's compile workers). " + rounds_text(s),
         "",
         "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
         "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "
