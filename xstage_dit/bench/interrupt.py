@@ -18,6 +18,7 @@ import time
 from typing import Iterator
 
 from xstage_dit._torch_private import frames_converted
+from xstage_dit.bench.measure import unmeasured_row
 
 __all__ = ["Stopped", "row_on_sigterm"]
 
@@ -39,10 +40,9 @@ def row_on_sigterm(report, contender) -> Iterator[None]:
     def stop(signum, frame):
         elapsed = time.perf_counter() - started
         converted = frames_converted() - frames
-        report.put({"name": contender.name, "family": contender.family, "compile": contender.compile,
-                    "status": "interrupted", "reason": f"stopped by SIGTERM after {elapsed:.0f} s of this row "
-                    f"({converted} Dynamo frames converted meanwhile)", "interrupted_after_s": elapsed,
-                    "dynamo_frames_so_far": converted})
+        reason = f"stopped by SIGTERM after {elapsed:.0f} s of this row ({converted} Dynamo frames converted meanwhile)"
+        report.put(dict(unmeasured_row(contender, "interrupted", reason), interrupted_after_s=elapsed,
+                        dynamo_frames_so_far=converted))
         raise Stopped(f"SIGTERM during {contender.name}")
 
     previous = signal.signal(signal.SIGTERM, stop)
