@@ -19,6 +19,13 @@ def test_any_policy_returns_the_failing_rank_and_stops_the_others():
     assert time.monotonic() - t0 < 30, "rank 0 should have been stopped at once"
 
 
+def test_any_policy_reports_the_rank_that_failed_first_not_the_lowest():
+    # Rank 1 fails, and rank 0 fails 50 ms later as a consequence (a collective losing its peer), both
+    # within one 1 s poll: the code is rank 1's, the cause, as `launch` saw the exits happen.
+    ranks = "import os, sys, time; r = int(os.environ['RANK']); time.sleep(0.05 if r == 0 else 0); sys.exit(1 if r == 0 else 3)"
+    assert launch(2, [sys.executable, "-c", ranks], timeout_s=60, grace_s=2, poll_s=1.0) == 3
+
+
 def test_leader_policy_lets_rank0_decide(capfd):
     assert launch(2, [sys.executable, "-c", RANKS.format(delay=1.0)], policy="leader", timeout_s=60) == 0
     err = capfd.readouterr().err

@@ -74,32 +74,61 @@ def _exit_code(code: int) -> int:
     return code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell reports it
 
 
+class _ExitOrder:
+    """Which ranks have exited, in the order they exited: one waiter thread a rank, each stamping its
+    rank's exit as it happens. A poll loop cannot tell two exits within one poll apart, and under "any"
+    the first failure is the cause: rank 1 raising makes rank 0's collective fail a few ms later
+    ("Connection closed by peer"), and it is rank 1's code the user needs to see."""
+
+    def __init__(self, procs: list[subprocess.Popen]):
+        import threading
+
+        self._lock = threading.Lock()
+        self._exits: list[tuple[int, int]] = []  # (rank, exit code), in exit order
+        for rank, proc in enumerate(procs):
+            threading.Thread(target=self._wait, args=(rank, proc), daemon=True,
+                             name=f"launcher-wait-{rank}").start()
+
+    def _wait(self, rank: int, proc: subprocess.Popen) -> None:
+        code = proc.wait()
+        with self._lock:
+            self._exits.append((rank, _exit_code(code)))
+
+    def exits(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every rank that has exited so far, first exit first."""
+        with self._lock:
+            return list(self._exits)
+
+
 def supervise(procs: list[subprocess.Popen], *, policy: str = "any", timeout_s: float | None = None,
               poll_s: float = 0.05, label: str = "xstage-dit launch") -> int:
     """Wait for the ranks under `policy` ("any" or "leader", see the module) and return the exit code
-    (124 after `timeout_s`, 130 when interrupted). Does not stop the ranks: `launch` does."""
+    (124 after `timeout_s`, 130 when interrupted). Under "any" the code is that of the rank that failed
+    first, not of the lowest failed rank (a rank's death makes its peers fail right after it).
+    Does not stop the ranks: `launch` does."""
     if policy not in ("any", "leader"):
         raise ValueError(f"expected policy 'any' or 'leader', got {policy!r}")
     start = time.monotonic()
+    order = _ExitOrder(procs)
     reported: set[int] = set()
     while True:
-        codes = [p.poll() for p in procs]
+        exits = order.exits()
         if policy == "leader":
-            if codes[0] is not None:
-                return _exit_code(codes[0])
-            for rank, code in enumerate(codes[1:], start=1):
-                if code is not None and rank not in reported:
+            for rank, code in exits:
+                if rank == 0:
+                    return code
+                if rank not in reported:
                     reported.add(rank)  # rank 0 notices (heartbeat), answers 503, exits after its grace period
-                    print(f"{label}: rank {rank} (pid {procs[rank].pid}) exited with code {_exit_code(code)}",
+                    print(f"{label}: rank {rank} (pid {procs[rank].pid}) exited with code {code}",
                           file=sys.stderr, flush=True)
         else:
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            failed = [(r, c) for r, c in exits if c != 0]
             if failed:
-                rank, code = failed[0][0], _exit_code(failed[0][1])
+                rank, code = failed[0]
                 log.error("rank %d exited with %d: stopping the other ranks", rank, code)
                 print(f"{label}: rank {rank} exited with code {code}; stopping the other ranks", file=sys.stderr)
                 return code
-            if all(c == 0 for c in codes):
+            if len(exits) == len(procs):
                 return 0
         if timeout_s is not None and time.monotonic() - start > timeout_s:
             print(f"{label}: ranks still running after {timeout_s:.0f} s; stopping them", file=sys.stderr)
