@@ -31,6 +31,7 @@ def test_sigterm_mid_row_writes_an_interrupted_row_and_exits_143(tmp_path):
     assert [(r["name"], r["status"]) for r in rows] == [("diffusers", "interrupted")], rows
     assert rows[0]["reason"].startswith("stopped by SIGTERM after ") and rows[0]["interrupted_after_s"] >= 0.5
     assert rows[0]["dynamo_frames_so_far"] == 0  # eager: nothing compiled
+    assert set(rows[0]["compile_s_so_far"]) >= {"total", "inductor"} and rows[0]["compile_s_so_far"]["total"] == 0
     assert "| diffusers | interrupted |" in (tmp_path / "e2e-tiny-flux-1xcpu.md").read_text(encoding="utf-8")
 
 

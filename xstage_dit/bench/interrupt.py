@@ -6,7 +6,7 @@
 Why: a device call ends with ``timeout``'s SIGTERM, and a row still compiling then left nothing in the results:
 three FP8 rows on an H100 (2026-12-06) ran 100-400 s each and were lost without a word of how far they got. The
 row written here ("interrupted") says how long it ran and how many frames Dynamo converted meanwhile (per-block
-recompiles against one slow compile), and the run's files are complete up to it.
+recompiles against one slow compile) and how the finished graphs' compile time split into phases, and the run's files are complete up to it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Iterator
 
-from xstage_dit._torch_private import frames_converted
+from xstage_dit._torch_private import compile_seconds, frames_converted
 from xstage_dit.bench.measure import unmeasured_row
 
 __all__ = ["Stopped", "row_on_sigterm"]
@@ -35,14 +35,16 @@ def row_on_sigterm(report, contender) -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    started, frames = time.perf_counter(), frames_converted()
+    started, frames, compiled = time.perf_counter(), frames_converted(), compile_seconds()
 
     def stop(signum, frame):
         elapsed = time.perf_counter() - started
         converted = frames_converted() - frames
         reason = f"stopped by SIGTERM after {elapsed:.0f} s of this row ({converted} Dynamo frames converted meanwhile)"
         report.put(dict(unmeasured_row(contender, "interrupted", reason), interrupted_after_s=elapsed,
-                        dynamo_frames_so_far=converted))
+                        dynamo_frames_so_far=converted,
+                        # phases of the graphs finished meanwhile (the one compiling now is not counted yet)
+                        compile_s_so_far={k: round(v - compiled[k], 3) for k, v in compile_seconds().items()}))
         raise Stopped(f"SIGTERM during {contender.name}")
 
     previous = signal.signal(signal.SIGTERM, stop)
