@@ -99,15 +99,19 @@ def launch_preloaded(world: int, program: str, args: Sequence[str], *, env: dict
 
 
 def _supervise(procs: list, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
+    """0, the code of the rank that failed first (exits in the order `wait` reports them: a rank's death makes
+    its peers fail right after, and the cause is what a test asserts), or 124 after `timeout_s`."""
+    deadline, exits = time.monotonic() + timeout_s, []
     while True:
-        codes = [p.exitcode for p in procs]
-        failed = [c for c in codes if c not in (None, 0)]
+        ready = multiprocessing.connection.wait([p.sentinel for p in procs if p not in exits], timeout=0.5)
+        for p in procs:
+            if p.sentinel in ready:
+                p.join(5)  # the sentinel closes a moment before the exit code can be read
+                exits.append(p)
+        failed = [p.exitcode for p in exits if p.exitcode != 0]
         if failed:
             return failed[0] if failed[0] > 0 else 128 - failed[0]
-        if all(c == 0 for c in codes):
+        if len(exits) == len(procs):
             return 0
         if time.monotonic() > deadline:
             return 124
-        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
-
