@@ -22,11 +22,11 @@ ROOT = Path(__file__).resolve().parents[2]
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers.family_harness import Tokens, equivalence, launch_ranks, request_output  # noqa: E402
+from tests.helpers.family_harness import (  # noqa: E402
+    Tokens, check_parallel_ranks, equivalence, launch_ranks, request_output)
 from tests.helpers.tolerances import TOL  # noqa: E402
 
 CFG = {"negative_prompt": "blurry", "true_cfg_scale": 4.0}  # true CFG: a second transformer call a step
@@ -171,19 +171,8 @@ def rank_main(out: str, world: int, group: str) -> int:
 
 
 def _check(ranks: list[dict], world: int, group: str) -> None:
-    for rank, results in enumerate(ranks):
-        for model, (cases, cfg) in GROUPS[group].items():
-            for case_name in cases:
-                single = results[f"{model}/{case_name}/single-tokens"]
-                for config_name, config in configs(world, cfg).items():
-                    r = results[f"{model}/{case_name}/{config_name}"]
-                    if rank == 0:
-                        print(f"world {world} {model} {case_name} {config_name}: max abs error {r['max_abs']:.2e}")
-                    where = (model, case_name, config_name, r)
-                    assert r["ref_std"] > 1e-3 and r["max_abs"] <= TOL.fp32_pipeline, where
-                    assert r["restored"] == 0.0, where  # restore gives the pipeline back exactly
-                    if config.get("sp", 1) > 1:
-                        assert r["tokens"] < single, where  # the attention ran on shards
+    check_parallel_ranks(ranks, world, {f"{model}/{case_name}": configs(world, cfg)
+                                        for model, (cases, cfg) in GROUPS[group].items() for case_name in cases})
 
 
 # ------------------------------------------------------------------------------------------------------- tests

@@ -26,7 +26,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers.family_harness import (  # noqa: E402
-    Tokens, equivalence, launch_ranks, pipeline_image, saved_folder_outputs)
+    Tokens, check_parallel_ranks, equivalence, launch_ranks, pipeline_image, saved_folder_outputs)
 from tests.helpers.tolerances import TOL  # noqa: E402
 
 MODEL = "tiny-lumina2"
@@ -115,18 +115,7 @@ def _launch(world: int, tmp_path: Path) -> list[dict]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_parallel_pipeline_matches_one_process(world, tmp_path):
     ranks = _launch(world, tmp_path)
-    for rank, results in enumerate(ranks):
-        for case_name in CASES:
-            single = results[f"{case_name}/single-tokens"]
-            for config_name, config in CONFIGS[world].items():
-                r = results[f"{case_name}/{config_name}"]
-                if rank == 0:
-                    print(f"world {world} {case_name} {config_name}: max abs error {r['max_abs']:.2e} "
-                          "(pixels in [0, 1])")
-                assert r["ref_std"] > 1e-3 and r["max_abs"] <= TOL.fp32_pipeline, (case_name, config_name, r)
-                assert r["restored"] == 0.0, (case_name, config_name, r)  # restore gives the pipeline back exactly
-                if config.get("sp", 1) > 1:
-                    assert r["tokens"] < single, (case_name, config_name, r)  # the attention ran on shards
+    check_parallel_ranks(ranks, world, {case_name: CONFIGS[world] for case_name in CASES})
     if world == 2:
         errors = {r["error"] for r in ranks}
         assert len(errors) == 1 and "had no unconditional partner" in errors.pop(), ranks

@@ -98,6 +98,27 @@ def equivalence(pipe, config: dict, image, ref: np.ndarray) -> dict:
             "ref_std": float(ref.std()), "tokens": sum(tokens)}
 
 
+def check_parallel_ranks(ranks: list[dict], world: int, cases: dict[str, dict[str, dict]]) -> None:
+    """Every rank's parallel results (`equivalence`) against one process: `cases` maps a result key's prefix
+    (``"<case>"`` or ``"<model>/<case>"``) to that case's {config name: config}. Each config within
+    `TOL.fp32_pipeline` of the one-process image, restore exact, and at sp > 1 fewer attention tokens than the
+    prefix's ``single-tokens`` (the attention ran on shards)."""
+    from tests.helpers.tolerances import TOL
+
+    for rank, results in enumerate(ranks):
+        for prefix, configs in cases.items():
+            single = results[f"{prefix}/single-tokens"]
+            for config_name, config in configs.items():
+                r = results[f"{prefix}/{config_name}"]
+                if rank == 0:
+                    print(f"world {world} {prefix} {config_name}: max abs error {r['max_abs']:.2e} (pixels in [0, 1])")
+                where = (prefix, config_name, r)
+                assert r["ref_std"] > 1e-3 and r["max_abs"] <= TOL.fp32_pipeline, where
+                assert r["restored"] == 0.0, where  # restore gives the pipeline back exactly
+                if config.get("sp", 1) > 1:
+                    assert r["tokens"] < single, where
+
+
 def launch_ranks(rank_program: str, name: str, world: int, tmp_path: Path, *args: str,
                  timeout_s: float = 400) -> list[dict]:
     """Run `rank_program` (``python FILE OUT WORLD [ARGS...]``) on `world` gloo ranks, forked from the preloaded
