@@ -12,6 +12,10 @@ in turn, restoring between them:
     +graphs               CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): the
                           compile xfuser's FLUX runner uses; one forward per step only (a CFG pipeline's second
                           forward would overwrite the first one's output)
+    +fp8 / +fp8t / +fp8w  FP8 linear layers (issue 41): the stack's FP8 feature (`features.fp8.Fp8Handle`: the family
+                          record's exclusions) row-wise, tensor-wise, or weight-only; with @none the peers' recipe
+                          instead (torchao row-wise on every linear layer, `bench.contenders.peer_fp8`)
+    +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
                           faster than torch's SDPA)
@@ -19,10 +23,14 @@ in turn, restoring between them:
 
 With ``--vae`` it also times the image VAE's decode of one latent: eager, channels_last, compiled, compiled +
 channels_last. Every variant's output is compared with the eager one (max abs difference) before it is timed.
+Each transformer row also records what its first call compiled: the Dynamo frames converted and torch.compile's
+own timers by phase (`_torch_private.compile_seconds`), so a slow first call reads as many graphs or slow ones.
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
         --height 64 --width 64 --variants eager,regional --backend eager          # the CPU smoke test
+    python benchmarks/bench_compile_variants.py --model flux --variants \\
+        regional,regional+fp8,regional+fp8t,regional+fp8@none,regional+fp8+fp8attn@auto   # FP8 per granularity
 
 Writes <out-dir>/compile-variants-<model>.{json,md}: median of per-call CUDA-event timings after warm-up.
 """
@@ -33,6 +41,7 @@ import argparse
 import gc
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -40,26 +49,68 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, time_ms, write_results  # noqa: E402
+from xstage_dit._torch_private import compile_seconds, frames_converted  # noqa: E402
 
 TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
          "epilogue_fusion": False}
 GRAPHS = {"triton.cudagraphs": True}
-COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "speedup_vs_eager",
-           "max_abs_diff_vs_eager", "note")
+COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
+           "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
+FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8w": "weight"}  # variant part -> Fp8Config granularity
 
 
-def parse_variant(name: str) -> tuple[str, dict | None, bool, str]:
-    """"regional+tuned+qkv@auto" -> ("regional", Inductor options (None: its defaults), qkv=True, "auto");
-    ValueError naming a bad part. The schedule "none" means no ``parallelize``."""
+@dataclass(frozen=True)
+class Variant:
+    """A parsed variant name: compile `mode`, its Inductor `options` (None: defaults), `qkv` fusion, the attention
+    `schedule` ("none": no ``parallelize``), the `fp8` granularity (None: bf16) and `fp8_attention`."""
+
+    mode: str
+    options: dict | None = None
+    qkv: bool = False
+    schedule: str = "serial"
+    fp8: str | None = None
+    fp8_attention: bool = False
+
+
+def parse_variant(name: str) -> Variant:
+    """"regional+tuned+qkv@auto" -> Variant("regional", Inductor options, qkv=True, schedule="auto");
+    "regional+fp8+fp8attn@auto" -> row-wise FP8 linear layers and 8-bit attention candidates. ValueError naming
+    a bad name."""
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
-    if mode not in ("eager", "regional", "full") or any(e not in ("tuned", "qkv", "graphs") for e in extras) or \
+    fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
+    known = ("tuned", "qkv", "graphs", "fp8attn", *FP8_EXTRAS)
+    if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
-                                                                                   "graphs" in extras)):
-        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto; "
-                         f"got {name!r}")
+                                                                                   "graphs" in extras)) or \
+            len(fp8) > 1 or ("fp8attn" in extras and (schedule != "auto" or fp8 in ([], ["weight"]))):
+        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
+                         f"regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto); got {name!r}")
     options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
-    return mode, options or None, "qkv" in extras, schedule or "serial"
+    return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
+                   "fp8attn" in extras)
+
+
+def _apply_fp8(transformer, handle, variant: Variant):
+    """FP8 of `variant` on `transformer` (after ``parallelize``'s `handle`, before compile); returns the undo."""
+    if variant.schedule == "none":
+        if variant.fp8 != "row":
+            raise ValueError(f"the peers' FP8 recipe (@none) is row-wise: expected +fp8, got {variant.fp8!r}")
+        from xstage_dit.bench.contenders import peer_fp8
+
+        return peer_fp8(transformer)
+    from xstage_dit.features.fp8 import Fp8Config, Fp8Handle, require_fp8_device
+
+    require_fp8_device(next(transformer.parameters()).device, variant.fp8)
+    attention_undo = handle.attention_kernels.use_fp8_attention("auto") if variant.fp8_attention else None
+    fp8 = Fp8Handle(transformer, Fp8Config(variant.fp8))
+
+    def undo() -> None:
+        fp8.restore()
+        if attention_undo is not None:
+            attention_undo()
+
+    return undo
 
 
 def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, frames: int, dtype, device):
@@ -97,41 +148,50 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     reference, eager_ms = None, None
     try:
         for name in variants:
-            mode, options, qkv, schedule = parse_variant(name)
-            handle = None if schedule == "none" else parallelize(
-                transformer, ParallelConfig(schedule=schedule, calibrate=schedule == "auto"))
-            if qkv:
-                transformer.fuse_qkv_projections()
-            compiled = None if mode == "eager" else apply_compile(
-                _Pipe(transformer), mode, backend=args.backend, options=options)
+            v = parse_variant(name)
+            handle = None if v.schedule == "none" else parallelize(
+                transformer, ParallelConfig(schedule=v.schedule, calibrate=v.schedule == "auto"))
+            fp8_undo = compiled = None
             try:
+                if v.qkv:
+                    transformer.fuse_qkv_projections()
+                if v.fp8 is not None:
+                    fp8_undo = _apply_fp8(transformer, handle, v)
+                compiled = None if v.mode == "eager" else apply_compile(
+                    _Pipe(transformer), v.mode, backend=args.backend, options=v.options)
+                frames0, compiled0 = frames_converted(), compile_seconds()
                 t0 = time.perf_counter()
                 out = step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 first_s = time.perf_counter() - t0
+                phases = {k: round(t - compiled0[k], 2) for k, t in compile_seconds().items()}
                 if not torch.isfinite(out).all():
                     raise RuntimeError(f"variant {name}: expected a finite output, got NaN/inf")
                 if reference is None:
                     reference = out.float().clone()
                 diff = float((out.float() - reference).abs().max())
                 stats = time_ms(step, warmup=args.warmup, reps=args.reps, device=device)
-                if mode == "eager" and not qkv and schedule == "serial" and eager_ms is None:
+                if v == Variant("eager") and eager_ms is None:
                     eager_ms = stats["median_ms"]
                 choices = getattr(handle, "schedule_choices", None)
                 note = "; ".join(x for x in (compiled.how if compiled else "",
-                                             f"schedules {choices}" if schedule == "auto" else "") if x)
+                                             f"schedules {choices}" if v.schedule == "auto" else "") if x)
                 rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
-                                 first_call_s=round(first_s, 2),
+                                 first_call_s=round(first_s, 2), frames=frames_converted() - frames0,
+                                 compile_s=phases["total"], compile_phases=phases,  # the phases: JSON only
                                  speedup_vs_eager=round(eager_ms / stats["median_ms"], 4) if eager_ms else None,
                                  max_abs_diff_vs_eager=diff, note=note))
                 print(f"{name:24s} {stats['median_ms']:9.3f} ms (p20 {stats['p20_ms']:.3f}, p80 {stats['p80_ms']:.3f}) "
-                      f"first call {first_s:.1f} s, max|diff| {diff:.3g}", flush=True)
+                      f"first call {first_s:.1f} s ({rows[-1]['frames']} frames, compile {phases}), "
+                      f"max|diff| {diff:.3g}", flush=True)
                 save()
             finally:
                 if compiled is not None:
                     compiled.restore()
-                if qkv:
+                if fp8_undo is not None:
+                    fp8_undo()
+                if v.qkv:
                     transformer.unfuse_qkv_projections()
                 if handle is not None:
                     handle.restore()

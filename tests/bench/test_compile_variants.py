@@ -1,4 +1,5 @@
-"""`benchmarks/bench_compile_variants.py`'s variant names: the Inductor options each one compiles with."""
+"""`benchmarks/bench_compile_variants.py`: its variant names (the Inductor options, FP8 and schedule each one
+means) and a CPU run of tiny FLUX that records what each first call compiled."""
 
 from __future__ import annotations
 
@@ -6,17 +7,42 @@ import re
 
 import pytest
 
-from benchmarks.bench_compile_variants import GRAPHS, TUNED, parse_variant
+from benchmarks.bench_compile_variants import GRAPHS, TUNED, Variant, parse_variant
 
 
 def test_variant_names_give_their_mode_options_and_schedule():
-    assert parse_variant("eager") == ("eager", None, False, "serial")
-    assert parse_variant("regional+qkv@auto") == ("regional", None, True, "auto")
-    assert parse_variant("full+graphs") == ("full", {"triton.cudagraphs": True}, False, "serial")
-    assert parse_variant("full+tuned+graphs@none") == ("full", {**TUNED, **GRAPHS}, False, "none")
+    assert parse_variant("eager") == Variant("eager", None, False, "serial")
+    assert parse_variant("regional+qkv@auto") == Variant("regional", None, True, "auto")
+    assert parse_variant("full+graphs") == Variant("full", {"triton.cudagraphs": True}, False, "serial")
+    assert parse_variant("full+tuned+graphs@none") == Variant("full", {**TUNED, **GRAPHS}, False, "none")
+    assert parse_variant("regional+fp8t") == Variant("regional", fp8="tensor")
+    assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
+    assert parse_variant("regional+fp8+fp8attn@auto") == Variant("regional", schedule="auto", fp8="row",
+                                                                  fp8_attention=True)
 
 
-@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max"])
+@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max",
+                                 "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
+                                 "regional+fp8w+fp8attn@auto"])
 def test_a_bad_variant_is_named(bad):
     with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
         parse_variant(bad)
+
+
+def test_a_cpu_run_records_each_first_calls_frames_and_compile_phases(tmp_path):
+    """Tiny FLUX on the CPU: bf16 eager and regional, then weight-only FP8 (the granularity a CPU runs) regional;
+    each row says how many frames its first call converted and how long each compile phase took."""
+    import json
+
+    from benchmarks.bench_compile_variants import main
+
+    assert main(["--model", "flux", "--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--height", "64",
+                 "--width", "64", "--variants", "eager,regional,regional+fp8w", "--backend", "eager", "--warmup", "0",
+                 "--reps", "2", "--out-dir", str(tmp_path)]) == 0
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "compile-variants-flux.json").read_text())["rows"]}
+    assert list(rows) == ["eager", "regional", "regional+fp8w"]
+    assert rows["eager"]["frames"] == 0 and rows["eager"]["compile_s"] == 0
+    for name in ("regional", "regional+fp8w"):  # one graph per block class (FLUX: double and single blocks)
+        assert 2 <= rows[name]["frames"] <= 4 and rows[name]["compile_phases"]["dynamo_tracing"] > 0, rows[name]
+    assert rows["regional"]["max_abs_diff_vs_eager"] == 0  # the eager backend runs the same ops
+    assert 0 < rows["regional+fp8w"]["max_abs_diff_vs_eager"] < 1  # float8 weights: close, not equal

@@ -52,24 +52,37 @@ class PlainDiffusersFp8(PlainDiffusers):
 
     def __init__(self, compile: bool):
         super().__init__(compile)
-        self._weights: list | None = None
+        self._undo = None
 
     def check(self, b: Bench) -> str | None:
         return _fp8_refusal(b)
 
     def apply(self, b: Bench) -> None:
-        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-        linears = [m for m in b.pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
-        self._weights = [(m, m.weight.detach().to("cpu", copy=True)) for m in linears]
-        quantize_(b.pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+        self._undo = peer_fp8(b.pipe.transformer)
         super().apply(b)
 
     def restore(self, b: Bench) -> None:
         super().restore(b)
-        weights, self._weights = self._weights or [], None
-        for module, weight in weights:
-            module.weight = torch.nn.Parameter(weight.to(b.device), requires_grad=False)
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
+def peer_fp8(transformer: torch.nn.Module):
+    """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
+    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``). Returns the undo,
+    which puts the bf16 weights back (kept on the CPU meanwhile)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+
+    def undo() -> None:
+        for module, device, weight in weights:
+            module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+
+    return undo
 
 
 class PlainDiffusersRepeat(PlainDiffusers):
