@@ -84,8 +84,9 @@ def parse_variant(name: str) -> Variant:
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
                                                                                    "graphs" in extras)) or \
             len(fp8) > 1 or ("fp8attn" in extras and (schedule != "auto" or fp8 in ([], ["weight"]))):
-        raise ValueError(f"expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
-                         f"regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto); got {name!r}")
+        raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
+                         "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto); "
+                         f"got {name!r}")
     options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    "fp8attn" in extras)

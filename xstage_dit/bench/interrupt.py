@@ -5,8 +5,9 @@
 
 Why: a device call ends with ``timeout``'s SIGTERM, and a row still compiling then left nothing in the results:
 three FP8 rows on an H100 (2026-12-06) ran 100-400 s each and were lost without a word of how far they got. The
-row written here ("interrupted") says how long it ran and how many frames Dynamo converted meanwhile (per-block
-recompiles against one slow compile) and how the finished graphs' compile time split into phases, and the run's files are complete up to it.
+row written here ("interrupted") says how long it ran, how many frames Dynamo converted meanwhile (per-block
+recompiles against one slow compile) and how the finished graphs' compile time split into phases; the run's files
+are complete up to it.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Sequence
 
@@ -81,8 +82,6 @@ class _ExitOrder:
     ("Connection closed by peer"), and it is rank 1's code the user needs to see."""
 
     def __init__(self, procs: list[subprocess.Popen]):
-        import threading
-
         self._lock = threading.Lock()
         self._exits: list[tuple[int, int]] = []  # (rank, exit code), in exit order
         for rank, proc in enumerate(procs):
@@ -165,8 +164,6 @@ def launch(
             raise KeyboardInterrupt  # a supervisor stopped by a job timeout takes its ranks with it
         if procs[0].poll() is None:  # rank 0 shuts down cleanly and tells the other ranks to stop
             procs[0].send_signal(signum)
-
-    import threading
 
     signals = (signal.SIGTERM,) if policy == "any" else (signal.SIGTERM, signal.SIGINT)
     main_thread = threading.current_thread() is threading.main_thread()
