@@ -24,7 +24,8 @@ in turn, restoring between them:
 With ``--vae`` it also times the image VAE's decode of one latent: eager, channels_last, compiled, compiled +
 channels_last. Every variant's output is compared with the eager one (max abs difference) before it is timed.
 Each transformer row also records what its first call compiled: the Dynamo frames converted and torch.compile's
-own timers by phase (`_torch_private.compile_seconds`), so a slow first call reads as many graphs or slow ones.
+own timers by phase (`_torch_private.compile_seconds`), so a slow first call reads as many graphs or slow ones. A
+variant that fails (after the first, every row's reference) leaves a row saying why, and the run goes on.
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
@@ -187,6 +188,13 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                       f"first call {first_s:.1f} s ({rows[-1]['frames']} frames, compile {phases}), "
                       f"max|diff| {diff:.3g}", flush=True)
                 save()
+            except Exception as exc:  # one variant's failure (a kernel a GPU lacks) costs its row, not the call's
+                if reference is None:
+                    raise  # the first variant is every other row's reference
+                rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name,
+                                 note=f"failed: {type(exc).__name__}: {exc}"[:300]))
+                print(f"{name:24s} failed: {type(exc).__name__}: {exc}", flush=True)
+                save()
             finally:
                 if compiled is not None:
                     compiled.restore()
@@ -302,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
 
     def save():
-        steps = [r for r in rows if "transformer" in r["what"]]
+        steps = [r for r in rows if "transformer" in r["what"] and "median_ms" in r]  # a failed variant has none
         best = min(steps, key=lambda r: r["median_ms"]) if steps else None
         summary = {"model": args.model, "size": args.size, "resolution": f"{args.width}x{args.height}",
                    "dtype": args.dtype, "fastest_transformer_variant": best and best["variant"],

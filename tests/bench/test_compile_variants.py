@@ -30,17 +30,19 @@ def test_a_bad_variant_is_named(bad):
 
 
 def test_a_cpu_run_records_each_first_calls_frames_and_compile_phases(tmp_path):
-    """Tiny FLUX on the CPU: bf16 eager and regional, then weight-only FP8 (the granularity a CPU runs) regional;
-    each row says how many frames its first call converted and how long each compile phase took."""
+    """Tiny FLUX on the CPU: bf16 eager and regional, then row-wise FP8 (no FP8 GEMM on a CPU: its row says why, and
+    the run goes on) and weight-only FP8 (the granularity a CPU runs) regional; each measured row says how many
+    frames its first call converted and how long each compile phase took."""
     import json
 
     from benchmarks.bench_compile_variants import main
 
     assert main(["--model", "flux", "--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--height", "64",
-                 "--width", "64", "--variants", "eager,regional,regional+fp8w", "--backend", "eager", "--warmup", "0",
+                 "--width", "64", "--variants", "eager,regional,regional+fp8,regional+fp8w", "--backend", "eager", "--warmup", "0",
                  "--reps", "2", "--out-dir", str(tmp_path)]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "compile-variants-flux.json").read_text())["rows"]}
-    assert list(rows) == ["eager", "regional", "regional+fp8w"]
+    assert list(rows) == ["eager", "regional", "regional+fp8", "regional+fp8w"]
+    assert "median_ms" not in rows["regional+fp8"] and "need a CUDA GPU" in rows["regional+fp8"]["note"], rows
     assert rows["eager"]["frames"] == 0 and rows["eager"]["compile_s"] == 0
     for name in ("regional", "regional+fp8w"):  # one graph per block class (FLUX: double and single blocks)
         assert 2 <= rows[name]["frames"] <= 4 and rows[name]["compile_phases"]["dynamo_tracing"] > 0, rows[name]
