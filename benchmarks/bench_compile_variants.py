@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, time_ms, write_results  # noqa: E402
-from xstage_dit._torch_private import compile_seconds, frames_converted  # noqa: E402
+from xstage_dit._torch_private import compile_seconds, compile_seconds_since, frames_converted  # noqa: E402
 
 TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
          "epilogue_fusion": False}
@@ -84,10 +84,11 @@ def parse_variant(name: str) -> Variant:
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
                                                                                    "graphs" in extras)) or \
-            len(fp8) > 1 or ("fp8attn" in extras and (schedule != "auto" or fp8 in ([], ["weight"]))):
+            len(fp8) > 1 or ("fp8attn" in extras and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
+            (schedule == "none" and fp8 not in ([], ["row"])):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
-                         "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto); "
-                         f"got {name!r}")
+                         "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto; at @none, "
+                         f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
     options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    "fp8attn" in extras)
@@ -95,9 +96,7 @@ def parse_variant(name: str) -> Variant:
 
 def _apply_fp8(transformer, handle, variant: Variant):
     """FP8 of `variant` on `transformer` (after ``parallelize``'s `handle`, before compile); returns the undo."""
-    if variant.schedule == "none":
-        if variant.fp8 != "row":
-            raise ValueError(f"the peers' FP8 recipe (@none) is row-wise: expected +fp8, got {variant.fp8!r}")
+    if variant.schedule == "none":  # the peers' recipe, row-wise (`parse_variant` refuses another granularity)
         from xstage_dit.bench.contenders import peer_fp8
 
         return peer_fp8(transformer)
@@ -167,7 +166,7 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 first_s = time.perf_counter() - t0
-                phases = {k: round(t - compiled0[k], 2) for k, t in compile_seconds().items()}
+                phases = compile_seconds_since(compiled0)
                 if not torch.isfinite(out).all():
                     raise RuntimeError(f"variant {name}: expected a finite output, got NaN/inf")
                 if reference is None:

@@ -104,6 +104,11 @@ def compile_seconds() -> dict[str, float]:
     return {phase: float(sum(metrics.get(name, ()))) for phase, name in COMPILE_PHASES.items()}
 
 
+def compile_seconds_since(before: dict[str, float]) -> dict[str, float]:
+    """Seconds spent in each of `COMPILE_PHASES` since `before` (an earlier `compile_seconds()`), to the ms."""
+    return {phase: round(now - before[phase], 3) for phase, now in compile_seconds().items()}
+
+
 # ------------------------------------------------------------------------------------------- recompile limits
 
 _LIMIT_NAMES = ("recompile_limit", "accumulated_recompile_limit")

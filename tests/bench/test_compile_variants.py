@@ -23,7 +23,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
 
 @pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max",
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
-                                 "regional+fp8w+fp8attn@auto"])
+                                 "regional+fp8w+fp8attn@auto", "regional+fp8t@none"])
 def test_a_bad_variant_is_named(bad):
     with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
         parse_variant(bad)
@@ -38,8 +38,8 @@ def test_a_cpu_run_records_each_first_calls_frames_and_compile_phases(tmp_path):
     from benchmarks.bench_compile_variants import main
 
     assert main(["--model", "flux", "--size", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--height", "64",
-                 "--width", "64", "--variants", "eager,regional,regional+fp8,regional+fp8w", "--backend", "eager", "--warmup", "0",
-                 "--reps", "2", "--out-dir", str(tmp_path)]) == 0
+                 "--width", "64", "--variants", "eager,regional,regional+fp8,regional+fp8w", "--backend", "eager",
+                 "--warmup", "0", "--reps", "2", "--out-dir", str(tmp_path)]) == 0
     rows = {r["variant"]: r for r in json.loads((tmp_path / "compile-variants-flux.json").read_text())["rows"]}
     assert list(rows) == ["eager", "regional", "regional+fp8", "regional+fp8w"]
     assert "median_ms" not in rows["regional+fp8"] and "need a CUDA GPU" in rows["regional+fp8"]["note"], rows

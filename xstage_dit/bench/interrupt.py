@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Iterator
 
-from xstage_dit._torch_private import compile_seconds, frames_converted
+from xstage_dit._torch_private import compile_seconds, compile_seconds_since, frames_converted
 from xstage_dit.bench.measure import unmeasured_row
 
 __all__ = ["Stopped", "row_on_sigterm"]
@@ -45,7 +45,7 @@ def row_on_sigterm(report, contender) -> Iterator[None]:
         report.put(dict(unmeasured_row(contender, "interrupted", reason), interrupted_after_s=elapsed,
                         dynamo_frames_so_far=converted,
                         # phases of the graphs finished meanwhile (the one compiling now is not counted yet)
-                        compile_s_so_far={k: round(v - compiled[k], 3) for k, v in compile_seconds().items()}))
+                        compile_s_so_far=compile_seconds_since(compiled)))
         raise Stopped(f"SIGTERM during {contender.name}")
 
     previous = signal.signal(signal.SIGTERM, stop)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from xstage_dit._torch_private import compile_seconds, frames_converted
+from xstage_dit._torch_private import compile_seconds, compile_seconds_since, frames_converted
 from xstage_dit.bench.contenders import Contender
 from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
@@ -202,7 +202,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
             torch.cuda.synchronize()
         warmup_s = time.perf_counter() - t0
         frames1 = frames_converted()
-        compiled = {k: round(v - compiled0[k], 3) for k, v in compile_seconds().items()}
+        compiled = compile_seconds_since(compiled0)
         timer.collect()
         latencies, step_times, forwards = [], [], []
         first_output = None
