@@ -141,7 +141,11 @@ def test_nucleusmoe_experts_run_the_grouped_fp8_gemm_compiled_and_restore_bit_fo
     pipe = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cuda", seed=0)
     spec = model_spec("tiny-nucleusmoe")
     before = _weights(pipe.transformer)
+    strides = {k: v.stride() for k, v in pipe.transformer.state_dict().items()}
     reference = _latents(pipe, spec)
+    # A first H100 run (2026-12-07) found the restored latents off by a bf16 ulp here and there with every weight
+    # equal: the bf16 path run twice tells a restore that misses something from a path that is not repeatable.
+    assert torch.equal(_latents(pipe, spec), reference), "the bf16 NucleusMoE path is not repeatable on this GPU"
     engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", compile=CompileConfig("regional"), quantize="fp8"))
     engine.apply(pipe, kind="image")
     (described,) = engine.describe()["fp8"]
@@ -152,4 +156,6 @@ def test_nucleusmoe_experts_run_the_grouped_fp8_gemm_compiled_and_restore_bit_fo
     assert 0 < rel < 0.3, rel
     engine.restore()
     assert all(torch.equal(v, before[k]) for k, v in _weights(pipe.transformer).items())
+    assert {k: v.stride() for k, v in pipe.transformer.state_dict().items()} == strides
+    assert not [p for p, m in pipe.transformer.named_modules() if "_run_experts_grouped_mm" in m.__dict__]
     assert torch.equal(_latents(pipe, spec), reference)

@@ -1,6 +1,7 @@
 """FP8 (issue 41) across ranks and with 8-bit attention, on a GPU (marked `gpu`: skipped, and counted, without one).
 
-A tiny FLUX whose attention the 8-bit kernels take (4 heads x 64), 256 image + 32 text tokens, 4 steps, eager:
+A tiny FLUX whose attention the 8-bit kernels take (4 heads x 64), 256 image + 64 text tokens (320: a whole number of
+SageAttention's 64-key blocks, ``ops/attention/sage.py``), 4 steps, eager:
 
 - world 1: FP8 linear layers (row-wise) plus each 8-bit attention kernel asked for by name, composed with regional
   compile: every attention shape runs it ("fused:<kernel>"), the latents stay near bf16's, restore gives the bf16
@@ -32,7 +33,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-STEPS, SIZE = 4, 256  # 256 x 256: 256 image tokens (tiny VAE), + 32 text tokens
+STEPS, SIZE, TEXT = 4, 256, 64  # 256 x 256: 256 image tokens (tiny VAE), + 64 text tokens
+TOKENS = 256 + TEXT
 CASES = {"fp8-linear": "off", "fp8+cudnn-fp8": "cudnn-fp8", "fp8+sage": "sage"}
 SPREAD_FACTOR = 2.0
 PERTURB = 2.0 ** -8
@@ -57,8 +59,8 @@ def _kernel_refusal(name: str, device) -> str | None:
     from xstage_dit.ops.attention.kernels import make_kernel
     from xstage_dit.ops.attention.window import WindowGeometry
 
-    return make_kernel(name).supports(WindowGeometry(2, 1, 288, 4, 64, 144 * 4 * 64), torch.bfloat16,
-                                      torch.device(device), True)
+    geom = WindowGeometry(2, 1, TOKENS, 4, 64, TOKENS // 2 * 4 * 64)
+    return make_kernel(name).supports(geom, torch.bfloat16, torch.device(device), True)
 
 
 ACTIVATIONS = ("hidden_states", "encoder_hidden_states")
@@ -98,7 +100,7 @@ def latents(pipe, parallel, fp8_attention: str | None, *, compile_mode: str = "o
     handle = _perturbing_hook(pipe.transformer, perturb) if perturb is not None else None
     try:
         out = pipe(prompt="a red fox in the snow", num_inference_steps=STEPS, height=SIZE, width=SIZE,
-                   guidance_scale=3.5, max_sequence_length=32, output_type="latent",
+                   guidance_scale=3.5, max_sequence_length=TEXT, output_type="latent",
                    generator=torch.Generator("cpu").manual_seed(7))
         names = sorted({d.name for d in stack.schedule_choices.values()})
     finally:
@@ -165,7 +167,7 @@ def test_auto_times_the_8bit_kernels_beside_the_16bit_ones(tmp_path, monkeypatch
     # The kernel sweep only (calibrate=True would also run the X-Stage calibration, which world 1 does not use).
     stack.attention_kernels.allow_measure = True
     try:
-        pipe(prompt="a fox", num_inference_steps=1, height=SIZE, width=SIZE, max_sequence_length=32,
+        pipe(prompt="a fox", num_inference_steps=1, height=SIZE, width=SIZE, max_sequence_length=TEXT,
              output_type="latent", generator=torch.Generator("cpu").manual_seed(0))
         families = stack.attention_kernels.report()["families"]
     finally:

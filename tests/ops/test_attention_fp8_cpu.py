@@ -111,8 +111,8 @@ def test_the_8bit_kernels_refuse_a_cpu_a_pointer_table_and_fp32_naming_why():
 
 
 def test_a_missing_device_or_package_is_named():
-    for module in (cudnn_fp8, sage):
-        assert "needs a CUDA device, got cpu" in module.unavailable(torch.device("cpu"), 128)
+    assert "needs a CUDA device, got cpu" in cudnn_fp8.unavailable(torch.device("cpu"), 128)
+    assert "needs a CUDA device, got cpu" in sage.unavailable(torch.device("cpu"), 128, 4608)
     sage._sageattn.cache_clear()
     try:
         with pytest.MonkeyPatch.context() as mp:
@@ -125,3 +125,23 @@ def test_a_missing_device_or_package_is_named():
                 sage._sageattn()
     finally:
         sage._sageattn.cache_clear()
+
+
+def test_sage_is_refused_where_its_unmasked_key_padding_would_weigh_in_the_softmax(monkeypatch):
+    """sageattention 1.0.6 reads the keys padding its last block of 64 as zeros and weighs them (found on an H100:
+    rel L2 0.64 at 17 keys). The same padding in torch reproduces that error, and the kernel is refused for such
+    key counts, by name and count, on every path that asks ``supports``."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 17, 2, 128, generator=gen) for _ in range(3))
+    padded_k, padded_v = (torch.cat([t, t.new_zeros(2, 47, 2, 128)], dim=1) for t in (k, v))
+    exact = attention_reference(q, k, v)
+    assert torch.linalg.vector_norm(attention_reference(q, padded_k, padded_v) - exact) > 0.5 * exact.norm()
+
+    monkeypatch.setattr(sage, "capability_refusal", lambda *args: None)  # a CPU stands in for a GPU here
+    monkeypatch.setattr(sage, "_sageattn", lambda: None)  # and the package is taken as installed
+    assert sage.unavailable(torch.device("cuda"), 128, 4608) is None
+    for kv_len, pad in ((17, 47), (4607, 1), (32760, 8)):
+        reason = sage.unavailable(torch.device("cuda"), 128, kv_len)
+        assert f"the {pad} zero keys" in reason and f"got {kv_len}" in reason, reason
+        geom = WindowGeometry(2, 1, kv_len, 4, 128, -(-kv_len // 2) * 4 * 128)
+        assert make_kernel("sage").supports(geom, torch.bfloat16, torch.device("cuda"), True) == reason

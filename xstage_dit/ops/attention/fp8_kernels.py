@@ -6,7 +6,8 @@ where FP8 attention was asked for (``features.fp8``: ``Fp8Config.attention``):
 
 ``cudnn-fp8``: cuDNN's FP8 SDPA forward (`cudnn_fp8`): q, k, v quantized to e4m3 on the device with one scale per
 tensor (`fp8_quant.quantize_qkv`), O in e4m3 (all Hopper's cuDNN writes from FP8 inputs), dequantized by the store.
-``sage``: SageAttention 1 (`sage`): int8 Q K^T with per-block scales, fp16 P V, bf16 O.
+``sage``: SageAttention 1 (`sage`): int8 Q K^T with per-block scales, fp16 P V, bf16 O; refused unless the key
+count is a multiple of its key block (`sage.KEY_BLOCK`: it leaves the padding keys unmasked).
 
 Neither writes a strided bf16 output itself, so each runs on this rank's heads over the whole sequence into a local
 buffer and a store kernel (`fp8_quant.store_rows`) writes every row, dequantized, into its owner's slot of the peer
@@ -34,7 +35,7 @@ class _StoredOutputKernel:
 
     name = ""
 
-    def _unavailable(self, device: torch.device, head_dim: int) -> str | None:
+    def _unavailable(self, device: torch.device, geom: WindowGeometry) -> str | None:
         raise NotImplementedError
 
     def _attend(self, q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -47,7 +48,7 @@ class _StoredOutputKernel:
             return f"{self.name} stores its output through a strided view: it needs the peer window (not a pointer table)"
         if dtype not in DTYPES:
             return f"{self.name} takes float16/bfloat16 inputs, got {dtype}"
-        return self._unavailable(torch.device(device), geom.head_dim)
+        return self._unavailable(torch.device(device), geom)
 
     def run(self, q, k, v, target, geom: WindowGeometry, scale: float) -> None:
         """q, k, v: (B, rows_in >= P*L, Hr, D), rows [0, S) the whole sequence in token order; target: the
@@ -72,10 +73,10 @@ class CudnnFp8Kernel(_StoredOutputKernel):
     def __init__(self):
         self._impl = None
 
-    def _unavailable(self, device, head_dim):
+    def _unavailable(self, device, geom):
         from xstage_dit.ops.attention.cudnn_fp8 import unavailable
 
-        return unavailable(device, head_dim)
+        return unavailable(device, geom.head_dim)
 
     def _attend(self, q, k, v, scale):
         from xstage_dit.ops.attention.cudnn_fp8 import CudnnFp8Attention
@@ -92,10 +93,10 @@ class SageKernel(_StoredOutputKernel):
 
     name = "sage"
 
-    def _unavailable(self, device, head_dim):
+    def _unavailable(self, device, geom):
         from xstage_dit.ops.attention.sage import unavailable
 
-        return unavailable(device, head_dim)
+        return unavailable(device, geom.head_dim, geom.seq_len)
 
     def _attend(self, q, k, v, scale):
         from xstage_dit.ops.attention.sage import sage_attention

@@ -9,6 +9,12 @@ unchanged by a shift of every key) and ``smooth_k=False`` is passed, so no input
 
 It is the only SageAttention on PyPI as a wheel: SageAttention 2 / 3 (FP8 P V on Hopper) build from source with
 nvcc. The version is pinned (``PINNED``) and checked before first use with a clear error.
+
+Its kernel loads the last block of ``KEY_BLOCK`` keys under a mask but never masks their scores: a key past the
+sequence is read as zero and weighs exp(0) in the softmax (with a zero value). Where the key count is not a
+multiple of ``KEY_BLOCK`` the output shrinks toward zero: a rel L2 of 0.64 at 17 keys and 0.89 at 5 on an H100
+(2026-12-07), 0.014 at 1,000; the same padding in fp32 torch reproduces those figures. So the kernel is refused
+for such lengths (``unavailable``), and the sweep times another.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = ["DISTRIBUTION", "PINNED", "sage_attention", "unavailable", "version"]
 DISTRIBUTION = "sageattention"
 PINNED = "1.0.6"
 HEAD_DIMS = (64, 128)
+KEY_BLOCK = 64  # sageattention 1.0.6's BLOCK_N: the key block whose tail it leaves unmasked (module docstring)
 
 
 class SageUnavailable(RuntimeError):
@@ -51,13 +58,16 @@ def _sageattn():
     return sageattn
 
 
-def unavailable(device: torch.device, head_dim: int) -> str | None:
-    """Why SageAttention cannot run on ``device`` at ``head_dim``, or None."""
+def unavailable(device: torch.device, head_dim: int, kv_len: int) -> str | None:
+    """Why SageAttention cannot run on ``device`` at ``head_dim`` over ``kv_len`` keys, or None."""
     refusal = capability_refusal(device, (8, 0), "SageAttention", " (its int8 Q K^T)")
     if refusal:
         return refusal
     if head_dim not in HEAD_DIMS:
         return f"SageAttention is checked at head_dim {HEAD_DIMS}, got {head_dim}"
+    if kv_len % KEY_BLOCK:
+        return (f"SageAttention {PINNED} weighs the {-kv_len % KEY_BLOCK} zero keys padding its last block of "
+                f"{KEY_BLOCK} in the softmax: it needs a multiple of {KEY_BLOCK} keys, got {kv_len}")
     try:
         _sageattn()
     except SageUnavailable as exc:

@@ -9,6 +9,11 @@ its (E, K, N) column-major view, the layout the grouped GEMM takes. Activations 
 with one power-of-two scale per row (token), computed on the fly; under ``torch.compile`` the amax, scale and cast
 fuse into the neighbouring kernels. Output in bf16. The scales are fp8_reference's rule (exact powers of two).
 
+The SwiGLU between the two GEMMs (`swiglu`) runs in fp32 and goes to e4m3 without a bf16 rounding in between:
+Inductor keeps a fused pointwise chain in fp32 anyway, so a bf16 intermediate in eager made eager and compiled
+quantize different numbers (rel L2 0.016-0.017 between them on an H100, 0.011 on a CPU, 2026-12-07); in fp32 both
+quantize the same values (bit for bit on a CPU).
+
 `fp8_swiglu_experts` is the fast path; `fp8_swiglu_experts_emulated` the same roundings in fp32 with per-expert
 matmuls (its definition: CPU tests, and the GPU test's yardstick).
 """
@@ -23,7 +28,7 @@ from xstage_dit.ops.attention.fp8_reference import E4M3, po2_scale
 from xstage_dit.ops.capability import capability_refusal
 
 __all__ = ["fp8_swiglu_experts", "fp8_swiglu_experts_emulated", "grouped_fp8_unavailable", "quantize_expert_weight",
-           "quantize_rows"]
+           "quantize_rows", "swiglu"]
 
 
 def grouped_fp8_unavailable(device: torch.device) -> str | None:
@@ -53,6 +58,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x.float() * scale).to(E4M3), (1.0 / scale).squeeze(-1)
 
 
+def swiglu(h: torch.Tensor) -> torch.Tensor:
+    """h: (M, 2 inter) -> silu(gate) * up (M, inter) in fp32 (module docstring: why not in h's dtype)."""
+    gate, up = h.float().chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def _offsets(num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
     # int64 cumsum then a cast: Inductor drops cumsum's dtype argument (features/compile_fixes.py)
     return torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
@@ -66,8 +77,7 @@ def fp8_swiglu_experts(x: torch.Tensor, num_tokens_per_expert: torch.Tensor, gat
     x8, x_descale = quantize_rows(x)
     h = tp.scaled_grouped_mm(x8, gate_up[0], x_descale, gate_up[1], offsets=offsets, out_dtype=torch.bfloat16,
                              use_fast_accum=True)
-    gate, up = h.chunk(2, dim=-1)
-    h8, h_descale = quantize_rows(F.silu(gate) * up)
+    h8, h_descale = quantize_rows(swiglu(h))
     out = tp.scaled_grouped_mm(h8, down[0], h_descale, down[1], offsets=offsets, out_dtype=torch.bfloat16,
                                use_fast_accum=True)
     return out.type_as(x)
@@ -87,7 +97,6 @@ def fp8_swiglu_experts_emulated(x: torch.Tensor, num_tokens_per_expert: torch.Te
 
     for e, n in enumerate(counts):
         rows = x[start:start + n]
-        gate, up = gemm(rows, gate_up, e).chunk(2, dim=-1)
-        outs.append(gemm(F.silu(gate) * up, down, e))
+        outs.append(gemm(swiglu(gemm(rows, gate_up, e)), down, e))
         start += n
     return torch.cat(outs).type_as(x) if outs else x.new_zeros((0, down[0].shape[-1]))
