@@ -26,6 +26,10 @@ channels_last. Every variant's output is compared with the eager one (max abs di
 Each transformer row also records what its first call compiled: the Dynamo frames converted and torch.compile's
 own timers by phase (`_torch_private.compile_seconds`), so a slow first call reads as many graphs or slow ones. A
 variant that fails (after the first, every row's reference) leaves a row saying why, and the run goes on.
+With ``--profile-first-call`` each first call also runs under cProfile (its time then includes the profiler's):
+the row keeps its own time by package (Triton, Inductor, Dynamo, torchao, C functions, ...) and the costliest
+functions, and ``first-call-<variant>.txt`` beside the results the full listing, to name what a slow first call
+does outside torch.compile's timers (FP8's 110-130 s on the H100, fp8/NOTES.md).
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
@@ -92,6 +96,41 @@ def parse_variant(name: str) -> Variant:
     options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    "fp8attn" in extras)
+
+
+_PACKAGES = ("triton", "torch/_inductor", "torch/_dynamo", "torch/_functorch", "torchao", "diffusers", "xstage_dit",
+             "torch")  # the first that a function's file path contains names its package (torch last: the rest)
+
+
+def _package(filename: str) -> str:
+    if filename == "~":
+        return "C functions"  # built-ins: torch's C++ ops, CUDA calls, ...
+    return next((p.replace("/", ".") for p in _PACKAGES if f"/{p}/" in filename), "other")
+
+
+def profiled_call(fn, listing: Path | None = None, top: int = 12):
+    """Runs ``fn()`` under cProfile -> (its result, {"by_package_s": own seconds per package, "top_cumulative":
+    [[function, cumulative s], ...]}); writes the full pstats listing (cumulative, then own time) to `listing`."""
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(fn)
+    stats = pstats.Stats(profile)
+    by_package: dict[str, float] = {}
+    for (filename, _line, _name), (_cc, _nc, own, _cum, _callers) in stats.stats.items():
+        package = _package(filename)
+        by_package[package] = by_package.get(package, 0.0) + own
+    ranked = sorted(stats.stats.items(), key=lambda item: item[1][3], reverse=True)
+    summary = {"by_package_s": {k: round(v, 3) for k, v in sorted(by_package.items(), key=lambda kv: -kv[1])},
+               "top_cumulative": [[pstats.func_std_string(func), round(row[3], 3)] for func, row in ranked[:top]]}
+    if listing is not None:
+        text = io.StringIO()
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(profile, stream=text).sort_stats(order).print_stats(40)
+        listing.write_text(text.getvalue())
+    return result, summary
 
 
 def _apply_fp8(transformer, handle, variant: Variant):
@@ -161,10 +200,20 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 compiled = None if v.mode == "eager" else apply_compile(
                     _Pipe(transformer), v.mode, backend=args.backend, options=v.options)
                 frames0, compiled0 = frames_converted(), compile_seconds()
+
+                def first_call():
+                    out = step()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    return out
+
                 t0 = time.perf_counter()
-                out = step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                if args.profile_first_call:
+                    listing = Path(args.out_dir) / f"first-call-{name}.txt"
+                    listing.parent.mkdir(parents=True, exist_ok=True)
+                    out, profile = profiled_call(first_call, listing)
+                else:
+                    out, profile = first_call(), None
                 first_s = time.perf_counter() - t0
                 phases = compile_seconds_since(compiled0)
                 if not torch.isfinite(out).all():
@@ -182,7 +231,10 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                                  first_call_s=round(first_s, 2), frames=frames_converted() - frames0,
                                  compile_s=phases["total"], compile_phases=phases,  # the phases: JSON only
                                  speedup_vs_eager=round(eager_ms / stats["median_ms"], 4) if eager_ms else None,
-                                 max_abs_diff_vs_eager=diff, note=note))
+                                 max_abs_diff_vs_eager=diff, note=note,
+                                 **({"first_call_profile": profile} if profile else {})))  # JSON only
+                if profile:
+                    print(f"{name:24s} first call by package (s, own time): {profile['by_package_s']}", flush=True)
                 print(f"{name:24s} {stats['median_ms']:9.3f} ms (p20 {stats['p20_ms']:.3f}, p80 {stats['p80_ms']:.3f}) "
                       f"first call {first_s:.1f} s ({rows[-1]['frames']} frames, compile {phases}), "
                       f"max|diff| {diff:.3g}", flush=True)
@@ -286,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=8)
     p.add_argument("--out-dir", default="benchmarks/results/compile")
+    p.add_argument("--profile-first-call", action="store_true",
+                   help="run each transformer variant's first call under cProfile (module docstring)")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.vae_variants = [v.strip() for v in args.vae_variants.split(",") if v.strip()]

@@ -18,6 +18,9 @@ What we use and why (each accessor checks the torch version first, then that the
   mapping a peer GPU's memory is the peer.
 - ``torch.distributed._symmetric_memory``: symmetric allocations and their rendezvous (`comm.distributed`,
   `comm.barrier`, `comm.peer_window`).
+- ``torch._inductor.config.save_config`` / ``load_config``: the peers' FP8 recipe (torchao's default config) turns
+  on Inductor's coordinate-descent tuning process-wide and never back (`inductor_config_restorer`); its undo in the
+  bench puts the config back, so rows measured after it compile as they would alone.
 - ``torch._scaled_grouped_mm``: the grouped FP8 GEMM with row-wise scales (Hopper and newer) under the FP8 expert
   MLPs (`ops.moe.fp8_experts`); torchao's MoE path calls the same op.
 
@@ -406,6 +409,17 @@ def symmetric_memory() -> types.ModuleType:
 
 
 # ------------------------------------------------------------------------------------------- FP8 GEMMs
+
+
+def inductor_config_restorer() -> Callable[[], None]:
+    """A snapshot of ``torch._inductor.config`` now -> a callable that puts it back (every setting)."""
+    check_torch_version()
+    import torch._inductor.config as inductor_config
+
+    saved = _private(inductor_config, "save_config", "torch._inductor.config.save_config")()
+    load = _private(inductor_config, "load_config", "torch._inductor.config.load_config")
+    return lambda: load(saved)
+
 
 
 def has_scaled_grouped_mm() -> bool:

@@ -48,3 +48,22 @@ def test_a_cpu_run_records_each_first_calls_frames_and_compile_phases(tmp_path):
         assert 2 <= rows[name]["frames"] <= 4 and rows[name]["compile_phases"]["dynamo_tracing"] > 0, rows[name]
     assert rows["regional"]["max_abs_diff_vs_eager"] == 0  # the eager backend runs the same ops
     assert 0 < rows["regional+fp8w"]["max_abs_diff_vs_eager"] < 1  # float8 weights: close, not equal
+
+
+def test_profile_first_call_names_where_the_first_call_spends_its_time(tmp_path):
+    """--profile-first-call on the CPU (tiny FLUX, regional on the eager backend): the row keeps the first call's own
+    time by package, Dynamo's share among them, and its costliest functions; the full listing is written beside."""
+    import json
+
+    from benchmarks.bench_compile_variants import main
+
+    assert main(["--model", "flux", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--height", "64",
+                 "--width", "64", "--variants", "regional", "--backend", "eager", "--warmup", "0", "--reps", "1",
+                 "--profile-first-call", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "compile-variants-flux.json").read_text())["rows"]
+    profile = row["first_call_profile"]
+    assert profile["by_package_s"]["torch._dynamo"] > 0, profile
+    assert sum(profile["by_package_s"].values()) <= row["first_call_s"] + 0.5
+    assert len(profile["top_cumulative"]) == 12 and all(s >= 0 for _, s in profile["top_cumulative"])
+    listing = (tmp_path / "first-call-regional.txt").read_text()
+    assert "cumulative" in listing and "tottime" in listing and "function calls" in listing

@@ -113,6 +113,25 @@ def test_weight_only_fp8_runs_and_restore_gives_back_every_weight_bit_for_bit():
     assert torch.equal(_latents(pipe, spec), reference)
 
 
+@pytest.mark.parametrize("granularity", ["weight", "row"])
+def test_fp8_leaves_inductors_process_wide_config_as_it_found_it(granularity, monkeypatch):
+    """torchao's configs by default turn on Inductor's coordinate-descent tuning for the whole process (tuning every
+    kernel compiled afterwards at its first launch: minutes on an H100); the feature asks torchao not to. Row-wise
+    on the CPU: torchao's two hardware checks lifted (what is tested is the config, not a GEMM)."""
+    import torch._inductor.config as inductor_config
+    import torchao.quantization.quant_api as quant_api
+
+    monkeypatch.setattr(quant_api, "is_sm_at_least_89", lambda: True)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    pipe, _ = _pipe()
+    before = inductor_config.get_config_copy()
+    handle = fp8.Fp8Handle(pipe.transformer, Fp8Config(granularity))
+    assert handle.paths and inductor_config.get_config_copy() == before
+    assert not inductor_config.coordinate_descent_tuning
+    handle.restore()
+    assert inductor_config.get_config_copy() == before
+
+
 @pytest.mark.gpu
 def test_fp8_gemms_on_the_gpu_compose_with_compile_and_restore_bit_for_bit():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):

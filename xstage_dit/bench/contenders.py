@@ -70,17 +70,24 @@ class PlainDiffusersFp8(PlainDiffusers):
 
 def peer_fp8(transformer: torch.nn.Module):
     """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
-    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``). Returns the undo,
-    which puts the bf16 weights back (kept on the CPU meanwhile)."""
+    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``), torchao's
+    defaults as users run them: they also turn on Inductor's coordinate-descent tuning for the process, so the
+    peer's compiled kernels are tuned at their first launch. Returns the undo, which puts the bf16 weights back
+    (kept on the CPU meanwhile) and the Inductor config as it was (rows measured later compile as they would
+    alone)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    from xstage_dit._torch_private import inductor_config_restorer
 
     linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
     weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
+    restore_inductor_config = inductor_config_restorer()
     quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
 
     def undo() -> None:
         for module, device, weight in weights:
             module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+        restore_inductor_config()
 
     return undo
 

@@ -79,10 +79,14 @@ class Fp8Config:
         from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerRow,
                                           PerTensor)
 
+        # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the whole
+        # process and never back; every kernel compiled after it (any model's, the VAE's) is then tuned at its
+        # first launch: 110-130 s per new set of kernels on an H100 and a 417 s server start (fp8/NOTES.md), for
+        # ~1 % of step time in bf16. Tuning stays a compile option, scoped to the graphs that ask for it.
         if self.granularity == "weight":
-            return Float8WeightOnlyConfig()
+            return Float8WeightOnlyConfig(set_inductor_config=False)
         return Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow() if self.granularity == "row" else PerTensor())
+            granularity=PerRow() if self.granularity == "row" else PerTensor(), set_inductor_config=False)
 
 
 def require_fp8_device(device: torch.device, granularity: str) -> None:
