@@ -163,3 +163,36 @@ def test_padded_text_attention_runs_each_sample_at_its_own_text_length():
     finally:
         handle.restore()
     assert [m.processor for m in blocks] == originals
+
+
+@pytest.mark.parametrize("granularity, per_sample", [("tensor", True), ("row", False)])
+def test_fp8_layers_with_one_activation_scale_a_tensor_run_one_sample_at_a_time(monkeypatch, granularity,
+                                                                                per_sample):
+    """A tensor-wise FP8 layer (torchao: one amax over its whole input) on a long stream: batched, a sample's
+    scale would be the batch's; it runs one sample at a time and each sample equals its single call, bit for bit.
+    Row-wise (a scale per token) stays batched. On the CPU: torchao's two hardware checks lifted."""
+    import torchao.quantization.quant_api as quant_api
+    from torchao.quantization import quantize_
+
+    from xstage_dit.features.fp8 import Fp8Config
+
+    monkeypatch.setattr(quant_api, "is_sm_at_least_89", lambda: True)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, NARROW_FEATURES)).to(torch.bfloat16)
+    quantize_(layer, Fp8Config(granularity).torchao_config())
+    x = torch.randn((2, SPLIT_ROWS, 64), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[1] *= 50.0  # the second sample's amax far above the first's
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda a, *rest: seen.append(a.shape[0]) or linear(a, *rest))
+    got = _padded_linear(layer[0], x)
+    assert seen == ([1, 1] if per_sample else [2]), seen
+    if per_sample:
+        alone = _padded_linear(layer[0], x[:1])
+        assert torch.equal(got[:1], alone)
+        assert not torch.equal(linear(x, layer[0].weight)[:1], alone)  # batched, sample 0 got the batch's scale
+    embeddings = x[:, 0]  # (batch, features): one row a sample, padded to SMALL_ROWS rows
+    seen.clear()
+    got = _padded_linear(layer[0], embeddings)
+    assert seen == ([SMALL_ROWS, SMALL_ROWS] if per_sample else [SMALL_ROWS]), seen
+    assert torch.equal(got[:1], _padded_linear(layer[0], embeddings[:1])) or not per_sample

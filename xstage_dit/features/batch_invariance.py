@@ -21,6 +21,10 @@ Where a batch of n images can differ from n single calls on a GPU, and what this
   identical across batch sizes for FLUX's shapes (1024-4608 tokens a sample, K x N up to 15360 x 3072) on the
   H200, with every BLAS setting (``benchmarks/bench_serving.py batch-invariance``,
   ``benchmarks/results/serving/batch-invariance-h200-*.md``): left batched.
+- **FP8 linear layers with one activation scale a tensor** (`features.fp8` tensor-wise: torchao scales each
+  call's whole input by its amax): in a batch the amax is the batch's, so a sample's rounding would depend on its
+  neighbours; such a layer runs one sample at a time, on the amax it has alone. Row-wise FP8 (the default: a
+  scale per token) follows the rules above.
 - **Convolutions inside the transformer** (patch embeddings: HunyuanImage's Conv2d): one sample at a time, as
   the VAE (the convolution library may pick another algorithm for another batch size; on the CPU a batch of 2
   of tiny HunyuanImage differed by one level in one channel without this, and not with it).
@@ -90,10 +94,20 @@ def _one_sample_at_a_time(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.T
     return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
 
 
+def _scales_its_input_as_a_whole(module: torch.nn.Linear) -> bool:
+    """Whether `module`'s weight is a torchao FP8 tensor that quantizes its input with one scale for the whole
+    tensor (PerTensor activations): the scale of a batch is then its neighbours' too."""
+    kwargs = getattr(module.weight, "act_quant_kwargs", None)
+    return kwargs is not None and type(getattr(kwargs, "granularity", None)).__name__ == "PerTensor"
+
+
 def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.numel() // module.in_features if module.in_features else 0
-    per_sample = rows // max(x.shape[0], 1) < SPLIT_ROWS or module.out_features < NARROW_FEATURES
-    if x.dim() >= 3 and x.shape[0] > 1 and per_sample:
+    whole = _scales_its_input_as_a_whole(module)
+    per_sample = rows // max(x.shape[0], 1) < SPLIT_ROWS or module.out_features < NARROW_FEATURES or whole
+    # a few-row 2-D input is one row a sample (AdaLN / time embeddings): a whole-tensor scale must not span them
+    few_rows = x.dim() == 2 and 1 < rows < SMALL_ROWS and whole
+    if (x.dim() >= 3 and x.shape[0] > 1 and per_sample) or few_rows:
         # each sample through the few-row rule below too, as its single-image call goes
         return _one_sample_at_a_time(functools.partial(_padded_linear, module), x)
     if not 0 < rows < SMALL_ROWS:
