@@ -12,8 +12,8 @@ in turn, restoring between them:
     +graphs               CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): the
                           compile xfuser's FLUX runner uses; one forward per step only (a CFG pipeline's second
                           forward would overwrite the first one's output)
-    +fp8 / +fp8t / +fp8w  FP8 linear layers (issue 41): the stack's FP8 feature (`features.fp8.Fp8Handle`: the family
-                          record's exclusions) row-wise, tensor-wise, or weight-only; with @none the peers' recipe
+    +fp8 / +fp8t / +fp8b / +fp8w  FP8 linear layers (issue 41): the stack's FP8 feature (`features.fp8.Fp8Handle`:
+                          the family record's exclusions) row-wise, tensor-wise, block-wise or weight-only; with @none the peers' recipe
                           instead (torchao row-wise on every linear layer, `bench.contenders.peer_fp8`)
     +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
@@ -61,7 +61,7 @@ TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_direct
 GRAPHS = {"triton.cudagraphs": True}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
-FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8w": "weight"}  # variant part -> Fp8Config granularity
+FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}  # variant part -> Fp8Config granularity
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ def test_unknown_variant_is_refused_naming_it(capsys):
     from benchmarks import bench_fp8_error
 
     with pytest.raises(SystemExit):
-        bench_fp8_error.main(["--variants", "bf16,fp8-block"])
-    assert "fp8-block" in capsys.readouterr().err
+        bench_fp8_error.main(["--variants", "bf16,fp8-col"])
+    assert "fp8-col" in capsys.readouterr().err
 
 
 def test_fp8_attention_variants_ask_for_each_kernel_through_the_backend():

@@ -34,8 +34,9 @@ def add_feature_options(parser: argparse.ArgumentParser) -> None:
                         help="fp8: the transformer's linear layers in float8 through torchao (a GPU of compute "
                              "capability >= 8.9; lossy: docs/performance.md says by how much)")
     parser.add_argument("--fp8-granularity", choices=GRANULARITIES, default="row",
-                        help="with --quantize fp8: row (per-token activations x per-channel weights), tensor, or "
-                             "weight (weights stored in float8, bf16 GEMMs: memory, not speed)")
+                        help="with --quantize fp8: row (per-token activations x per-channel weights), tensor, block "
+                             "(1 x 128 activation and 128 x 128 weight blocks), or weight (weights stored in float8, "
+                             "bf16 GEMMs: memory, not speed)")
     parser.add_argument("--fp8-attention", choices=FP8_ATTENTION, default="off",
                         help="with --quantize fp8: auto = 8-bit attention kernels (cuDNN FP8 SDPA, SageAttention) join "
                              "the attention kernel sweep and run where measured faster (lossy: docs/performance.md); "

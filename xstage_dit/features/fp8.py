@@ -14,14 +14,17 @@ Granularity (`GRANULARITIES`):
 - ``row``: activations scaled per row (token), weights per output channel, both dynamic float8 e4m3, the
   scaled GEMM on Hopper's FP8 tensor cores. What the peers ship.
 - ``tensor``: one scale per activation tensor and one per weight: fewer scales, coarser.
+- ``block``: activations scaled per 1 x 128 block of each token, weights per 128 x 128 block (the DeepSeek-V3
+  recipe; torchao's Triton block-scaled GEMM): finer than row-wise along the contraction; layers whose features
+  are not multiples of 128 stay in their dtype.
 - ``weight``: weights stored in float8 (per channel), upcast for a bf16 GEMM: half the weight memory, no FP8
   GEMM (the only mode that runs on a CPU; the tests use it to check apply and restore there).
 
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
-GEMM cannot take (input or output features not a multiple of 16). MoE expert weights stored as 3-D tensors
+GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise). MoE expert weights stored as 3-D tensors
 (grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
-(``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities "row" and "tensor",
+(``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities other than "weight",
 row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
 
 Restore: the original weights are kept on the CPU while FP8 is on (the GPU holds only the float8 copy) and
@@ -49,7 +52,8 @@ from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 __all__ = ["FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
            "refuse_fp8_with_lora", "require_fp8_device"]
 
-GRANULARITIES = ("row", "tensor", "weight")
+GRANULARITIES = ("row", "tensor", "block", "weight")
+_BLOCK = 128  # block-wise: 1 x 128 activation blocks, 128 x 128 weight blocks
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
 
 
@@ -76,8 +80,8 @@ class Fp8Config:
 
     def torchao_config(self):
         """The torchao config of this granularity (torchao imported here: only FP8 runs need it)."""
-        from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerRow,
-                                          PerTensor)
+        from torchao.quantization import (Float8DynamicActivationFloat8WeightConfig, Float8WeightOnlyConfig, PerBlock,
+                                          PerRow, PerTensor)
 
         # set_inductor_config=False: torchao's default turns on Inductor's coordinate-descent tuning for the whole
         # process and never back; every kernel compiled after it (any model's, the VAE's) is then tuned at its
@@ -85,8 +89,9 @@ class Fp8Config:
         # ~1 % of step time in bf16. Tuning stays a compile option, scoped to the graphs that ask for it.
         if self.granularity == "weight":
             return Float8WeightOnlyConfig(set_inductor_config=False)
-        return Float8DynamicActivationFloat8WeightConfig(
-            granularity=PerRow() if self.granularity == "row" else PerTensor(), set_inductor_config=False)
+        granularity = {"row": PerRow(), "tensor": PerTensor(),
+                       "block": [PerBlock([1, _BLOCK]), PerBlock([_BLOCK, _BLOCK])]}[self.granularity]
+        return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)
 
 
 def require_fp8_device(device: torch.device, granularity: str) -> None:
@@ -114,8 +119,11 @@ def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
                          "linear layers is not supported, got quantize 'fp8'")
 
 
-def fp8_layers(transformer: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, str]]]:
-    """The (path, layer) pairs FP8 converts in `transformer`, and the (path, why) pairs it leaves in their dtype."""
+def fp8_layers(transformer: torch.nn.Module, granularity: str = "row"
+               ) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, str]]]:
+    """The (path, layer) pairs FP8 of `granularity` converts in `transformer`, and the (path, why) pairs it leaves
+    in their dtype."""
+    multiple = _BLOCK if granularity == "block" else 16
     record = record_for_transformer(transformer)
     skip = record.facts.fp8_skip if record is not None else ()
     chosen, kept = [], []
@@ -125,8 +133,9 @@ def fp8_layers(transformer: torch.nn.Module) -> tuple[list[tuple[str, torch.nn.L
         pattern = next((p for p in skip if fnmatch.fnmatchcase(path, p)), None)
         if pattern is not None:
             kept.append((path, f"the family record's fp8_skip {pattern!r}"))
-        elif module.in_features % 16 or module.out_features % 16:
-            kept.append((path, f"{module.in_features} -> {module.out_features} features: not multiples of 16"))
+        elif module.in_features % multiple or module.out_features % multiple:
+            kept.append((path, f"{module.in_features} -> {module.out_features} features: not multiples of "
+                               f"{multiple}"))
         else:
             chosen.append((path, module))
     return chosen, kept
@@ -138,7 +147,7 @@ class Fp8Handle:
     def __init__(self, transformer: torch.nn.Module, config: Fp8Config):
         self.transformer = transformer
         self.config = config
-        chosen, self.kept = fp8_layers(transformer)
+        chosen, self.kept = fp8_layers(transformer, config.granularity)
         self.paths = [path for path, _ in chosen]
         self._originals: list[tuple[torch.nn.Linear, torch.nn.Parameter | torch.Tensor, torch.device, bool]] = []
         for _, layer in chosen:
