@@ -14,7 +14,7 @@ in turn, restoring between them:
                           forward would overwrite the first one's output)
     +fp8 / +fp8t / +fp8b / +fp8w  FP8 linear layers (issue 41): the stack's FP8 feature (`features.fp8.Fp8Handle`:
                           the family record's exclusions) row-wise, tensor-wise, block-wise or weight-only; with @none the peers' recipe
-                          instead (torchao row-wise on every linear layer, `bench.contenders.peer_fp8`)
+                          instead (torchao row-wise on every linear layer, `bench.fp8_contenders.peer_fp8`)
     +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
@@ -136,7 +136,7 @@ def profiled_call(fn, listing: Path | None = None, top: int = 12):
 def _apply_fp8(transformer, handle, variant: Variant):
     """FP8 of `variant` on `transformer` (after ``parallelize``'s `handle`, before compile); returns the undo."""
     if variant.schedule == "none":  # the peers' recipe, row-wise (`parse_variant` refuses another granularity)
-        from xstage_dit.bench.contenders import peer_fp8
+        from xstage_dit.bench.fp8_contenders import peer_fp8
 
         return peer_fp8(transformer)
     from xstage_dit.features.fp8 import Fp8Config, Fp8Handle, require_fp8_device

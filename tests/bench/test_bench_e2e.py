@@ -20,7 +20,7 @@ import torch
 
 from xstage_dit import cli
 from xstage_dit.errors import UsageError
-from xstage_dit.bench import contenders, measure, options, report, session, stats
+from xstage_dit.bench import contenders, fp8_contenders, lineup, measure, options, report, session, stats
 
 
 
@@ -191,7 +191,7 @@ def test_summary_and_comparisons_are_the_measured_ratios():
 
 
 def test_run_order_baseline_first_irreversible_last():
-    order = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=4)]
+    order = [c.name for c in lineup.make_contenders(list(options.CONTENDERS), True, world_size=4)]
     assert order[0] == "diffusers"
     assert order[-6:] == ["xfuser-runner", "xfuser-runner+compile", "xfuser-usp", "xfuser-usp+compile",
                           "diffusers-cp", "diffusers-cp+compile"]  # the runner leaves our transformer as it was
@@ -201,24 +201,24 @@ def test_run_order_baseline_first_irreversible_last():
                           "xstage-cfgbatch+compile", "xstage-served+compile", "diffusers-fp8+compile",
                           "xstage-fp8+compile", "xstage-fp8-served+compile", "xstage-fp8-attn+compile",
                           "xstage-fp8-attn-served+compile"]
-    order1 = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1)]
+    order1 = [c.name for c in lineup.make_contenders(list(options.CONTENDERS), True, world_size=1)]
     assert order1[-6:] == ["xfuser-usp", "xfuser-runner", "xfuser-usp+compile", "xfuser-runner+compile",
                            "diffusers-cp", "diffusers-cp+compile"]
     assert len(order1) == len(set(order1)) == 27
     # Interleaved rounds replace the A/B/A repeat; the rest of the order stays.
-    order_rounds = [c.name for c in contenders.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
+    order_rounds = [c.name for c in lineup.make_contenders(list(options.CONTENDERS), True, world_size=1, rounds=2)]
     assert order_rounds == [n for n in order1 if n != "diffusers-repeat"]
     # No xstage contender, no repeat.
-    assert [c.name for c in contenders.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
+    assert [c.name for c in lineup.make_contenders(["diffusers", "xfuser-usp"], False)][:2] == ["diffusers", "diffusers+compile"]
     # --compile-also: the xstage contenders again in each further mode, after the --compile variants
-    also = [c.name for c in contenders.make_contenders(["diffusers", "xstage-calibrated", "xstage-served"], True,
+    also = [c.name for c in lineup.make_contenders(["diffusers", "xstage-calibrated", "xstage-served"], True,
                                                        compile_also=("full", "graphs"))]
     assert also[also.index("xstage-served+compile") + 1:] == [
         "xstage-calibrated+compile:full", "xstage-served+compile:full",
         "xstage-calibrated+compile:graphs", "xstage-served+compile:graphs"]
-    assert [c.name for c in contenders.make_contenders(["xstage-calibrated"], False, compile_also=("full",))] == [
+    assert [c.name for c in lineup.make_contenders(["xstage-calibrated"], False, compile_also=("full",))] == [
         "xstage-calibrated", "xstage-calibrated+compile"]  # no compile requested: no further modes either
-    skipped = contenders.make_contenders(["diffusers"], False)
+    skipped = lineup.make_contenders(["diffusers"], False)
     assert [c.info.get("skip_reason") for c in skipped] == [None, "torch.compile variants not requested (--compile)"]
 
 
@@ -259,10 +259,10 @@ def test_fp8_contenders_cannot_run_on_a_cpu_and_say_why():
     from xstage_dit.families import model_spec
 
     b = _fake_bench(spec=model_spec("tiny-flux"))
-    for contender in (contenders.PlainDiffusersFp8(False), contenders.XStageFp8(True),
-                      contenders.XStageFp8Served(False, serve=lambda *a, **k: None),
-                      contenders.XStageFp8Attention(True),
-                      contenders.XStageFp8AttentionServed(False, serve=lambda *a, **k: None)):
+    for contender in (fp8_contenders.PlainDiffusersFp8(False), fp8_contenders.XStageFp8(True),
+                      fp8_contenders.XStageFp8Served(False, serve=lambda *a, **k: None),
+                      fp8_contenders.XStageFp8Attention(True),
+                      fp8_contenders.XStageFp8AttentionServed(False, serve=lambda *a, **k: None)):
         assert "FP8 row-wise GEMMs need a CUDA GPU" in contender.check(b) and "got device cpu" in contender.check(b)
     assert "fp8" not in ",".join(options.DEFAULT_CONTENDERS)  # asked for by name only
 
@@ -315,7 +315,7 @@ def test_budget_uses_what_a_measured_row_of_the_same_kind_cost():
     b = _fake_bench(t_start=time.perf_counter())
     b.args.time_budget_s = 100.0  # seconds left: ~100
 
-    class Runnable(contenders.XStageFp8Served):
+    class Runnable(fp8_contenders.XStageFp8Served):
         def check(self, bench):  # FP8 cannot run on this CPU: the budget is what is tested
             return None
 
@@ -328,7 +328,7 @@ def test_budget_uses_what_a_measured_row_of_the_same_kind_cost():
     assert status == "skipped" and reason.startswith("time budget (needs ~261 s, "), reason  # 20 + 232 + 3 x 3.0
     # a bf16 compiled row is not judged by an FP8 one's compile, nor an eager row by a compiled one
     assert measure.precheck(b, bf16, None, [peer]) == (None, None)
-    assert measure.observed_cost_s(b, contenders.XStageFp8(False), [peer]) is None
+    assert measure.observed_cost_s(b, fp8_contenders.XStageFp8(False), [peer]) is None
 
 
 def test_measure_times_every_prompt_and_counts_forwards():
@@ -891,7 +891,7 @@ def test_served_rows_are_paired_with_the_bare_row_of_their_configuration():
 
 def test_compiled_only_lists_the_eager_variants_as_skipped_and_needs_compile():
     names = ["diffusers", "xstage-fp8-served", "diffusers-fp8"]
-    made = contenders.make_contenders(names, True, with_eager=False)
+    made = lineup.make_contenders(names, True, with_eager=False)
     assert [c.name for c in made] == ["diffusers", "xstage-fp8-served", "diffusers-fp8", "diffusers+compile",
                                       "xstage-fp8-served+compile", "diffusers-fp8+compile"]  # no diffusers-repeat
     assert all(("skip_reason" in c.info) != c.compile for c in made), [(c.name, c.info) for c in made]
@@ -918,7 +918,7 @@ def test_the_peer_fp8_recipe_converts_every_linear_and_its_undo_gives_the_bf16_w
     import torch._inductor.config as inductor_config
 
     config_before = inductor_config.get_config_copy()
-    undo = contenders.peer_fp8(transformer)
+    undo = fp8_contenders.peer_fp8(transformer)
     assert all(type(m.weight).__name__ == "Float8Tensor" for m in linears.values())  # every linear, no exclusions
     assert inductor_config.coordinate_descent_tuning and not config_before["coordinate_descent_tuning"]  # torchao's
     undo()

@@ -38,7 +38,7 @@ def test_bad_cache_options_are_refused_by_name(argv, needle):
 
 def test_the_cache_contenders_expand_into_a_row_per_method_and_ratio():
     from xstage_dit.bench.cache_contenders import cache_entries
-    from xstage_dit.bench.contenders import make_contenders
+    from xstage_dit.bench.lineup import make_contenders
 
     methods, every = options.cache_variants(_args("--cache-contender-methods", "fbcache,pab",
                                                   "--cache-contender-every", "4,2"))

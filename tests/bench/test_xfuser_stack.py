@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from xstage_dit import cli
-from xstage_dit.bench import contenders, xfuser_stack
+from xstage_dit.bench import contenders, lineup, xfuser_stack
 from xstage_dit.families import load_pipeline
 
 
@@ -64,7 +64,7 @@ def test_runner_models_name_a_runner_and_a_transformer_class():
 
 def test_check_names_the_pin_where_xfuser_is_missing(monkeypatch, tiny_wan):
     monkeypatch.setattr(xfuser_stack, "_version", lambda name: None)
-    usp, runner = contenders.make_contenders(["xfuser-usp", "xfuser-runner"], False)[:2]
+    usp, runner = lineup.make_contenders(["xfuser-usp", "xfuser-runner"], False)[:2]
     assert isinstance(usp, xfuser_stack.XFuserUSP) and isinstance(runner, xfuser_stack.XFuserRunner)
     for contender in (usp, runner):
         reason = contender.check(None)

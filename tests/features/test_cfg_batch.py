@@ -229,7 +229,7 @@ def test_on_the_gpu_the_batched_pair_gives_the_images_of_the_two_calls():
 def test_the_bench_contender_runs_cfg_batch_where_it_applies():
     from types import SimpleNamespace
 
-    from xstage_dit.bench.contenders import make_contenders
+    from xstage_dit.bench.lineup import make_contenders
 
     contender, = [c for c in make_contenders(["xstage-cfgbatch"], False) if not c.compile]
     nucleus = SimpleNamespace(spec=model_spec(MODEL), world_size=1, args=SimpleNamespace())

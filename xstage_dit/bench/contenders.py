@@ -1,5 +1,7 @@
 """The contenders of the end-to-end benchmark, each with ``check`` (the reason it cannot run, found before
-any GPU work), ``apply``, ``call`` and ``restore``, and their run order (`make_contenders`)."""
+any GPU work), ``apply``, ``call`` and ``restore``: plain diffusers, the xstage stack bare and served, diffusers'
+context parallelism. The FP8 ones are in `fp8_contenders`, the step caches' in `cache_contenders`, xfuser's in
+`xfuser_stack`; their run order in `lineup`."""
 
 from __future__ import annotations
 
@@ -12,9 +14,8 @@ import numpy as np
 import torch
 
 from xstage_dit.bench.contender import Contender
-from xstage_dit.bench.options import BASELINE_REPEAT, OUR_FAMILIES
+from xstage_dit.bench.options import BASELINE_REPEAT
 from xstage_dit.bench.session import Bench, error_text
-from xstage_dit.bench.xfuser_stack import XFuserRunner, XFuserUSP
 from xstage_dit.families.registry import record
 from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig, parse_extras
@@ -25,7 +26,7 @@ from xstage_dit.features.step_cache.options import cache_config
 from xstage_dit.runtime.generation import run_pipeline
 
 
-def _fp8_refusal(b: Bench) -> str | None:
+def fp8_refusal(b: Bench) -> str | None:
     """Why an FP8 contender cannot run on the bench's device (row-wise FP8 GEMMs), None where it can."""
     from xstage_dit.features.fp8 import require_fp8_device
 
@@ -41,55 +42,6 @@ class PlainDiffusers(Contender):
 
     family = "diffusers"
     compile_vae = False  # what a diffusers user compiles: the transformer's repeated blocks alone
-
-
-class PlainDiffusersFp8(PlainDiffusers):
-    """The FP8 path diffusers users run: torchao's float8 row-wise dynamic quantization of every linear layer of
-    the transformer (``quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``),
-    then the bench's compile as for plain diffusers. Restore copies the bf16 weights back (kept on the CPU)."""
-
-    family = "diffusers-fp8"
-
-    def __init__(self, compile: bool):
-        super().__init__(compile)
-        self._undo = None
-
-    def check(self, b: Bench) -> str | None:
-        return _fp8_refusal(b)
-
-    def apply(self, b: Bench) -> None:
-        self._undo = peer_fp8(b.pipe.transformer)
-        super().apply(b)
-
-    def restore(self, b: Bench) -> None:
-        super().restore(b)
-        undo, self._undo = self._undo, None
-        if undo is not None:
-            undo()
-
-
-def peer_fp8(transformer: torch.nn.Module):
-    """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
-    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``), torchao's
-    defaults as users run them: they also turn on Inductor's coordinate-descent tuning for the process, so the
-    peer's compiled kernels are tuned at their first launch. Returns the undo, which puts the bf16 weights back
-    (kept on the CPU meanwhile) and the Inductor config as it was (rows measured later compile as they would
-    alone)."""
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    from xstage_dit._torch_private import inductor_config_restorer
-
-    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
-    weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
-    restore_inductor_config = inductor_config_restorer()
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
-
-    def undo() -> None:
-        for module, device, weight in weights:
-            module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
-        restore_inductor_config()
-
-    return undo
 
 
 class PlainDiffusersRepeat(PlainDiffusers):
@@ -143,7 +95,7 @@ class XStage(Contender):
             return f"ParallelConfig refuses this configuration: {error_text(exc)}"
         if self._cache(b) is not None and self.compile and (self.compile_mode or b.args.compile) == "graphs":
             return "a step cache does not run under CUDA graphs (a recorded forward cannot skip)"
-        return _fp8_refusal(b) if self.quantize == "fp8" else None
+        return fp8_refusal(b) if self.quantize == "fp8" else None
 
     def apply(self, b: Bench) -> None:
         self.engine = Engine(self._engine_config(b))
@@ -328,49 +280,6 @@ class XStageServed(XStage):
         super().restore(b)
 
 
-class XStageFp8(XStage):
-    """``xstage-calibrated`` with the transformer's linear layers in float8 (``EngineConfig(quantize="fp8")``,
-    row-wise: `xstage_dit.features.fp8`)."""
-
-    quantize = "fp8"
-
-    def __init__(self, compile: bool):
-        super().__init__(compile, "auto")
-        self.family = "xstage-fp8"
-
-
-class XStageFp8Served(XStageServed):
-    """``xstage-served`` with FP8 linear layers: what ``xstage-dit serve --quantize fp8`` answers."""
-
-    quantize = "fp8"
-
-    def __init__(self, compile: bool, serve=None):
-        super().__init__(compile, serve)
-        self.family = "xstage-fp8-served"
-
-
-class XStageFp8Attention(XStageFp8):
-    """``xstage-fp8`` with FP8 attention too (``EngineConfig(fp8_attention="auto")``: the 8-bit attention kernels
-    join the kernel sweep and run where they measured faster than the 16-bit ones)."""
-
-    fp8_attention = "auto"
-
-    def __init__(self, compile: bool):
-        super().__init__(compile)
-        self.family = "xstage-fp8-attn"
-
-
-class XStageFp8AttentionServed(XStageFp8Served):
-    """``xstage-fp8-served`` with FP8 attention too: what ``xstage-dit serve --quantize fp8 --fp8-attention auto``
-    answers."""
-
-    fp8_attention = "auto"
-
-    def __init__(self, compile: bool, serve=None):
-        super().__init__(compile, serve)
-        self.family = "xstage-fp8-attn-served"
-
-
 class _EncodedOutput:
     """A served answer: the encoded bytes, decoded to float pixels on first access of ``images`` / ``frames``
     (MP4 is lossy: a served video differs from the bare call's frames by the codec's error)."""
@@ -436,61 +345,3 @@ class DiffusersCP(Contender):
             b.dirty = self.family  # from here on, even if enabling fails half-way
             b.pipe.transformer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=b.world_size))
         super().apply(b)
-
-
-def make_contenders(names: list[str], with_compile: bool, world_size: int = 1, rounds: int = 1,
-                    serve=None, compile_also: tuple[str, ...] = (), expand: dict | None = None,
-                    with_eager: bool = True) -> list[Contender]:
-    """Run order: diffusers and xstage eager (the baseline leading), then their compiled variants, then the
-    xstage contenders compiled in each `compile_also` mode (``<name>+compile:<mode>``), then the other
-    reversible stacks, then each irreversible contender with its compiled variant (they leave the pipeline
-    modified). With ``rounds`` >= 2 the eager group is interleaved instead, so no diffusers-repeat.
-    expand: a name standing for several contenders -> their (name, factory(compile)) pairs (the step caches'
-    variants, `cache_contenders.cache_entries`), which run with the other reversible stacks. with_eager False
-    (--compiled-only): the eager variants are listed as skipped (no diffusers-repeat)."""
-    factories = {
-        "diffusers": lambda c: PlainDiffusers(c),
-        "xstage-serial": lambda c: XStage(c, "serial"),
-        "xstage-calibrated": lambda c: XStage(c, "auto"),
-        "xstage-cfgbatch": lambda c: XStageCFGBatch(c),
-        "xstage-served": lambda c: XStageServed(c, serve),
-        "diffusers-fp8": lambda c: PlainDiffusersFp8(c),
-        "xstage-fp8": lambda c: XStageFp8(c),
-        "xstage-fp8-served": lambda c: XStageFp8Served(c, serve),
-        "xstage-fp8-attn": lambda c: XStageFp8Attention(c),
-        "xstage-fp8-attn-served": lambda c: XStageFp8AttentionServed(c, serve),
-        "xfuser-usp": lambda c: XFuserUSP(c, world_size),
-        "xfuser-runner": lambda c: XFuserRunner(c, world_size),
-        "diffusers-cp": lambda c: DiffusersCP(c),
-    }
-    expand = expand or {}
-    for name, entries in expand.items():
-        factories.update(entries)
-    names = [entry for n in names for entry in ([e for e, _ in expand[n]] if n in expand else [n])]
-    eager = [factories[n](False) for n in names]
-    compiled = [factories[n](True) for n in names]
-    # Other stacks after ours: importing xfuser patches modules and global state, so it must not run
-    # before a diffusers/xstage measurement.
-    ours = [c for c in eager + compiled if c.family in OUR_FAMILIES]
-    if with_eager and rounds == 1 and "diffusers" in names and any(n.startswith("xstage") and n in OUR_FAMILIES
-                                                                   for n in names):
-        # The baseline once more right after the eager xstage contenders (A/B/A): its drift bounds the noise.
-        last_eager = max(i for i, c in enumerate(ours) if not c.compile)
-        ours.insert(last_eager + 1, PlainDiffusersRepeat(False))
-    for mode in compile_also if with_compile else ():
-        # the baselines compile the way their users do: --compile's mode alone
-        for name in [n for n, e in zip(names, eager) if e.ours]:
-            variant = factories[name](True)
-            variant.compile_mode = mode
-            ours.append(variant)
-    ordered = ours + [c for c in eager + compiled if c not in ours and not c.irreversible]
-    for e, c in zip(eager, compiled):
-        if e.irreversible and e not in ordered:
-            ordered += [e, c]
-    if not with_compile:
-        for c in compiled:
-            c.info["skip_reason"] = "torch.compile variants not requested (--compile)"
-    if not with_eager:
-        for c in eager:
-            c.info["skip_reason"] = "eager variants not requested (--compiled-only)"
-    return ordered

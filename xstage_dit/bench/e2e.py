@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from xstage_dit.bench.cache_contenders import cache_entries
-from xstage_dit.bench.contenders import make_contenders
+from xstage_dit.bench.lineup import make_contenders
 from xstage_dit.bench.interrupt import Stopped, row_on_sigterm
 from xstage_dit.bench.measure import measure, measure_in_rounds, precheck, prepare_pipeline, unmeasured_row
 from xstage_dit.bench.options import (BASELINE, CACHE_CONTENDERS, OUR_FAMILIES, add_arguments, cache_variants,

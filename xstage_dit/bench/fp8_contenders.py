@@ -1,0 +1,102 @@
+"""The FP8 contenders of the end-to-end benchmark (issue 41): the peers' FP8 path on plain diffusers
+(`PlainDiffusersFp8`, its recipe `peer_fp8`) and the xstage stack with FP8 linear layers, with FP8 attention too,
+bare and served."""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.bench.contenders import PlainDiffusers, XStage, XStageServed, fp8_refusal
+from xstage_dit.bench.session import Bench
+
+
+class PlainDiffusersFp8(PlainDiffusers):
+    """The FP8 path diffusers users run: torchao's float8 row-wise dynamic quantization of every linear layer of
+    the transformer (``quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``),
+    then the bench's compile as for plain diffusers. Restore copies the bf16 weights back (kept on the CPU)."""
+
+    family = "diffusers-fp8"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile)
+        self._undo = None
+
+    def check(self, b: Bench) -> str | None:
+        return fp8_refusal(b)
+
+    def apply(self, b: Bench) -> None:
+        self._undo = peer_fp8(b.pipe.transformer)
+        super().apply(b)
+
+    def restore(self, b: Bench) -> None:
+        super().restore(b)
+        undo, self._undo = self._undo, None
+        if undo is not None:
+            undo()
+
+
+def peer_fp8(transformer: torch.nn.Module):
+    """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
+    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``), torchao's
+    defaults as users run them: they also turn on Inductor's coordinate-descent tuning for the process, so the
+    peer's compiled kernels are tuned at their first launch. Returns the undo, which puts the bf16 weights back
+    (kept on the CPU meanwhile) and the Inductor config as it was (rows measured later compile as they would
+    alone)."""
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    from xstage_dit._torch_private import inductor_config_restorer
+
+    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+    weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
+    restore_inductor_config = inductor_config_restorer()
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+
+    def undo() -> None:
+        for module, device, weight in weights:
+            module.weight = torch.nn.Parameter(weight.to(device), requires_grad=False)
+        restore_inductor_config()
+
+    return undo
+
+
+class XStageFp8(XStage):
+    """``xstage-calibrated`` with the transformer's linear layers in float8 (``EngineConfig(quantize="fp8")``,
+    row-wise: `xstage_dit.features.fp8`)."""
+
+    quantize = "fp8"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile, "auto")
+        self.family = "xstage-fp8"
+
+
+class XStageFp8Served(XStageServed):
+    """``xstage-served`` with FP8 linear layers: what ``xstage-dit serve --quantize fp8`` answers."""
+
+    quantize = "fp8"
+
+    def __init__(self, compile: bool, serve=None):
+        super().__init__(compile, serve)
+        self.family = "xstage-fp8-served"
+
+
+class XStageFp8Attention(XStageFp8):
+    """``xstage-fp8`` with FP8 attention too (``EngineConfig(fp8_attention="auto")``: the 8-bit attention kernels
+    join the kernel sweep and run where they measured faster than the 16-bit ones)."""
+
+    fp8_attention = "auto"
+
+    def __init__(self, compile: bool):
+        super().__init__(compile)
+        self.family = "xstage-fp8-attn"
+
+
+class XStageFp8AttentionServed(XStageFp8Served):
+    """``xstage-fp8-served`` with FP8 attention too: what ``xstage-dit serve --quantize fp8 --fp8-attention auto``
+    answers."""
+
+    fp8_attention = "auto"
+
+    def __init__(self, compile: bool, serve=None):
+        super().__init__(compile, serve)
+        self.family = "xstage-fp8-attn-served"
