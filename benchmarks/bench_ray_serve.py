@@ -180,6 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results/serving/ray-serve", help="output folder")
     p.add_argument("--target", type=float, default=1.02, help="ratio the Ray path should stay under")
     args = p.parse_args(argv)
+    try:  # before either server starts: a Ray that does not import costs seconds here, not a server's warm-up
+        import ray.serve  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure (a missing package, a grpcio mismatch) is named
+        p.error(f"expected Ray Serve to import (pip install 'xstage-dit[ray]'), got {type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:300]}")
     import torch
 
     gpus = args.gpus_per_rank if args.gpus_per_rank is not None else (1.0 if torch.cuda.is_available() else 0.0)
