@@ -194,13 +194,15 @@ def test_block_wise_fp8_gemms_on_the_gpu_are_near_bf16_eager_and_compiled():
         handle = fp8.Fp8Handle(model, Fp8Config("block"))
         assert handle.paths == ["0", "2"]
         out = model(x)
-        compiled = torch.compile(model)(x)
+        # one layer compiled: the same quantization and GEMM (an MLP compiled would also keep GELU in fp32 before
+        # the second layer's quantization, which eager rounds to bf16: other e4m3 roundings, ops/moe/fp8_experts.py)
+        first, compiled = model[0](x), torch.compile(model[0])(x)
         handle.restore()
         restored = model(x)
     rel = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
     print(f"block-wise fp8 MLP: rel L2 vs bf16 {rel:.4f}")
     assert 0 < rel < 0.1, rel
-    assert ((compiled.float() - out.float()).norm() / out.float().norm()).item() < 0.01
+    assert ((compiled.float() - first.float()).norm() / first.float().norm()).item() < 0.005
     assert torch.equal(restored, reference)
 
 
