@@ -101,6 +101,8 @@ def launch_preloaded(world: int, program: str, args: Sequence[str], *, env: dict
 def _supervise(procs: list, timeout_s: float) -> int:
     """0, the code of the rank that failed first (exits in the order `wait` reports them: a rank's death makes
     its peers fail right after, and the cause is what a test asserts), or 124 after `timeout_s`."""
+    from xstage_dit.comm.launcher import shell_exit_code
+
     deadline, exits = time.monotonic() + timeout_s, []
     while True:
         ready = multiprocessing.connection.wait([p.sentinel for p in procs if p not in exits], timeout=0.5)
@@ -110,7 +112,7 @@ def _supervise(procs: list, timeout_s: float) -> int:
                 exits.append(p)
         failed = [p.exitcode for p in exits if p.exitcode != 0]
         if failed:
-            return failed[0] if failed[0] > 0 else 128 - failed[0]
+            return shell_exit_code(failed[0])
         if len(exits) == len(procs):
             return 0
         if time.monotonic() > deadline:

@@ -71,8 +71,10 @@ def start_ranks(nproc: int, argv: Sequence[str], env: dict | None = None) -> lis
                              start_new_session=True) for r in range(nproc)]
 
 
-def _exit_code(code: int) -> int:
-    return code if code >= 0 else 128 - code  # killed by signal s: 128 + s, as a shell reports it
+def shell_exit_code(code: int) -> int:
+    """A process's return code as a shell reports it: the code, or 128 + s for a process killed by signal s
+    (which ``subprocess`` / ``multiprocessing`` report as -s)."""
+    return code if code >= 0 else 128 - code
 
 
 class _ExitOrder:
@@ -91,7 +93,7 @@ class _ExitOrder:
     def _wait(self, rank: int, proc: subprocess.Popen) -> None:
         code = proc.wait()
         with self._lock:
-            self._exits.append((rank, _exit_code(code)))
+            self._exits.append((rank, shell_exit_code(code)))
 
     def exits(self) -> list[tuple[int, int]]:
         """(rank, exit code) of every rank that has exited so far, first exit first."""
