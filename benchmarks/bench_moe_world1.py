@@ -10,7 +10,10 @@ the baseline column), ``ep-world1/fused`` (eager), and both under ``torch.compil
 with torch 2.11: int64 grouped-matmul offsets) and with ``patches.compile_fixes`` (what parallelize gives a
 layer it keeps). Each time is the median over interleaved
 rounds of medians of CUDA-event timings after warm-up (``_common.time_ms``, ``_common.interleaved_times``).
-Also recorded: the relative error of the EP output against diffusers' layer and the schedule's reason.
+Also recorded: the relative error of the EP output against diffusers' layer, the schedule's reason, and whether
+each variant repeats bit for bit (``repeats``: five more calls against the first; ``repeat_max_abs``: their
+largest difference). Diffusers' layer sums each token's gates and its experts' outputs with ``scatter_add``,
+atomic on CUDA; the EP path sums in a fixed order: this column is what serving a seeded image twice depends on.
 
 Usage: ``python benchmarks/bench_moe_world1.py --out-dir benchmarks/results/moe``
 """
@@ -28,6 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
+from xstage_dit.bench.session import gpu_label  # noqa: E402
 from xstage_dit.families.nucleusmoe import TRANSFORMER  # noqa: E402
 from xstage_dit.features.compile_fixes import fix_grouped_mm_offsets  # noqa: E402
 from xstage_dit.features.ep_layers import NucleusMoEEPLayer  # noqa: E402
@@ -76,19 +80,31 @@ def run_factor(cf: float, *, rounds: int, reps: int, compile_: bool, log) -> lis
                     continue
                 fns[name] = lambda c=compiled: c(*args)
         rounds_ms = interleaved_times(fns, lambda fn: time_ms(fn, warmup=3, reps=reps)["median_ms"], rounds=rounds)
+        repeats = {name: repeat_check(fn) for name, fn in fns.items()}
     base = statistics.median(rounds_ms["diffusers"])
     rows = [{"capacity_factor": cf, "variant": name, "ms": None, "min_round_ms": None, "max_round_ms": None,
-             "vs_diffusers_eager": None, "rel_err_vs_diffusers": None, "failed": why} for name, why in failed.items()]
+             "vs_diffusers_eager": None, "rel_err_vs_diffusers": None, "repeats": None, "repeat_max_abs": None,
+             "failed": why} for name, why in failed.items()]
     for name, ms in rounds_ms.items():
         med = statistics.median(ms)
         rows.append({"capacity_factor": cf, "variant": name, "ms": med, "min_round_ms": min(ms), "max_round_ms": max(ms),
-                     "vs_diffusers_eager": base / med, "rel_err_vs_diffusers": rel if name.startswith("ep") else None})
-        log(f"cf {cf}: {name} {med:.3f} ms ({base / med:.2f}x diffusers eager)")
+                     "vs_diffusers_eager": base / med, "rel_err_vs_diffusers": rel if name.startswith("ep") else None,
+                     **repeats[name]})
+        log(f"cf {cf}: {name} {med:.3f} ms ({base / med:.2f}x diffusers eager), repeats bit for bit: "
+            f"{repeats[name]['repeats']} (max abs {repeats[name]['repeat_max_abs']:.3g})")
     next(r for r in rows if r["variant"] == "ep-world1/fused")["reason"] = ep.schedule_choice.reason
     del layer, ep
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     return rows
+
+
+def repeat_check(fn, calls: int = 5) -> dict:
+    """{"repeats": whether `calls` more calls of `fn` equal its first output bit for bit, "repeat_max_abs": the
+    largest absolute difference among them}."""
+    first = fn().float()
+    worst = max(float((fn().float() - first).abs().max()) for _ in range(calls))
+    return {"repeats": worst == 0.0, "repeat_max_abs": worst}
 
 
 def main(argv=None) -> int:
@@ -111,12 +127,12 @@ def main(argv=None) -> int:
     summary = {f"cf{r['capacity_factor']}/{r['variant']}": (round(r["vs_diffusers_eager"], 3) if r["ms"] else "failed")
                for r in rows}
     tag = (env.get("git_commit") or "unknown")[:7]
-    stem = Path(args.out_dir) / f"world1-nucleusmoe-h200-{tag}"
+    stem = Path(args.out_dir) / f"world1-nucleusmoe-{gpu_label(torch.device('cuda'))}-{tag}"
     notes = ("Per-layer time, NucleusMoE full-size MoE layer at world 1 (hidden 2048, 64 experts x 1344, 2 x 4096 "
              "tokens, bf16). Baseline column: diffusers' NucleusMoELayer eager, same run, interleaved rounds.")
     write_results(stem, "moe-world1", rows, summary,
                   ["capacity_factor", "variant", "ms", "min_round_ms", "max_round_ms", "vs_diffusers_eager",
-                   "rel_err_vs_diffusers", "failed"], notes=notes, env=env)  # fmt: skip
+                   "rel_err_vs_diffusers", "repeats", "repeat_max_abs", "failed"], notes=notes, env=env)  # fmt: skip
     print(f"wrote {stem}.json / .md")
     return 0
 

@@ -45,3 +45,25 @@ def test_bench_script_runs_every_variant_on_cpu():
     s = out["summary"]
     assert set(s["interleaved_over_wave"]) == {"nucleusmoe/P=1", "nucleusmoe/P=2"}
     assert "fused_over_reference" in s and s["speedup_over_serial"] is None
+
+
+def test_the_world1_bench_tells_a_repeatable_layer_from_one_that_is_not():
+    """bench_moe_world1's ``repeats`` column: a deterministic call repeats bit for bit; a scatter-add whose summation
+    order changes between calls (as atomics on CUDA do) shows its last-bit difference."""
+    import torch
+
+    from benchmarks.bench_moe_world1 import repeat_check
+
+    gen = torch.Generator().manual_seed(0)
+    magnitudes = 10.0 ** torch.randint(-3, 8, (64, 1), generator=gen)  # fp32 sums that depend on their order
+    values, index = torch.randn(64, 8, generator=gen) * magnitudes, torch.randint(0, 4, (64,), generator=gen)
+    assert repeat_check(lambda: torch.zeros(4, 8).index_add_(0, index, values)) == {"repeats": True,
+                                                                                  "repeat_max_abs": 0.0}
+    calls = iter(range(1000))
+
+    def reordered():  # the same sum, in another order each call
+        order = torch.randperm(64, generator=torch.Generator().manual_seed(next(calls)))
+        return torch.zeros(4, 8).index_add_(0, index[order], values[order])
+
+    result = repeat_check(reordered)
+    assert result["repeats"] is False and result["repeat_max_abs"] > 0, result
