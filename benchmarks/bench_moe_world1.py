@@ -14,6 +14,8 @@ Also recorded: the relative error of the EP output against diffusers' layer, the
 each variant repeats bit for bit (``repeats``: five more calls against the first; ``repeat_max_abs``: their
 largest difference). Diffusers' layer sums each token's gates and its experts' outputs with ``scatter_add``,
 atomic on CUDA; the EP path sums in a fixed order: this column is what serving a seeded image twice depends on.
+The ``(deterministic)`` rows run diffusers' layer under ``torch.use_deterministic_algorithms(True)``, where torch
+routes ``scatter_add`` through its sorted ``index_put_`` accumulation: what repeatability would cost it.
 
 Usage: ``python benchmarks/bench_moe_world1.py --out-dir benchmarks/results/moe``
 """
@@ -56,9 +58,26 @@ def build(capacity_factor: float, dtype=torch.bfloat16):
     return layer, NucleusMoEEPLayer.from_layer(layer, None, path="fused"), (x, u, t)
 
 
+def deterministic(fn):
+    """`fn` called under torch's deterministic algorithms (warn, not fail, where an op has none), the mode put back
+    after each call."""
+
+    def call():
+        enabled, warn_only = torch.are_deterministic_algorithms_enabled(), \
+            torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            return fn()
+        finally:
+            torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+    return call
+
+
 def run_factor(cf: float, *, rounds: int, reps: int, compile_: bool, log) -> list[dict]:
     layer, ep, args = build(cf)
-    fns = {"diffusers": lambda: layer(*args), "ep-world1/fused": lambda: ep(*args)}
+    fns = {"diffusers": lambda: layer(*args), "ep-world1/fused": lambda: ep(*args),
+           "diffusers (deterministic)": deterministic(lambda: layer(*args))}
     failed: dict[str, str] = {}  # variant -> why it could not run (recorded as a row, never dropped)
     with torch.no_grad():
         ref, out = layer(*args), ep(*args)
@@ -79,6 +98,17 @@ def run_factor(cf: float, *, rounds: int, reps: int, compile_: bool, log) -> lis
                     log(f"cf {cf}: {name} failed: {failed[name]}")
                     continue
                 fns[name] = lambda c=compiled: c(*args)
+            # the int32-offsets layer again, compiled and called under deterministic algorithms (its own copy: a
+            # graph compiled in that mode is another graph)
+            fixed_det = copy.deepcopy(fixed)
+            compiled_det = deterministic(lambda c=torch.compile(fixed_det, dynamic=False): c(*args))
+            name = "diffusers compiled (int32 offsets, deterministic)"
+            try:
+                compiled_det()
+                fns[name] = compiled_det
+            except Exception as e:  # noqa: BLE001 - recorded as a row, as above
+                failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                log(f"cf {cf}: {name} failed: {failed[name]}")
         rounds_ms = interleaved_times(fns, lambda fn: time_ms(fn, warmup=3, reps=reps)["median_ms"], rounds=rounds)
         repeats = {name: repeat_check(fn) for name, fn in fns.items()}
     base = statistics.median(rounds_ms["diffusers"])
