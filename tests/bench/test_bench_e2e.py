@@ -425,6 +425,13 @@ def test_end_to_end_tiny_flux_writes_json_md_png(tmp_path, capsys):
     assert 0 < base["transformer_step_ms"] / 1e3 < base["median_s"]
     assert base["transformer_forwards_per_step"] == 1.0  # FLUX.1-dev: guidance-distilled, one forward a step
     assert base["peak_memory_gib"] is None  # CPU
+    # where the call's time goes: the text encoders, the transformer, the VAE decoder, and the rest, adding up
+    for name in ("diffusers", "xstage-calibrated", "xstage-served"):
+        row = rows[name]
+        assert row["text_encode_ms"] >= 0 and row["vae_decode_ms"] > 0 and row["transformer_ms"] > 0, row
+        parts = row["text_encode_ms"] + row["vae_decode_ms"] + row["transformer_ms"] + row["other_ms"]
+        assert parts == pytest.approx(1e3 * row["median_s"], rel=1e-6), (name, parts, row["median_s"])
+    assert base["text_encode_ms"] > 0  # plain diffusers encodes every prompt (xstage's prompt cache may not)
 
     for name, row in rows.items():
         assert row["status"] in ("ok", "cannot run", "skipped", "failed"), row

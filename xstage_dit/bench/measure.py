@@ -88,6 +88,35 @@ class TransformerTimer:
         self._handles = []
 
 
+_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+
+
+class StageTimers:
+    """The pipeline's stages outside the transformer, timed like it (`TransformerTimer` on each module): the VAE
+    decoder's forwards ("vae_decode") and the text encoders' ("text_encode"). ``collect()`` -> {stage: seconds
+    since the last collect (0 where its modules ran no forward: a prompt served from the prompt cache), or None
+    where the pipeline has no such module}. Module hooks: a compiled forward (an instance ``forward``) stays
+    inside them. The in-process server runs the bench's own pipeline, so its calls are timed too."""
+
+    def __init__(self, pipe, device: torch.device):
+        decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
+        encoders = [getattr(pipe, name, None) for name in _TEXT_ENCODERS]
+        stages = {"vae_decode": [decoder], "text_encode": encoders}
+        self._timers = {stage: [TransformerTimer(m, device) for m in modules if isinstance(m, torch.nn.Module)]
+                        for stage, modules in stages.items()}
+
+    def collect(self) -> dict[str, float | None]:
+        out = {}
+        for stage, timers in self._timers.items():
+            out[stage] = sum(timer.collect()[0] for timer in timers) if timers else None
+        return out
+
+    def remove(self) -> None:
+        for timers in self._timers.values():
+            for timer in timers:
+                timer.remove()
+
+
 def _output_array(output) -> np.ndarray | None:
     """The first sample of a pipeline output as float32 pixels, to compare contenders' results."""
     if output is None:
@@ -170,6 +199,7 @@ class RoundResult:
     frames_warmup: int = 0
     frames_timed: int = 0
     compile_s: dict = dataclasses.field(default_factory=dict)  # torch.compile's phases while applying and warming up
+    stages_s: list = dataclasses.field(default_factory=list)  # per run: `StageTimers.collect()`
 
 
 def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, dict]:
@@ -182,7 +212,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     stopwatch = Stopwatch(b.device)
     problems: dict = {}
     result = None
-    timer = None
+    timer = stages = None
     applied = False
     try:
         frames0, compiled0 = frames_converted(), compile_seconds()
@@ -194,6 +224,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(b.device)
         timer = TransformerTimer(contender.timed_module(b), b.device)
+        stages = StageTimers(b.pipe, b.device)
         warmup_steps = min(b.args.warmup_steps, b.steps)
         t0 = time.perf_counter()
         for _ in range(b.args.warmup):
@@ -204,7 +235,8 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         frames1 = frames_converted()
         compiled = compile_seconds_since(compiled0)
         timer.collect()
-        latencies, step_times, forwards = [], [], []
+        stages.collect()
+        latencies, step_times, forwards, stage_times = [], [], [], []
         first_output = None
         for i, prompt in enumerate(b.prompts):
             for repeat in range(b.args.repeats):
@@ -213,18 +245,20 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
                 latencies.append(latency)
                 step_times.append(transformer_s / b.steps)
                 forwards.append(calls)
+                stage_times.append(stages.collect())
                 if i == 0 and repeat == 0:
                     first_output = _output_array(output)
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
         result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output,
-                             frames1 - frames0, frames_converted() - frames1, compiled)
+                             frames1 - frames0, frames_converted() - frames1, compiled, stage_times)
     except Exception as exc:
         problems.update(reason=error_text(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
     finally:
-        if timer is not None:
-            timer.remove()
+        for timers in (timer, stages):
+            if timers is not None:
+                timers.remove()
         if applied:
             try:
                 contender.restore(b)
@@ -262,11 +296,32 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         dynamo_frames_setup_warmup=results[0].frames_warmup,
         dynamo_frames_timed=sum(r.frames_timed for r in results),
         compile_s_setup_warmup=results[0].compile_s,
+        **stage_fields(results, steps),
     )
     first = results[0].first_output
     if reference is not None and first is not None and first.shape == reference.shape:
         row["output_max_abs_diff_vs_diffusers"] = float(np.abs(first - reference).max())
     return row
+
+
+def stage_fields(results: list[RoundResult], steps: int) -> dict:
+    """Where a run's time goes (JSON fields, medians over every run): ``text_encode_ms``, ``transformer_ms`` (all
+    its forwards), ``vae_decode_ms``, and ``other_ms``, the rest of the call (scheduler, hooks, host work, gaps
+    between stages); a stage the pipeline does not have is None, and ``other_ms`` then counts its time."""
+    runs = [(latency, step * steps, stage) for r in results
+            for latency, step, stage in zip(r.latencies_s, r.step_s, r.stages_s or [{}] * len(r.latencies_s))]
+    if not runs:
+        return {}
+
+    def median_ms(values):
+        return None if any(v is None for v in values) else 1e3 * statistics.median(values)
+
+    fields = {f"{name}_ms": median_ms([stage.get(name) for _, _, stage in runs])
+              for name in ("text_encode", "vae_decode")}
+    fields["transformer_ms"] = 1e3 * statistics.median([t for _, t, _ in runs])
+    fields["other_ms"] = median_ms([latency - t - (stage.get("text_encode") or 0.0) - (stage.get("vae_decode") or 0.0)
+                                    for latency, t, stage in runs])
+    return fields
 
 
 def measure(b: Bench, contender: Contender, reference: np.ndarray | None) -> tuple[dict, np.ndarray | None]:

@@ -104,7 +104,9 @@ def notes_text(settings: dict) -> str:
         "dynamo_frames_setup_warmup / dynamo_frames_timed (JSON): applying, warming up (compiles land here), and "
         "the frames Dynamo converted in each (a timed frame is a recompile inside the timing); compile_s_setup_warmup "
         "(JSON): torch.compile's own timers over both, by phase (Dynamo tracing, AOTAutograd, Inductor, the wait on "
-        "Triton's compile workers). " + rounds_text(s),
+        "Triton's compile workers). text_encode_ms / transformer_ms / vae_decode_ms / other_ms (JSON): where a run's "
+        "time goes, CUDA events around the text encoders', the transformer's and the VAE decoder's forwards and the "
+        "rest of the call (medians over the runs). " + rounds_text(s),
         "",
         "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
         "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "
