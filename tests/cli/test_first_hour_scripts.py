@@ -31,9 +31,10 @@ def test_metadata_builds_without_deprecation_warnings(tmp_path):
     assert "schemathesis==" in metadata and "fastapi-offline==" in metadata
 
 
-def _fake_layout(tmp_path: Path, script: str) -> Path:
+def _fake_layout(tmp_path: Path, script: str, pip_fails_on: str = "") -> Path:
     """tmp/scripts/<script> copied from the repo, pyproject.toml, and a .venv whose `python` logs its
-    arguments and otherwise runs the real interpreter (so pytest really runs)."""
+    arguments and otherwise runs the real interpreter (so pytest really runs); its pip succeeds, except a pip call
+    whose arguments contain `pip_fails_on`, which fails as a full disk does."""
     (tmp_path / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / script, tmp_path / "scripts" / script)
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
@@ -45,6 +46,9 @@ def _fake_layout(tmp_path: Path, script: str) -> Path:
     (bindir / "python").write_text(textwrap.dedent(f"""\
         #!/usr/bin/env bash
         echo "$*" >> {log}
+        if [ -n "{pip_fails_on}" ] && [[ "$*" == *"{pip_fails_on}"* ]]; then
+          echo "ERROR: Could not install packages due to an OSError: [Errno 28] No space left on device" >&2; exit 1
+        fi
         if [ "$1 $2" = "-m pip" ]; then echo "pip progress: $*"; exit 0; fi
         exec {sys.executable} "$@"
         """))
@@ -68,6 +72,18 @@ def test_env_sh_announces_each_step_and_shows_pip_progress(tmp_path):
     assert (tmp_path / ".venv" / ".xstage-installed").is_file()
     again = subprocess.run(["bash", "-c", f". {tmp_path}/scripts/env.sh"], capture_output=True, text=True, timeout=60)
     assert "step" not in again.stderr  # installed once: the second run is silent and quick
+
+
+def test_a_failed_install_stops_even_inside_an_and_list_and_leaves_the_venv_unmarked(tmp_path):
+    """.ci/run sources env.sh in `. scripts/env.sh && lint-imports`, where bash ignores `set -e`: a failed pip
+    (a full disk, as on 2026-12-07) must still stop there, say so, and not stamp the .venv as installed."""
+    _fake_layout(tmp_path, "env.sh", pip_fails_on="[test]")
+    done = subprocess.run(["bash", "-c", f". {tmp_path}/scripts/env.sh && echo went on"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 1 and "went on" not in done.stdout, done.stdout + done.stderr
+    assert "No space left on device" in done.stderr
+    assert "env.sh: error: the install into .venv failed" in done.stderr and "is ready" not in done.stderr
+    assert not (tmp_path / ".venv" / ".xstage-installed").exists()
 
 
 def test_test_sh_keeps_the_pytest_summary_line_with_q(tmp_path):
