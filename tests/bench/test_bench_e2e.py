@@ -329,6 +329,12 @@ def test_budget_uses_what_a_measured_row_of_the_same_kind_cost():
     # a bf16 compiled row is not judged by an FP8 one's compile, nor an eager row by a compiled one
     assert measure.precheck(b, bf16, None, [peer]) == (None, None)
     assert measure.observed_cost_s(b, fp8_contenders.XStageFp8(False), [peer]) is None
+    # once an xstage FP8 row is measured, xstage's are judged by it, not by the peer's tuned compile
+    ours = dict(_ok("xstage-fp8-served+compile", 2.9, compile=True), setup_s=40.0, warmup_s=5.0)
+    assert measure.observed_cost_s(b, fp8, [peer, ours]) == pytest.approx(40.0 + 5.0 + 3 * 2.9)
+    assert measure.precheck(b, fp8, None, [peer, ours]) == (None, None)
+    peer_again = fp8_contenders.PlainDiffusersFp8(True)
+    assert measure.observed_cost_s(b, peer_again, [peer, ours]) == pytest.approx(261.0)
 
 
 def test_measure_times_every_prompt_and_counts_forwards():

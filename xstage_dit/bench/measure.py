@@ -159,11 +159,17 @@ def observed_cost_s(b: Bench, contender: Contender, rows: list[dict]) -> float |
 
     Why: ``--compile-estimate-s`` is one guess for every compiled row, and it can be far off: compiling FLUX's
     FP8 blocks took 130-290 s on an H100 (2026-12-06), so a compiled FP8 row started with 100 s left ran until
-    the call was killed and left nothing. A row measured in the same run is the better estimate."""
-    fp8 = "fp8" in contender.family
+    the call was killed and left nothing. A row measured in the same run is the better estimate.
+
+    The same stack's rows first (xstage's by xstage's, a peer's by the peers'), any of the kind where it has none
+    yet: the peers' FP8 recipe turns on Inductor's coordinate-descent tuning (torchao's default), so its compile
+    costs minutes that xstage's FP8 rows, compiled untuned, do not (fp8/NOTES.md, 2026-12-07)."""
+    fp8, xstage = "fp8" in contender.family, contender.family.startswith("xstage")
+    kind = [r for r in rows if r.get("status") == "ok" and r.get("compile") == contender.compile and "setup_s" in r
+            and ("fp8" in r.get("family", "")) == fp8]
+    same_stack = [r for r in kind if r.get("family", "").startswith("xstage") == xstage]
     costs = [r["setup_s"] + r["warmup_s"] + r["median_s"] * len(b.prompts) * b.args.repeats
-             for r in rows if r.get("status") == "ok" and r.get("compile") == contender.compile and "setup_s" in r
-             and ("fp8" in r.get("family", "")) == fp8]
+             for r in (same_stack or kind)]
     if not costs:
         return None
     return max(costs) + (0.0 if contender.accepts(b.dirty) else b.build_s)
