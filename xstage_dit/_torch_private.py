@@ -421,7 +421,6 @@ def inductor_config_restorer() -> Callable[[], None]:
     return lambda: load(saved)
 
 
-
 def has_scaled_grouped_mm() -> bool:
     """Whether this torch (in the tested range) has ``torch._scaled_grouped_mm``."""
     try:

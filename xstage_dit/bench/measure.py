@@ -19,6 +19,7 @@ from xstage_dit.bench.contenders import Contender
 from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.stats import percentile
+from xstage_dit.families.spec import TEXT_ENCODER_COMPONENTS
 
 if TYPE_CHECKING:  # the report only for annotations: it imports nothing of this module either
     from xstage_dit.bench.report import Report
@@ -88,9 +89,6 @@ class TransformerTimer:
         self._handles = []
 
 
-_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
-
-
 class StageTimers:
     """The pipeline's stages outside the transformer, timed like it (`TransformerTimer` on each module): the VAE
     decoder's forwards ("vae_decode") and the text encoders' ("text_encode"). ``collect()`` -> {stage: seconds
@@ -100,7 +98,7 @@ class StageTimers:
 
     def __init__(self, pipe, device: torch.device):
         decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
-        encoders = [getattr(pipe, name, None) for name in _TEXT_ENCODERS]
+        encoders = [getattr(pipe, name, None) for name in TEXT_ENCODER_COMPONENTS]
         stages = {"vae_decode": [decoder], "text_encode": encoders}
         self._timers = {stage: [TransformerTimer(m, device) for m in modules if isinstance(m, torch.nn.Module)]
                         for stage, modules in stages.items()}

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The component names diffusers pipelines give their text encoders (up to four: HiDream), in the pipelines' order.
+TEXT_ENCODER_COMPONENTS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """What a model is and how to run it by default.

@@ -56,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.families.spec import TEXT_ENCODER_COMPONENTS
 from xstage_dit.features.instance_attr import set_on_instance
 
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "InvariantLinear",
@@ -64,7 +65,6 @@ __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle
 SMALL_ROWS = 16  # batches up to this many images share one kernel for their few-row linear layers
 SPLIT_ROWS = 1024  # a (batch, tokens, features) input with fewer tokens a sample runs one sample at a time
 NARROW_FEATURES = 256  # a linear layer with fewer outputs runs one sample at a time (few output tiles)
-_TEXT_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
 class BatchInvarianceHandle:
@@ -305,7 +305,7 @@ def batch_invariant(pipe: Any) -> BatchInvarianceHandle:
             record = record_for_transformer(model)
             if record is not None and record.facts.padded_text_attention:
                 _trim_text_attention(model, handle)
-        for name in _TEXT_ENCODERS:
+        for name in TEXT_ENCODER_COMPONENTS:
             encoder = getattr(pipe, name, None)
             if isinstance(encoder, torch.nn.Module):
                 _patch_forward(encoder, _per_prompt(encoder.forward), handle)

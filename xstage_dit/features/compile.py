@@ -80,6 +80,7 @@ from typing import Any, Callable
 import torch
 
 from xstage_dit import _torch_private as private
+from xstage_dit.families.spec import TEXT_ENCODER_COMPONENTS
 from xstage_dit.features.context import FeatureContext, context_of
 from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.features.text_depth import llm_decoder
@@ -481,7 +482,7 @@ def _compile_point(module: torch.nn.Module) -> tuple[Any, str]:
 def _text_models(pipe: Any) -> list[tuple[str, torch.nn.Module]]:
     """(component name, language model) of every text encoder that is a decoder LLM (`text_depth.llm_decoder`)."""
     found = []
-    for name in ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
+    for name in TEXT_ENCODER_COMPONENTS:
         decoder = llm_decoder(getattr(pipe, name, None))
         if decoder is not None:
             found.append((name, decoder))
