@@ -13,8 +13,9 @@ in turn, restoring between them:
                           compile xfuser's FLUX runner uses; one forward per step only (a CFG pipeline's second
                           forward would overwrite the first one's output)
     +fp8 / +fp8t / +fp8b / +fp8w  FP8 linear layers (issue 41): the stack's FP8 feature (`features.fp8.Fp8Handle`:
-                          the family record's exclusions) row-wise, tensor-wise, block-wise or weight-only; with @none the peers' recipe
-                          instead (torchao row-wise on every linear layer, `bench.fp8_contenders.peer_fp8`)
+                          the family record's exclusions) row-wise, tensor-wise, block-wise or weight-only; with
+                          @none the peers' recipe instead (torchao row-wise on every linear layer,
+                          `bench.fp8_contenders.peer_fp8`)
     +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
@@ -61,7 +62,8 @@ TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_direct
 GRAPHS = {"triton.cudagraphs": True}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
-FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}  # variant part -> Fp8Config granularity
+# variant part -> Fp8Config granularity
+FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}
 
 
 @dataclass(frozen=True)

@@ -918,7 +918,8 @@ def test_compiled_only_lists_the_eager_variants_as_skipped_and_needs_compile():
 def test_the_peer_fp8_recipe_converts_every_linear_and_its_undo_gives_the_bf16_weights_back(monkeypatch):
     """`peer_fp8` (the diffusers-fp8 contender's recipe, also bench_compile_variants' @none+fp8) on tiny FLUX's
     transformer on the CPU, and the Inductor tuning torchao's defaults turn on for the process put back by the undo.
-    torchao refuses row-wise FP8 off a GPU at quantize time; its two hardware checks are lifted here (torchao 0.18.0, the pin) since what is tested is which layers convert and the undo, not a GEMM."""
+    torchao refuses row-wise FP8 off a GPU at quantize time; its two hardware checks are lifted here (torchao
+    0.18.0, the pin) since what is tested is which layers convert and the undo, not a GEMM."""
     import torchao.quantization.quant_api as quant_api
 
     from xstage_dit.families.flux import build_transformer
@@ -935,7 +936,8 @@ def test_the_peer_fp8_recipe_converts_every_linear_and_its_undo_gives_the_bf16_w
     assert all(type(m.weight).__name__ == "Float8Tensor" for m in linears.values())  # every linear, no exclusions
     assert inductor_config.coordinate_descent_tuning and not config_before["coordinate_descent_tuning"]  # torchao's
     undo()
-    assert inductor_config.get_config_copy() == config_before  # rows measured after the peer compile as they would alone
+    # rows measured after the peer compile as they would alone
+    assert inductor_config.get_config_copy() == config_before
     for name, m in linears.items():
         assert type(m.weight) is torch.nn.Parameter and m.weight.dtype == torch.bfloat16, name
         assert torch.equal(m.weight, before[name]), name

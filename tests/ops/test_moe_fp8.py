@@ -2,10 +2,10 @@
 
 CPU: the quantizers' layouts and error bounds (power-of-two scales per expert column and per token, the grouped
 GEMM's column-major weight view), the emulated FP8 SwiGLU against the bf16 experts (lossy by e4m3's rounding, within
-its bound), the SwiGLU between the GEMMs quantized alike eager and compiled, and the feature's selection on the tiny NucleusMoE: the family record's expert class found, a CPU
-refused naming why with nothing changed, and (the GEMM swapped for its emulation) the module's grouped path
-replaced, its output the emulation's, and restore putting back the bf16 experts bit for bit and the grouped path
-that was there (compile_fixes').
+its bound), the SwiGLU between the GEMMs quantized alike eager and compiled, and the feature's selection on the
+tiny NucleusMoE: the family record's expert class found, a CPU refused naming why with nothing changed, and (the
+GEMM swapped for its emulation) the module's grouped path replaced, its output the emulation's, and restore putting
+back the bf16 experts bit for bit and the grouped path that was there (compile_fixes').
 GPU (marked `gpu`): ``torch._scaled_grouped_mm`` against the emulation and the bf16 experts at the NucleusMoE shape
 and awkward ones (uneven counts, an empty expert).
 """

@@ -22,8 +22,8 @@ Granularity (`GRANULARITIES`):
 
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
-GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise). MoE expert weights stored as 3-D tensors
-(grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
+GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise). MoE expert weights stored
+as 3-D tensors (grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
 (``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities other than "weight",
 row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
 
