@@ -17,6 +17,8 @@ in turn, restoring between them:
                           @none the peers' recipe instead (torchao row-wise on every linear layer,
                           `bench.fp8_contenders.peer_fp8`)
     +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
+    +cudnnfp8             cuDNN's FP8 attention wherever it takes the shape, unswept (needs @auto; at world 1
+                          compiled: its casts in the compiled blocks, ``ops.attention.fp8_traced``)
     @auto / @serial       the attention schedule ``parallelize`` is given (default serial: diffusers' own SDPA
                           call at world 1; auto: the machine's choice, e.g. FlashAttention-4 where it measured
                           faster than torch's SDPA)
@@ -64,6 +66,8 @@ COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_ca
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
 # variant part -> Fp8Config granularity
 FP8_EXTRAS = {"fp8": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}
+# variant part -> Fp8Config attention
+_FP8_ATTENTION = {"fp8attn": "auto", "cudnnfp8": "cudnn-fp8"}
 
 
 @dataclass(frozen=True)
@@ -76,7 +80,7 @@ class Variant:
     qkv: bool = False
     schedule: str = "serial"
     fp8: str | None = None
-    fp8_attention: bool = False
+    fp8_attention: str | None = None  # "auto" (+fp8attn) or a kernel by name (+cudnnfp8)
 
 
 def parse_variant(name: str) -> Variant:
@@ -86,18 +90,20 @@ def parse_variant(name: str) -> Variant:
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
     fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
-    known = ("tuned", "qkv", "graphs", "fp8attn", *FP8_EXTRAS)
+    known = ("tuned", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
+    attention = [_FP8_ATTENTION[e] for e in extras if e in _FP8_ATTENTION]
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
                                                                                    "graphs" in extras)) or \
-            len(fp8) > 1 or ("fp8attn" in extras and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
+            len(fp8) > 1 or len(attention) > 1 or (attention and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
             (schedule == "none" and fp8 not in ([], ["row"])):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
-                         "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn: with fp8 or fp8t, at @auto; at @none, "
+                         "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn or cudnnfp8: with fp8, fp8t or fp8b, at "
+                         "@auto; at @none, "
                          f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
     options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
-                   "fp8attn" in extras)
+                   attention[0] if attention else None)
 
 
 _PACKAGES = ("triton", "torch/_inductor", "torch/_dynamo", "torch/_functorch", "torchao", "diffusers", "xstage_dit",
@@ -144,7 +150,8 @@ def _apply_fp8(transformer, handle, variant: Variant):
     from xstage_dit.features.fp8 import Fp8Config, Fp8Handle, require_fp8_device
 
     require_fp8_device(next(transformer.parameters()).device, variant.fp8)
-    attention_undo = handle.attention_kernels.use_fp8_attention("auto") if variant.fp8_attention else None
+    attention_undo = (handle.attention_kernels.use_fp8_attention(variant.fp8_attention) if variant.fp8_attention
+                      else None)
     fp8 = Fp8Handle(transformer, Fp8Config(variant.fp8))
 
     def undo() -> None:

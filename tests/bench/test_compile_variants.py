@@ -18,12 +18,15 @@ def test_variant_names_give_their_mode_options_and_schedule():
     assert parse_variant("regional+fp8t") == Variant("regional", fp8="tensor")
     assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
     assert parse_variant("regional+fp8+fp8attn@auto") == Variant("regional", schedule="auto", fp8="row",
-                                                                  fp8_attention=True)
+                                                                  fp8_attention="auto")
+    assert parse_variant("regional+fp8+cudnnfp8@auto") == Variant("regional", schedule="auto", fp8="row",
+                                                                   fp8_attention="cudnn-fp8")
 
 
 @pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max",
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
-                                 "regional+fp8w+fp8attn@auto", "regional+fp8t@none"])
+                                 "regional+fp8w+fp8attn@auto", "regional+fp8t@none", "regional+fp8+cudnnfp8",
+                                 "regional+fp8+fp8attn+cudnnfp8@auto"])
 def test_a_bad_variant_is_named(bad):
     with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
         parse_variant(bad)

@@ -124,6 +124,28 @@ def test_world1_plain_path_matches_fp32_within_its_bound(name, batch, seq_len, h
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch, seq_len, heads, head_dim, dtype", WORLD1)
+def test_world1_cudnn_fp8_with_torch_casts_is_the_eager_path_bit_for_bit(batch, seq_len, heads, head_dim, dtype):
+    """`fp8_traced` (what a compiled stack runs at world 1), eager and compiled, against the Triton quantizers and
+    store around the same cuDNN plan; the sweep times it compiled beside the eager path."""
+    from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
+    from xstage_dit.ops.attention.window_path import _world1_cases, plain_kernel_attention
+
+    kernel = _kernel_or_skip("cudnn-fp8", 1, batch, seq_len, heads, head_dim, dtype)
+    q, k, v = torch.randn(batch, seq_len, 3, heads, head_dim, device="cuda", dtype=dtype).unbind(2)
+    want = plain_kernel_attention(q, k, v, kernel)
+    assert torch.equal(cudnn_fp8_attention(q, k, v), want)
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(torch.compile(cudnn_fp8_attention, fullgraph=True, dynamic=False)(q, k, v), want)
+        cases = _world1_cases(batch, seq_len, heads, head_dim, dtype, "cuda", ("sdpa", "cudnn-fp8"))
+        assert {"cudnn-fp8", "cudnn-fp8+compiled"} <= set(cases)
+        cases["cudnn-fp8+compiled"]()
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", FP8)
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim, world", WINDOW)
 def test_through_the_window_of_virtual_ranks(name, batch, seq_len, heads, head_dim, world):

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 # "sdpa" (the serial schedule's local attention) as the reference of each kernel's speed. 3: world-1 families
 # also time torch's cuDNN SDPA backend ("cudnn"). 4: world > 1 families also time fa4-gqa. 5: and
 # fa4-gqa-unpacked. 6: "-fp8" families also time the 8-bit kernels (cudnn-fp8, sage), and the key names the
-# sageattention version.
-SWEEP_VERSION = 6
+# sageattention version. 7: world-1 "-fp8" families also time cudnn-fp8 compiled ("cudnn-fp8+compiled").
+SWEEP_VERSION = 7
 
 
 def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:

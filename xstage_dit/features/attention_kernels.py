@@ -40,7 +40,7 @@ from xstage_dit.calibration import kernel_sweep as ks
 from xstage_dit.ops.attention.kernels import kernel_versions
 from xstage_dit.ops.attention.window_path import problem_family, problem_refusals, sweep_cases
 from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, FP8_ATTENTION, FP8_KERNELS, WORLD1_ORDER, BASELINE,
-                                                  KernelChoice, choose_attention_kernel, with_fp8)
+                                                  KernelChoice, as_compiled, choose_attention_kernel, with_fp8)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,7 @@ class KernelChooser:
         self._errors: dict[str, str] = {}
         self.capture_refusals: dict[str, str] = {}  # kernel -> why not, while calls run under CUDA graphs
         self.fp8_attention = "off"  # `use_fp8_attention`
+        self.compiled = False  # `for_compile`: kernels timed in their compiled form are chosen by that time
 
     def for_cuda_graphs(self) -> Callable[[], None]:
         """Refuse, from now on, the kernels that failed inside a CUDA-graph capture (``apply_compile(mode=
@@ -94,6 +95,17 @@ class KernelChooser:
 
         def undo() -> None:
             self.capture_refusals = {}
+
+        return undo
+
+    def for_compile(self) -> Callable[[], None]:
+        """The layers run compiled from now on (``apply_compile``): a kernel the sweep also timed compiled
+        ("<kernel>+compiled", world 1's cudnn-fp8) is chosen by that time. Returns the undo. Shapes chosen
+        before keep their choice."""
+        self.compiled = True
+
+        def undo() -> None:
+            self.compiled = False
 
         return undo
 
@@ -160,6 +172,7 @@ class KernelChooser:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             measure = self.allow_measure and not capturing
             timings = self._timings({**problem, "fp8": fp8}, family, measure)
+            timings = as_compiled(timings) if self.compiled else timings
         order, baseline = (WORLD1_ORDER, BASELINE) if self.world == 1 else (DEFAULT_ORDER, None)
         return choose_attention_kernel(timings, refusals, with_fp8(order) if fp8 else order, baseline=baseline)
 

@@ -341,6 +341,8 @@ def compile_pipeline(pipe: Any, config: CompileConfig, ctx: FeatureContext) -> C
     handle = CompileHandle(config.mode, "", config.max_shapes, guards=config.guards)
     handle._undo.append(handle.compiler.drop)  # last: the graphs of this handle, nobody else's
     try:
+        if ctx.attention_kernels is not None:
+            handle._undo.append(ctx.attention_kernels.for_compile())  # kernels timed compiled chosen by that time
         if config.mode == "graphs" and ctx.attention_kernels is not None:
             handle._undo.append(ctx.attention_kernels.for_cuda_graphs())  # no kernel a capture breaks
         hows, per_code_object = _compile_transformers(handle, targets, config, ctx.compile_inside)

@@ -42,6 +42,21 @@ FP8_KERNELS = ("cudnn-fp8", "sage")
 FP8_ATTENTION = ("off", "auto") + FP8_KERNELS
 
 
+# A kernel timed in its compiled form too carries a second entry, "<kernel>+compiled" (world 1's cudnn-fp8, whose
+# quantization Inductor folds into the neighbouring kernels: ``ops.attention.fp8_traced``).
+COMPILED_SUFFIX = "+compiled"
+
+
+def as_compiled(timings_ms: dict | None) -> dict | None:
+    """The timings a compiled stack chooses by: each "<kernel>+compiled" entry stands for "<kernel>".
+    Example: ``as_compiled({"sdpa": 0.4, "cudnn-fp8": 0.57, "cudnn-fp8+compiled": 0.36})["cudnn-fp8"] == 0.36``."""
+    if not timings_ms:
+        return timings_ms
+    out = {k: t for k, t in timings_ms.items() if not k.endswith(COMPILED_SUFFIX)}
+    out.update({k[:-len(COMPILED_SUFFIX)]: t for k, t in timings_ms.items() if k.endswith(COMPILED_SUFFIX)})
+    return out
+
+
 def with_fp8(order: tuple[str, ...]) -> tuple[str, ...]:
     """``order`` with the 8-bit kernels appended (the candidates' order where FP8 attention is on)."""
     return tuple(order) + tuple(k for k in FP8_KERNELS if k not in order)

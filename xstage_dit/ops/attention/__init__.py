@@ -16,7 +16,8 @@ buffers), ``"auto"`` (`auto.resolve_attention_schedule` on the ``xparams`` hande
 The op is handed its schedule and its params: it never loads a calibration.
 
 Modules: `partition`, `checks`, `reference`, `serial`, `table` + `kernel` (Triton), `auto`, and here the
-public op and its torch custom op ``xstage_dit::ulysses_attention`` (so ``torch.compile`` can trace it).
+public op and its torch custom op ``xstage_dit::ulysses_attention`` (so ``torch.compile`` can trace it). At world
+size 1 under ``torch.compile``, "fused:cudnn-fp8" runs `fp8_traced` instead (its casts visible to Inductor).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from xstage_dit.comm.distributed import world_of
 from xstage_dit.ops.attention.auto import resolve_attention_schedule
 from xstage_dit.ops.attention.checks import check_inputs
+from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
 from xstage_dit.ops.attention.partition import head_split, shard_bounds
 from xstage_dit.ops.attention.reference import attention_reference, ulysses_attention_reference
 from xstage_dit.ops.attention.serial import serial_attention
@@ -150,6 +152,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     Goes through the ``xstage_dit::ulysses_attention`` custom op, so ``torch.compile`` can trace it.
     """
     _split_schedule(schedule)
+    if schedule == "fused:cudnn-fp8" and torch.compiler.is_compiling() and world_of(group)[1] == 1:
+        # Compiled, one rank: the quantization in torch around cuDNN's kernel alone, so that Inductor folds the
+        # casts into the producers of q, k, v and the consumer of the output (`fp8_traced`; same values).
+        return cudnn_fp8_attention(q, k, v, scale=scale)
     if schedule == "auto":
         rank, world_size = world_of(group)
         seq_len = check_inputs(q, k, v, rank, world_size, seq_len)

@@ -13,6 +13,7 @@ declined by some cuDNN engines and required by others: the graph is built withou
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -25,7 +26,7 @@ from xstage_dit.ops.capability import capability_refusal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CudnnFp8Attention", "unavailable"]
+__all__ = ["CudnnFp8Attention", "shared_attention", "unavailable"]
 
 HEAD_DIMS = (64, 128)
 # cuDNN's FP8 forward: from 9.1, not 9.10.0 (the frontend's own support surface), Hopper or newer.
@@ -134,3 +135,10 @@ class CudnnFp8Attention:
             entry[-1] = CudnnWindowKernel._autotune(graph, [pack], workspace, handle, sizes)
         graph.execute(pack, workspace, handle=handle)
         return out
+
+
+@functools.cache
+def shared_attention() -> CudnnFp8Attention:
+    """The process's one `CudnnFp8Attention`: the eager kernel (``fp8_kernels``) and the compiled path
+    (``fp8_traced``) share its graphs and tuned plans, so both run the same plan per shape."""
+    return CudnnFp8Attention()

@@ -70,22 +70,17 @@ class CudnnFp8Kernel(_StoredOutputKernel):
 
     name = "cudnn-fp8"
 
-    def __init__(self):
-        self._impl = None
-
     def _unavailable(self, device, geom):
         from xstage_dit.ops.attention.cudnn_fp8 import unavailable
 
         return unavailable(device, geom.head_dim)
 
     def _attend(self, q, k, v, scale):
-        from xstage_dit.ops.attention.cudnn_fp8 import CudnnFp8Attention
+        from xstage_dit.ops.attention.cudnn_fp8 import shared_attention
         from xstage_dit.ops.attention.fp8_quant import DESCALE_O, quantize_qkv
 
-        if self._impl is None:
-            self._impl = CudnnFp8Attention()
         x = quantize_qkv(q, k, v)
-        return self._impl.run(x, scale), x.slot(DESCALE_O)
+        return shared_attention().run(x, scale), x.slot(DESCALE_O)
 
 
 class SageKernel(_StoredOutputKernel):

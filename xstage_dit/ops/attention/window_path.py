@@ -31,7 +31,7 @@ from xstage_dit.comm.distributed import local_buffer_table, world_of
 from xstage_dit.comm.peer_window import PeerWindow, PeerWindowUnavailable
 from xstage_dit.ops.attention.kernels import OutTarget
 from xstage_dit.ops.attention.window import WindowGeometry, head_ranges, shard_rows
-from xstage_dit.schedule.attention_kernel import DEFAULT_ORDER, FP8_KERNELS, with_fp8
+from xstage_dit.schedule.attention_kernel import COMPILED_SUFFIX, DEFAULT_ORDER, FP8_KERNELS, with_fp8
 
 log = logging.getLogger(__name__)
 
@@ -316,7 +316,18 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
         kernel = make_kernel(name)
         if kernel.supports(geom, dtype, device, True) is None:
             fns[name] = lambda q=q, k=k, v=v, kernel=kernel: plain_kernel_attention(q, k, v, kernel, scale=scale)
+            if name == "cudnn-fp8":
+                fns[name + COMPILED_SUFFIX] = _compiled_cudnn_fp8(q, k, v, scale)
     return fns
+
+
+def _compiled_cudnn_fp8(q, k, v, scale):
+    """cudnn-fp8 as a compiled stack runs it at world 1 (``fp8_traced``), compiled on its own: its casts as separate
+    kernels, where a compiled block fuses them into its neighbours (an upper bound of its cost there)."""
+    from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
+
+    compiled = torch.compile(functools.partial(cudnn_fp8_attention, scale=scale), fullgraph=True, dynamic=False)
+    return lambda: compiled(q, k, v)
 
 
 def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:

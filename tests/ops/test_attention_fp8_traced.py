@@ -1,0 +1,123 @@
+"""World-1 cudnn-fp8 with its casts in torch (``ops/attention/fp8_traced.py``) on the CPU, cuDNN's kernel replaced by
+an fp32 emulation of what it computes from e4m3 inputs: the quantizer equals its definition bit for bit (eager and
+compiled by Inductor), the whole path equals ``fp8_reference.cudnn_fp8_emulation`` bit for bit (so the scale slots
+handed to the kernel and the output's descale are the eager path's), ``ulysses_attention`` takes it only under
+``torch.compile`` at world 1, and a compiled stack chooses cudnn-fp8 by its compiled time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from xstage_dit.ops.attention import cudnn_fp8, ulysses_attention
+from xstage_dit.ops.attention import fp8_reference as ref8
+from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O
+from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention, quantize_scaled
+from xstage_dit.schedule.attention_kernel import as_compiled
+
+
+class EmulatedCudnnFp8:
+    """What cuDNN's FP8 forward computes from its e4m3 inputs and scale slots (``fp8_reference``'s emulation after
+    its quantization step), in fp32 on any device; records the calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, x, attn_scale):
+        self.calls.append((tuple(x.q.shape), x.scales.data_ptr() % 16, x.q.is_contiguous()))
+        qf, kf, vf = ((t.float().transpose(1, 2) * x.slot(s)) for t, s in ((x.q, DESCALE_Q), (x.k, DESCALE_K),
+                                                                            (x.v, DESCALE_V)))
+        s = (qf @ kf.transpose(-1, -2)) * attn_scale
+        p = torch.exp(s - s.amax(dim=-1, keepdim=True))
+        o = ((p * ref8.P_SCALE).to(ref8.E4M3).float() / ref8.P_SCALE @ vf) / p.sum(dim=-1, keepdim=True)
+        return (o * x.slot(SCALE_O)).to(ref8.E4M3).transpose(1, 2).contiguous()
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    kernel = EmulatedCudnnFp8()
+    monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: kernel)
+    return kernel
+
+
+def _awkward(gen, shape, amax):
+    x = torch.randn(shape, generator=gen) * amax
+    x.view(-1)[3] = amax  # the largest magnitude exactly: a power of two or 448 * 2**k lands on a scale boundary
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("amax", [448.0, 0.875, 1.0, 3.9, 2.0 ** -7, 5e4])
+def test_the_quantizer_is_its_definition_eager_and_compiled(amax):
+    x = _awkward(torch.Generator().manual_seed(1), (2, 37, 3, 64), amax)
+    want8, descale = ref8.quantize_reference(x)
+    for fn in (quantize_scaled, torch.compile(quantize_scaled, fullgraph=True, dynamic=False)):
+        got8, scale = fn(x)
+        assert got8.dtype == ref8.E4M3 and got8.is_contiguous()
+        assert torch.equal(got8.view(torch.uint8), want8.view(torch.uint8)), amax
+        assert scale.item() * descale.item() == 1.0
+    zeros8, scale = quantize_scaled(torch.zeros(3, 5, dtype=torch.bfloat16))
+    assert torch.isfinite(scale) and not zeros8.float().any()
+
+
+@pytest.mark.parametrize("shape_q, shape_kv, dtype", [
+    ((1, 64, 4, 128), (1, 64, 4, 128), torch.bfloat16),
+    ((2, 37, 3, 64), (2, 37, 3, 64), torch.float16),      # odd length, head_dim 64, batch 2
+    ((1, 19, 2, 128), (1, 45, 2, 128), torch.bfloat16),   # more keys than queries
+])
+def test_the_path_equals_the_emulation_bit_for_bit_eager_and_compiled(emulated, shape_q, shape_kv, dtype):
+    gen = torch.Generator().manual_seed(2)
+    q = (torch.randn(shape_q, generator=gen) * 3).to(dtype)
+    k, v = ((torch.randn(shape_kv, generator=gen) * s).to(dtype) for s in (0.5, 20.0))
+    want = ref8.cudnn_fp8_emulation(q, k, v)
+    got = cudnn_fp8_attention(q, k, v)
+    assert got.dtype == dtype and got.shape == q.shape and torch.equal(got, want)
+    compiled = torch.compile(cudnn_fp8_attention, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(q, k, v, scale=0.1), ref8.cudnn_fp8_emulation(q, k, v, scale=0.1))
+    # Every scale slot reached the kernel 16-byte aligned, and e4m3 inputs contiguous (cuDNN's BSHD strides).
+    assert emulated.calls and all(align == 0 and contiguous for _, align, contiguous in emulated.calls)
+
+
+def test_a_strided_input_quantizes_to_contiguous_e4m3(emulated):
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(1, 40, 3, 4, 64, generator=gen).to(torch.bfloat16)
+    q, k, v = qkv.unbind(2)  # (B, S, H, D) views with a row stride of 3 * H * D
+    assert torch.equal(cudnn_fp8_attention(q, k, v), ref8.cudnn_fp8_emulation(q, k, v))
+
+
+def test_bad_inputs_are_named():
+    x = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"expected q, k, v of one dtype, bfloat16 or float16, got torch.float32"):
+        cudnn_fp8_attention(x.float(), x.float(), x.float())
+    with pytest.raises(ValueError, match=r"expected q \(B, Sq, H, D\) and k, v \(B, Skv, H, D\), got \(1, 8, 2, 64\), "
+                                         r"\(1, 8, 3, 64\)"):
+        cudnn_fp8_attention(x, torch.zeros(1, 8, 3, 64, dtype=torch.bfloat16), x)
+
+
+def test_ulysses_attention_takes_the_path_only_compiled_at_world_one(emulated):
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 48, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+
+    def attend(q, k, v):
+        return ulysses_attention(q, k, v, schedule="fused:cudnn-fp8")
+
+    got = torch.compile(attend, fullgraph=True, dynamic=False)(q, k, v)
+    assert torch.equal(got, ref8.cudnn_fp8_emulation(q, k, v)) and len(emulated.calls) == 1
+    # Eager: the op's own path (Triton quantizers, the peer-window store), which refuses a CPU tensor, naming why.
+    with pytest.raises(ValueError, match="cudnn-fp8 refuses this problem"):
+        attend(q, k, v)
+
+
+def test_a_compiled_stack_chooses_cudnn_fp8_by_its_compiled_time():
+    from tests.features.test_fp8_attention import FLUX, FakeRefusals, _chooser
+
+    timings = {"sdpa": 0.41, "cudnn": 0.40, "cudnn-fp8": 0.57, "cudnn-fp8+compiled": 0.36}
+    assert as_compiled(timings) == {"sdpa": 0.41, "cudnn": 0.40, "cudnn-fp8": 0.36}
+    assert as_compiled(None) is None and as_compiled({}) == {}
+    chooser = _chooser(1, timings, FakeRefusals("sdpa", "cudnn"), "auto")
+    assert chooser.choose(**FLUX, device=torch.device("cpu")).name == "cudnn"  # eager: the eager path's time
+    chooser = _chooser(1, timings, FakeRefusals("sdpa", "cudnn"), "auto")
+    undo = chooser.for_compile()
+    choice = chooser.choose(**FLUX, device=torch.device("cpu"))
+    assert choice.name == "cudnn-fp8" and "0.360 ms" in choice.reason
+    undo()
+    assert not chooser.compiled

@@ -1,0 +1,81 @@
+"""cuDNN's FP8 attention at world size 1 with its quantization written in torch, for ``torch.compile`` to fold.
+
+    out = cudnn_fp8_attention(q, k, v, scale=None)   # q, k, v: (B, S, H, D) bf16 -> (B, S, H, D) bf16
+
+The eager path (``fp8_kernels.CudnnFp8Kernel``) quantizes q, k and v with Triton kernels of its own (two passes
+over each tensor, six launches) and dequantizes the e4m3 output in a store kernel: at FLUX's 4,608 tokens those
+passes cost more than the FP8 kernel saves (NOTES: 0.574 ms against bf16's 0.399 on an H100, the kernel itself
+0.279). Here the quantization (``fp8_reference.quantize_reference``, the definition) and the dequantization are
+plain torch around a custom op that runs only cuDNN's kernel (``xstage_dit::cudnn_fp8_sdpa``), so that Inductor
+fuses the casts into the kernels that produce q, k, v (the q/k norms and RoPE) and the one that consumes the
+output (the next linear layer's activation quantization): inside a compiled block little but the kernel is left.
+
+The values are the eager path's, bit for bit (same scales, same roundings: ``fp8_reference.cudnn_fp8_emulation``
+is the definition of both). ``ulysses_attention`` takes this path at world size 1 under ``torch.compile`` for
+the "fused:cudnn-fp8" schedule; the kernel sweep times it compiled on its own (``window_path._world1_cases``,
+"cudnn-fp8+compiled"), which is what a compiled stack chooses by (``schedule.attention_kernel.as_compiled``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xstage_dit.ops.attention.fp8_quant import (AMAX_K, AMAX_Q, AMAX_V, DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V,
+                                                SCALE_O, Fp8QKV)
+from xstage_dit.ops.attention.fp8_reference import E4M3, po2_scale
+from xstage_dit.ops.registry import NAMESPACE
+
+__all__ = ["cudnn_fp8_attention", "quantize_scaled"]
+# cuDNN reads each scale through a 16-byte-aligned pointer (the eager path's buffer: one fp32 per 16-byte row).
+_ALIGN = 16
+
+
+@torch.library.custom_op(f"{NAMESPACE}::cudnn_fp8_sdpa", mutates_args=())
+def _cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    # q8 (B, Sq, H, D), k8, v8 (B, Skv, H, D) e4m3; scales fp32 (8, 4), slot i at [i, 0] (``fp8_quant``'s
+    # slots) -> O (B, Sq, H, D) e4m3 at scales[SCALE_O].
+    if scales.data_ptr() % _ALIGN or not scales.is_contiguous():
+        scales = scales.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
+    x = Fp8QKV(q8.contiguous(), k8.contiguous(), v8.contiguous(), scales)
+    from xstage_dit.ops.attention.cudnn_fp8 import shared_attention
+
+    return shared_attention().run(x, scale)
+
+
+@_cudnn_fp8_sdpa.register_fake
+def _(q8, k8, v8, scales, scale):
+    return torch.empty_like(q8, memory_format=torch.contiguous_format)
+
+
+def quantize_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape, floating) -> (e4m3 of x's shape, contiguous; scale: fp32 0-dim, a power of two):
+    ``fp8_reference.quantize_reference``'s values, returning the scale instead of the descale."""
+    scale = po2_scale(x.abs().amax())
+    return (x.float() * scale).to(E4M3).contiguous(), scale
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+        raise ValueError(f"expected q (B, Sq, H, D) and k, v (B, Skv, H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"expected q, k, v of one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                        ) -> torch.Tensor:
+    """softmax(q k^T * scale) v through cuDNN's FP8 forward, quantization and dequantization in torch.
+
+    q: (B, Sq, H, D), k, v: (B, Skv, H, D), bf16 or fp16, on one CUDA device -> (B, Sq, H, D) in q's dtype,
+    contiguous. scale: default 1/sqrt(D). Values: ``fp8_reference.cudnn_fp8_emulation`` (per-tensor power-of-two
+    scales, O rounded to e4m3 at half of V's scale).
+    """
+    _check(q, k, v)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    (q8, sq), (k8, sk), (v8, sv) = (quantize_scaled(t) for t in (q, k, v))
+    slots = {AMAX_Q: sq, AMAX_K: sk, AMAX_V: sv, DESCALE_Q: 1.0 / sq, DESCALE_K: 1.0 / sk, DESCALE_V: 1.0 / sv,
+             SCALE_O: sv * 0.5, DESCALE_O: 2.0 / sv}  # the amax slots hold the scales: cuDNN reads none of them
+    scales = torch.nn.functional.pad(torch.stack([slots[i] for i in range(len(slots))]).reshape(-1, 1), (0, 3))
+    o8 = torch.ops.xstage_dit.cudnn_fp8_sdpa(q8, k8, v8, scales, scale)
+    return (o8.float() * slots[DESCALE_O]).to(q.dtype)
