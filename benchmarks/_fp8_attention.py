@@ -22,7 +22,7 @@ from benchmarks._common import environment, interleaved_times, write_results
 from xstage_dit.calibration.kernel_sweep import cuda_event_ms
 from xstage_dit.ops.attention.fp8_reference import rel_l2
 from xstage_dit.ops.attention.reference import attention_reference
-from xstage_dit.schedule.attention_kernel import FP8_KERNELS
+from xstage_dit.schedule.attention_kernel import COMPILED_SUFFIX, FP8_KERNELS
 
 SHAPES = {  # name -> (seq_len, heads, head_dim, where it comes from)
     "flux": (4608, 24, 128, "FLUX.1-dev 1024^2: 4096 image + 512 text tokens, 24 heads x 128"),
@@ -93,7 +93,7 @@ def measure_shape(name: str, rounds: int) -> list[dict]:
     best16 = min((ms[n] for n in SIXTEEN_BIT if n in ms), default=None)
     rows = []
     for kernel, t in ms.items():
-        base = kernel.split(" ")[0]
+        base = kernel.split(" ")[0].removesuffix(COMPILED_SUFFIX)
         rows.append({"shape": name, "family": family, "kernel": kernel,
                      "bits": "8" if base in FP8_KERNELS else "16", "rel_l2_vs_fp32": outputs.get(kernel),
                      "median_ms": t, "rounds_ms": times[kernel], "over_sdpa": ms["sdpa"] / t,
