@@ -48,8 +48,36 @@ for _d in ${WHEEL_DIRS:-.whl .whl-e2e} /tmp/bigwheel; do
   for _w in "$_d"/*.whl; do [ -f "$_w" ] && _wheels+=("$_w"); done
 done
 if [ ${#_wheels[@]} -gt 0 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  # Into a fresh folder, then merged: `pip --target --upgrade` replaces a top-level folder whole, so a wheel with a
+  # namespace folder (protobuf's google/) wiped what the packed site had there (google/rpc: Ray's raylet then
+  # timed out, 2026-12-07). A regular package (an __init__.py) and an older dist-info of a project are replaced.
+  _new=$(mktemp -d /tmp/site-new.XXXXXX)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$_new" \
     "${_wheels[@]}" 2>&1 | grep -v -i warning
+  python3 - "$_new" /tmp/site <<'PYEOF'
+import re, shutil, sys
+from pathlib import Path
+new, site = Path(sys.argv[1]), Path(sys.argv[2])
+site.mkdir(parents=True, exist_ok=True)
+project = lambda name: re.sub(r"[-_.]+", "_", name.split("-")[0]).lower()
+def merge(src: Path, dst: Path) -> None:
+    for item in src.iterdir():
+        target = dst / item.name
+        if item.is_dir() and target.is_dir() and not (item / "__init__.py").exists():
+            merge(item, target)  # a namespace folder: keep what other distributions put there
+            continue
+        if target.is_dir():
+            shutil.rmtree(target)
+        elif target.exists():
+            target.unlink()
+        shutil.move(str(item), str(target))
+for info in new.glob("*.dist-info"):
+    for old in site.glob("*.dist-info"):
+        if project(old.name) == project(info.name):
+            shutil.rmtree(old)
+merge(new, site)
+PYEOF
+  rm -rf "$_new"
 fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 # The CuTe DSL puts its modules on sys.path through a .pth file, which a --target install does not run.
