@@ -121,3 +121,19 @@ def test_a_compiled_stack_chooses_cudnn_fp8_by_its_compiled_time():
     assert choice.name == "cudnn-fp8" and "0.360 ms" in choice.reason
     undo()
     assert not chooser.compiled
+
+
+def test_bounds_known_in_advance_set_q_and_k_scales_and_saturate_past_them(emulated):
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 40, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    amax_q, amax_k = q.float().abs().amax(), k.float().abs().amax()
+    exact = ref8.cudnn_fp8_emulation(q, k, v)
+    # the true amax as the bound: the per-call scales, so the same output bit for bit
+    assert torch.equal(cudnn_fp8_attention(q, k, v, amax_bounds=(amax_q, amax_k)), exact)
+    # a looser bound (four binades up) costs nothing: e4m3 rounds alike in every binade, only values 2**-6 below
+    # the largest turn subnormal (here the bf16 outputs came out equal)
+    loose = cudnn_fp8_attention(q, k, v, amax_bounds=(amax_q * 16, amax_k * 16))
+    assert ref8.rel_l2(loose, exact) < 1e-3
+    # a bound below the values (never handed in by features.qk_bounds): saturated at e4m3's largest, not NaN
+    q8, _ = quantize_scaled(q, amax_q / 8)
+    assert torch.isfinite(q8.float()).all() and q8.float().abs().amax() == ref8.E4M3_MAX

@@ -36,9 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xstage_dit.ops.attention import ulysses_attention
+from xstage_dit.ops.attention import FP8_TRACED_SCHEDULE, ulysses_attention
 from xstage_dit.families import sharding
 from xstage_dit.features.attention_schedules import AttentionSchedules
+from xstage_dit.features.qk_bounds import amax_bounds
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class AttentionContext:
     kv_layout: str = "sharded"
     name: str = ""
     state: object | None = None  # the SequenceState of the model's split hooks (split totals)
+    qk_norms: tuple | None = None  # `qk_bounds.qk_norms`: the norms bounding q and k (FP8 attention's scales)
 
     def __post_init__(self) -> None:
         if self.kv_layout not in KV_LAYOUTS:
@@ -205,7 +207,10 @@ def xstage_attention(
             schedule = _schedule_for(ctx, query, seq_q)
             if schedule != "serial":
                 ctx.schedules.note_path("ulysses", ctx.name)
-                return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale)
+                # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
+                bounds = amax_bounds(ctx.qk_norms) if schedule == FP8_TRACED_SCHEDULE and ctx.qk_norms else None
+                return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
+                                         fp8_amax_bounds=bounds)
             # World 1, serial: exactly diffusers' own SDPA call (no custom-op hop, no .contiguous() copy
             # of the output), so parallelize at world 1 costs nothing over plain diffusers.
         if ctx is not None:

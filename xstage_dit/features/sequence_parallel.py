@@ -31,6 +31,7 @@ from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.features.collective_safety import check_dispatching
 from xstage_dit.features.context import chained
 from xstage_dit.features.instance_attr import remove_hook
+from xstage_dit.features.qk_bounds import qk_norms
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +279,7 @@ def apply_sequence_parallel(
             original = module.processor
             ctx = AttentionContext(
                 group=group, rank=rank, world=world, schedules=schedules, kv_layout=_layout_for(name, spec.kv_layouts),
-                name=name, state=state,
+                name=name, state=state, qk_norms=qk_norms(module, original),
             )
             swap = spec.processor_swaps.get(type(original).__name__)
             if swap is not None and type(original).__module__.startswith("diffusers."):

@@ -40,11 +40,13 @@ from xstage_dit.ops.registry import NAMESPACE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SCHEDULES", "attention_reference", "fused_attention", "fused_attention_virtual_ranks", "head_split",
+__all__ = ["FP8_TRACED_SCHEDULE", "SCHEDULES", "attention_reference", "fused_attention", "fused_attention_virtual_ranks", "head_split",
            "resolve_attention_schedule", "serial_attention", "shard_bounds", "ulysses_attention",
            "ulysses_attention_impl", "ulysses_attention_reference"]
 
 SCHEDULES = ("auto", "fused", "serial")
+# The schedule whose compiled world-1 call runs `fp8_traced` (its casts visible to Inductor).
+FP8_TRACED_SCHEDULE = "fused:cudnn-fp8"
 # What the custom op runs: "auto" is resolved before the op boundary, where the params are.
 OP_SCHEDULES = ("fused", "serial")
 
@@ -133,7 +135,8 @@ def _auto_schedule(xparams, batch: int, seq_len: int, heads: int, head_dim: int,
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group=None, schedule: str = "auto",
-                      scale: float | None = None, seq_len: int | None = None, xparams=None) -> torch.Tensor:
+                      scale: float | None = None, seq_len: int | None = None, xparams=None,
+                      fp8_amax_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Sequence-parallel (Ulysses) attention over the ranks of ``group``.
 
     q, k, v: (batch, seq_local, heads, head_dim), this rank's chunk of the sequence (torch.chunk
@@ -143,7 +146,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
         ``XStageParams`` of the ranks' target from ``calibration.params_for``; None = uncalibrated: serial
         across ranks), or "fused:fa4" | "fused:cudnn" | "fused:triton": the fused path with that kernel writing
         the post-A2A through the peer window (the per-shape choice of ``schedule.attention_kernel``).
-        scale: default ``1/sqrt(head_dim)``.
+        scale: default ``1/sqrt(head_dim)``. fp8_amax_bounds: bounds on |q| and |k| known in advance
+        (``features.qk_bounds``), taken by the compiled world-1 cudnn-fp8 path for q's and k's scales.
 
     Example::
 
@@ -152,10 +156,10 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     Goes through the ``xstage_dit::ulysses_attention`` custom op, so ``torch.compile`` can trace it.
     """
     _split_schedule(schedule)
-    if schedule == "fused:cudnn-fp8" and torch.compiler.is_compiling() and world_of(group)[1] == 1:
+    if schedule == FP8_TRACED_SCHEDULE and torch.compiler.is_compiling() and world_of(group)[1] == 1:
         # Compiled, one rank: the quantization in torch around cuDNN's kernel alone, so that Inductor folds the
         # casts into the producers of q, k, v and the consumer of the output (`fp8_traced`; same values).
-        return cudnn_fp8_attention(q, k, v, scale=scale)
+        return cudnn_fp8_attention(q, k, v, scale=scale, amax_bounds=fp8_amax_bounds)
     if schedule == "auto":
         rank, world_size = world_of(group)
         seq_len = check_inputs(q, k, v, rank, world_size, seq_len)

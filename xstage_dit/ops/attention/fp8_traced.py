@@ -22,7 +22,7 @@ import torch
 
 from xstage_dit.ops.attention.fp8_quant import (AMAX_K, AMAX_Q, AMAX_V, DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V,
                                                 SCALE_O, Fp8QKV)
-from xstage_dit.ops.attention.fp8_reference import E4M3, po2_scale
+from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX, po2_scale
 from xstage_dit.ops.registry import NAMESPACE
 
 __all__ = ["cudnn_fp8_attention", "quantize_scaled"]
@@ -48,11 +48,16 @@ def _(q8, k8, v8, scales, scale):
     return torch.empty_like(q8, memory_format=torch.contiguous_format)
 
 
-def quantize_scaled(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_scaled(x: torch.Tensor, amax_bound: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (any shape, floating) -> (e4m3 of x's shape, contiguous; scale: fp32 0-dim, a power of two):
-    ``fp8_reference.quantize_reference``'s values, returning the scale instead of the descale."""
-    scale = po2_scale(x.abs().amax())
-    return (x.float() * scale).to(E4M3).contiguous(), scale
+    ``fp8_reference.quantize_reference``'s values, returning the scale instead of the descale. ``amax_bound``: a
+    bound on |x| known in advance (``features.qk_bounds``) that the scale is taken from instead of x's amax (no
+    reduction over x before the cast); values past it saturate at e4m3's largest."""
+    if amax_bound is None:
+        scale = po2_scale(x.abs().amax())
+        return (x.float() * scale).to(E4M3).contiguous(), scale
+    scale = po2_scale(amax_bound)
+    return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -63,17 +68,20 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"expected q, k, v of one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                        ) -> torch.Tensor:
+def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        amax_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v through cuDNN's FP8 forward, quantization and dequantization in torch.
 
     q: (B, Sq, H, D), k, v: (B, Skv, H, D), bf16 or fp16, on one CUDA device -> (B, Sq, H, D) in q's dtype,
-    contiguous. scale: default 1/sqrt(D). Values: ``fp8_reference.cudnn_fp8_emulation`` (per-tensor power-of-two
-    scales, O rounded to e4m3 at half of V's scale).
+    contiguous. scale: default 1/sqrt(D). amax_bounds: (bound on |q|, bound on |k|), fp32 0-dim tensors known
+    before the call (``features.qk_bounds``): q's and k's scales from them, so their casts need no pass of their own.
+    Values: ``fp8_reference.cudnn_fp8_emulation`` (per-tensor power-of-two scales, O rounded to e4m3 at half of V's
+    scale), with q's and k's scales those of the bounds where given.
     """
     _check(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    (q8, sq), (k8, sk), (v8, sv) = (quantize_scaled(t) for t in (q, k, v))
+    bq, bk = (None, None) if amax_bounds is None else amax_bounds
+    (q8, sq), (k8, sk), (v8, sv) = quantize_scaled(q, bq), quantize_scaled(k, bk), quantize_scaled(v)
     slots = {AMAX_Q: sq, AMAX_K: sk, AMAX_V: sv, DESCALE_Q: 1.0 / sq, DESCALE_K: 1.0 / sk, DESCALE_V: 1.0 / sv,
              SCALE_O: sv * 0.5, DESCALE_O: 2.0 / sv}  # the amax slots hold the scales: cuDNN reads none of them
     scales = torch.nn.functional.pad(torch.stack([slots[i] for i in range(len(slots))]).reshape(-1, 1), (0, 3))
