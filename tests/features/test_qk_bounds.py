@@ -133,3 +133,26 @@ def test_compiled_blocks_share_one_graph_per_class_and_equal_eager(emulated_fp8,
         handle.restore()
     assert graphs == 2, f"{graphs} graphs: expected one per block class (double-stream, single-stream)"
     assert torch.equal(compiled, eager)
+
+
+def test_the_sweep_times_the_bounded_form_only_where_every_layer_has_bounds():
+    from tests.features.test_fp8_attention import FLUX, FakeRefusals, _chooser
+
+    flux = parallelize(load_pipeline("tiny-flux", dtype=torch.bfloat16, device="cpu", seed=0).transformer,
+                       ParallelConfig(schedule="auto"))
+    sd3 = parallelize(load_pipeline("tiny-sd3", dtype=torch.bfloat16, device="cpu", seed=0).transformer,
+                      ParallelConfig(schedule="auto"))
+    try:
+        assert flux.attention_kernels.qk_bounded is True
+        assert sd3.attention_kernels.qk_bounded is False  # SD3's joint processor is not one read here
+    finally:
+        flux.restore()
+        sd3.restore()
+    chooser = _chooser(1, {"sdpa": 1.0}, FakeRefusals("sdpa", "cudnn"), "auto")
+    chooser.note_qk_bounds(True)
+    chooser.choose(**FLUX, device=torch.device("cpu"))
+    chooser.note_qk_bounds(False)  # a second transformer without bounds: the form without them from now on
+    chooser._sweeps.clear()
+    chooser.choose(**FLUX, device=torch.device("cpu"))
+    assert [family for family, _ in chooser._sweep.calls] == ["bfloat16-d128-b1-s8192-hr24-p1-fp8-qkb",
+                                                             "bfloat16-d128-b1-s8192-hr24-p1-fp8"]

@@ -138,9 +138,13 @@ def test_world1_cudnn_fp8_with_torch_casts_is_the_eager_path_bit_for_bit(batch, 
     torch._dynamo.reset()
     try:
         assert torch.equal(torch.compile(cudnn_fp8_attention, fullgraph=True, dynamic=False)(q, k, v), want)
-        cases = _world1_cases(batch, seq_len, heads, head_dim, dtype, "cuda", ("sdpa", "cudnn-fp8"))
-        assert {"cudnn-fp8", "cudnn-fp8+compiled"} <= set(cases)
-        cases["cudnn-fp8+compiled"]()
+        # q's and k's true amax as their bounds: the same scales, so the same output
+        bounds = (q.float().abs().amax(), k.float().abs().amax())
+        assert torch.equal(cudnn_fp8_attention(q, k, v, amax_bounds=bounds), want)
+        for bounded in (False, True):
+            cases = _world1_cases(batch, seq_len, heads, head_dim, dtype, "cuda", ("sdpa", "cudnn-fp8"), bounded)
+            assert {"cudnn-fp8", "cudnn-fp8+compiled"} <= set(cases)
+            cases["cudnn-fp8+compiled"]()
     finally:
         torch._dynamo.reset()
 

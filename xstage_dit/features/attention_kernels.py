@@ -86,6 +86,7 @@ class KernelChooser:
         self.capture_refusals: dict[str, str] = {}  # kernel -> why not, while calls run under CUDA graphs
         self.fp8_attention = "off"  # `use_fp8_attention`
         self.compiled = False  # `for_compile`: kernels timed in their compiled form are chosen by that time
+        self.qk_bounded: bool | None = None  # `note_qk_bounds`: every attention layer's q and k bounds known
 
     def for_cuda_graphs(self) -> Callable[[], None]:
         """Refuse, from now on, the kernels that failed inside a CUDA-graph capture (``apply_compile(mode=
@@ -97,6 +98,12 @@ class KernelChooser:
             self.capture_refusals = {}
 
         return undo
+
+    def note_qk_bounds(self, bounded: bool) -> None:
+        """Whether the attention layers of one patched transformer all have q and k bounds known in advance
+        (``features.qk_bounds``); with several transformers, true only where every one said so. World 1's compiled
+        cudnn-fp8 is then timed with them (its "-qkb" sweep family)."""
+        self.qk_bounded = bool(bounded) if self.qk_bounded is None else self.qk_bounded and bool(bounded)
 
     def for_compile(self) -> Callable[[], None]:
         """The layers run compiled from now on (``apply_compile``): a kernel the sweep also timed compiled
@@ -167,11 +174,12 @@ class KernelChooser:
         # Something to compare only where two candidates take the shape (never on a CPU: the stock kernels
         # refuse it there, and torch SDPA or our Triton kernel is all that is left).
         if len(takers) >= 2:
-            family = problem_family(**args, fp8=fp8)
+            bounded = fp8 and self.world == 1 and bool(self.qk_bounded)
+            family = problem_family(**args, fp8=fp8, qk_bounded=bounded)
             # No sweep inside a CUDA graph capture (it synchronizes): the cache only.
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             measure = self.allow_measure and not capturing
-            timings = self._timings({**problem, "fp8": fp8}, family, measure)
+            timings = self._timings({**problem, "fp8": fp8, "qk_bounded": bounded}, family, measure)
             timings = as_compiled(timings) if self.compiled else timings
         order, baseline = (WORLD1_ORDER, BASELINE) if self.world == 1 else (DEFAULT_ORDER, None)
         return choose_attention_kernel(timings, refusals, with_fp8(order) if fp8 else order, baseline=baseline)

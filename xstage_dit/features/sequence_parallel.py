@@ -297,6 +297,8 @@ def apply_sequence_parallel(
             patched._parallel_config = ctx
             _set_processor(module, patched)
             processors.append((module, original))
+        schedules.kernels.note_qk_bounds(all(p._parallel_config.qk_norms is not None
+                                             for p in (m.processor for m, _ in processors)))
     except BaseException:
         _undo(model, hooked, processors)
         release_backend()

@@ -256,16 +256,21 @@ def _problem(prob: dict) -> tuple:
     return b, s, h, d, p, prob["dtype"], torch.device(prob["device"]), bool(prob.get("fp8", False))
 
 
+def _qk_bounded(prob: dict) -> bool:
+    return bool(prob.get("fp8", False) and prob.get("qk_bounded", False))
+
+
 def problem_family(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
-                   dtype: torch.dtype, fp8: bool = False) -> str:
+                   dtype: torch.dtype, fp8: bool = False, qk_bounded: bool = False) -> str:
     """The sweep's family of one rank's problem (``schedule.attention_kernel.shape_family`` at the heads of the
     last rank, the launch ``sweep_cases`` times): the one rule the sweep and the chooser share. ``fp8``: the family
-    that also times the 8-bit kernels."""
+    that also times the 8-bit kernels; ``qk_bounded``: of layers whose q and k bounds are known in advance."""
     from xstage_dit.schedule.attention_kernel import shape_family
 
     heads_local = heads if world_size == 1 else head_ranges(heads, world_size)[-1][1]
     return shape_family(batch=batch, seq_len=seq_len, heads_local=heads_local, head_dim=head_dim,
-                        world_size=world_size, dtype_name=str(dtype).removeprefix("torch."), fp8=fp8)
+                        world_size=world_size, dtype_name=str(dtype).removeprefix("torch."), fp8=fp8,
+                        qk_bounded=qk_bounded)
 
 
 def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, dtype: torch.dtype,
@@ -285,7 +290,7 @@ def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, wor
     return {**refusals(geom, dtype, device, True, DEFAULT_ORDER), **eight_bit}
 
 
-def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
+def _world1_cases(b, s, h, d, dtype, device, kernel_names, qk_bounded: bool = False) -> dict:
     """Torch SDPA exactly as diffusers calls it ((B, H, S, D) views, default backends) vs FA4 plain, torch's
     cuDNN backend and the 8-bit kernels named in ``kernel_names`` (their plain world-1 path), at the real
     (B, S, H, D) shape."""
@@ -317,17 +322,19 @@ def _world1_cases(b, s, h, d, dtype, device, kernel_names) -> dict:
         if kernel.supports(geom, dtype, device, True) is None:
             fns[name] = lambda q=q, k=k, v=v, kernel=kernel: plain_kernel_attention(q, k, v, kernel, scale=scale)
             if name == "cudnn-fp8":
-                fns[name + COMPILED_SUFFIX] = _compiled_cudnn_fp8(q, k, v, scale)
+                fns[name + COMPILED_SUFFIX] = _compiled_cudnn_fp8(q, k, v, scale, qk_bounded)
     return fns
 
 
-def _compiled_cudnn_fp8(q, k, v, scale):
+def _compiled_cudnn_fp8(q, k, v, scale, qk_bounded: bool = False):
     """cudnn-fp8 as a compiled stack runs it at world 1 (``fp8_traced``), compiled on its own: its casts as separate
-    kernels, where a compiled block fuses them into its neighbours (an upper bound of its cost there)."""
+    kernels, where a compiled block fuses them into its neighbours (an upper bound of its cost there). qk_bounded:
+    q's and k's bounds handed in, as layers with ``features.qk_bounds`` run it (no pass over q and k first)."""
     from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
 
+    bounds = (q.abs().amax().float(), k.abs().amax().float()) if qk_bounded else None
     compiled = torch.compile(functools.partial(cudnn_fp8_attention, scale=scale), fullgraph=True, dynamic=False)
-    return lambda: compiled(q, k, v)
+    return lambda: compiled(q, k, v, amax_bounds=bounds)
 
 
 def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
@@ -349,12 +356,13 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     cases = {}
     for prob in problems:
         b, s, h, d, p, dtype, device, fp8 = _problem(prob)
-        family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8)
+        family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8,
+                                qk_bounded=_qk_bounded(prob))
         if family in cases:
             continue
         names = with_fp8(kernel_names) if fp8 else tuple(kernel_names)
         if p == 1:
-            cases[family] = _world1_cases(b, s, h, d, dtype, device, names)
+            cases[family] = _world1_cases(b, s, h, d, dtype, device, names, _qk_bounded(prob))
             continue
         h0, hr = head_ranges(h, p)[-1]
         length = -(-s // p)
