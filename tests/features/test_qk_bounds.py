@@ -156,3 +156,11 @@ def test_the_sweep_times_the_bounded_form_only_where_every_layer_has_bounds():
     chooser.choose(**FLUX, device=torch.device("cpu"))
     assert [family for family, _ in chooser._sweep.calls] == ["bfloat16-d128-b1-s8192-hr24-p1-fp8-qkb",
                                                              "bfloat16-d128-b1-s8192-hr24-p1-fp8"]
+
+
+def test_a_weightless_norm_bound_lands_on_the_device_asked_for():
+    from diffusers.models.normalization import RMSNorm
+
+    weighted, plain = RMSNorm(64, eps=1e-6), RMSNorm(16, eps=1e-6, elementwise_affine=False)
+    bound = amax_bound((plain, weighted), "meta")
+    assert bound.device.type == "meta" and bound.dim() == 0

@@ -208,7 +208,8 @@ def xstage_attention(
             if schedule != "serial":
                 ctx.schedules.note_path("ulysses", ctx.name)
                 # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
-                bounds = amax_bounds(ctx.qk_norms) if schedule == FP8_TRACED_SCHEDULE and ctx.qk_norms else None
+                traced = schedule == FP8_TRACED_SCHEDULE and ctx.qk_norms and torch.compiler.is_compiling()
+                bounds = amax_bounds(ctx.qk_norms, query.device) if traced else None
                 return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
                                          fp8_amax_bounds=bounds)
             # World 1, serial: exactly diffusers' own SDPA call (no custom-op hop, no .contiguous() copy

@@ -17,7 +17,7 @@ Which processors call attention on exactly norm(q) and norm(k) (then RoPE, conca
 from diffusers 0.42's source. Any other processor, or a norm of another type, gets no bound (the per-call amax).
 
     norms = qk_norms(attention_module, processor)      # (q norms, k norms) or None, at ``parallelize`` time
-    bq, bk = amax_bounds(norms)                        # fp32 0-dim tensors, inside the traced forward
+    bq, bk = amax_bounds(norms, q.device)              # fp32 0-dim tensors, inside the traced forward
 """
 
 from __future__ import annotations
@@ -63,20 +63,22 @@ def qk_norms(module: torch.nn.Module, processor) -> tuple[tuple, tuple] | None:
     return found[0], found[1]
 
 
-def amax_bound(norms: tuple) -> torch.Tensor:
-    """max over ``norms`` of sqrt(n) * max|weight| (+ max|bias|): an fp32 0-dim tensor on the weights' device, or
-    sqrt(n) where a norm has no weight. Traceable: the weights enter a compiled graph as inputs."""
+def amax_bound(norms: tuple, device: torch.device | str | None = None) -> torch.Tensor:
+    """max over ``norms`` of sqrt(n) * max|weight| (+ max|bias|) (sqrt(n) where a norm has no weight): an fp32 0-dim
+    tensor on ``device`` (default: the CPU). Traceable: the weights enter a compiled graph as inputs."""
     bounds = []
     for norm in norms:
         root_n = math.sqrt(_rms_norm_size(norm))
         weight, bias = getattr(norm, "weight", None), getattr(norm, "bias", None)
-        bound = torch.tensor(root_n) if weight is None else weight.detach().float().abs().amax() * root_n
+        bound = (torch.full((), root_n, device=device) if weight is None
+                 else weight.detach().float().abs().amax().to(device) * root_n)
         if bias is not None:
             bound = bound + bias.detach().float().abs().amax()
         bounds.append(bound)
     return torch.stack(bounds).amax() if len(bounds) > 1 else bounds[0]
 
 
-def amax_bounds(norms: tuple[tuple, tuple]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(bound on |q|, bound on |k|) of `qk_norms`' answer."""
-    return amax_bound(norms[0]), amax_bound(norms[1])
+def amax_bounds(norms: tuple[tuple, tuple], device: torch.device | str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bound on |q|, bound on |k|) of `qk_norms`' answer, on ``device``."""
+    return amax_bound(norms[0], device), amax_bound(norms[1], device)
