@@ -92,6 +92,10 @@ def parse_variant(name: str) -> Variant:
     fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
     known = ("tuned", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
     attention = [_FP8_ATTENTION[e] for e in extras if e in _FP8_ATTENTION]
+    if mode == "regional" and "graphs" in extras:
+        # measured on an H100 (2026-12-07): the failure said so at the first block's second replay
+        raise ValueError(f"expected graphs with full compile, got {name!r}: regionally compiled blocks of one class "
+                         "share a CUDA graph whose output the next block's replay overwrites")
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
                                                                                    "graphs" in extras)) or \

@@ -26,8 +26,9 @@ def test_variant_names_give_their_mode_options_and_schedule():
 @pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max",
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
                                  "regional+fp8w+fp8attn@auto", "regional+fp8t@none", "regional+fp8+cudnnfp8",
-                                 "regional+fp8+fp8attn+cudnnfp8@auto"])
+                                 "regional+fp8+fp8attn+cudnnfp8@auto", "regional+graphs+fp8"])
 def test_a_bad_variant_is_named(bad):
+    """Each malformed name raises, quoting it."""
     with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
         parse_variant(bad)
 
