@@ -63,8 +63,8 @@ def _step(pipe, spec):
         return pipe(**{**kwargs, "output_type": "latent"})
 
 
-@pytest.mark.parametrize("model, calls_per_step", [("tiny-flux", None), ("tiny-wan", None)])
-def test_every_call_gets_bounds_at_or_above_the_true_amax(fp8_path, monkeypatch, model, calls_per_step):
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-hidream"])
+def test_every_call_gets_bounds_at_or_above_the_true_amax(fp8_path, monkeypatch, model):
     pipe, spec = load_pipeline(model, dtype=torch.bfloat16, device="cpu", seed=0), model_spec(model)
     _spread_norm_weights(pipe.transformer, torch.Generator().manual_seed(1))
     handle = parallelize(pipe.transformer, ParallelConfig(schedule="auto"))
@@ -108,6 +108,10 @@ def test_only_the_processors_read_here_get_bounds():
     q_norms, k_norms = qk_norms(attn, FluxAttnProcessor())
     assert q_norms == (attn.norm_q, attn.norm_added_q) and k_norms == (attn.norm_k, attn.norm_added_k)
     assert qk_norms(attn, object()) is None  # another processor: it may do anything between the norm and SDPA
+    attn.norm_added_q = None
+    assert qk_norms(attn, FluxAttnProcessor()) is None  # a stream left unnormed
+    del attn.norm_added_q, attn.norm_added_k
+    assert qk_norms(attn, FluxAttnProcessor()) == ((attn.norm_q,), (attn.norm_k,))  # a stream the module lacks
     attn.norm_q = torch.nn.LayerNorm(32)
     assert qk_norms(attn, FluxAttnProcessor()) is None  # a LayerNorm's output is not bounded by its weights
 

@@ -28,13 +28,18 @@ import torch
 
 __all__ = ["PROCESSOR_NORMS", "amax_bound", "amax_bounds", "qk_norms"]
 
-# processor class name -> (the attention module's q norms, its k norms), every one applied right before RoPE and the
-# attention call (FLUX concatenates the text stream's, normed by the norm_added_* modules, in front).
+# processor class name -> (the attention module's q norms, its k norms), every one applied right before RoPE (or
+# nothing) and the attention call; the text stream's (FLUX's and Qwen-Image's norm_added_*, HiDream's *_t) are
+# concatenated with the image stream's. A name the module lacks is a stream it does not have (FLUX's and HiDream's
+# single-stream blocks); one set to None is a stream left unnormed (diffusers' Attention with qk_norm=None): no bound.
 PROCESSOR_NORMS = {
     "FluxAttnProcessor": (("norm_q", "norm_added_q"), ("norm_k", "norm_added_k")),
     "WanAttnProcessor": (("norm_q",), ("norm_k",)),
     "WanAttnProcessor2_0": (("norm_q",), ("norm_k",)),
+    "QwenDoubleStreamAttnProcessor2_0": (("norm_q", "norm_added_q"), ("norm_k", "norm_added_k")),
+    "HiDreamAttnProcessor": (("q_rms_norm", "q_rms_norm_t"), ("k_rms_norm", "k_rms_norm_t")),
 }
+_ABSENT = object()
 
 
 def _rms_norm_size(norm: torch.nn.Module) -> int | None:
@@ -56,8 +61,8 @@ def qk_norms(module: torch.nn.Module, processor) -> tuple[tuple, tuple] | None:
         return None
     found = []
     for group in names:
-        norms = tuple(getattr(module, n) for n in group if getattr(module, n, None) is not None)
-        if not norms or any(_rms_norm_size(m) is None for m in norms):
+        norms = tuple(m for m in (getattr(module, n, _ABSENT) for n in group) if m is not _ABSENT)
+        if not norms or any(m is None or _rms_norm_size(m) is None for m in norms):
             return None
         found.append(norms)
     return found[0], found[1]
