@@ -37,6 +37,7 @@ class Recorder:
 def emulated_fp8(monkeypatch):
     """cudnn-fp8 taken on the CPU: its refusal lifted, its kernel emulated."""
     monkeypatch.setattr(cudnn_fp8, "unavailable", lambda device, head_dim: None)
+    monkeypatch.setattr(cudnn_fp8, "unavailable_cached", lambda device, head_dim: None)
     monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: EmulatedCudnnFp8())
 
 

@@ -37,6 +37,7 @@ class EmulatedCudnnFp8:
 def emulated(monkeypatch):
     kernel = EmulatedCudnnFp8()
     monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: kernel)
+    monkeypatch.setattr(cudnn_fp8, "unavailable_cached", lambda device, head_dim: None)
     return kernel
 
 
@@ -82,6 +83,12 @@ def test_a_strided_input_quantizes_to_contiguous_e4m3(emulated):
     qkv = torch.randn(1, 40, 3, 4, 64, generator=gen).to(torch.bfloat16)
     q, k, v = qkv.unbind(2)  # (B, S, H, D) views with a row stride of 3 * H * D
     assert torch.equal(cudnn_fp8_attention(q, k, v), ref8.cudnn_fp8_emulation(q, k, v))
+
+
+def test_the_op_refuses_a_device_cudnn_fp8_cannot_run_on_naming_why():
+    x8 = torch.zeros(1, 8, 2, 64, dtype=torch.bfloat16).to(ref8.E4M3)
+    with pytest.raises(ValueError, match=r"cudnn-fp8 refuses q of \(1, 8, 2, 64\) on cpu: .*CUDA"):
+        torch.ops.xstage_dit.cudnn_fp8_sdpa(x8, x8, x8, torch.ones(8, 4), 0.125)
 
 
 def test_bad_inputs_are_named():

@@ -26,7 +26,7 @@ from xstage_dit.ops.capability import capability_refusal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CudnnFp8Attention", "shared_attention", "unavailable"]
+__all__ = ["CudnnFp8Attention", "shared_attention", "unavailable", "unavailable_cached"]
 
 HEAD_DIMS = (64, 128)
 # cuDNN's FP8 forward: from 9.1, not 9.10.0 (the frontend's own support surface), Hopper or newer.
@@ -48,6 +48,12 @@ def unavailable(device: torch.device, head_dim: int) -> str | None:
     if version is None or version < _MIN_BACKEND or version in _BROKEN_BACKENDS:
         return f"cuDNN's FP8 attention needs cuDNN >= 9.1 other than 9.10.0, got {version}"
     return None
+
+
+@functools.cache
+def unavailable_cached(device: str, head_dim: int) -> str | None:
+    """`unavailable`, asked once per (device, head_dim): the compiled path checks it on every call."""
+    return unavailable(torch.device(device), head_dim)
 
 
 class CudnnFp8Attention:

@@ -35,11 +35,14 @@ def _cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales
                     scale: float) -> torch.Tensor:
     # q8 (B, Sq, H, D), k8, v8 (B, Skv, H, D) e4m3; scales fp32 (8, 4), slot i at [i, 0] (``fp8_quant``'s
     # slots) -> O (B, Sq, H, D) e4m3 at scales[SCALE_O].
+    from xstage_dit.ops.attention.cudnn_fp8 import shared_attention, unavailable_cached
+
+    reason = unavailable_cached(str(q8.device), q8.shape[-1])
+    if reason:
+        raise ValueError(f"cudnn-fp8 refuses q of {tuple(q8.shape)} on {q8.device}: {reason}")
     if scales.data_ptr() % _ALIGN or not scales.is_contiguous():
         scales = scales.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
     x = Fp8QKV(q8.contiguous(), k8.contiguous(), v8.contiguous(), scales)
-    from xstage_dit.ops.attention.cudnn_fp8 import shared_attention
-
     return shared_attention().run(x, scale)
 
 
