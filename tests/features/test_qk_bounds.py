@@ -109,6 +109,7 @@ def test_only_the_processors_read_here_get_bounds():
     q_norms, k_norms = qk_norms(attn, FluxAttnProcessor())
     assert q_norms == (attn.norm_q, attn.norm_added_q) and k_norms == (attn.norm_k, attn.norm_added_k)
     assert qk_norms(attn, object()) is None  # another processor: it may do anything between the norm and SDPA
+    assert qk_norms(attn, type("FluxAttnProcessor", (), {})()) is None  # a user's class of the same name
     attn.norm_added_q = None
     assert qk_norms(attn, FluxAttnProcessor()) is None  # a stream left unnormed
     del attn.norm_added_q, attn.norm_added_k

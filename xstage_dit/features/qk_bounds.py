@@ -57,8 +57,8 @@ def qk_norms(module: torch.nn.Module, processor) -> tuple[tuple, tuple] | None:
     """(q norms, k norms) of ``module`` whose weights bound q and k at ``processor``'s attention call, or None (the
     processor is not one of ``PROCESSOR_NORMS``, or a norm is missing or not an RMS norm)."""
     names = PROCESSOR_NORMS.get(type(processor).__name__)
-    if names is None:
-        return None
+    if names is None or not type(processor).__module__.startswith("diffusers."):
+        return None  # another class, or a user's of the same name: it may do anything between the norm and SDPA
     found = []
     for group in names:
         norms = tuple(m for m in (getattr(module, n, _ABSENT) for n in group) if m is not _ABSENT)
