@@ -103,9 +103,9 @@ def one_call_ms(fn: Callable[[], Any], *, warmups: int = 1) -> float:
     return max(start.elapsed_time(end), 1e-3)
 
 
-# torch.cuda._sleep's cycles per second, taken low (an H100's SM clock is 1.98 GHz at most): a longer sleep only
-# costs wall time, never the measurement.
-_SLEEP_HZ = 1.0e9
+# torch.cuda._sleep counts SM clock cycles: converted at a clock above any GPU's here (an H100's or H200's boost is
+# 1.98 GHz), so the sleep lasts at least as long as asked; a longer one costs wall time, never the measurement.
+_SLEEP_HZ = 2.5e9
 
 
 def cuda_event_ms(fn: Callable[[], Any], *, target_ms: float = 20.0, min_reps: int = 3, max_reps: int = 50) -> float:
