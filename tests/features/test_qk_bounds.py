@@ -38,7 +38,9 @@ def emulated_fp8(monkeypatch):
     """cudnn-fp8 taken on the CPU: its refusal lifted, its kernel emulated."""
     monkeypatch.setattr(cudnn_fp8, "unavailable", lambda device, head_dim: None)
     monkeypatch.setattr(cudnn_fp8, "unavailable_cached", lambda device, head_dim: None)
-    monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: EmulatedCudnnFp8())
+    kernel = EmulatedCudnnFp8()
+    monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: kernel)
+    return kernel
 
 
 @pytest.fixture
@@ -118,26 +120,47 @@ def test_only_the_processors_read_here_get_bounds():
     assert qk_norms(attn, FluxAttnProcessor()) is None  # a LayerNorm's output is not bounded by its weights
 
 
-def test_compiled_blocks_share_one_graph_per_class_and_equal_eager(emulated_fp8, monkeypatch):
+def _compiled_step(pipe, spec) -> tuple[torch.Tensor, int]:
+    """One regionally compiled step (Dynamo's eager backend): (latents, graphs compiled)."""
     import torch._dynamo.utils as dynamo_utils
 
-    pipe, spec = load_pipeline("tiny-flux", dtype=torch.bfloat16, device="cpu", seed=0), model_spec("tiny-flux")
-    _spread_norm_weights(pipe.transformer, torch.Generator().manual_seed(2))
-    handle = parallelize(pipe.transformer, ParallelConfig(schedule="auto"))
-    handle.attention_kernels.use_fp8_attention("cudnn-fp8")
-    with monkeypatch.context() as m:
-        m.setattr(torch.compiler, "is_compiling", lambda: True)
-        eager = _step(pipe, spec).images
     torch._dynamo.reset()
     try:
         pipe.transformer.compile_repeated_blocks(backend="eager", fullgraph=True, dynamic=False)
         before = dynamo_utils.counters["stats"]["unique_graphs"]
-        compiled = _step(pipe, spec).images
-        graphs = dynamo_utils.counters["stats"]["unique_graphs"] - before
+        latents = _step(pipe, spec).images
+        return latents, dynamo_utils.counters["stats"]["unique_graphs"] - before
     finally:
         torch._dynamo.reset()
+
+
+def test_compiled_blocks_compile_no_more_graphs_than_bf16_and_equal_eager(emulated_fp8, monkeypatch):
+    """Two blocks a class, each with its own norm weights (bounds): as many graphs as the bf16 stack compiles (one a
+    block class, and one more where the first single-stream block's input has other strides), none per block."""
+    import copy
+
+    pipe, spec = load_pipeline("tiny-flux", dtype=torch.bfloat16, device="cpu", seed=0), model_spec("tiny-flux")
+    for blocks in (pipe.transformer.transformer_blocks, pipe.transformer.single_transformer_blocks):
+        blocks.append(copy.deepcopy(blocks[0]))
+    _spread_norm_weights(pipe.transformer, torch.Generator().manual_seed(2))
+    bf16 = parallelize(pipe.transformer, ParallelConfig(schedule="auto"))
+    try:
+        _, bf16_graphs = _compiled_step(pipe, spec)
+    finally:
+        bf16.restore()
+    assert not emulated_fp8.calls
+    handle = parallelize(pipe.transformer, ParallelConfig(schedule="auto"))
+    try:
+        handle.attention_kernels.use_fp8_attention("cudnn-fp8")
+        with monkeypatch.context() as m:
+            m.setattr(torch.compiler, "is_compiling", lambda: True)
+            eager = _step(pipe, spec).images
+        eager_calls = len(emulated_fp8.calls)
+        compiled, fp8_graphs = _compiled_step(pipe, spec)
+    finally:
         handle.restore()
-    assert graphs == 2, f"{graphs} graphs: expected one per block class (double-stream, single-stream)"
+    assert eager_calls == 4 and len(emulated_fp8.calls) == 8  # every block's attention took the FP8 path, both times
+    assert fp8_graphs == bf16_graphs <= 3, (fp8_graphs, bf16_graphs)
     assert torch.equal(compiled, eager)
 
 
