@@ -40,9 +40,9 @@ from xstage_dit.ops.registry import NAMESPACE
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FP8_TRACED_SCHEDULE", "SCHEDULES", "attention_reference", "fused_attention", "fused_attention_virtual_ranks", "head_split",
-           "resolve_attention_schedule", "serial_attention", "shard_bounds", "ulysses_attention",
-           "ulysses_attention_impl", "ulysses_attention_reference"]
+__all__ = ["FP8_TRACED_SCHEDULE", "SCHEDULES", "attention_reference", "fused_attention",
+           "fused_attention_virtual_ranks", "head_split", "resolve_attention_schedule", "serial_attention",
+           "shard_bounds", "ulysses_attention", "ulysses_attention_impl", "ulysses_attention_reference"]
 
 SCHEDULES = ("auto", "fused", "serial")
 # The schedule whose compiled world-1 call runs `fp8_traced` (its casts visible to Inductor).

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from xstage_dit.ops.attention.fp8_reference import E4M3
 
-__all__ = ["Fp8QKV", "quantize_qkv", "store_rows"]
+__all__ = ["Fp8QKV", "check_qkv_shapes", "quantize_qkv", "store_rows"]
 
 # Slots of the scales buffer (one fp32 per 16-byte row: every slot an aligned scalar tensor for cuDNN).
 AMAX_Q, AMAX_K, AMAX_V, DESCALE_Q, DESCALE_K, DESCALE_V, SCALE_O, DESCALE_O = range(8)
@@ -118,14 +118,19 @@ class Fp8QKV:
         return self.scales[index, :1]
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if not (q.is_cuda and k.device == q.device and v.device == q.device):
-        raise ValueError(f"expected q, k, v on one CUDA device, got {q.device}, {k.device}, {v.device}")
+def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q (B, Sq, H, D), k, v (B, Skv, H, D), all of one dtype, bfloat16 or float16; ValueError naming what is not."""
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(f"expected q (B, Sq, H, D) and k, v (B, Skv, H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"expected q, k, v of one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if not (q.is_cuda and k.device == q.device and v.device == q.device):
+        raise ValueError(f"expected q, k, v on one CUDA device, got {q.device}, {k.device}, {v.device}")
+    check_qkv_shapes(q, k, v)
     head_dim = q.shape[-1]
     if head_dim < 16 or head_dim & (head_dim - 1) or any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError(f"expected a power-of-two head_dim >= 16 with a contiguous last dim, got {head_dim} and "

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from xstage_dit.ops.attention.fp8_quant import (AMAX_K, AMAX_Q, AMAX_V, DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V,
-                                                SCALE_O, Fp8QKV)
-from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX, po2_scale
+                                                SCALE_O, Fp8QKV, check_qkv_shapes)
+from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX, po2_scale, quantize_reference
 from xstage_dit.ops.registry import NAMESPACE
 
 __all__ = ["cudnn_fp8_attention", "quantize_scaled"]
@@ -62,18 +62,10 @@ def quantize_scaled(x: torch.Tensor, amax_bound: torch.Tensor | None = None) -> 
     bound on |x| known in advance (``features.qk_bounds``) that the scale is taken from instead of x's amax (no
     reduction over x before the cast); values past it saturate at e4m3's largest."""
     if amax_bound is None:
-        scale = po2_scale(x.abs().amax())
-        return (x.float() * scale).to(E4M3).contiguous(), scale
+        x8, descale = quantize_reference(x)
+        return x8, 1.0 / descale.reshape(())  # powers of two: the reciprocal is exact
     scale = po2_scale(amax_bound)
     return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale
-
-
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
-        raise ValueError(f"expected q (B, Sq, H, D) and k, v (B, Skv, H, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"expected q, k, v of one dtype, bfloat16 or float16, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
@@ -86,7 +78,7 @@ def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     Values: ``fp8_reference.cudnn_fp8_emulation`` (per-tensor power-of-two scales, O rounded to e4m3 at half of V's
     scale), with q's and k's scales those of the bounds where given.
     """
-    _check(q, k, v)
+    check_qkv_shapes(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     bq, bk = (None, None) if amax_bounds is None else amax_bounds
     (q8, sq), (k8, sk), (v8, sv) = quantize_scaled(q, bq), quantize_scaled(k, bk), quantize_scaled(v)

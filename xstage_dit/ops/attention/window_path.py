@@ -356,13 +356,14 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     cases = {}
     for prob in problems:
         b, s, h, d, p, dtype, device, fp8 = _problem(prob)
+        bounded = _qk_bounded(prob)
         family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8,
-                                qk_bounded=_qk_bounded(prob))
+                                qk_bounded=bounded)
         if family in cases:
             continue
         names = with_fp8(kernel_names) if fp8 else tuple(kernel_names)
         if p == 1:
-            cases[family] = _world1_cases(b, s, h, d, dtype, device, names, _qk_bounded(prob))
+            cases[family] = _world1_cases(b, s, h, d, dtype, device, names, bounded)
             continue
         h0, hr = head_ranges(h, p)[-1]
         length = -(-s // p)
