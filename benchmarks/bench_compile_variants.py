@@ -33,6 +33,9 @@ With ``--profile-first-call`` each first call also runs under cProfile (its time
 the row keeps its own time by package (Triton, Inductor, Dynamo, torchao, C functions, ...) and the costliest
 functions, and ``first-call-<variant>.txt`` beside the results the full listing, to name what a slow first call
 does outside torch.compile's timers (FP8's 110-130 s on the H100, fp8/NOTES.md).
+With ``--profile-step`` each transformer variant also runs one warm call under torch's profiler: its kernel time by
+kind (FP8 GEMMs, other GEMMs, attention, Inductor's fused kernels, other; `benchmarks/_step_profile.py`) goes into the
+row, and torch's table into ``step-<variant>.txt``: where an FP8 step's time goes beyond its GEMMs.
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
@@ -238,14 +241,18 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 if v == Variant("eager") and eager_ms is None:
                     eager_ms = stats["median_ms"]
                 choices = getattr(handle, "schedule_choices", None)
+                step_profile = _profile_step(step, device, Path(args.out_dir) / f"step-{name}.txt") \
+                    if args.profile_step else None
                 note = "; ".join(x for x in (compiled.how if compiled else "",
-                                             f"schedules {choices}" if v.schedule == "auto" else "") if x)
+                                             f"schedules {choices}" if v.schedule == "auto" else "",
+                                             step_profile and f"kernel ms by kind {step_profile['by_kind_ms']}") if x)
                 rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
                                  first_call_s=round(first_s, 2), frames=frames_converted() - frames0,
                                  compile_s=phases["total"], compile_phases=phases,  # the phases: JSON only
                                  speedup_vs_eager=round(eager_ms / stats["median_ms"], 4) if eager_ms else None,
                                  max_abs_diff_vs_eager=diff, note=note,
-                                 **({"first_call_profile": profile} if profile else {})))  # JSON only
+                                 **({"first_call_profile": profile} if profile else {}),  # JSON only
+                                 **({"step_profile": step_profile} if step_profile else {})))
                 if profile:
                     print(f"{name:24s} first call by package (s, own time): {profile['by_package_s']}", flush=True)
                 print(f"{name:24s} {stats['median_ms']:9.3f} ms (p20 {stats['p20_ms']:.3f}, p80 {stats['p80_ms']:.3f}) "
@@ -276,6 +283,18 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     return rows
 
 
+def _profile_step(step, device, listing: Path) -> dict:
+    """One warm call of ``step`` under torch's profiler: its kernel time by kind (`_step_profile.step_breakdown`),
+    printed; torch's table written to `listing`."""
+    from benchmarks._step_profile import step_breakdown
+
+    summary, table = step_breakdown(step, device)
+    listing.parent.mkdir(parents=True, exist_ok=True)
+    listing.write_text(table)
+    print(f"  kernel ms by kind (of {summary['total_ms']}): {summary['by_kind_ms']}", flush=True)
+    return summary
+
+
 class _Pipe:
     """What ``apply_compile`` compiles: an object with a ``.transformer``."""
 
@@ -303,8 +322,8 @@ def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
             # the decoder module alone: compiling vae.decode traced diffusers' lru_cache'd version checks
             decoder = vae.decoder
             vae.decoder = torch.compile(decoder, dynamic=False, backend=args.backend)
-        decode = torch.compile(vae.decode, dynamic=False, backend=args.backend) if "compiled+" in name or name == "compiled" \
-            else vae.decode
+        compiled_decode = "compiled+" in name or name == "compiled"
+        decode = torch.compile(vae.decode, dynamic=False, backend=args.backend) if compiled_decode else vae.decode
 
         @torch.inference_mode()
         def call(decode=decode):
@@ -353,6 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default="benchmarks/results/compile")
     p.add_argument("--profile-first-call", action="store_true",
                    help="run each transformer variant's first call under cProfile (module docstring)")
+    p.add_argument("--profile-step", action="store_true",
+                   help="after timing, one warm call of each transformer variant under torch's profiler: its "
+                        "kernel time by kind (FP8 GEMMs, other GEMMs, attention, Inductor's fused kernels) in the "
+                        "row, torch's table in step-<variant>.txt")
     args = p.parse_args(argv)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.vae_variants = [v.strip() for v in args.vae_variants.split(",") if v.strip()]

@@ -71,3 +71,53 @@ def test_profile_first_call_names_where_the_first_call_spends_its_time(tmp_path)
     assert len(profile["top_cumulative"]) == 12 and all(s >= 0 for _, s in profile["top_cumulative"])
     listing = (tmp_path / "first-call-regional.txt").read_text()
     assert "cumulative" in listing and "tottime" in listing and "function calls" in listing
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<float_e4m3_t, Sm90>>", "fp8 gemm"),
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "fp8 gemm"),
+    ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
+    ("aten::addmm", "gemm"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16_knob_7", "attention"),
+    ("sdpa_fp8_fprop_e4m3", "attention"),  # FP8 attention counts as attention, not as a GEMM
+    ("triton_per_fused__to_copy_abs_amax_clamp_mul_0", "inductor fused"),
+    ("void at::native::elementwise_kernel<128, 4>", "other"),
+])
+def test_kernel_names_are_sorted_by_kind(name, kind):
+    from benchmarks._step_profile import kind_of
+
+    assert kind_of(name) == kind
+
+
+def test_breakdown_sums_kernel_time_by_kind_and_keeps_the_costliest():
+    from benchmarks._step_profile import KINDS, breakdown
+
+    out = breakdown([("triton_poi_fused_mul_0", 57, 3000.0), ("sm90_xmma_gemm_e4m3bf16", 399, 60000.0),
+                     ("cudnn_generated_fort_native_sdpa", 57, 16000.0), ("nvjet_bf16_gemm", 4, 1000.0)], top=2)
+    assert set(out["by_kind_ms"]) == set(KINDS)
+    assert out["by_kind_ms"] == {"fp8 gemm": 60.0, "gemm": 1.0, "attention": 16.0, "inductor fused": 3.0,
+                                 "other": 0.0}
+    assert out["total_ms"] == 80.0 and out["by_kind_share"]["fp8 gemm"] == 0.75
+    assert out["top"] == [["sm90_xmma_gemm_e4m3bf16", "fp8 gemm", 399, 60.0],
+                          ["cudnn_generated_fort_native_sdpa", "attention", 57, 16.0]]
+    assert breakdown([])["by_kind_share"] == dict.fromkeys(KINDS, 0.0)  # nothing ran: no division by zero
+
+
+def test_profile_step_splits_a_warm_call_by_kind(tmp_path):
+    """--profile-step on the CPU (tiny FLUX, regional on the eager backend): the row keeps one warm call's time by
+    kind, the linear layers' GEMMs and attention among them, the note says it, and torch's table is written beside.
+    (On the CPU these are operators' own times; on a GPU the kernels'.)"""
+    import json
+
+    from benchmarks.bench_compile_variants import main
+
+    assert main(["--model", "flux", "--size", "tiny", "--device", "cpu", "--dtype", "float32", "--height", "64",
+                 "--width", "64", "--variants", "regional", "--backend", "eager", "--warmup", "0", "--reps", "1",
+                 "--profile-step", "--out-dir", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "compile-variants-flux.json").read_text())["rows"]
+    profile = row["step_profile"]
+    assert profile["by_kind_ms"]["gemm"] > 0 and profile["by_kind_ms"]["attention"] > 0, profile
+    assert profile["total_ms"] == pytest.approx(sum(profile["by_kind_ms"].values()), abs=0.01)
+    assert "kernel ms by kind" in row["note"]
+    assert "Self CPU" in (tmp_path / "step-regional.txt").read_text()
