@@ -35,7 +35,8 @@ functions, and ``first-call-<variant>.txt`` beside the results the full listing,
 does outside torch.compile's timers (FP8's 110-130 s on the H100, fp8/NOTES.md).
 With ``--profile-step`` each transformer variant also runs one warm call under torch's profiler: its kernel time by
 kind (FP8 GEMMs, other GEMMs, attention, Inductor's fused kernels, other; `benchmarks/_step_profile.py`) goes into the
-row, and torch's table into ``step-<variant>.txt``: where an FP8 step's time goes beyond its GEMMs.
+row with the median's part outside kernels (GPU idle: what CUDA graphs could win), and torch's table into
+``step-<variant>.txt``: where an FP8 step's time goes beyond its GEMMs.
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
@@ -241,11 +242,12 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 if v == Variant("eager") and eager_ms is None:
                     eager_ms = stats["median_ms"]
                 choices = getattr(handle, "schedule_choices", None)
-                step_profile = _profile_step(step, device, Path(args.out_dir) / f"step-{name}.txt") \
-                    if args.profile_step else None
+                step_profile = _profile_step(step, device, Path(args.out_dir) / f"step-{name}.txt",
+                                             stats["median_ms"]) if args.profile_step else None
                 note = "; ".join(x for x in (compiled.how if compiled else "",
                                              f"schedules {choices}" if v.schedule == "auto" else "",
-                                             step_profile and f"kernel ms by kind {step_profile['by_kind_ms']}") if x)
+                                             step_profile and f"kernel ms by kind {step_profile['by_kind_ms']}, "
+                                             f"outside kernels {step_profile['outside_kernels_ms']}") if x)
                 rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
                                  first_call_s=round(first_s, 2), frames=frames_converted() - frames0,
                                  compile_s=phases["total"], compile_phases=phases,  # the phases: JSON only
@@ -283,15 +285,18 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
     return rows
 
 
-def _profile_step(step, device, listing: Path) -> dict:
-    """One warm call of ``step`` under torch's profiler: its kernel time by kind (`_step_profile.step_breakdown`),
-    printed; torch's table written to `listing`."""
+def _profile_step(step, device, listing: Path, step_ms: float) -> dict:
+    """One warm call of ``step`` under torch's profiler: its kernel time by kind (`_step_profile.step_breakdown`)
+    and ``outside_kernels_ms``, the timed median ``step_ms`` less the kernels' sum (the GPU idle between launches,
+    what CUDA graphs could win; the profiler's own overhead is not in the median), printed; torch's table written
+    to `listing`."""
     from benchmarks._step_profile import step_breakdown
 
     summary, table = step_breakdown(step, device)
+    summary["outside_kernels_ms"] = round(step_ms - summary["total_ms"], 3)
     listing.parent.mkdir(parents=True, exist_ok=True)
     listing.write_text(table)
-    print(f"  kernel ms by kind (of {summary['total_ms']}): {summary['by_kind_ms']}", flush=True)
+    print(f"  kernel ms by kind (of {summary['total_ms']}, step {step_ms:.3f}): {summary['by_kind_ms']}", flush=True)
     return summary
 
 

@@ -119,5 +119,6 @@ def test_profile_step_splits_a_warm_call_by_kind(tmp_path):
     profile = row["step_profile"]
     assert profile["by_kind_ms"]["gemm"] > 0 and profile["by_kind_ms"]["attention"] > 0, profile
     assert profile["total_ms"] == pytest.approx(sum(profile["by_kind_ms"].values()), abs=0.01)
-    assert "kernel ms by kind" in row["note"]
+    assert profile["outside_kernels_ms"] == pytest.approx(row["median_ms"] - profile["total_ms"], abs=0.01)
+    assert "kernel ms by kind" in row["note"] and "outside kernels" in row["note"]
     assert "Self CPU" in (tmp_path / "step-regional.txt").read_text()
