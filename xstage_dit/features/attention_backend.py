@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from xstage_dit.ops.attention import FP8_TRACED_SCHEDULE, ulysses_attention
+from xstage_dit.ops.attention import takes_traced_fp8, ulysses_attention
 from xstage_dit.families import sharding
 from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.features.qk_bounds import amax_bounds
@@ -208,7 +208,7 @@ def xstage_attention(
             if schedule != "serial":
                 ctx.schedules.note_path("ulysses", ctx.name)
                 # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
-                traced = schedule == FP8_TRACED_SCHEDULE and ctx.qk_norms and torch.compiler.is_compiling()
+                traced = ctx.qk_norms and takes_traced_fp8(schedule, ctx.world)
                 bounds = amax_bounds(ctx.qk_norms, query.device) if traced else None
                 return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
                                          fp8_amax_bounds=bounds)

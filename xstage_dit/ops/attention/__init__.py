@@ -42,11 +42,20 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FP8_TRACED_SCHEDULE", "SCHEDULES", "attention_reference", "fused_attention",
            "fused_attention_virtual_ranks", "head_split", "resolve_attention_schedule", "serial_attention",
-           "shard_bounds", "ulysses_attention", "ulysses_attention_impl", "ulysses_attention_reference"]
+           "shard_bounds", "takes_traced_fp8", "ulysses_attention", "ulysses_attention_impl",
+           "ulysses_attention_reference"]
 
 SCHEDULES = ("auto", "fused", "serial")
 # The schedule whose compiled world-1 call runs `fp8_traced` (its casts visible to Inductor).
 FP8_TRACED_SCHEDULE = "fused:cudnn-fp8"
+
+
+def takes_traced_fp8(schedule: str, world_size: int) -> bool:
+    """Whether an attention call with ``schedule`` over ``world_size`` ranks runs `fp8_traced` (cudnn-fp8, one
+    rank, inside ``torch.compile``): the path that takes q's and k's bounds known in advance."""
+    return schedule == FP8_TRACED_SCHEDULE and world_size == 1 and torch.compiler.is_compiling()
+
+
 # What the custom op runs: "auto" is resolved before the op boundary, where the params are.
 OP_SCHEDULES = ("fused", "serial")
 
@@ -156,7 +165,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, grou
     Goes through the ``xstage_dit::ulysses_attention`` custom op, so ``torch.compile`` can trace it.
     """
     _split_schedule(schedule)
-    if schedule == FP8_TRACED_SCHEDULE and torch.compiler.is_compiling() and world_of(group)[1] == 1:
+    if takes_traced_fp8(schedule, world_of(group)[1]):
         # Compiled, one rank: the quantization in torch around cuDNN's kernel alone, so that Inductor folds the
         # casts into the producers of q, k, v and the consumer of the output (`fp8_traced`; same values).
         return cudnn_fp8_attention(q, k, v, scale=scale, amax_bounds=fp8_amax_bounds)
