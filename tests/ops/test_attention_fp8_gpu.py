@@ -127,7 +127,8 @@ def test_world1_plain_path_matches_fp32_within_its_bound(name, batch, seq_len, h
 @pytest.mark.parametrize("batch, seq_len, heads, head_dim, dtype", WORLD1)
 def test_world1_cudnn_fp8_with_torch_casts_is_the_eager_path_bit_for_bit(batch, seq_len, heads, head_dim, dtype):
     """`fp8_traced` (what a compiled stack runs at world 1), eager and compiled, against the Triton quantizers and
-    store around the same cuDNN plan; the sweep times it compiled beside the eager path."""
+    store around the same cuDNN plan; the sweep times it compiled beside the eager path, on its own and inside a
+    block's elementwise kernels beside torch SDPA there."""
     from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
     from xstage_dit.ops.attention.window_path import _world1_cases, plain_kernel_attention
 
@@ -143,8 +144,9 @@ def test_world1_cudnn_fp8_with_torch_casts_is_the_eager_path_bit_for_bit(batch, 
         assert torch.equal(cudnn_fp8_attention(q, k, v, amax_bounds=bounds), want)
         for bounded in (False, True):
             cases = _world1_cases(batch, seq_len, heads, head_dim, dtype, "cuda", ("sdpa", "cudnn-fp8"), bounded)
-            assert {"cudnn-fp8", "cudnn-fp8+compiled"} <= set(cases)
-            cases["cudnn-fp8+compiled"]()
+            assert {"cudnn-fp8", "cudnn-fp8+compiled", "cudnn-fp8+in-block", "sdpa+in-block"} <= set(cases)
+            for name in ("cudnn-fp8+compiled", "cudnn-fp8+in-block", "sdpa+in-block"):
+                cases[name]()
     finally:
         torch._dynamo.reset()
 

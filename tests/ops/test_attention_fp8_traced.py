@@ -144,3 +144,38 @@ def test_bounds_known_in_advance_set_q_and_k_scales_and_saturate_past_them(emula
     # a bound below the values (never handed in by features.qk_bounds): saturated at e4m3's largest, not NaN
     q8, _ = quantize_scaled(q, amax_q / 8)
     assert torch.isfinite(q8.float()).all() and q8.float().abs().amax() == ref8.E4M3_MAX
+
+
+def test_in_block_timings_stand_for_the_kernel_at_sdpas_time_plus_its_cost_over_sdpa_in_a_block():
+    timings = {"sdpa": 0.40, "cudnn": 0.39, "cudnn-fp8": 0.84, "cudnn-fp8+compiled": 0.395,
+               "sdpa+in-block": 0.52, "cudnn-fp8+in-block": 0.46}
+    got = as_compiled(timings)
+    assert set(got) == {"sdpa", "cudnn", "cudnn-fp8"} and got["sdpa"] == 0.40 and got["cudnn"] == 0.39
+    assert got["cudnn-fp8"] == pytest.approx(0.34)  # 0.40 + (0.46 - 0.52): the in-block difference wins
+    # without sdpa's in-block timing (its compile failed): the kernel's own compiled time, as before
+    del timings["sdpa+in-block"]
+    assert as_compiled(timings)["cudnn-fp8"] == 0.395 and "cudnn-fp8+in-block" not in as_compiled(timings)
+
+
+@pytest.mark.parametrize("bounded", [False, True])
+def test_the_in_block_cases_compile_and_compute_the_same_attention(emulated, bounded):
+    """The sweep's in-block closures (`window_path._in_block_cases`) on the CPU, cuDNN's kernel emulated: both compile
+    whole (fullgraph), the FP8 block is the emulation of the same producer -> attention -> consumer, and it is within
+    FP8's error of the SDPA block."""
+    from xstage_dit.ops.attention.window_path import _PRODUCER_GAIN, _in_block_cases
+
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 64, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(3))
+    torch._dynamo.reset()
+    try:
+        cases = _in_block_cases(q, k, v, 64 ** -0.5, qk_bounded=bounded)
+        assert set(cases) == {"cudnn-fp8+in-block", "sdpa+in-block"}
+        fp8, bf16 = cases["cudnn-fp8+in-block"](), cases["sdpa+in-block"]()
+    finally:
+        torch._dynamo.reset()
+    g = _PRODUCER_GAIN
+    # Inductor folds the producer into the cast: q * gain in fp32, never rounded to bf16 first (exact here: 1.25 = 5/4)
+    want = ref8.cudnn_fp8_emulation(q.float() * g, k.float() * g, v) * g
+    assert fp8.shape == bf16.shape == q.shape and len(emulated.calls) == 1
+    assert ref8.rel_l2(fp8, want) < 1e-3, ref8.rel_l2(fp8, want)  # bit for bit on the CPU (0.0)
+    assert ref8.rel_l2(fp8, bf16) < 0.1  # FP8 attention's own error (~0.06) against the 16-bit block

@@ -33,8 +33,9 @@ log = logging.getLogger(__name__)
 # also time torch's cuDNN SDPA backend ("cudnn"). 4: world > 1 families also time fa4-gqa. 5: and
 # fa4-gqa-unpacked. 6: "-fp8" families also time the 8-bit kernels (cudnn-fp8, sage), and the key names the
 # sageattention version. 7: world-1 "-fp8" families also time cudnn-fp8 compiled ("cudnn-fp8+compiled"), and every
-# time is GPU time with the calls' launch cost hidden (`cuda_event_ms`).
-SWEEP_VERSION = 7
+# time is GPU time with the calls' launch cost hidden (`cuda_event_ms`). 8: and cudnn-fp8 and torch SDPA each
+# compiled inside a block's elementwise kernels ("+in-block", `attention_kernel.as_compiled`).
+SWEEP_VERSION = 8
 
 
 def sweep_key(gpu_name: str, versions: dict[str, Any]) -> dict[str, Any]:

@@ -15,8 +15,9 @@ output (the next linear layer's activation quantization). On an H100 this took F
 Without bounds the values are the eager path's, bit for bit (same scales, same roundings:
 ``fp8_reference.cudnn_fp8_emulation`` is the definition of both); with them, q's and k's scales are the bounds'
 (the same output where a bound is the true amax). ``ulysses_attention`` takes this path at world size 1 under
-``torch.compile`` for the "fused:cudnn-fp8" schedule; the kernel sweep times it compiled on its own
-(``window_path._world1_cases``, "cudnn-fp8+compiled"), which is what a compiled stack chooses by
+``torch.compile`` for the "fused:cudnn-fp8" schedule. The kernel sweep times it compiled on its own
+(``window_path._world1_cases``, "cudnn-fp8+compiled") and, beside torch SDPA, inside a block's elementwise kernels
+("+in-block", where its casts fold as in a step); a compiled stack chooses by those
 (``schedule.attention_kernel.as_compiled``).
 """
 
