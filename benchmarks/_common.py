@@ -10,6 +10,7 @@ Every result file has the same shape::
 - ``time_ms(fn)``: median of per-call CUDA-event timings after warm-up (on a CPU: ``perf_counter``),
   with the spread, so a reader can tell a difference from noise.
 - ``write_results(...)``: ``<stem>.json`` and ``<stem>.md`` (a Markdown table of the rows) in one call.
+- ``profile_once(fn)``: one call under torch's profiler (host, and the GPU's kernels where there is one).
 
 Example::
 
@@ -103,3 +104,17 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], time_fn: Callable[[Call
                 errors[name] = repr(exc)[:400]
                 out.pop(name)
     return out
+
+
+def profile_once(fn: Callable[[], Any]):
+    """One call of ``fn()`` under torch's profiler, in the calling thread (the profiler records the thread that starts
+    it), CUDA activity included where a GPU is present, the GPU synchronized before it stops: the
+    ``key_averages()`` of its events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages()

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._common import environment, write_results
+from benchmarks._common import environment, profile_once, write_results
 from xstage_dit.features.compile import COMPILE_MODES, GUARD_MODES, parse_extras
 from xstage_dit.features.config import add_cfg_batch_option, cfg_batch_of
 from xstage_dit.features.instance_attr import set_on_instance
@@ -396,14 +396,7 @@ def _profiled(fn, *fn_args) -> tuple[str, dict]:
     """One call of fn(*fn_args) under torch's profiler in the calling thread: the top host operations by self CPU
     time, then by total CUDA time (text tables), and the call's totals: host and GPU milliseconds (self times of
     every event) and Dynamo's cache lookups (count, milliseconds: its guard evaluation)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        fn(*fn_args)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-    averages = prof.key_averages()
+    averages = profile_once(lambda: fn(*fn_args))
     text = averages.table(sort_by="self_cpu_time_total", row_limit=30)
     if torch.cuda.is_available():
         text += "\n\n" + averages.table(sort_by="cuda_time_total", row_limit=20)

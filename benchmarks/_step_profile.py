@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from benchmarks._common import profile_once
+
 __all__ = ["KINDS", "breakdown", "kind_of", "step_breakdown"]
 
 KINDS = ("fp8 gemm", "gemm", "attention", "inductor fused", "other")
@@ -60,16 +62,8 @@ def step_breakdown(step: Callable[[], object], device: torch.device, top: int = 
     """Runs ``step()`` once under torch's profiler -> (`breakdown` of its GPU kernels, or of its CPU operators'
     own times where ``device`` is not CUDA; torch's text table of the same). Call it warm: a first call's compile
     and autotuning would be counted."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
-        step()
-        if cuda:
-            torch.cuda.synchronize(device)
-    averages = prof.key_averages()
-    if cuda:  # kernels only: an operator's device time would count its kernels twice
+    averages = profile_once(step)
+    if device.type == "cuda":  # kernels only: an operator's device time would count its kernels twice
         events = [(e.key, e.count, e.self_device_time_total) for e in averages
                   if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
         sort_by = "self_cuda_time_total"
