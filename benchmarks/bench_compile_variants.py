@@ -7,6 +7,7 @@ in turn, restoring between them:
     eager                 no compile (diffusers' speed)
     regional / full       ``apply_compile(mode)``: diffusers' compile_repeated_blocks / the whole forward
     +tuned                Inductor's coordinate-descent tuning of its generated kernels, no epilogue fusion
+    +gemmtuned            Inductor's GEMM autotuning (its Triton templates against ATen per shape, epilogues fused)
                           (``apply_compile(options=...)``, these graphs only)
     +qkv                  ``transformer.fuse_qkv_projections()`` first (one GEMM for q, k, v)
     +graphs               CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): the
@@ -66,6 +67,9 @@ from xstage_dit._torch_private import compile_seconds, compile_seconds_since, fr
 TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
          "epilogue_fusion": False}
 GRAPHS = {"triton.cudagraphs": True}
+# Inductor's GEMM autotuning: times its Triton templates (persistent TMA ones on sm90, scaled FP8 included) against
+# the ATen call per shape and keeps the fastest; a template also takes the pointwise consumers into its epilogue
+GEMM_TUNED = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
 # variant part -> Fp8Config granularity
@@ -94,22 +98,23 @@ def parse_variant(name: str) -> Variant:
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
     fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
-    known = ("tuned", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
+    known = ("tuned", "gemmtuned", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
     attention = [_FP8_ATTENTION[e] for e in extras if e in _FP8_ATTENTION]
     if mode == "regional" and "graphs" in extras:
         # measured on an H100 (2026-12-07): the failure said so at the first block's second replay
         raise ValueError(f"expected graphs with full compile, got {name!r}: regionally compiled blocks of one class "
                          "share a CUDA graph whose output the next block's replay overwrites")
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
-            schedule not in ("", "auto", "serial", "none") or (mode == "eager" and ("tuned" in extras or
-                                                                                   "graphs" in extras)) or \
+            schedule not in ("", "auto", "serial", "none") or (mode == "eager" and any(
+                e in extras for e in ("tuned", "gemmtuned", "graphs"))) or \
             len(fp8) > 1 or len(attention) > 1 or (attention and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
             (schedule == "none" and fp8 not in ([], ["row"])):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
                          "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn or cudnnfp8: with fp8, fp8t or fp8b, at "
                          "@auto; at @none, "
                          f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
-    options = {**(TUNED if "tuned" in extras else {}), **(GRAPHS if "graphs" in extras else {})}
+    options = {**(TUNED if "tuned" in extras else {}), **(GEMM_TUNED if "gemmtuned" in extras else {}),
+               **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    attention[0] if attention else None)
 

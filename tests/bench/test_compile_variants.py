@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.bench_compile_variants import GRAPHS, TUNED, Variant, parse_variant
+from benchmarks.bench_compile_variants import GEMM_TUNED, GRAPHS, TUNED, Variant, parse_variant
 
 
 def test_variant_names_give_their_mode_options_and_schedule():
@@ -16,6 +16,8 @@ def test_variant_names_give_their_mode_options_and_schedule():
     assert parse_variant("full+graphs") == Variant("full", {"triton.cudagraphs": True}, False, "serial")
     assert parse_variant("full+tuned+graphs@none") == Variant("full", {**TUNED, **GRAPHS}, False, "none")
     assert parse_variant("regional+fp8t") == Variant("regional", fp8="tensor")
+    assert parse_variant("regional+gemmtuned+fp8") == Variant("regional", GEMM_TUNED, fp8="row")
+    assert GEMM_TUNED["max_autotune_gemm"] and "ATEN" in GEMM_TUNED["max_autotune_gemm_backends"]
     assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
     assert parse_variant("regional+fp8+fp8attn@auto") == Variant("regional", schedule="auto", fp8="row",
                                                                   fp8_attention="auto")
@@ -23,7 +25,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
                                                                    fp8_attention="cudnn-fp8")
 
 
-@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "full+fast", "regional@fastest", "max",
+@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "eager+gemmtuned", "full+fast", "regional@fastest", "max",
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
                                  "regional+fp8w+fp8attn@auto", "regional+fp8t@none", "regional+fp8+cudnnfp8",
                                  "regional+fp8+fp8attn+cudnnfp8@auto", "regional+graphs+fp8"])
