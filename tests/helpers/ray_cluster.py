@@ -53,7 +53,7 @@ def deploy(options, timeout_s: float = 600.0) -> float:
             return time.monotonic() - started
         if status is not None and status.status == "DEPLOY_FAILED":
             raise RuntimeError(f"deploy failed: {status.message}")
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise TimeoutError(f"application {options.app_name} not running within {timeout_s:.0f} s")
 
 

@@ -118,7 +118,7 @@ def multirank_server(*serve_args: str, sp: int = 2, model: str = "tiny-flux", lo
                     break
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         yield client, proc, log
     finally:
         client.close()
