@@ -1,8 +1,10 @@
 """One rank of the `parallelize` equivalence tests (spawned by tests/test_parallelize.py via xstage_dit.comm.launcher).
 
-Every rank builds the same tiny pipeline (same seed), computes the single-process output itself, then
-parallelizes, generates again, restores, and generates a third time. Rank 0 writes, per case, the
-largest difference to the single-process output (parallel, and after restore) as JSON.
+Every rank builds the same tiny pipeline (same seed) and parallelizes it; rank 0 computes the single-process
+output first, generates again in parallel with the others, restores, and generates a third time, and writes, per
+case, the largest difference to the single-process output (parallel, and after restore) as JSON. The other ranks
+run only the parallel call: only rank 0's results are written, so one-process runs of theirs would be CPU spent
+for nothing (four ranks share the 2-core CI machine).
 
     python tests/_parallelize_worker.py OUT.json CASE [CASE ...]
 """
@@ -173,7 +175,7 @@ def main() -> int:
         t0 = time.perf_counter()
         pipe = build()
         pipe.set_progress_bar_config(disable=True)
-        ref = _output(pipe, kwargs)
+        ref = _output(pipe, kwargs) if info.rank == 0 else None  # only rank 0 writes: see the module docstring
         handle = parallelize(pipe, ParallelConfig(**degrees(info.world_size)))
         compiled = None
         if name.endswith("-compile"):
@@ -202,6 +204,8 @@ def main() -> int:
         if compiled is not None:
             compiled.restore()
         handle.restore()
+        if info.rank != 0:
+            continue
         back = _output(pipe, kwargs)
         results[name] = {
             "max_abs_parallel": float(np.abs(par - ref).max()),
