@@ -91,10 +91,11 @@ VIDEO = {
 }
 GROUPS = {"main": MODELS, "qwen": QWEN, "video": VIDEO}
 # The pixel area the Qwen-Image edits resize each input image to for their VAE (and Edit's for its text encoder too),
-# per world: diffusers' own ~1024^2 at worlds 1 and 2; at world 4 (four ranks on the 2-core CI machine, each encoding
-# the images at every call) 256^2: 252 (+ 256) appended image tokens, still sharded with the 12 latent ones across
-# all four ranks (264 and 520 in all, a shard each), for a sixteenth of the VAE's work.
-QWEN_VAE_AREA = {4: 256 * 256}
+# per world: diffusers' own ~1024^2 at world 1 (`test_world_1_matches_the_unpatched_pipeline`: the pipeline as
+# diffusers has it, 4144 appended image tokens); under sequence parallelism (worlds 2 and 4, every rank encoding the
+# images at every call, ranks sharing the 2-core CI machine) 256^2: 252 (+ 256) appended image tokens, still sharded
+# with the 12 latent ones across every rank (264 and 520 in all, a shard each), for a sixteenth of the VAE's work.
+QWEN_VAE_AREA = {2: 256 * 256, 4: 256 * 256}
 # diffusers 0.42.1's pipeline_qwenimage_edit(_plus): the target area of calculate_dimensions
 PIPELINE_VAE_AREA = 1024 * 1024
 
