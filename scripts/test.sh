@@ -13,10 +13,11 @@ for arg in "$@"; do
   esac
 done
 # Two test processes by default (pytest-xdist; the CI machine has 2 cores), whole files to a process so a module's
-# server or pipeline fixture is built once, in the order tests/conftest.py gives them (files with slow tests first,
-# so the longest start early instead of ending on one worker): XSTAGE_TEST_WORKERS=0 (or -n / -p no:xdist on the
-# command line) runs in this process alone. Three workers on CI's 2 cores (2026-12-06): pytest 640 s instead of 784 s,
-# but the Ray replica tests' timings (a scale-down, a queue to kill into) failed under the extra contention.
+# server or pipeline fixture is built once, in the order tests/conftest.py gives them (the longest files first, by
+# tests/file_seconds.json, so they start early instead of ending on one worker): XSTAGE_TEST_WORKERS=0 (or -n /
+# -p no:xdist on the command line) runs in this process alone. Three workers on CI's 2 cores (2026-12-06): pytest
+# 640 s instead of 784 s, but the Ray replica tests' timings (a scale-down, a queue to kill into) failed under the
+# extra contention.
 workers=(-n "${XSTAGE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 [ "${XSTAGE_TEST_WORKERS:-2}" = "0" ] && workers=()
 for arg in "$@"; do
