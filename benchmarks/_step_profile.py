@@ -27,18 +27,22 @@ __all__ = ["KINDS", "breakdown", "kind_of", "step_breakdown"]
 KINDS = ("fp8 gemm", "gemm", "attention", "inductor fused", "other")
 _ATTENTION = re.compile(r"sdpa|fmha|flash|attention|attn", re.I)
 _GEMM = re.compile(r"gemm|cutlass|nvjet|xmma|matmul|scaled_mm|aten::(mm|addmm|bmm|linear)\b", re.I)
-_FP8 = re.compile(r"e4m3|e5m2|f8f8|fp8|float8", re.I)
+# cuBLAS's nvjet names its operand types by letter: "qq" is two e4m3 operands (measured on an H100, torch 2.11:
+# "nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_ovscale_bias..." for row-wise ``_scaled_mm``; "ovscale": outer-vector scales)
+_FP8 = re.compile(r"e4m3|e5m2|f8f8|fp8|float8|nvjet_sm\d+_qq|ovscale", re.I)
 
 
 def kind_of(name: str) -> str:
-    """One of `KINDS` for a kernel (or CPU operator) name. Attention first: cuDNN's and FlashAttention's kernels
-    may name GEMM tiles too; an FP8 attention kernel stays "attention" (its share is read against the bf16 row's)."""
+    """One of `KINDS` for a kernel (or CPU operator) name. Inductor's kernels first: it names them after the ops
+    they fuse, and a cast feeding a GEMM or attention reads "triton_red_fused__scaled_mm_..." (the H100 profile at
+    f54244c counted 12 ms of such casts as GEMMs). Then attention: cuDNN's and FlashAttention's kernels may name GEMM
+    tiles too; an FP8 attention kernel stays "attention" (its share is read against the bf16 row's)."""
+    if name.startswith("triton_"):  # norms, RoPE, casts, activations, reductions
+        return "inductor fused"
     if _ATTENTION.search(name):
         return "attention"
     if _GEMM.search(name):
         return "fp8 gemm" if _FP8.search(name) else "gemm"
-    if name.startswith("triton_"):  # Inductor's generated kernels: norms, RoPE, casts, activations, reductions
-        return "inductor fused"
     return "other"
 
 
@@ -60,9 +64,13 @@ def breakdown(events: Iterable[tuple[str, int, float]], top: int = 15) -> dict:
 
 def step_breakdown(step: Callable[[], object], device: torch.device, top: int = 15) -> tuple[dict, str]:
     """Runs ``step()`` once under torch's profiler -> (`breakdown` of its GPU kernels, or of its CPU operators'
-    own times where ``device`` is not CUDA; torch's text table of the same). Call it warm: a first call's compile
-    and autotuning would be counted."""
+    own times where ``device`` is not CUDA, with ``host_ms``: the CPU operators' own time; torch's text table).
+    Call it warm: a first call's compile and autotuning would be counted."""
     averages = profile_once(step)
+    # the host's own work (every CPU operator's self time, the profiler's cost included): where it reaches the
+    # kernels' sum the step waits on the host (the H100 at f54244c: 172 ms of host for 93 ms of kernels with
+    # cudnn-fp8's custom op, a 141 ms step), which a GPU-only account cannot show
+    host_ms = sum(e.self_cpu_time_total for e in averages if e.device_type == torch.autograd.DeviceType.CPU) / 1e3
     if device.type == "cuda":  # kernels only: an operator's device time would count its kernels twice
         events = [(e.key, e.count, e.self_device_time_total) for e in averages
                   if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
@@ -70,4 +78,6 @@ def step_breakdown(step: Callable[[], object], device: torch.device, top: int = 
     else:
         events = [(e.key, e.count, e.self_cpu_time_total) for e in averages if e.self_cpu_time_total > 0]
         sort_by = "self_cpu_time_total"
-    return breakdown(events, top), averages.table(sort_by=sort_by, row_limit=40)
+    summary = breakdown(events, top)
+    summary["host_ms"] = round(host_ms, 3)
+    return summary, averages.table(sort_by=sort_by, row_limit=40)

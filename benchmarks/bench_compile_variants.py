@@ -8,6 +8,7 @@ in turn, restoring between them:
     regional / full       ``apply_compile(mode)``: diffusers' compile_repeated_blocks / the whole forward
     +tuned                Inductor's coordinate-descent tuning of its generated kernels, no epilogue fusion
     +gemmtuned            Inductor's GEMM autotuning (its Triton templates against ATen per shape, epilogues fused)
+    +multikernel          Inductor's multi-kernel: wide row reductions (FP8's row-wise casts) also tried persistent
                           (``apply_compile(options=...)``, these graphs only)
     +qkv                  ``transformer.fuse_qkv_projections()`` first (one GEMM for q, k, v)
     +graphs               CUDA graphs (Inductor's ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): the
@@ -70,6 +71,12 @@ GRAPHS = {"triton.cudagraphs": True}
 # Inductor's GEMM autotuning: times its Triton templates (persistent TMA ones on sm90, scaled FP8 included) against
 # the ATen call per shape and keeps the fastest; a template also takes the pointwise consumers into its epilogue
 GEMM_TUNED = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
+# Inductor's multi-kernel: a reduction up to 16x wider than its usual limit (1,024 along a row) gets a persistent
+# variant (the row read once, in registers) beside the looped one, and the faster is kept at the first launch. FP8's
+# row-wise casts reduce rows of 3,072 to 15,360 elements (FLUX's proj_out input: attention output and GELU(MLP) side
+# by side), which Inductor loops over twice, or splits into an amax kernel and a cast kernel (the H100 profile at
+# f54244c: 257 us a single block for that cast, against ~75 us for one pass at memory speed)
+MULTI_KERNEL = {"triton.multi_kernel": 1}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
 # variant part -> Fp8Config granularity
@@ -98,7 +105,7 @@ def parse_variant(name: str) -> Variant:
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
     fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
-    known = ("tuned", "gemmtuned", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
+    known = ("tuned", "gemmtuned", "multikernel", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
     attention = [_FP8_ATTENTION[e] for e in extras if e in _FP8_ATTENTION]
     if mode == "regional" and "graphs" in extras:
         # measured on an H100 (2026-12-07): the failure said so at the first block's second replay
@@ -106,7 +113,7 @@ def parse_variant(name: str) -> Variant:
                          "share a CUDA graph whose output the next block's replay overwrites")
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
             schedule not in ("", "auto", "serial", "none") or (mode == "eager" and any(
-                e in extras for e in ("tuned", "gemmtuned", "graphs"))) or \
+                e in extras for e in ("tuned", "gemmtuned", "multikernel", "graphs"))) or \
             len(fp8) > 1 or len(attention) > 1 or (attention and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
             (schedule == "none" and fp8 not in ([], ["row"])):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
@@ -114,6 +121,7 @@ def parse_variant(name: str) -> Variant:
                          "@auto; at @none, "
                          f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
     options = {**(TUNED if "tuned" in extras else {}), **(GEMM_TUNED if "gemmtuned" in extras else {}),
+               **(MULTI_KERNEL if "multikernel" in extras else {}),
                **(GRAPHS if "graphs" in extras else {})}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    attention[0] if attention else None)
@@ -252,7 +260,8 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 note = "; ".join(x for x in (compiled.how if compiled else "",
                                              f"schedules {choices}" if v.schedule == "auto" else "",
                                              step_profile and f"kernel ms by kind {step_profile['by_kind_ms']}, "
-                                             f"outside kernels {step_profile['outside_kernels_ms']}") if x)
+                                             f"outside kernels {step_profile['outside_kernels_ms']}, "
+                                             f"host {step_profile['host_ms']}") if x)
                 rows.append(dict(what=f"{args.size}-{args.model} transformer step", variant=name, **stats,
                                  first_call_s=round(first_s, 2), frames=frames_converted() - frames0,
                                  compile_s=phases["total"], compile_phases=phases,  # the phases: JSON only

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.bench_compile_variants import GEMM_TUNED, GRAPHS, TUNED, Variant, parse_variant
+from benchmarks.bench_compile_variants import GEMM_TUNED, GRAPHS, MULTI_KERNEL, TUNED, Variant, parse_variant
 
 
 def test_variant_names_give_their_mode_options_and_schedule():
@@ -17,6 +17,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
     assert parse_variant("full+tuned+graphs@none") == Variant("full", {**TUNED, **GRAPHS}, False, "none")
     assert parse_variant("regional+fp8t") == Variant("regional", fp8="tensor")
     assert parse_variant("regional+gemmtuned+fp8") == Variant("regional", GEMM_TUNED, fp8="row")
+    assert parse_variant("regional+multikernel+fp8") == Variant("regional", MULTI_KERNEL, fp8="row")
     assert GEMM_TUNED["max_autotune_gemm"] and "ATEN" in GEMM_TUNED["max_autotune_gemm_backends"]
     assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
     assert parse_variant("regional+fp8+fp8attn@auto") == Variant("regional", schedule="auto", fp8="row",
@@ -25,7 +26,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
                                                                    fp8_attention="cudnn-fp8")
 
 
-@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "eager+gemmtuned", "full+fast", "regional@fastest", "max",
+@pytest.mark.parametrize("bad", ["eager+graphs", "eager+tuned", "eager+gemmtuned", "eager+multikernel", "full+fast", "regional@fastest", "max",
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
                                  "regional+fp8w+fp8attn@auto", "regional+fp8t@none", "regional+fp8+cudnnfp8",
                                  "regional+fp8+fp8attn+cudnnfp8@auto", "regional+graphs+fp8"])
@@ -79,6 +80,9 @@ def test_profile_first_call_names_where_the_first_call_spends_its_time(tmp_path)
     ("void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<float_e4m3_t, Sm90>>", "fp8 gemm"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "fp8 gemm"),
     ("nvjet_hsh_128x256_64x4_2x1_v_bz_coopB_TNN", "gemm"),
+    ("nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_ovscale_bias_TNT", "fp8 gemm"),  # torch 2.11's row-wise _scaled_mm
+    ("triton_red_fused__scaled_mm__to_copy_abs_amax_cat_clamp_4", "inductor fused"),  # the cast before a GEMM
+    ("triton_poi_fused__scaled_dot_product_cudnn_attention_add_3", "inductor fused"),
     ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "gemm"),
     ("aten::addmm", "gemm"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wmma_f16_knob_7", "attention"),
@@ -122,5 +126,6 @@ def test_profile_step_splits_a_warm_call_by_kind(tmp_path):
     assert profile["by_kind_ms"]["gemm"] > 0 and profile["by_kind_ms"]["attention"] > 0, profile
     assert profile["total_ms"] == pytest.approx(sum(profile["by_kind_ms"].values()), abs=0.01)
     assert profile["outside_kernels_ms"] == pytest.approx(row["median_ms"] - profile["total_ms"], abs=0.01)
-    assert "kernel ms by kind" in row["note"] and "outside kernels" in row["note"]
+    assert "kernel ms by kind" in row["note"] and "outside kernels" in row["note"] and "host" in row["note"]
+    assert 0 < profile["host_ms"] < 60_000, profile  # the CPU operators' own time of the one profiled call
     assert "Self CPU" in (tmp_path / "step-regional.txt").read_text()
