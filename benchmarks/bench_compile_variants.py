@@ -38,7 +38,7 @@ does outside torch.compile's timers (FP8's 110-130 s on the H100, fp8/NOTES.md).
 With ``--profile-step`` each transformer variant also runs one warm call under torch's profiler: its kernel time by
 kind (FP8 GEMMs, other GEMMs, attention, Inductor's fused kernels, other; `benchmarks/_step_profile.py`) goes into the
 row with the median's part outside kernels (GPU idle: what CUDA graphs could win), and torch's table into
-``step-<variant>.txt``: where an FP8 step's time goes beyond its GEMMs.
+``step-<variant>.txt`` (``file_part``'s name): where an FP8 step's time goes beyond its GEMMs.
 
     python benchmarks/bench_compile_variants.py --model flux --variants eager,regional,full,regional+tuned --vae
     python benchmarks/bench_compile_variants.py --model flux --size tiny --device cpu --dtype float32 \\
@@ -96,6 +96,12 @@ class Variant:
     schedule: str = "serial"
     fp8: str | None = None
     fp8_attention: str | None = None  # "auto" (+fp8attn) or a kernel by name (+cudnnfp8)
+
+
+def file_part(name: str) -> str:
+    """A variant name as part of a file name: "regional+fp8+cudnnfp8@auto" -> "regional_fp8_cudnnfp8_auto" (the
+    device machine sends back no file whose name holds "+" or "@")."""
+    return name.replace("+", "_").replace("@", "_")
 
 
 def parse_variant(name: str) -> Variant:
@@ -239,7 +245,7 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
 
                 t0 = time.perf_counter()
                 if args.profile_first_call:
-                    listing = Path(args.out_dir) / f"first-call-{name}.txt"
+                    listing = Path(args.out_dir) / f"first-call-{file_part(name)}.txt"
                     listing.parent.mkdir(parents=True, exist_ok=True)
                     out, profile = profiled_call(first_call, listing)
                 else:
@@ -255,7 +261,7 @@ def measure_transformer(args, variants: list[str], device, dtype, rows: list[dic
                 if v == Variant("eager") and eager_ms is None:
                     eager_ms = stats["median_ms"]
                 choices = getattr(handle, "schedule_choices", None)
-                step_profile = _profile_step(step, device, Path(args.out_dir) / f"step-{name}.txt",
+                step_profile = _profile_step(step, device, Path(args.out_dir) / f"step-{file_part(name)}.txt",
                                              stats["median_ms"]) if args.profile_step else None
                 note = "; ".join(x for x in (compiled.how if compiled else "",
                                              f"schedules {choices}" if v.schedule == "auto" else "",

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.bench_compile_variants import GEMM_TUNED, GRAPHS, MULTI_KERNEL, TUNED, Variant, parse_variant
+from benchmarks.bench_compile_variants import GEMM_TUNED, GRAPHS, MULTI_KERNEL, TUNED, Variant, file_part, parse_variant
 
 
 def test_variant_names_give_their_mode_options_and_schedule():
@@ -18,6 +18,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
     assert parse_variant("regional+fp8t") == Variant("regional", fp8="tensor")
     assert parse_variant("regional+gemmtuned+fp8") == Variant("regional", GEMM_TUNED, fp8="row")
     assert parse_variant("regional+multikernel+fp8") == Variant("regional", MULTI_KERNEL, fp8="row")
+    assert file_part("regional+fp8+cudnnfp8@auto") == "regional_fp8_cudnnfp8_auto"
     assert GEMM_TUNED["max_autotune_gemm"] and "ATEN" in GEMM_TUNED["max_autotune_gemm_backends"]
     assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
     assert parse_variant("regional+fp8+fp8attn@auto") == Variant("regional", schedule="auto", fp8="row",
