@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -26,9 +27,12 @@ from xstage_dit.ops.capability import capability_refusal
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CudnnFp8Attention", "shared_attention", "unavailable", "unavailable_cached"]
+__all__ = ["CudnnFp8Attention", "PackUids", "shared_attention", "pack_uids", "tensor_pack", "unavailable",
+           "unavailable_cached", "variant_pack"]
 
 HEAD_DIMS = (64, 128)
+# the graph's per-call scale tensors -> their row of `Fp8QKV.scales`
+_SLOTS = {"descale_q": DESCALE_Q, "descale_k": DESCALE_K, "descale_v": DESCALE_V, "scale_o": SCALE_O}
 # cuDNN's FP8 forward: from 9.1, not 9.10.0 (the frontend's own support surface), Hopper or newer.
 _MIN_BACKEND = 90100
 _BROKEN_BACKENDS = (91000,)
@@ -63,6 +67,8 @@ class CudnnFp8Attention:
         self._graphs: dict[tuple, list] = {}
         self._handle = DeviceHandles()
         self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # id(graph entry) -> its uids (entries live as long as this object); False: bound by tensors only
+        self._packs: dict[int, PackUids | bool] = {}
 
     def _p_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale_s, descale_s) on ``device``: P's fixed power-of-two scale (P lies in [0, 1])."""
@@ -131,16 +137,73 @@ class CudnnFp8Attention:
                              f"{out.dtype}")
         entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device)
         graph, t, workspace, handle, sizes, amax, tuned = entry
-        scale_s, descale_s = self._p_scales(q.device)
-        pack = {t["q"]: q, t["k"]: x.k, t["v"]: x.v, t["o"]: out, t["descale_q"]: x.slot(DESCALE_Q),
-                t["descale_k"]: x.slot(DESCALE_K), t["descale_v"]: x.slot(DESCALE_V), t["descale_s"]: descale_s,
-                t["scale_s"]: scale_s, t["scale_o"]: x.slot(SCALE_O)}
-        pack.update({tensor: amax[i, :1] for i, tensor in enumerate(t["amax"])})
+        uids = self._packs.get(id(entry))
+        # A graph's first call binds its tensors by the graph's own objects (the frontend may lower it, and give
+        # uids, only then); later calls by uid and address (`variant_pack`), where every uid is known
+        pack = variant_pack(uids, x, out) if uids else tensor_pack(t, x, out, self._p_scales(q.device), amax)
         _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
         if tuned is None and not torch.cuda.is_current_stream_capturing():
             entry[-1] = CudnnWindowKernel._autotune(graph, [pack], workspace, handle, sizes)
         graph.execute(pack, workspace, handle=handle)
+        if uids is None:
+            self._packs[id(entry)] = pack_uids(t, self._p_scales(q.device), amax) or False
         return out
+
+
+def tensor_pack(t: dict, x: Fp8QKV, out: torch.Tensor, p_scales: tuple[torch.Tensor, torch.Tensor],
+                amax: torch.Tensor) -> dict:
+    """The variant pack keyed by the graph's tensors (`t`: name -> graph tensor, "amax": a list of them), valued by
+    torch tensors: what the frontend inspects each call."""
+    scale_s, descale_s = p_scales
+    pack = {t["q"]: x.q, t["k"]: x.k, t["v"]: x.v, t["o"]: out, t["descale_q"]: x.slot(DESCALE_Q),
+            t["descale_k"]: x.slot(DESCALE_K), t["descale_v"]: x.slot(DESCALE_V), t["descale_s"]: descale_s,
+            t["scale_s"]: scale_s, t["scale_o"]: x.slot(SCALE_O)}
+    pack.update({tensor: amax[i, :1] for i, tensor in enumerate(t["amax"])})
+    return pack
+
+
+def pack_uids(t: dict, p_scales: tuple[torch.Tensor, torch.Tensor], amax: torch.Tensor) -> PackUids | None:
+    """A graph's uids of its operands and the addresses fixed for its life (P's scales, the amax outputs); None
+    where a tensor has no uid yet (0: the frontend assigns them as it lowers the graph)."""
+    scale_s, descale_s = p_scales
+    fixed = {_uid(t["descale_s"]): descale_s.data_ptr(), _uid(t["scale_s"]): scale_s.data_ptr()}
+    fixed.update({_uid(tensor): amax[i, :1].data_ptr() for i, tensor in enumerate(t["amax"])})
+    slots = {name: _uid(t[name]) for name in _SLOTS}
+    operands = [_uid(t[name]) for name in ("q", "k", "v", "o")]
+    every = [*operands, *slots.values(), *fixed]
+    if not all(every) or len(set(every)) != len(operands) + len(slots) + 2 + len(t["amax"]):
+        return None  # an unassigned uid, or two operands sharing one
+    return PackUids(*operands, slots, fixed)
+
+
+@dataclass(frozen=True)
+class PackUids:
+    """A graph's uids of q, k, v, o and of the four per-call scale slots, and its fixed uid -> address entries."""
+
+    q: int
+    k: int
+    v: int
+    o: int
+    slots: dict
+    fixed: dict
+
+
+def _uid(tensor) -> int:
+    # cudnn-frontend 1.32's Python graph tensors carry ``uid``; the pybind tensors of earlier frontends get_uid()
+    uid = getattr(tensor, "uid", None)
+    return uid if isinstance(uid, int) else tensor.get_uid()
+
+
+def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor) -> dict[int, int]:
+    """uid -> device address of every operand of one call. Addresses, not tensors: cudnn-frontend 1.32 reads a
+    bare address as the graph declared the tensor, where a tensor is inspected each call (shape, strides, device),
+    and the H100 profile at f54244c had 272 us of host time a call in this op, a 100 ms FLUX step waiting 48 ms on
+    its host. A scale slot is row i of x's (8, 4) fp32 buffer: the address of ``x.slot(i)``."""
+    base, row = x.scales.data_ptr(), x.scales.stride(0) * x.scales.element_size()
+    pack = {uids.q: x.q.data_ptr(), uids.k: x.k.data_ptr(), uids.v: x.v.data_ptr(), uids.o: out.data_ptr(),
+            **{uid: base + _SLOTS[name] * row for name, uid in uids.slots.items()}}
+    pack.update(uids.fixed)
+    return pack
 
 
 @functools.cache
