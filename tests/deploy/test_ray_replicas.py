@@ -80,8 +80,22 @@ def flux(cluster):
 
     print(f"\n2 x sp=2 tiny-flux ready in {deploy(options('tiny-flux', sp=2, replicas=2)):.1f} s")
     with httpx.Client(base_url=cluster, timeout=180) as client:
+        print(f"both replicas routed to after {routed_to_both(client):.1f} s more")
         yield client
     serve.delete("xstage")
+
+
+def routed_to_both(client: httpx.Client, timeout_s: float = 60.0) -> float:
+    """Seconds until concurrent ``/health`` calls have been answered by two replicas. Serve reports the application
+    running once its replicas are, but the proxy learns of them by long poll: a burst sent at once (CI, 2026-12-07:
+    50 requests on a loaded 2-core machine) could all go to the one replica the proxy knew, which says nothing about
+    the routing the tests check, only that it had not caught up yet."""
+    started, seen = time.monotonic(), set()
+    with cf.ThreadPoolExecutor(8) as pool:
+        while len(seen) < 2:
+            assert time.monotonic() - started < timeout_s, f"only {seen} answered within {timeout_s:.0f} s"
+            seen |= {replica_of(r) for r in pool.map(lambda _: client.get("/health"), range(8))}
+    return time.monotonic() - started
 
 
 def _image(response: httpx.Response) -> bytes:
