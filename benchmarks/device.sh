@@ -44,8 +44,9 @@
 #   transport    bench_serving.py transport: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode of one frame as a 2-D network
 #                (features.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
-#   row-quant    the one-pass row-wise FP8 quantizer (ops.fp8_rows): its GPU test (bit for bit its reference at FLUX's
-#                shapes), then bench_row_quant.py: it vs Inductor (default and triton.multi_kernel) vs a copy (ROWQ_ARGS)
+#   row-quant    the one-pass row-wise FP8 quantizer (ops.fp8_rows): its GPU test (bit for bit its reference at
+#                FLUX's shapes), then bench_row_quant.py: it vs Inductor (default, triton.multi_kernel) vs a copy
+#                (ROWQ_ARGS)
 #   sync-points  bench_e2e.py sync-points: every synchronizing CUDA operation of one warm call, by the line that asked
 #                (SYNC_ARGS; default NucleusMoE 4 steps, xstage, regional compile)
 #   png          bench_serving.py png: the server's PNG encode on its own thread, one-join vs the old chained copies

@@ -122,7 +122,7 @@ def quantize_rows_triton(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b:
     b_ptr = b if b is not None and parts.width_b else a
     block = triton.next_power_of_2(parts.width)
     _fp8_rows_kernel[(parts.rows,)](
-        a_ptr, b_ptr, q.view(torch.uint8), scale, a_ptr.stride(0), b_ptr.stride(0), parts.width_a, parts.width, RECIP_E4M3_MAX,
-        GELU_B=bool(gelu_b and parts.width_b), DTYPE=_DTYPE_CODES[parts.dtype], BLOCK=block, LIBDEVICE=not triton.knobs.runtime.interpret,
-        num_warps=num_warps or num_warps_for(block))
+        a_ptr, b_ptr, q.view(torch.uint8), scale, a_ptr.stride(0), b_ptr.stride(0), parts.width_a, parts.width,
+        RECIP_E4M3_MAX, GELU_B=bool(gelu_b and parts.width_b), DTYPE=_DTYPE_CODES[parts.dtype], BLOCK=block,
+        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=num_warps or num_warps_for(block))
     return q, scale
