@@ -44,6 +44,9 @@
 #   transport    bench_serving.py transport: keep-alive HTTP round trips by answer size, per listener (in-process server)
 #   vae-decode   bench_vae_decode.py: the Qwen-Image / Wan VAE decode of one frame as a 2-D network
 #                (features.one_frame_vae), eager and compiled, vs diffusers' (VAE_ARGS)
+#   row-quant    the one-pass row-wise FP8 quantizer (ops.fp8_rows): its GPU test (bit for bit its reference at
+#                FLUX's shapes), then bench_row_quant.py: it vs Inductor (default, triton.multi_kernel) vs a copy
+#                (ROWQ_ARGS)
 #   sync-points  bench_e2e.py sync-points: every synchronizing CUDA operation of one warm call, by the line that asked
 #                (SYNC_ARGS; default NucleusMoE 4 steps, xstage, regional compile)
 #   png          bench_serving.py png: the server's PNG encode on its own thread, one-join vs the old chained copies
@@ -257,6 +260,15 @@ step_vae_decode() {
   timeout -k 10 "$(limit vae-decode 300)" "$py" benchmarks/bench_vae_decode.py --out-dir "$1" --tag gpu ${VAE_ARGS:-}
 }
 
+step_row_quant() {
+  OUT="$1" timeout -k 10 "${ROWQ_TESTS_S:-120}" bash scripts/gpu_tests.sh -s tests/ops/test_fp8_rows_gpu.py
+  local rc_tests=$?
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit row-quant 240)" "$py" benchmarks/bench_row_quant.py --out-dir "$1" --tag gpu ${ROWQ_ARGS:-}
+  local rc_bench=$?
+  [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
+}
+
 step_compile_variants() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit compile-variants 300)" "$py" benchmarks/bench_compile_variants.py --out-dir "$1" \
@@ -290,7 +302,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode compile-variants batch-invariance fp8-attention lora)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant compile-variants batch-invariance fp8-attention lora)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
