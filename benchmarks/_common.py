@@ -11,6 +11,7 @@ Every result file has the same shape::
   with the spread, so a reader can tell a difference from noise.
 - ``write_results(...)``: ``<stem>.json`` and ``<stem>.md`` (a Markdown table of the rows) in one call.
 - ``profile_once(fn)``: one call under torch's profiler (host, and the GPU's kernels where there is one).
+- ``checked_list(parser, text, parse)``: a comma-separated option's items, each checked by ``parse`` first.
 
 Example::
 
@@ -118,3 +119,15 @@ def profile_once(fn: Callable[[], Any]):
         if cuda:
             torch.cuda.synchronize()
     return prof.key_averages()
+
+
+def checked_list(parser, text: str, parse: Callable[[str], Any]) -> list[str]:
+    """The items of a comma-separated option value (blanks dropped), after ``parse`` accepted each: its ValueError
+    becomes ``parser.error`` (usage, the message, exit 2) before anything is built or measured."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    for item in items:
+        try:
+            parse(item)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return items

@@ -62,7 +62,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
-from benchmarks._common import environment, time_ms, write_results  # noqa: E402
+from benchmarks._common import checked_list, environment, time_ms, write_results  # noqa: E402
 from xstage_dit._torch_private import compile_seconds, compile_seconds_since, frames_converted  # noqa: E402
 
 TUNED = {"coordinate_descent_tuning": True, "coordinate_descent_check_all_directions": True,
@@ -402,17 +402,12 @@ def main(argv: list[str] | None = None) -> int:
                         "kernel time by kind (FP8 GEMMs, other GEMMs, attention, Inductor's fused kernels) in the "
                         "row, torch's table in step-<variant>.txt")
     args = p.parse_args(argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = checked_list(p, args.variants, parse_variant)
     args.vae_variants = [v.strip() for v in args.vae_variants.split(",") if v.strip()]
     vae_known = {"eager", "channels_last", "compiled", "compiled+channels_last", "cudnn_benchmark",
                  "channels_last+cudnn_benchmark", "compiled_decoder", "compiled_decoder+cudnn_benchmark"}
     if set(args.vae_variants) - vae_known:
         p.error(f"expected --vae-variants from {sorted(vae_known)}, got {sorted(set(args.vae_variants) - vae_known)}")
-    for v in variants:
-        try:
-            parse_variant(v)
-        except ValueError as exc:
-            p.error(str(exc))
     args.height = args.height or (1024 if args.model == "flux" else 480)
     args.width = args.width or (1024 if args.model == "flux" else 832)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
-from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
+from benchmarks._common import checked_list, environment, interleaved_times, time_ms, write_results  # noqa: E402
 from xstage_dit.ops.fp8_rows import quantize_rows, quantize_rows_reference  # noqa: E402
 
 # FLUX.1-dev's row-quantized activations at 1024x1024: label -> where it comes from
@@ -170,12 +170,7 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default="benchmarks/results/fp8")
     p.add_argument("--tag", default="h100")
     args = p.parse_args(argv)
-    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    try:
-        for shape in shapes:
-            parse_shape(shape)
-    except ValueError as exc:
-        p.error(str(exc))
+    shapes = checked_list(p, args.shapes, parse_shape)
     device = torch.device(args.device)
     rows = [r for shape in shapes for r in measure(shape, args, device)]
     summary = {"vs_inductor": {f"{r['shape']} {r['candidate']}": r["vs_inductor"] for r in rows},

@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
-from benchmarks._common import environment, interleaved_times, time_ms, write_results  # noqa: E402
+from benchmarks._common import checked_list, environment, interleaved_times, time_ms, write_results  # noqa: E402
 
 # model -> (VAE builder module, dtype the pipeline gives its VAE, spatial compression)
 VAES = {"nucleusmoe": ("xstage_dit.families.nucleusmoe", torch.bfloat16, 8), "wan": ("xstage_dit.families.wan", torch.float32, 8)}
@@ -135,12 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--tag", default="h200")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of 2d+compile (tests: eager)")
     args = p.parse_args(argv)
-    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
-    try:
-        for case in cases:
-            parse_case(case)
-    except ValueError as exc:
-        p.error(str(exc))
+    cases = checked_list(p, args.cases, parse_case)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     rows = []
     for case in cases:
