@@ -21,6 +21,19 @@ def _cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+# Triton's interpreter flag as the suite found it: a test module that set it while being imported would turn the
+# interpreter on for every Triton kernel its worker imports afterwards (CI, 2026-12-07: nine unrelated failures).
+# Interpreter runs belong in a child process (`tests.helpers.interp.run_interp_script`).
+_INTERPRET_AT_START = os.environ.get("TRITON_INTERPRET")
+
+
+def pytest_collection_finish(session):
+    if os.environ.get("TRITON_INTERPRET") != _INTERPRET_AT_START:
+        raise pytest.UsageError(f"a test module changed TRITON_INTERPRET while being collected (now "
+                                f"{os.environ.get('TRITON_INTERPRET')!r}, was {_INTERPRET_AT_START!r}): set it in "
+                                "the child process that runs the interpreter cases, not at import")
+
+
 def pytest_collection_modifyitems(config, items):
     num_gpus = _cuda_device_count()
     for item in items:

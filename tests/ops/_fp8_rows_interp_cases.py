@@ -1,19 +1,20 @@
 """Interpreter cases of the one-pass row quantizer (`xstage_dit.ops.fp8_rows.kernel`), run in a subprocess with
 TRITON_INTERPRET=1 on CPU tensors: each case's kernel output against `quantize_rows_reference`. Prints one JSON
 object: case -> {"q_bytes_differing", "scale_differing", "q_shape", "scale_shape"}.
+
+The flag comes from `tests.helpers.interp.run_interp_script`'s environment, never from this module: the test process
+imports `CASES` from here, and a flag set at import would turn the interpreter on for every later Triton kernel of
+that worker (CI, 2026-12-07: nine MoE and kernel-choice tests failed that way).
 """
 
 from __future__ import annotations
 
 import json
-import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
 
-import torch  # noqa: E402
-
-from xstage_dit.ops.fp8_rows.kernel import quantize_rows_triton  # noqa: E402
-from xstage_dit.ops.fp8_rows.reference import quantize_rows_reference  # noqa: E402
+from xstage_dit.ops.fp8_rows.kernel import quantize_rows_triton
+from xstage_dit.ops.fp8_rows.reference import quantize_rows_reference
 
 CASES = {  # rows, Ka, Kb, gelu_b, dtype, how the values are drawn
     "m1_a17_b0": (1, 17, 0, False, torch.bfloat16, "randn"),
