@@ -66,3 +66,6 @@ def test_a_graph_without_its_uids_keeps_the_tensor_pack():
     shared = graph_tensors()
     shared["k"] = GraphTensor(shared["q"].uid)
     assert pack_uids(shared, p_scales, amax) is None
+    shared_scale = graph_tensors()
+    shared_scale["descale_k"] = GraphTensor(shared_scale["descale_q"].uid)
+    assert pack_uids(shared_scale, p_scales, amax) is None

@@ -67,8 +67,6 @@ class CudnnFp8Attention:
         self._graphs: dict[tuple, list] = {}
         self._handle = DeviceHandles()
         self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        # id(graph entry) -> its uids (entries live as long as this object); False: bound by tensors only
-        self._packs: dict[int, PackUids | bool] = {}
 
     def _p_scales(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(scale_s, descale_s) on ``device``: P's fixed power-of-two scale (P lies in [0, 1])."""
@@ -107,7 +105,8 @@ class CudnnFp8Attention:
         sizes, workspace = build_plans(graph, cudnn, device)
         amax = torch.empty((len(outputs), 4), dtype=torch.float32, device=device)
         tensors = {"q": tq, "k": tk, "v": tv, "o": o, **scal, "amax": outputs}
-        return [graph, tensors, workspace, handle, sizes, amax, None]  # [-1]: the tuned plan, once known
+        # [6]: the operands' uids, once the first call has run (`pack_uids`; False: none); [-1]: the tuned plan
+        return [graph, tensors, workspace, handle, sizes, amax, None, None]
 
     def _graph(self, q_shape, kv_shape, attn_scale: float, device: torch.device) -> list:
         key = (q_shape, kv_shape, attn_scale, str(device))
@@ -136,8 +135,7 @@ class CudnnFp8Attention:
             raise ValueError(f"expected out of shape {tuple(q.shape)}, e4m3, contiguous, got {tuple(out.shape)} "
                              f"{out.dtype}")
         entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device)
-        graph, t, workspace, handle, sizes, amax, tuned = entry
-        uids = self._packs.get(id(entry))
+        graph, t, workspace, handle, sizes, amax, uids, tuned = entry
         # A graph's first call binds its tensors by the graph's own objects (the frontend may lower it, and give
         # uids, only then); later calls by uid and address (`variant_pack`), where every uid is known
         pack = variant_pack(uids, x, out) if uids else tensor_pack(t, x, out, self._p_scales(q.device), amax)
@@ -146,7 +144,7 @@ class CudnnFp8Attention:
             entry[-1] = CudnnWindowKernel._autotune(graph, [pack], workspace, handle, sizes)
         graph.execute(pack, workspace, handle=handle)
         if uids is None:
-            self._packs[id(entry)] = pack_uids(t, self._p_scales(q.device), amax) or False
+            entry[6] = pack_uids(t, self._p_scales(q.device), amax) or False
         return out
 
 
@@ -168,17 +166,18 @@ def pack_uids(t: dict, p_scales: tuple[torch.Tensor, torch.Tensor], amax: torch.
     scale_s, descale_s = p_scales
     fixed = {_uid(t["descale_s"]): descale_s.data_ptr(), _uid(t["scale_s"]): scale_s.data_ptr()}
     fixed.update({_uid(tensor): amax[i, :1].data_ptr() for i, tensor in enumerate(t["amax"])})
-    slots = {name: _uid(t[name]) for name in _SLOTS}
+    slots = {_uid(t[name]): row for name, row in _SLOTS.items()}
     operands = [_uid(t[name]) for name in ("q", "k", "v", "o")]
-    every = [*operands, *slots.values(), *fixed]
-    if not all(every) or len(set(every)) != len(operands) + len(slots) + 2 + len(t["amax"]):
+    every = [*operands, *slots, *fixed]  # a uid two tensors share collapses in a dict: the count says so
+    if not all(every) or len(set(every)) != len(operands) + len(_SLOTS) + 2 + len(t["amax"]):
         return None  # an unassigned uid, or two operands sharing one
     return PackUids(*operands, slots, fixed)
 
 
 @dataclass(frozen=True)
 class PackUids:
-    """A graph's uids of q, k, v, o and of the four per-call scale slots, and its fixed uid -> address entries."""
+    """A graph's uids of q, k, v, o, its four per-call scales (uid -> their row of `Fp8QKV.scales`), and its fixed
+    uid -> address entries."""
 
     q: int
     k: int
@@ -201,7 +200,7 @@ def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor) -> dict[int, int]
     its host. A scale slot is row i of x's (8, 4) fp32 buffer: the address of ``x.slot(i)``."""
     base, row = x.scales.data_ptr(), x.scales.stride(0) * x.scales.element_size()
     pack = {uids.q: x.q.data_ptr(), uids.k: x.k.data_ptr(), uids.v: x.v.data_ptr(), uids.o: out.data_ptr(),
-            **{uid: base + _SLOTS[name] * row for name, uid in uids.slots.items()}}
+            **{uid: base + slot * row for uid, slot in uids.slots.items()}}
     pack.update(uids.fixed)
     return pack
 
