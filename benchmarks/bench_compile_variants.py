@@ -77,6 +77,8 @@ GEMM_TUNED = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRI
 # by side), which Inductor loops over twice, or splits into an amax kernel and a cast kernel (the H100 profile at
 # f54244c: 257 us a single block for that cast, against ~75 us for one pass at memory speed)
 MULTI_KERNEL = {"triton.multi_kernel": 1}
+# variant part -> the Inductor options it adds (none of them means anything without compile)
+INDUCTOR_EXTRAS = {"tuned": TUNED, "gemmtuned": GEMM_TUNED, "multikernel": MULTI_KERNEL, "graphs": GRAPHS}
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
 # variant part -> Fp8Config granularity
@@ -111,24 +113,22 @@ def parse_variant(name: str) -> Variant:
     body, _, schedule = name.partition("@")
     mode, *extras = body.split("+")
     fp8 = [FP8_EXTRAS[e] for e in extras if e in FP8_EXTRAS]
-    known = ("tuned", "gemmtuned", "multikernel", "qkv", "graphs", *_FP8_ATTENTION, *FP8_EXTRAS)
+    known = ("qkv", *INDUCTOR_EXTRAS, *_FP8_ATTENTION, *FP8_EXTRAS)
     attention = [_FP8_ATTENTION[e] for e in extras if e in _FP8_ATTENTION]
     if mode == "regional" and "graphs" in extras:
         # measured on an H100 (2026-12-07): the failure said so at the first block's second replay
         raise ValueError(f"expected graphs with full compile, got {name!r}: regionally compiled blocks of one class "
                          "share a CUDA graph whose output the next block's replay overwrites")
     if mode not in ("eager", "regional", "full") or any(e not in known for e in extras) or \
-            schedule not in ("", "auto", "serial", "none") or (mode == "eager" and any(
-                e in extras for e in ("tuned", "gemmtuned", "multikernel", "graphs"))) or \
+            schedule not in ("", "auto", "serial", "none") or \
+            (mode == "eager" and any(e in extras for e in INDUCTOR_EXTRAS)) or \
             len(fp8) > 1 or len(attention) > 1 or (attention and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
             (schedule == "none" and fp8 not in ([], ["row"])):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
                          "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn or cudnnfp8: with fp8, fp8t or fp8b, at "
                          "@auto; at @none, "
                          f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
-    options = {**(TUNED if "tuned" in extras else {}), **(GEMM_TUNED if "gemmtuned" in extras else {}),
-               **(MULTI_KERNEL if "multikernel" in extras else {}),
-               **(GRAPHS if "graphs" in extras else {})}
+    options = {k: v for extra, opts in INDUCTOR_EXTRAS.items() if extra in extras for k, v in opts.items()}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
                    attention[0] if attention else None)
 
