@@ -83,8 +83,11 @@ def test_a_stream_that_is_not_the_output_is_refused(wan, caplog):
     assert "expected the streamed frames to be the output's (5, 32, 32, 3), got 9 frames" in caplog.text
 
 
-def test_a_stopped_call_leaves_no_encoder_or_file(wan):
+def test_a_stopped_call_leaves_no_encoder_or_file(wan, tmp_path, monkeypatch):
     pipe, served, runner = wan
+    # The encoder's file goes where tempfile puts it: a folder of this test's own, so an .mp4 another test worker
+    # writes to the shared temp folder meanwhile is not counted as ours (CI, 2026-12-07, two workers)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = set(os.listdir(tempfile.gettempdir()))
     with pytest.raises(BatchStopped):
         runner.run([_item(served, steps=3)], lambda done, *a: done < 2, stream_video=True)
