@@ -7,6 +7,7 @@ torchao quantizes row-wise (``Float8DynamicActivationFloat8WeightConfig(granular
 graph unless ``--no-graphs``, so the host's dispatch does not count):
 
 - ``ours``: the one-pass Triton kernel, through the custom op (on a CPU: its reference);
+- ``ours_approx``: the same with ``approx=True`` (the GPU's tanh.approx, a reciprocal product), the FP8 feature's;
 - ``inductor``: ``torch.compile`` of the pure-torch reference (default options), what the FP8 feature gets today;
 - ``inductor_multi_kernel``: the same compiled with ``{"triton.multi_kernel": 1}`` (Inductor's persistent reductions
   for wide rows, chosen at run time);
@@ -45,7 +46,7 @@ SHAPES = {
     "4096x3072": "double block image-stream linear input (3072 wide)",
     "4608x3072": "single block linear input (3072 wide)",
 }
-CANDIDATES = ("ours", "inductor", "inductor_multi_kernel", "copy")
+CANDIDATES = ("ours", "ours_approx", "inductor", "inductor_multi_kernel", "copy")
 _SHAPE = re.compile(r"^(\d+)x(\d+)(?:\+(\d+))?(g?)$")
 
 
@@ -78,7 +79,9 @@ def candidates(backend: str, gelu_b: bool, x: torch.Tensor) -> dict:
         return torch.compile(_fresh(reference, tag), backend=backend, dynamic=False, **kwargs)
 
     dst = torch.empty_like(x)
-    return {"ours": lambda a, b: quantize_rows(a, b, gelu_b), "inductor": compiled("inductor", None),
+    return {"ours": lambda a, b: quantize_rows(a, b, gelu_b),
+            "ours_approx": lambda a, b: quantize_rows(a, b, gelu_b, approx=True),
+            "inductor": compiled("inductor", None),
             "inductor_multi_kernel": compiled("multi_kernel", {"triton.multi_kernel": 1}),
             "copy": lambda a, b: dst.copy_(x)}
 

@@ -118,7 +118,7 @@ def test_the_op_traces_without_a_graph_break():
 def test_the_custom_op_passes_opcheck():
     gen = torch.Generator().manual_seed(2)
     a, b = _draw(3, 5, torch.bfloat16, gen), _draw(3, 7, torch.bfloat16, gen)
-    for args in ((a, b, True), (None, b, False), (a, None, False)):
+    for args in ((a, b, True, False), (None, b, False, True), (a, None, False, False)):
         torch.library.opcheck(torch.ops.xstage_dit.fp8_rows.default, args)
 
 

@@ -35,3 +35,34 @@ def test_the_kernel_is_its_reference_on_the_gpu(name, dtype):
     assert not differing.any(), (f"{int(differing.sum())} of {q.numel()} bytes differ, {in_gelu} in the GELU part "
                                  "(libdevice's tanh against CUDA's tanhf there)")
     assert torch.equal(scale.view(torch.int32), scale_ref.view(torch.int32))
+
+
+def _e4m3_steps(q: torch.Tensor, q_ref: torch.Tensor) -> torch.Tensor:
+    """How far apart two e4m3 tensors are, in steps of e4m3's grid (same-sign finite values: their bytes'
+    distance as integers, since e4m3's positive codes ascend with their values)."""
+    a, b = q.view(torch.uint8).int(), q_ref.view(torch.uint8).int()
+    return ((a & 0x7F) - (b & 0x7F)).abs() + 255 * ((a ^ b) & 0x80).ne(0).int()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_approximate_kernel_is_within_one_step_of_its_reference(name):
+    """approx=True (the FP8 feature's): the GPU's tanh.approx and a reciprocal product. Bound: a differing byte
+    is one e4m3 step off, at most 0.1 % of the bytes differ, and a scale differs only by the bf16 step an
+    approximate GELU can move a row's amax by."""
+    rows, ka, kb, gelu_b = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(rows + ka + kb)
+    a = torch.randn(rows, ka, device="cuda", generator=gen).to(torch.bfloat16) if ka else None
+    b = (torch.randn(rows, kb, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    if name == "odd_widths_zero_row":
+        a[5], b[5] = 0.0, 0.0
+    q, scale = quantize_rows(a, b, gelu_b, approx=True)
+    q_ref, scale_ref = quantize_rows_reference(a, b, gelu_b)
+    same_scale = scale.view(torch.int32) == scale_ref.view(torch.int32)
+    assert torch.allclose(scale[~same_scale], scale_ref[~same_scale], rtol=2 ** -7, atol=0)
+    steps = _e4m3_steps(q, q_ref)[same_scale.squeeze(1)]
+    nan = q_ref.float().isnan()[same_scale.squeeze(1)]
+    assert int(steps[~nan].max(initial=0)) <= 1, f"a byte {int(steps.max())} e4m3 steps off"
+    assert q.float().isnan()[same_scale.squeeze(1)].eq(nan).all()
+    assert int(steps.ne(0).sum()) <= 1e-3 * q.numel(), f"{int(steps.ne(0).sum())} of {q.numel()} bytes differ"
+    if not gelu_b:  # no tanh: the product and the GPU's conversion alone
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))

@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.features.fp8_fused import fuse_rows
 from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 
 __all__ = ["FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
@@ -64,11 +65,14 @@ class Fp8Config:
     restore without copies at the cost of keeping both).
     attention: one of `FP8_ATTENTION`: "off" (16-bit attention kernels only), "auto" (the 8-bit kernels join the
     attention kernel sweep) or an 8-bit kernel's name ("cudnn-fp8", "sage": that kernel wherever it takes the shape).
+    fuse_rows: row-wise only: the tanh-GELU feed-forwards and FLUX's single blocks quantize their widest activations
+    in one pass (`features.fp8_fused`); False: torchao's layers quantize every input themselves (for measuring).
     """
 
     granularity: str = "row"
     keep: str = "cpu"
     attention: str = "off"
+    fuse_rows: bool = True
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -77,6 +81,8 @@ class Fp8Config:
             raise ValueError(f"expected fp8 attention in {', '.join(FP8_ATTENTION)}, got {self.attention!r}")
         if self.keep not in ("cpu", "device"):
             raise ValueError(f"expected fp8 keep 'cpu' or 'device', got {self.keep!r}")
+        if not isinstance(self.fuse_rows, bool):
+            raise ValueError(f"expected fp8 fuse_rows True or False, got {self.fuse_rows!r}")
 
     def torchao_config(self):
         """The torchao config of this granularity (torchao imported here: only FP8 runs need it)."""
@@ -159,16 +165,21 @@ class Fp8Handle:
 
         from xstage_dit.features.fp8_experts import Fp8ExpertsHandle, expert_modules
 
-        self.experts = None
+        self.experts, self.fused, self._unfuse = None, [], None
         try:
             quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
             if config.granularity != "weight" and expert_modules(transformer):
                 self.experts = Fp8ExpertsHandle(transformer, config.keep)
+            if config.granularity == "row" and config.fuse_rows:
+                self.fused, self._unfuse = fuse_rows(transformer)
         except Exception:
             self.restore()  # a layer converted before the failure goes back too
             raise
 
     def restore(self) -> None:
+        unfuse, self._unfuse, self.fused = getattr(self, "_unfuse", None), None, []
+        if unfuse is not None:
+            unfuse()
         experts, self.experts = getattr(self, "experts", None), None
         if experts is not None:
             experts.restore()
@@ -181,6 +192,8 @@ class Fp8Handle:
 
     def describe(self) -> dict:
         out = {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
+        if self.config.granularity == "row":
+            out["fused_row_quantization"] = len(self.fused)
         if self.experts is not None:
             out.update(self.experts.describe())
         return out

@@ -6,7 +6,8 @@ the concatenation and GELU that produce it in FLUX (the single block's ``proj_ou
   ``torch.compile``); the Triton kernel (`kernel.quantize_rows_triton`) on CUDA, the reference elsewhere.
 - `reference.quantize_rows_reference`: the definition (torchao's formula, quoted there), bit for bit the kernel's.
 
-A measured candidate against Inductor's own quantization kernels (benchmarks/bench_row_quant.py); no feature uses it.
+Row-wise FP8 (`features.fp8_fused`) quantizes those two activations with it, ``approx=True``: ~3x Inductor's two
+kernels there on an H100 (benchmarks/bench_row_quant.py, fp8/NOTES.md).
 """
 
 from __future__ import annotations
@@ -21,21 +22,23 @@ __all__ = ["MAX_ROW_WIDTH", "quantize_rows", "quantize_rows_reference", "quantiz
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_rows", mutates_args=())
-def _fp8_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     check_parts(a, b)  # the same limit on every device: the op means one thing wherever it runs
     if (a if a is not None else b).is_cuda:
-        return quantize_rows_triton(a, b, gelu_b)
+        return quantize_rows_triton(a, b, gelu_b, approx=approx)
     return quantize_rows_reference(a, b, gelu_b)
 
 
 @_fp8_rows.register_fake
-def _fp8_rows_fake(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _fp8_rows_fake(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     parts = check_parts(a, b)
     return (torch.empty((parts.rows, parts.width), dtype=E4M3, device=parts.device),
             torch.empty((parts.rows, 1), dtype=torch.float32, device=parts.device))
 
 
-def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False
+def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False, approx: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """a: (M, Ka), b: (M, Kb) of one dtype (bf16 / fp16 / fp32; either None or empty, Ka + Kb <= `MAX_ROW_WIDTH`)
     -> (q (M, Ka + Kb) float8_e4m3fn contiguous, scale (M, 1) float32), torchao's row-wise quantization of
@@ -43,5 +46,9 @@ def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool =
 
     Example (FLUX's single block, M = 4608 tokens): ``q, scale = quantize_rows(attn_out, mlp_hidden, gelu_b=True)``
     with attn_out (4608, 3072) and mlp_hidden (4608, 12288) bf16 gives q (4608, 15360), scale (4608, 1).
+
+    approx: on a GPU, the tanh of the GELU by the hardware's approximate instruction and the quotient as a product
+    with the reciprocal scale (`kernel.quantize_rows_triton`): ~3x faster at FLUX's widest rows, and off torchao's
+    bytes by one e4m3 step in ~0.02 % of them (fp8/NOTES.md); elsewhere the reference, exactly.
     """
-    return torch.ops.xstage_dit.fp8_rows(a, b, gelu_b)
+    return torch.ops.xstage_dit.fp8_rows(a, b, gelu_b, approx)

@@ -28,9 +28,12 @@ _DTYPE_CODES = {torch.float32: _F32, torch.bfloat16: _BF16, torch.float16: _F16}
 
 
 @triton.jit
-def _round_to(x, DTYPE: tl.constexpr):
-    """fp32 x rounded to the input dtype (round to nearest even) and back to fp32."""
-    if DTYPE == 1:  # bf16: integer RNE on the bits (c10::BFloat16's rule; NaN and inf stay what they are)
+def _round_to(x, DTYPE: tl.constexpr, HW: tl.constexpr):
+    """fp32 x rounded to the input dtype (round to nearest even) and back to fp32; HW: by the GPU's conversion (the
+    same rounding in one instruction, where the interpreter's conversion truncates)."""
+    if DTYPE == 1 and HW:
+        x = x.to(tl.bfloat16).to(tl.float32)
+    elif DTYPE == 1:  # bf16: integer RNE on the bits (c10::BFloat16's rule; NaN and inf stay what they are)
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = bits.to(tl.float32, bitcast=True)
@@ -40,10 +43,15 @@ def _round_to(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _tanh(y, LIBDEVICE: tl.constexpr):
-    """tanh(y): libdevice's on the GPU; under the CPU interpreter, which runs no libdevice call, 1 - 2 / (e**2y + 1)
-    in fp32 (within a few ulp: the GELU's bf16 values agree with torch's but for rare ties)."""
-    if LIBDEVICE:
+def _tanh(y, LIBDEVICE: tl.constexpr, APPROX: tl.constexpr):
+    """tanh(y): libdevice's on the GPU, or with APPROX the GPU's one-instruction ``tanh.approx.f32`` (relative error
+    below 2**-10.9: the GELU's bf16 value moves by one bf16 step now and then); under the CPU interpreter, which
+    runs neither, 1 - 2 / (e**2y + 1) in fp32 (within a few ulp: the GELU's bf16 values agree with torch's but for
+    rare ties)."""
+    if APPROX and LIBDEVICE:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [y], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    elif LIBDEVICE:
         t = libdevice.tanh(y)
     else:
         t = 1.0 - 2.0 / (tl.exp(2.0 * y) + 1.0)
@@ -51,13 +59,13 @@ def _tanh(y, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
-def _gelu_tanh(x, LIBDEVICE: tl.constexpr):
+def _gelu_tanh(x, LIBDEVICE: tl.constexpr, APPROX: tl.constexpr):
     """torch's tanh-GELU in fp32, its operations in its order: 0.5 * x * (1 + tanh(beta * (x + kappa * x**3))),
     beta = sqrt(2) * 2/sqrt(pi) * 0.5 and kappa = 0.044715 rounded to fp32 as torch's kernels round them. On the
     GPU ``x + kappa * x**3`` contracts to one fma, as nvcc contracts torch's CUDA GELU."""
     x_cube = x * x * x
     inner = 0.7978845608028654 * (x + 0.044715 * x_cube)
-    return 0.5 * x * (1.0 + _tanh(inner, LIBDEVICE))
+    return 0.5 * x * (1.0 + _tanh(inner, LIBDEVICE, APPROX))
 
 
 @triton.jit
@@ -80,8 +88,11 @@ def _to_e4m3_grid(v):
 
 @triton.jit
 def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, GELU_B: tl.constexpr,
-                     DTYPE: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
-    """Program m: row m of cat([a, gelu(b)]) -> q[m, :width] (e4m3 bytes, Q a uint8 view) and s[m] (fp32)."""
+                     DTYPE: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, APPROX: tl.constexpr):
+    """Program m: row m of cat([a, gelu(b)]) -> q[m, :width] (e4m3 bytes, Q a uint8 view) and s[m] (fp32).
+    APPROX (on the GPU): the GELU's tanh is ``tanh.approx.f32`` and the quotient a product with the row's reciprocal
+    scale, cast by the GPU's own round-to-nearest-even e4m3 conversion: 3x faster at FLUX's widest rows, where the
+    exact tanh and division make the kernel compute-bound (fp8/NOTES.md)."""
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     in_a = col < width_a
@@ -89,29 +100,38 @@ def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, 
     xa = tl.load(A + row * stride_a + col, mask=in_a, other=0.0).to(tl.float32)
     xb = tl.load(B + row * stride_b + (col - width_a), mask=in_b, other=0.0).to(tl.float32)
     if GELU_B:
-        xb = _round_to(_gelu_tanh(xb, LIBDEVICE), DTYPE)  # diffusers' GELU leaves it in the input dtype: rounded there
+        # diffusers' GELU leaves it in the input dtype: rounded there
+        xb = _round_to(_gelu_tanh(xb, LIBDEVICE, APPROX), DTYPE, LIBDEVICE)
     x = tl.where(in_a, xa, xb)
     amax = tl.reduce(tl.abs(x), 0, _max_nan)
-    scale = _round_to(amax * recip_max, DTYPE)  # torchao divides amax by 448 in the input dtype (reference)
-    v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    q = _to_e4m3_grid(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    # NaN (a row of zeros: 0 / 0) as c10 casts it, 0x7F with the sign: the interpreter's cast makes no NaN.
-    nan_byte = 0x7F | ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80)
-    q = tl.where(v != v, nan_byte.to(tl.uint8), q)
+    scale = _round_to(amax * recip_max, DTYPE, LIBDEVICE)  # torchao divides amax by 448 in the input dtype (reference)
+    if APPROX and LIBDEVICE:
+        # x * (1 / scale) for x / scale; a row of zeros: 0 * inf = NaN, which the conversion makes 0x7F as CUDA does
+        v = tl.clamp(x * tl.math.div_rn(1.0, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        v = tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
+        q = _to_e4m3_grid(v).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        # NaN (a row of zeros: 0 / 0) as c10 casts it, 0x7F with the sign: the interpreter's cast makes no NaN.
+        nan_byte = 0x7F | ((v.to(tl.uint32, bitcast=True) >> 24) & 0x80)
+        q = tl.where(v != v, nan_byte.to(tl.uint8), q)
     tl.store(Q + row * width + col, q, mask=col < width)
     tl.store(S + row, scale)
 
 
 def num_warps_for(block: int) -> int:
-    """Warps of a program holding ``block`` columns: 32 fp32 values a thread, 4 to 16 warps."""
-    return max(4, min(16, block // 1024))
+    """Warps of a program holding ``block`` columns: 16 fp32 values a thread, 4 to 32 warps (the fastest of 8, 16
+    and 32 at FLUX's rows on an H100: 32 at 16,384 columns, 8 at 4,096; fp8/NOTES.md)."""
+    return max(4, min(32, block // 512))
 
 
 def quantize_rows_triton(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False, *,
-                         num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         approx: bool = False, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.quantize_rows_reference` in one Triton launch (one program a row). a: (M, Ka), b: (M, Kb), either
     None or empty, Ka + Kb <= `reference.MAX_ROW_WIDTH` -> (q (M, Ka + Kb) e4m3 contiguous, scale (M, 1) fp32).
-    num_warps: the launch's warps (default `num_warps_for` the row's power-of-two block)."""
+    approx: the GPU's approximate tanh and a reciprocal product (the kernel's APPROX; no effect under the
+    interpreter, which runs the exact arithmetic). num_warps: the launch's warps (default `num_warps_for` the row's
+    power-of-two block)."""
     parts = check_parts(a, b)
     q = torch.empty((parts.rows, parts.width), dtype=E4M3, device=parts.device)
     scale = torch.empty((parts.rows, 1), dtype=torch.float32, device=parts.device)
@@ -124,5 +144,5 @@ def quantize_rows_triton(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b:
     _fp8_rows_kernel[(parts.rows,)](
         a_ptr, b_ptr, q.view(torch.uint8), scale, a_ptr.stride(0), b_ptr.stride(0), parts.width_a, parts.width,
         RECIP_E4M3_MAX, GELU_B=bool(gelu_b and parts.width_b), DTYPE=_DTYPE_CODES[parts.dtype], BLOCK=block,
-        LIBDEVICE=not triton.knobs.runtime.interpret, num_warps=num_warps or num_warps_for(block))
+        LIBDEVICE=not triton.knobs.runtime.interpret, APPROX=bool(approx), num_warps=num_warps or num_warps_for(block))
     return q, scale
