@@ -28,6 +28,8 @@ CASES = {  # rows, Ka, Kb, gelu_b, dtype, how the values are drawn
     "m9_a30_b70_gelu_fp16": (9, 30, 70, True, torch.float16, "randn"),
     "m3_a20_b0_fp16_tiny": (3, 20, 0, False, torch.float16, "tiny"),
     "m4_a10_b21_gelu_zero_rows": (4, 10, 21, True, torch.bfloat16, "zero_rows"),
+    "m4_a10_b21_gelu_zero_rows_floor": (4, 10, 21, True, torch.bfloat16, "zero_rows"),  # amax floor 2**-15
+    "m3_a20_b0_fp16_tiny_floor": (3, 20, 0, False, torch.float16, "tiny"),
     "m8_a40_b23_fp32_gelu": (8, 40, 23, True, torch.float32, "randn"),
     "m2_a300_b0_huge": (2, 300, 0, False, torch.bfloat16, "huge"),
 }
@@ -53,8 +55,9 @@ def main() -> None:
     for name, (rows, ka, kb, gelu_b, dtype, how) in CASES.items():
         a = draw(rows, ka, dtype, how, gen) if ka or name.startswith("m3_a0") else None
         b = draw(rows, kb, dtype, how, gen) if kb else None
-        q, scale = quantize_rows_triton(a, b, gelu_b)
-        q_ref, scale_ref = quantize_rows_reference(a, b, gelu_b)
+        floor = 2.0 ** -15 if name.endswith("_floor") else 0.0
+        q, scale = quantize_rows_triton(a, b, gelu_b, amax_floor=floor)
+        q_ref, scale_ref = quantize_rows_reference(a, b, gelu_b, floor)
         out[name] = {
             "q_bytes_differing": int((q.view(torch.uint8) != q_ref.view(torch.uint8)).sum()),
             "scale_differing": int((scale.view(torch.int32) != scale_ref.view(torch.int32)).sum()),

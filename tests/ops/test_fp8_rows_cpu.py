@@ -63,6 +63,24 @@ def test_reference_is_torchaos_row_quantization(dtype, how, gelu_b):
         _assert_same(quantize_rows(a, b, gelu_b), torchao_rows(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_amax_floor_is_torchaos_activation_value_lb(dtype):
+    """The floor (the FP8 feature's: Wan's zero-padded text tokens are rows of zeros, NaN without one) is
+    torchao's ``hp_value_lb``: a zero row quantizes to zeros, a row above the floor as without it."""
+    from torchao.quantization import PerRow
+    from torchao.quantization.quantize_.workflows.float8.float8_tensor import Float8Tensor
+
+    gen = torch.Generator().manual_seed(5)
+    a, b = _draw(6, 10, dtype, gen, "zero_rows"), _draw(6, 30, dtype, gen, "zero_rows")
+    b[3] = b[3] * 1e-6  # a row under the floor
+    x = torch.cat([a, F.gelu(b, approximate="tanh")], dim=-1)
+    t = Float8Tensor.from_hp(x, granularity=PerRow(), hp_value_lb=2.0 ** -15)
+    got = quantize_rows(a, b, True, amax_floor=2.0 ** -15)
+    _assert_same(got, (t.qdata, t.scale))
+    assert not got[0].float().isnan().any() and got[0][0].float().eq(0).all()
+    _assert_same(quantize_rows(a[1::2], b[1::2], True, amax_floor=1e-30), quantize_rows(a[1::2], b[1::2], True))
+
+
 def test_an_absent_part_is_an_empty_one():
     gen = torch.Generator().manual_seed(0)
     a, b = _draw(4, 9, torch.bfloat16, gen), _draw(4, 13, torch.bfloat16, gen)
@@ -118,7 +136,7 @@ def test_the_op_traces_without_a_graph_break():
 def test_the_custom_op_passes_opcheck():
     gen = torch.Generator().manual_seed(2)
     a, b = _draw(3, 5, torch.bfloat16, gen), _draw(3, 7, torch.bfloat16, gen)
-    for args in ((a, b, True, False), (None, b, False, True), (a, None, False, False)):
+    for args in ((a, b, True, False, 0.0), (None, b, False, True, 2.0 ** -15), (a, None, False, False, 0.0)):
         torch.library.opcheck(torch.ops.xstage_dit.fp8_rows.default, args)
 
 

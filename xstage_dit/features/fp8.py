@@ -50,12 +50,17 @@ from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.features.fp8_fused import fuse_rows
 from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 
-__all__ = ["FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
+__all__ = ["ACTIVATION_AMAX_FLOOR", "FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
            "refuse_fp8_with_lora", "require_fp8_device"]
 
 GRANULARITIES = ("row", "tensor", "block", "weight")
 _BLOCK = 128  # block-wise: 1 x 128 activation blocks, 128 x 128 weight blocks
 _MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm89) and Hopper (sm90) onwards
+# The least amax a dynamic activation scale is computed from (torchao's activation_value_lb). Without one a row of
+# zeros gets scale 0 and quantizes to NaN (0 / 0): Wan pads its text embeddings to 512 tokens with zeros, and its
+# cross-attention's key / value projections turned every latent NaN (tiny Wan, CPU and H100, 2026-12-07). 2**-15 is
+# exact in bf16 and fp16 and its scale (2**-15 / 448) is nonzero in both; only rows whose every |x| < 3e-5 move.
+ACTIVATION_AMAX_FLOOR = 2.0 ** -15
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,9 @@ class Fp8Config:
             return Float8WeightOnlyConfig(set_inductor_config=False)
         granularity = {"row": PerRow(), "tensor": PerTensor(),
                        "block": [PerBlock([1, _BLOCK]), PerBlock([_BLOCK, _BLOCK])]}[self.granularity]
-        return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False)
+        floor = None if self.granularity == "block" else ACTIVATION_AMAX_FLOOR  # block-wise: not measured with one
+        return Float8DynamicActivationFloat8WeightConfig(granularity=granularity, set_inductor_config=False,
+                                                         activation_value_lb=floor)
 
 
 def require_fp8_device(device: torch.device, granularity: str) -> None:

@@ -35,7 +35,7 @@ __all__ = ["fuse_rows", "fused_linear", "row_wise_fp8"]
 
 def row_wise_fp8(layer: torch.nn.Module) -> bool:
     """Whether `layer` is an nn.Linear whose weight is torchao's row-wise dynamic float8 (e4m3, per-row activation
-    scales, no bounds): the layer whose input quantization `fused_linear` reproduces."""
+    scales, no upper bound): the layer whose input quantization `fused_linear` reproduces."""
     if not isinstance(layer, torch.nn.Linear):
         return False
     from torchao.quantization import PerRow
@@ -44,8 +44,7 @@ def row_wise_fp8(layer: torch.nn.Module) -> bool:
     weight = layer.weight
     kwargs = getattr(weight, "act_quant_kwargs", None)
     return (isinstance(weight, Float8Tensor) and kwargs is not None and isinstance(kwargs.granularity, PerRow)
-            and kwargs.float8_dtype == torch.float8_e4m3fn and kwargs.hp_value_lb is None
-            and kwargs.hp_value_ub is None and tuple(weight.scale.shape) == (weight.shape[0], 1)
+            and kwargs.float8_dtype == torch.float8_e4m3fn and kwargs.hp_value_ub is None and tuple(weight.scale.shape) == (weight.shape[0], 1)
             and layer.in_features <= MAX_ROW_WIDTH)
 
 
@@ -57,8 +56,9 @@ def fused_linear(layer: torch.nn.Linear, a: torch.Tensor | None, b: torch.Tensor
     first = a if a is not None else b
     lead = first.shape[:-1]
     flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (a, b)]
-    q, scale = quantize_rows(flat[0], flat[1], gelu_b, approx=first.is_cuda)
     weight = layer.weight
+    floor = weight.act_quant_kwargs.hp_value_lb
+    q, scale = quantize_rows(flat[0], flat[1], gelu_b, approx=first.is_cuda, amax_floor=floor or 0.0)
     out = torch._scaled_mm(q, weight.qdata.t(), scale_a=scale, scale_b=weight.scale.t(), bias=layer.bias,
                            out_dtype=first.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
     return out.reshape(*lead, out.shape[-1])

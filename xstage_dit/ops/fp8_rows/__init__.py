@@ -22,24 +22,24 @@ __all__ = ["MAX_ROW_WIDTH", "quantize_rows", "quantize_rows_reference", "quantiz
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fp8_rows", mutates_args=())
-def _fp8_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool
+def _fp8_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool, amax_floor: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
     check_parts(a, b)  # the same limit on every device: the op means one thing wherever it runs
     if (a if a is not None else b).is_cuda:
-        return quantize_rows_triton(a, b, gelu_b, approx=approx)
-    return quantize_rows_reference(a, b, gelu_b)
+        return quantize_rows_triton(a, b, gelu_b, approx=approx, amax_floor=amax_floor)
+    return quantize_rows_reference(a, b, gelu_b, amax_floor)
 
 
 @_fp8_rows.register_fake
-def _fp8_rows_fake(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool
+def _fp8_rows_fake(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool, amax_floor: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     parts = check_parts(a, b)
     return (torch.empty((parts.rows, parts.width), dtype=E4M3, device=parts.device),
             torch.empty((parts.rows, 1), dtype=torch.float32, device=parts.device))
 
 
-def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False, approx: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False, approx: bool = False,
+                  amax_floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """a: (M, Ka), b: (M, Kb) of one dtype (bf16 / fp16 / fp32; either None or empty, Ka + Kb <= `MAX_ROW_WIDTH`)
     -> (q (M, Ka + Kb) float8_e4m3fn contiguous, scale (M, 1) float32), torchao's row-wise quantization of
     ``cat([a, gelu_tanh(b) if gelu_b else b], -1)``: ``scale = bf16(amax / 448)``, ``q = e4m3(clamp(x / scale))``.
@@ -49,6 +49,7 @@ def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool =
 
     approx: on a GPU, the tanh of the GELU by the hardware's approximate instruction and the quotient as a product
     with the reciprocal scale (`kernel.quantize_rows_triton`): ~3x faster at FLUX's widest rows, and off torchao's
-    bytes by one e4m3 step in ~0.02 % of them (fp8/NOTES.md); elsewhere the reference, exactly.
+    bytes by one e4m3 step in ~0.02 % of them (fp8/NOTES.md); elsewhere the reference, exactly. amax_floor:
+    torchao's ``activation_value_lb`` (0: none, and a row of zeros quantizes to NaN, as torchao's does).
     """
-    return torch.ops.xstage_dit.fp8_rows(a, b, gelu_b, approx)
+    return torch.ops.xstage_dit.fp8_rows(a, b, gelu_b, approx, amax_floor)

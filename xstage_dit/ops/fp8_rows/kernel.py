@@ -87,7 +87,7 @@ def _to_e4m3_grid(v):
 
 
 @triton.jit
-def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, GELU_B: tl.constexpr,
+def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, amax_floor, GELU_B: tl.constexpr,
                      DTYPE: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, APPROX: tl.constexpr):
     """Program m: row m of cat([a, gelu(b)]) -> q[m, :width] (e4m3 bytes, Q a uint8 view) and s[m] (fp32).
     APPROX (on the GPU): the GELU's tanh is ``tanh.approx.f32`` and the quotient a product with the row's reciprocal
@@ -103,7 +103,7 @@ def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, 
         # diffusers' GELU leaves it in the input dtype: rounded there
         xb = _round_to(_gelu_tanh(xb, LIBDEVICE, APPROX), DTYPE, LIBDEVICE)
     x = tl.where(in_a, xa, xb)
-    amax = tl.reduce(tl.abs(x), 0, _max_nan)
+    amax = _max_nan(tl.reduce(tl.abs(x), 0, _max_nan), amax_floor)  # the floor: torchao's activation_value_lb
     scale = _round_to(amax * recip_max, DTYPE, LIBDEVICE)  # torchao divides amax by 448 in the input dtype (reference)
     if APPROX and LIBDEVICE:
         # x * (1 / scale) for x / scale; a row of zeros: 0 * inf = NaN, which the conversion makes 0x7F as CUDA does
@@ -119,6 +119,11 @@ def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, 
     tl.store(S + row, scale)
 
 
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as torch's clamp of a tensor of that dtype rounds its bound."""
+    return float(torch.tensor(value, dtype=torch.float32).to(dtype).float())
+
+
 def num_warps_for(block: int) -> int:
     """Warps of a program holding ``block`` columns: 16 fp32 values a thread, 4 to 32 warps (the fastest of 8, 16
     and 32 at FLUX's rows on an H100: 32 at 16,384 columns, 8 at 4,096; fp8/NOTES.md)."""
@@ -126,9 +131,11 @@ def num_warps_for(block: int) -> int:
 
 
 def quantize_rows_triton(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False, *,
-                         approx: bool = False, num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         approx: bool = False, amax_floor: float = 0.0, num_warps: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.quantize_rows_reference` in one Triton launch (one program a row). a: (M, Ka), b: (M, Kb), either
     None or empty, Ka + Kb <= `reference.MAX_ROW_WIDTH` -> (q (M, Ka + Kb) e4m3 contiguous, scale (M, 1) fp32).
+    amax_floor: the reference's (torchao's activation_value_lb; 0: none).
     approx: the GPU's approximate tanh and a reciprocal product (the kernel's APPROX; no effect under the
     interpreter, which runs the exact arithmetic). num_warps: the launch's warps (default `num_warps_for` the row's
     power-of-two block)."""
@@ -143,6 +150,7 @@ def quantize_rows_triton(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b:
     block = triton.next_power_of_2(parts.width)
     _fp8_rows_kernel[(parts.rows,)](
         a_ptr, b_ptr, q.view(torch.uint8), scale, a_ptr.stride(0), b_ptr.stride(0), parts.width_a, parts.width,
-        RECIP_E4M3_MAX, GELU_B=bool(gelu_b and parts.width_b), DTYPE=_DTYPE_CODES[parts.dtype], BLOCK=block,
+        RECIP_E4M3_MAX, _in_dtype(amax_floor, parts.dtype), GELU_B=bool(gelu_b and parts.width_b),
+        DTYPE=_DTYPE_CODES[parts.dtype], BLOCK=block,
         LIBDEVICE=not triton.knobs.runtime.interpret, APPROX=bool(approx), num_warps=num_warps or num_warps_for(block))
     return q, scale

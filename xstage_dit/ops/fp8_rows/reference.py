@@ -88,11 +88,13 @@ def check_parts(a: torch.Tensor | None, b: torch.Tensor | None, *, max_width: in
     return parts
 
 
-def quantize_rows_reference(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool = False,
+                            amax_floor: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """a: (M, Ka), b: (M, Kb) (either None or empty; one dtype) -> (q (M, Ka + Kb) float8_e4m3fn contiguous,
     scale (M, 1) float32): torchao's row-wise quantization of ``x = cat([a, gelu_tanh(b) if gelu_b else b], -1)``
-    (module docstring), ``x ~= q.float() * scale``.
+    (module docstring), ``x ~= q.float() * scale``. amax_floor: torchao's ``activation_value_lb``, the least amax a
+    scale is computed from (0: none; a row of zeros then quantizes to NaN); exact in the input dtype, or rounded
+    there as torchao's clamp rounds it.
 
     Example: ``q, scale = quantize_rows_reference(attn_out, mlp_hidden, gelu_b=True)`` is what torchao makes of
     the input of FLUX's single-block ``proj_out``.
@@ -102,6 +104,8 @@ def quantize_rows_reference(a: torch.Tensor | None, b: torch.Tensor | None, gelu
     tail = F.gelu(b, approximate="tanh") if (gelu_b and b is not None) else b
     x = torch.cat([t for t in (a, tail) if t is not None], dim=-1)
     amax = x.abs().amax(dim=-1, keepdim=True)
+    if amax_floor:
+        amax = torch.clamp(amax, min=amax_floor)
     scale = (amax.float() * RECIP_E4M3_MAX).to(dtype).float()
     q = (x.float() / scale).clamp(min=-E4M3_MAX, max=E4M3_MAX).to(E4M3)
     return q.contiguous(), scale
