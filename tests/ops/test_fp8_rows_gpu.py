@@ -61,7 +61,8 @@ def test_the_approximate_kernel_is_within_one_step_of_its_reference(name):
     assert torch.allclose(scale[~same_scale], scale_ref[~same_scale], rtol=2 ** -7, atol=0)
     steps = _e4m3_steps(q, q_ref)[same_scale.squeeze(1)]
     nan = q_ref.float().isnan()[same_scale.squeeze(1)]
-    assert int(steps[~nan].max(initial=0)) <= 1, f"a byte {int(steps.max())} e4m3 steps off"
+    worst = int(steps[~nan].max()) if steps[~nan].numel() else 0
+    assert worst <= 1, f"a byte {worst} e4m3 steps off"
     assert q.float().isnan()[same_scale.squeeze(1)].eq(nan).all()
     assert int(steps.ne(0).sum()) <= 1e-3 * q.numel(), f"{int(steps.ne(0).sum())} of {q.numel()} bytes differ"
     if not gelu_b:  # no tanh: the product and the GPU's conversion alone
