@@ -437,3 +437,12 @@ def scaled_grouped_mm(a: torch.Tensor, b: torch.Tensor, a_descale: torch.Tensor,
     ``(a[i] * a_descale[i]) @ (b[g] * b_descale[g])``."""
     op = _private(torch, "_scaled_grouped_mm", "torch._scaled_grouped_mm")
     return op(a, b, a_descale, b_descale, offs=offsets, out_dtype=out_dtype, use_fast_accum=use_fast_accum)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, *,
+              bias: torch.Tensor | None, out_dtype: torch.dtype, use_fast_accum: bool) -> torch.Tensor:
+    """``torch._scaled_mm``, the call torchao's row-wise float8 linear layer makes: a (M, K) e4m3 row-major, b (K, N)
+    e4m3 column-major, scale_a (M, 1) and scale_b (1, N) fp32 -> (M, N) in out_dtype, ``(a * scale_a) @ (b *
+    scale_b) + bias``."""
+    op = _private(torch, "_scaled_mm", "torch._scaled_mm")
+    return op(a, b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype, use_fast_accum=use_fast_accum)

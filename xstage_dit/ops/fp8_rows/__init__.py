@@ -49,7 +49,7 @@ def quantize_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool =
 
     approx: on a GPU, the tanh of the GELU by the hardware's approximate instruction and the quotient as a product
     with the reciprocal scale (`kernel.quantize_rows_triton`): ~3x faster at FLUX's widest rows, and off torchao's
-    bytes by one e4m3 step in ~0.02 % of them (fp8/NOTES.md); elsewhere the reference, exactly. amax_floor:
+    bytes by one e4m3 step in 0.02-0.16 % of them (fp8/NOTES.md); elsewhere the reference, exactly. amax_floor:
     torchao's ``activation_value_lb`` (0: none, and a row of zeros quantizes to NaN, as torchao's does).
     """
     return torch.ops.xstage_dit.fp8_rows(a, b, gelu_b, approx, amax_floor)
