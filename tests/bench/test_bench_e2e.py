@@ -109,6 +109,15 @@ def test_bad_option_values_give_one_line_errors(argv, needle, capsys):
     assert needle in err
 
 
+def test_contenders_run_in_the_order_given_with_the_baseline_first():
+    """A budget that runs out skips the last ones named: the rows a call is for go first."""
+    assert options.parse_contenders("xstage-fp8-served, diffusers-fp8,diffusers,xstage-fp8-served") == [
+        "diffusers", "xstage-fp8-served", "diffusers-fp8"]
+    names = options.parse_contenders("xstage-fp8-attn,xstage-served,xstage-fp8")
+    assert [c.family for c in lineup.make_contenders(names, with_compile=True, with_eager=False)
+            if c.compile] == ["xstage-fp8-attn", "xstage-served", "xstage-fp8"]
+
+
 def test_gpus_must_match_the_launched_ranks(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "3")  # as under torchrun --nproc-per-node 3
     with pytest.raises(SystemExit) as exc:

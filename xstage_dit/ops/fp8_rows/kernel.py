@@ -13,6 +13,8 @@ bf16 (the GPU test counts the bytes where they do not).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -119,6 +121,7 @@ def _fp8_rows_kernel(A, B, Q, S, stride_a, stride_b, width_a, width, recip_max, 
     tl.store(S + row, scale)
 
 
+@functools.lru_cache(maxsize=64)  # per call otherwise: a CPU tensor built and converted on the launch's host path
 def _in_dtype(value: float, dtype: torch.dtype) -> float:
     """value rounded to dtype, as torch's clamp of a tensor of that dtype rounds its bound."""
     return float(torch.tensor(value, dtype=torch.float32).to(dtype).float())
