@@ -56,7 +56,9 @@ def fused_linear(layer: torch.nn.Linear, a: torch.Tensor | None, b: torch.Tensor
     in that dtype."""
     first = a if a is not None else b
     lead = first.shape[:-1]
+    # the kernel reads rows with a stride of their own but columns one after another
     flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (a, b)]
+    flat = [t if t is None or t.shape[-1] < 2 or t.stride(-1) == 1 else t.contiguous() for t in flat]
     weight = layer.weight
     floor = weight.act_quant_kwargs.hp_value_lb
     q, scale = quantize_rows(flat[0], flat[1], gelu_b, approx=first.is_cuda, amax_floor=floor or 0.0)
