@@ -374,6 +374,33 @@ def test_measure_counts_the_frames_dynamo_converts_in_the_warm_up_and_in_the_tim
     assert phases["total"] >= phases["dynamo_tracing"] > 0 and phases["inductor"] == phases["aot_autograd"] == 0
 
 
+def test_measure_records_the_timed_runs_gc_pauses_and_cudnn_fp8_bindings(monkeypatch):
+    """What a host-bound row is read by: the collector's pauses inside the timed runs, and how cuDNN FP8
+    attention bound its operands there (the warm-up's calls not counted)."""
+    import gc
+    import sys
+    import types
+
+    counts = {"uid": 0, "tensor": 0}
+    monkeypatch.setitem(sys.modules, "xstage_dit.ops.attention.cudnn_fp8",
+                        types.SimpleNamespace(pack_counts=lambda: dict(counts)))
+    b = _fake_bench()
+
+    class Attending(contenders.PlainDiffusers):
+        def call(self, bench, kwargs):
+            counts["tensor" if kwargs["num_inference_steps"] == 1 else "uid"] += 5
+            gc.collect()
+            return super().call(bench, kwargs)
+
+    record, _ = measure.measure(b, Attending(False), None)
+    assert record["status"] == "ok", record
+    assert record["cudnn_fp8_calls_timed"] == {"uid": 15, "tensor": 0}  # three timed runs, five calls each
+    assert record["gc_pause_s_timed"] > 0
+    monkeypatch.delitem(sys.modules, "xstage_dit.ops.attention.cudnn_fp8")
+    record, _ = measure.measure(b, contenders.PlainDiffusers(False), None)
+    assert "cudnn_fp8_calls_timed" not in record and record["gc_pause_s_timed"] >= 0
+
+
 def test_repeats_time_each_prompt_back_to_back_and_cost_their_runs():
     b = _fake_bench(prompts=["a", "b"])
     b.args.repeats = 3

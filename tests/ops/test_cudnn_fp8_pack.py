@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xstage_dit.ops.attention.cudnn_fp8 import pack_uids, tensor_pack, variant_pack
+from xstage_dit.ops.attention.cudnn_fp8 import pack_counts, pack_uids, shared_attention, tensor_pack, variant_pack
 from xstage_dit.ops.attention.fp8_quant import Fp8QKV
 
 NAMES = ("q", "k", "v", "o", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
@@ -69,3 +69,11 @@ def test_a_graph_without_its_uids_keeps_the_tensor_pack():
     shared_scale = graph_tensors()
     shared_scale["descale_k"] = GraphTensor(shared_scale["descale_q"].uid)
     assert pack_uids(shared_scale, p_scales, amax) is None
+
+
+def test_pack_counts_are_a_copy_of_the_shared_instances():
+    shared = shared_attention()
+    before = pack_counts()
+    assert set(before) == {"uid", "tensor"}
+    before["uid"] += 1  # a copy: the caller's arithmetic leaves the instance's counts alone
+    assert pack_counts() == shared.calls_by_pack and pack_counts()["uid"] == before["uid"] - 1

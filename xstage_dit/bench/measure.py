@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 import traceback
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.stats import percentile
 from xstage_dit.families.spec import TEXT_ENCODER_COMPONENTS
+from xstage_dit.runtime.gc_pauses import GcPauses
 
 if TYPE_CHECKING:  # the report only for annotations: it imports nothing of this module either
     from xstage_dit.bench.report import Report
@@ -204,6 +206,16 @@ class RoundResult:
     frames_timed: int = 0
     compile_s: dict = dataclasses.field(default_factory=dict)  # torch.compile's phases while applying and warming up
     stages_s: list = dataclasses.field(default_factory=list)  # per run: `StageTimers.collect()`
+    # What a host-bound timed run reads first: the garbage collector's pauses (any thread: they stop every
+    # thread's Python), and cuDNN FP8 attention's calls by how they bound their operands (`_fp8_attention_packs`)
+    gc_s_timed: float = 0.0
+    fp8_attention_packs_timed: dict = dataclasses.field(default_factory=dict)
+
+
+def _fp8_attention_packs() -> dict[str, int]:
+    """cuDNN FP8 attention's calls so far by binding ({"uid": n, "tensor": m}); {} where it never ran here."""
+    module = sys.modules.get("xstage_dit.ops.attention.cudnn_fp8")  # imported by whatever ran it, else never ran
+    return module.pack_counts() if module is not None else {}
 
 
 def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, dict]:
@@ -216,7 +228,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     stopwatch = Stopwatch(b.device)
     problems: dict = {}
     result = None
-    timer = stages = None
+    timer = stages = pauses = None
     applied = False
     try:
         frames0, compiled0 = frames_converted(), compile_seconds()
@@ -242,6 +254,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         stages.collect()
         latencies, step_times, forwards, stage_times = [], [], [], []
         first_output = None
+        pauses, packs0 = GcPauses().install(), _fp8_attention_packs()
         for i, prompt in enumerate(b.prompts):
             for repeat in range(b.args.repeats):
                 latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
@@ -252,14 +265,19 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
                 stage_times.append(stages.collect())
                 if i == 0 and repeat == 0:
                     first_output = _output_array(output)
+        pauses.uninstall()
+        packs = {k: n - packs0.get(k, 0) for k, n in _fp8_attention_packs().items()}
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
         result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output,
-                             frames1 - frames0, frames_converted() - frames1, compiled, stage_times)
+                             frames1 - frames0, frames_converted() - frames1, compiled, stage_times,
+                             pauses.total_s(), {k: n for k, n in packs.items() if n})
     except Exception as exc:
         problems.update(reason=error_text(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
             torch.cuda.empty_cache()
     finally:
+        if pauses is not None:
+            pauses.uninstall()
         for timers in (timer, stages):
             if timers is not None:
                 timers.remove()
@@ -300,8 +318,12 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         dynamo_frames_setup_warmup=results[0].frames_warmup,
         dynamo_frames_timed=sum(r.frames_timed for r in results),
         compile_s_setup_warmup=results[0].compile_s,
+        gc_pause_s_timed=sum(r.gc_s_timed for r in results),
         **stage_fields(results, steps),
     )
+    packs = [r.fp8_attention_packs_timed for r in results if r.fp8_attention_packs_timed]
+    if packs:
+        row["cudnn_fp8_calls_timed"] = {k: sum(p.get(k, 0) for p in packs) for k in ("uid", "tensor")}
     first = results[0].first_output
     if reference is not None and first is not None and first.shape == reference.shape:
         row["output_max_abs_diff_vs_diffusers"] = float(np.abs(first - reference).max())

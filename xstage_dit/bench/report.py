@@ -106,7 +106,9 @@ def notes_text(settings: dict) -> str:
         "(JSON): torch.compile's own timers over both, by phase (Dynamo tracing, AOTAutograd, Inductor, the wait on "
         "Triton's compile workers). text_encode_ms / transformer_ms / vae_decode_ms / other_ms (JSON): where a run's "
         "time goes, CUDA events around the text encoders', the transformer's and the VAE decoder's forwards and the "
-        "rest of the call (medians over the runs). " + rounds_text(s),
+        "rest of the call (medians over the runs). gc_pause_s_timed / cudnn_fp8_calls_timed (JSON): the garbage "
+        "collector's pauses during the timed runs, and cuDNN FP8 attention's calls there by how they bound their "
+        "operands (uid: by address; tensor: the slow first-call form). " + rounds_text(s),
         "",
         "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
         "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "
