@@ -47,6 +47,9 @@
 #   row-quant    the one-pass row-wise FP8 quantizer (ops.fp8_rows): its GPU test (bit for bit its reference at
 #                FLUX's shapes), then bench_row_quant.py: it vs Inductor (default, triton.multi_kernel) vs a copy
 #                (ROWQ_ARGS)
+#   cudnn-binding  bench_cudnn_fp8_binding.py: the host time of one cuDNN FP8 attention call by how its operands are
+#                bound (tensor-keyed, by address, uid -> tensor, ordered), at FLUX's shape (carry [".whl-fp8attn"] with
+#                WHEEL_DIRS=.whl-fp8attn; CUDNN_BINDING_ARGS adds options; ~1 min)
 #   sync-points  bench_e2e.py sync-points: every synchronizing CUDA operation of one warm call, by the line that asked
 #                (SYNC_ARGS; default NucleusMoE 4 steps, xstage, regional compile)
 #   png          bench_serving.py png: the server's PNG encode on its own thread, one-join vs the old chained copies
@@ -285,6 +288,12 @@ step_fp8_attention() {
   [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
 }
 
+step_cudnn_binding() {
+  # shellcheck disable=SC2086
+  timeout -k 10 "$(limit cudnn-binding 120)" "$py" benchmarks/bench_cudnn_fp8_binding.py --out-dir "$1" --tag gpu \
+    ${CUDNN_BINDING_ARGS:-}
+}
+
 step_lora() {
   # Issue 40: the LoRA latency rows (LORA_ARGS; default the fused mode's rows beside the no-LoRA request of the
   # same build; unfused rows are in benchmarks/results/lora/), then the LoRA GPU tests (the forced out-of-memory
@@ -302,7 +311,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant compile-variants batch-invariance fp8-attention lora)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant cudnn-binding compile-variants batch-invariance fp8-attention lora)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
