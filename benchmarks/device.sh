@@ -34,8 +34,8 @@
 #                (carry [".whl", ".whl-ao"], WHEEL_DIRS=".whl .whl-ao"; ~8 min: LORA_BENCH_S / LORA_TESTS_S)
 #   fp8-attention  issue 41's FP8 attention in one call (carry [".whl-fp8attn"] with WHEEL_DIRS=.whl-fp8attn: diffusers
 #                & co, torchao, nvidia-cudnn-frontend, sageattention): the GPU tests of the 8-bit kernels, of FP8 at
-#                sp = 2 (two processes on the GPU), of the FP8 feature and of the FP8 expert MLPs (FP8_ATTN_TESTS_S,
-#                default 360 s), then
+#                sp = 2 (two processes on the GPU), of the FP8 feature (its fused row quantization too) and of the
+#                FP8 expert MLPs (FP8_ATTN_TESTS_S, default 360 s), then
 #                bench_fp8_error.py --attention: every kernel's error vs fp32 and time on the FLUX / Wan / NucleusMoE
 #                attention shapes (FP8_ATTN_SHAPES, FP8_ATTN_BENCH_S default 150 s)
 #   served-path  bench_serving.py served-path: bare call vs the server's runner (main thread, worker thread) vs HTTP
@@ -280,7 +280,8 @@ step_compile_variants() {
 
 step_fp8_attention() {
   OUT="$1" timeout -k 10 "${FP8_ATTN_TESTS_S:-360}" bash scripts/gpu_tests.sh -s tests/ops/test_attention_fp8_gpu.py \
-    tests/features/test_fp8_sp_gpu.py tests/features/test_fp8.py tests/ops/test_moe_fp8.py tests/calibration/test_kernel_sweep_gpu.py
+    tests/features/test_fp8_sp_gpu.py tests/features/test_fp8.py tests/features/test_fp8_fused.py \
+    tests/ops/test_fp8_rows_gpu.py tests/ops/test_moe_fp8.py tests/calibration/test_kernel_sweep_gpu.py
   local rc_tests=$?
   timeout -k 10 "${FP8_ATTN_BENCH_S:-150}" "$py" benchmarks/bench_fp8_error.py --attention \
     --attention-shapes "${FP8_ATTN_SHAPES:-flux,wan,nucleus}" --out-dir "$1" --tag "${FP8_ATTN_TAG:-gpu}"
