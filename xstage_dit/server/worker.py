@@ -451,6 +451,7 @@ class Worker:
             if tag == "ping":
                 continue
             if tag == "stop":
+                self._stop.set()  # rank 0 may be gone while this rank restores: its heartbeat must not call that a loss
                 self._thaw()
                 self._restore_own()
                 return 0
@@ -476,5 +477,7 @@ class Worker:
                 store.add(f"hb/{self.ctx.rank}", 1)
                 time.sleep(HEARTBEAT_INTERVAL_S)
         except Exception as exc:  # noqa: BLE001 - rank 0 is gone: nothing left to serve
+            if self._stop.is_set():  # told to stop: rank 0 exits as this rank restores its stack (a clean end)
+                return
             log.error("rank %d: lost rank 0 (%s); exiting", self.ctx.rank, exc)
             os._exit(1)
