@@ -45,8 +45,8 @@ def row_wise_fp8(layer: torch.nn.Module) -> bool:
     weight = layer.weight
     kwargs = getattr(weight, "act_quant_kwargs", None)
     return (isinstance(weight, Float8Tensor) and kwargs is not None and isinstance(kwargs.granularity, PerRow)
-            and kwargs.float8_dtype == torch.float8_e4m3fn and kwargs.hp_value_ub is None and tuple(weight.scale.shape) == (weight.shape[0], 1)
-            and layer.in_features <= MAX_ROW_WIDTH)
+            and kwargs.float8_dtype == torch.float8_e4m3fn and kwargs.hp_value_ub is None
+            and tuple(weight.scale.shape) == (weight.shape[0], 1) and layer.in_features <= MAX_ROW_WIDTH)
 
 
 def fused_linear(layer: torch.nn.Linear, a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool
@@ -56,15 +56,20 @@ def fused_linear(layer: torch.nn.Linear, a: torch.Tensor | None, b: torch.Tensor
     in that dtype."""
     first = a if a is not None else b
     lead = first.shape[:-1]
-    # the kernel reads rows with a stride of their own but columns one after another
-    flat = [None if t is None else t.reshape(-1, t.shape[-1]) for t in (a, b)]
-    flat = [t if t is None or t.shape[-1] < 2 or t.stride(-1) == 1 else t.contiguous() for t in flat]
     weight = layer.weight
     floor = weight.act_quant_kwargs.hp_value_lb
-    q, scale = quantize_rows(flat[0], flat[1], gelu_b, approx=first.is_cuda, amax_floor=floor or 0.0)
+    q, scale = quantize_rows(_rows(a), _rows(b), gelu_b, approx=first.is_cuda, amax_floor=floor or 0.0)
     out = scaled_mm(q, weight.qdata.t(), scale, weight.scale.t(), bias=layer.bias, out_dtype=first.dtype,
                     use_fast_accum=weight.mm_config.use_fast_accum)
     return out.reshape(*lead, out.shape[-1])
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t (..., K) as (M, K) rows the kernel reads: a row stride of their own, but columns one after another."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.shape[-1] < 2 or t.stride(-1) == 1 else t.contiguous()
 
 
 def _feed_forward_forward(ff: torch.nn.Module) -> Callable:

@@ -24,9 +24,10 @@ __all__ = ["MAX_ROW_WIDTH", "quantize_rows", "quantize_rows_reference", "quantiz
 @torch.library.custom_op(f"{NAMESPACE}::fp8_rows", mutates_args=())
 def _fp8_rows(a: torch.Tensor | None, b: torch.Tensor | None, gelu_b: bool, approx: bool, amax_floor: float
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    check_parts(a, b)  # the same limit on every device: the op means one thing wherever it runs
-    if (a if a is not None else b).is_cuda:
-        return quantize_rows_triton(a, b, gelu_b, approx=approx, amax_floor=amax_floor)
+    first = a if a is not None else b
+    if first is not None and first.is_cuda:
+        return quantize_rows_triton(a, b, gelu_b, approx=approx, amax_floor=amax_floor)  # it checks the parts
+    check_parts(a, b)  # the kernel's limits on every device: the op means one thing wherever it runs
     return quantize_rows_reference(a, b, gelu_b, amax_floor)
 
 

@@ -2,8 +2,9 @@
 row in registers), apply the tanh-GELU to b's columns, take the row's amax, and write the e4m3 row and its scale.
 3 bytes an element of bf16 input (read 2, write 1) plus 4 a row, where an amax pass and a cast pass read it twice.
 
-Bit for bit the reference, on the GPU and under Triton's CPU interpreter alike, because every rounding is spelled out
-where the interpreter's casts are not exact (it truncates fp32 -> bf16 and rounds e4m3 half-up without carry):
+Without APPROX (`quantize_rows_triton`'s ``approx``), bit for bit the reference, on the GPU and under Triton's CPU
+interpreter alike, because every rounding is spelled out where the interpreter's casts are not exact (it truncates
+fp32 -> bf16 and rounds e4m3 half-up without carry):
 bf16 rounding is integer round-to-nearest-even on the bits, e4m3 rounding happens in fp32 arithmetic onto e4m3's
 grid (the cast after it is exact), the quotient is ``div_rn`` (torch divides exactly; Triton's ``/`` need not).
 The GELU's tanh is libdevice's on the GPU (the interpreter runs no libdevice call: there, one built of ``exp``):
