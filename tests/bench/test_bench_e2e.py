@@ -289,6 +289,36 @@ def test_fp8_ratios_in_the_summary_are_the_measured_medians():
     assert "fp8" not in stats.build_summary(records[:2], {"steps": 4})
 
 
+def test_a_row_whose_output_went_nonfinite_is_left_out_of_the_fp8_ratios_and_named():
+    peer = _ok("diffusers-fp8+compile", 2.5, compile=True, family="diffusers-fp8")
+    peer["transformer_output_finite"] = False  # NaN operands run faster: its time is not comparable
+    records = [_ok("xstage-served+compile", 4.0, compile=True, family="xstage-served"), peer,
+               _ok("xstage-fp8-served+compile", 2.7, compile=True, family="xstage-fp8-served")]
+    fp8 = stats.build_summary(records, {"steps": 4})["fp8"]["+compile"]
+    assert fp8 == {"fp8_over_bf16": pytest.approx(2.7 / 4.0), "fp8_over_peer_fp8": None,
+                   "nonfinite_rows": ["diffusers-fp8+compile"]}
+    report.add_notes(records, {"default_steps": 4, "steps": 4})
+    assert "NON-FINITE" in peer["note"] and "NON-FINITE" not in records[0]["note"]
+
+
+def test_the_nonfinite_watch_sees_a_nan_output_and_only_that():
+    from xstage_dit.bench.finite import NonFiniteWatch
+
+    class Returns(torch.nn.Module):
+        def forward(self, x):
+            return (x * 2,)
+
+    module = Returns()
+    watch = NonFiniteWatch(module)
+    module(torch.ones(3))
+    assert not watch.seen()
+    module(torch.tensor([1.0, float("nan")]))
+    module(torch.ones(3))  # a later finite output does not clear it
+    assert watch.seen()
+    watch.remove()
+    assert not module._forward_hooks
+
+
 def test_fp8_attention_rows_get_their_own_ratios():
     records = [_ok("xstage-served+compile", 4.0, compile=True, family="xstage-served"),
                _ok("diffusers-fp8+compile", 3.0, compile=True, family="diffusers-fp8"),
@@ -971,6 +1001,14 @@ def test_the_peer_fp8_recipe_converts_every_linear_and_its_undo_gives_the_bf16_w
     undo = fp8_contenders.peer_fp8(transformer)
     assert all(type(m.weight).__name__ == "Float8Tensor" for m in linears.values())  # every linear, no exclusions
     assert inductor_config.coordinate_descent_tuning and not config_before["coordinate_descent_tuning"]  # torchao's
+    # A row of zeros (Wan's padded text) stays finite: torchao's default scale would quantize it to 0/0.
+    layer = next(iter(linears.values()))
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    x[1] = 0
+    with torch.inference_mode():
+        out = layer(x)
+    assert bool(torch.isfinite(out).all()), out
+    assert torch.equal(out[1], layer.bias.expand_as(out[1]) if layer.bias is not None else torch.zeros_like(out[1]))
     undo()
     # rows measured after the peer compile as they would alone
     assert inductor_config.get_config_copy() == config_before

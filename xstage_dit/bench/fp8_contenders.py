@@ -12,8 +12,9 @@ from xstage_dit.bench.session import Bench
 
 class PlainDiffusersFp8(PlainDiffusers):
     """The FP8 path diffusers users run: torchao's float8 row-wise dynamic quantization of every linear layer of
-    the transformer (``quantize_(pipe.transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``),
-    then the bench's compile as for plain diffusers. Restore copies the bf16 weights back (kept on the CPU)."""
+    the transformer (`peer_fp8`: ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` with the amax
+    floor that keeps a zero row finite), then the bench's compile as for plain diffusers. Restore copies the bf16
+    weights back (kept on the CPU)."""
 
     family = "diffusers-fp8"
 
@@ -37,19 +38,24 @@ class PlainDiffusersFp8(PlainDiffusers):
 
 def peer_fp8(transformer: torch.nn.Module):
     """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
-    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))``), torchao's
-    defaults as users run them: they also turn on Inductor's coordinate-descent tuning for the process, so the
-    peer's compiled kernels are tuned at their first launch. Returns the undo, which puts the bf16 weights back
-    (kept on the CPU meanwhile) and the Inductor config as it was (rows measured later compile as they would
-    alone)."""
+    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+    activation_value_lb=2**-15))``), torchao's defaults as users run them but for the one knob a user must set: they
+    also turn on Inductor's coordinate-descent tuning for the process, so the peer's compiled kernels are tuned at
+    their first launch. The knob, torchao's own floor on a dynamic scale's amax (the one our FP8 feature sets,
+    `features.fp8.ACTIVATION_AMAX_FLOOR`): without it a row of zeros quantizes to 0/0, and Wan's zero-padded text
+    rows made every latent NaN, which also ran 13.6 % faster on the H100 (NaN operands draw less power:
+    fp8/NOTES.md). Returns the undo, which puts the bf16 weights back (kept on the CPU meanwhile) and the Inductor
+    config as it was (rows measured later compile as they would alone)."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
 
     from xstage_dit._torch_private import inductor_config_restorer
+    from xstage_dit.features.fp8 import ACTIVATION_AMAX_FLOOR
 
     linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
     weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
     restore_inductor_config = inductor_config_restorer()
-    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))
+    quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+                                                                     activation_value_lb=ACTIVATION_AMAX_FLOOR))
 
     def undo() -> None:
         for module, device, weight in weights:

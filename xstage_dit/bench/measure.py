@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from xstage_dit._torch_private import compile_seconds, compile_seconds_since, frames_converted
 from xstage_dit.bench.contenders import Contender
+from xstage_dit.bench.finite import NonFiniteWatch
 from xstage_dit.bench.options import BASELINE
 from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.bench.stats import percentile
@@ -210,6 +211,7 @@ class RoundResult:
     # thread's Python), and cuDNN FP8 attention's calls by how they bound their operands (`_fp8_attention_packs`)
     gc_s_timed: float = 0.0
     fp8_attention_packs_timed: dict = dataclasses.field(default_factory=dict)
+    nonfinite_timed: bool = False  # a timed forward's output held a NaN or an infinity (`bench.finite`)
 
 
 def _fp8_attention_packs() -> dict[str, int]:
@@ -228,7 +230,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     stopwatch = Stopwatch(b.device)
     problems: dict = {}
     result = None
-    timer = stages = pauses = None
+    timer = stages = pauses = watch = None
     applied = False
     try:
         frames0, compiled0 = frames_converted(), compile_seconds()
@@ -255,6 +257,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         latencies, step_times, forwards, stage_times = [], [], [], []
         first_output = None
         pauses, packs0 = GcPauses().install(), _fp8_attention_packs()
+        watch = NonFiniteWatch(contender.timed_module(b))  # after the timer's hooks: outside its spans
         for i, prompt in enumerate(b.prompts):
             for repeat in range(b.args.repeats):
                 latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
@@ -270,7 +273,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         peak = torch.cuda.max_memory_allocated(b.device) / 2**30 if b.device.type == "cuda" else None
         result = RoundResult(latencies, step_times, forwards, setup_s, warmup_s, peak, first_output,
                              frames1 - frames0, frames_converted() - frames1, compiled, stage_times,
-                             pauses.total_s(), {k: n for k, n in packs.items() if n})
+                             pauses.total_s(), {k: n for k, n in packs.items() if n}, watch.seen())
     except Exception as exc:
         problems.update(reason=error_text(exc), traceback=traceback.format_exc(limit=8)[-4000:])
         if b.device.type == "cuda":
@@ -278,9 +281,9 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
     finally:
         if pauses is not None:
             pauses.uninstall()
-        for timers in (timer, stages):
-            if timers is not None:
-                timers.remove()
+        for hooks in (timer, stages, watch):
+            if hooks is not None:
+                hooks.remove()
         if applied:
             try:
                 contender.restore(b)
@@ -319,6 +322,7 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         dynamo_frames_timed=sum(r.frames_timed for r in results),
         compile_s_setup_warmup=results[0].compile_s,
         gc_pause_s_timed=sum(r.gc_s_timed for r in results),
+        transformer_output_finite=not any(r.nonfinite_timed for r in results),
         **stage_fields(results, steps),
     )
     packs = [r.fp8_attention_packs_timed for r in results if r.fp8_attention_packs_timed]

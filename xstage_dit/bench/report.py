@@ -39,6 +39,8 @@ def add_notes(rows: list[dict], settings: dict) -> None:
             notes.append(r.get("reason", ""))
         if r.get("resumed"):
             notes.append("measured by the earlier call this run resumed (--resume)")
+        if r.get("transformer_output_finite") is False:
+            notes.append("NON-FINITE: a timed transformer output held NaN or inf (its time is not comparable)")
         if r.get("round_failure"):
             notes.append(f"no later rounds after {r['round_failure']}")
         if r.get("compile_mode"):
@@ -108,7 +110,9 @@ def notes_text(settings: dict) -> str:
         "time goes, CUDA events around the text encoders', the transformer's and the VAE decoder's forwards and the "
         "rest of the call (medians over the runs). gc_pause_s_timed / cudnn_fp8_calls_timed (JSON): the garbage "
         "collector's pauses during the timed runs, and cuDNN FP8 attention's calls there by how they bound their "
-        "operands (uid: by address; tensor: the slow first-call form). " + rounds_text(s),
+        "operands (uid: by address; tensor: the slow first-call form). transformer_output_finite (JSON): every "
+        "timed transformer output was finite; a row where one was not is marked NON-FINITE and left out of FP8's "
+        "ratios (on NaN operands the GPU draws less power and runs faster). " + rounds_text(s),
         "",
         "served / bare (served rows' note): the geometric mean of the served row's latencies over the bare row's "
         "of the same configuration and compile setting (xstage-calibrated, else xstage-serial), paired by round, "

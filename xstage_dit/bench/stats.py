@@ -215,9 +215,12 @@ def _fp8_ratios(rows: list[dict]) -> dict:
     the served rows where both were measured, else the bare ones) and fp8_over_peer_fp8 (xstage FP8, served else
     bare, over diffusers + torchao FP8), each a ratio of median latencies; None where a row is missing. Where the
     FP8-attention rows ran, fp8_attn_over_bf16 / fp8_attn_over_peer_fp8 the same for them, and fp8_attn_over_fp8
-    (FP8 attention over FP8 linear layers alone: what the 8-bit attention kernels add)."""
+    (FP8 attention over FP8 linear layers alone: what the 8-bit attention kernels add). A row whose transformer
+    output went non-finite counts as missing (NaN operands run faster: `bench.finite`); ``nonfinite_rows`` names
+    those of a setting."""
     ok = [r for r in rows if r.get("status") == "ok"]
-    median = {r["name"]: r["median_s"] for r in ok}
+    median = {r["name"]: r["median_s"] for r in ok if r.get("transformer_output_finite", True)}
+    nonfinite = [r["name"] for r in ok if r.get("transformer_output_finite") is False]
     families = ("xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served")
     suffixes = {r["name"][len(r["family"]):] for r in ok if r["family"] in families}
     out = {}
@@ -236,5 +239,9 @@ def _fp8_ratios(rows: list[dict]) -> dict:
             pairs = [(median.get(f"xstage-fp8-attn{kind}" + suffix), median.get(f"xstage-fp8{kind}" + suffix))
                      for kind in ("-served", "")]
             entry["fp8_attn_over_fp8"] = next((a / b for a, b in pairs if a and b), None)
+        left_out = [name for name in nonfinite if name.endswith(suffix) and name[:len(name) - len(suffix)] in
+                    ("diffusers-fp8", "xstage-served", "xstage-calibrated") + families]
+        if left_out:
+            entry["nonfinite_rows"] = left_out
         out[suffix or "eager"] = entry
     return out
