@@ -294,5 +294,6 @@ def main(argv=None) -> int:
     run(args)
     return 0
 
+
 if __name__ == "__main__":
     raise SystemExit(main())
