@@ -47,6 +47,15 @@
 #   row-quant    the one-pass row-wise FP8 quantizer (ops.fp8_rows): its GPU test (bit for bit its reference at
 #                FLUX's shapes), then bench_row_quant.py: it vs Inductor (default, triton.multi_kernel) vs a copy
 #                (ROWQ_ARGS)
+#   fp8-e2e      issue 41's e2e rows of one model, resumable over calls to one warm machine (carry [".whl-fp8attn",
+#                ".whl-video"] with WHEEL_DIRS=".whl-fp8attn .whl-video"; FA4 from an earlier call's .whl-fa4 stays in
+#                /tmp/site): bench_e2e.py --compile regional --compiled-only on FP8_E2E_MODEL (full-flux) at
+#                FP8_E2E_STEPS (28) with the contenders FP8_E2E_ROWS in that order (default every FP8 row, the peer's
+#                first), rows kept in /tmp/fp8-e2e-<model> and resumed by the next call (a row the budget skips runs
+#                then; FP8_E2E_FRESH=1 starts over); FP8_E2E_S (560) the limit, FP8_E2E_EXTRA more options
+#   fp8-error    bench_fp8_error.py per model in FP8_ERROR_MODELS (default "full-flux"): latents vs an fp32 run,
+#                4 seeds, written after every seed (FP8_ERROR_<MODEL>_ARGS override the options, with - as _ in the name;
+#                FP8_ERROR_S (540) the whole step's budget, shared out in order)
 #   cudnn-binding  bench_cudnn_fp8_binding.py: the host time of one cuDNN FP8 attention call by how its operands are
 #                bound (tensor-keyed, by address, uid -> tensor, ordered), at FLUX's shape (carry [".whl-fp8attn"] with
 #                WHEEL_DIRS=.whl-fp8attn; CUDNN_BINDING_ARGS adds options; ~1 min)
@@ -289,6 +298,45 @@ step_fp8_attention() {
   [ "$rc_tests" -eq 0 ] && [ "$rc_bench" -eq 0 ]
 }
 
+step_fp8_e2e() {
+  local model="${FP8_E2E_MODEL:-full-flux}" limit_s dir prev rows
+  rows="diffusers-fp8,xstage-fp8-served,xstage-served,xstage-fp8-attn-served,xstage-fp8,xstage-fp8-attn"
+  rows="${FP8_E2E_ROWS:-$rows,xstage-calibrated}"
+  limit_s="$(limit fp8-e2e 560)"
+  dir="/tmp/fp8-e2e-$model"
+  [ "${FP8_E2E_FRESH:-0}" = 1 ] && rm -rf "$dir"
+  mkdir -p "$dir"
+  prev=$(ls "$dir"/e2e-*.json 2>/dev/null | head -1)
+  # shellcheck disable=SC2086
+  timeout -k 10 "$limit_s" "$py" benchmarks/bench_e2e.py --model "$model" --steps "${FP8_E2E_STEPS:-28}" \
+    --num-prompts 1 --compile regional --compiled-only --device cuda --out-dir "$dir" \
+    --contenders "$rows" \
+    --time-budget-s "$(( limit_s - 20 ))" ${prev:+--resume "$prev"} ${FP8_E2E_EXTRA:-} 2>&1 | grep -v -i "warn"
+  local rc=${PIPESTATUS[0]}
+  cp -r "$dir"/. "$1"/
+  return "$rc"
+}
+
+step_fp8_error() {
+  local m var left args start=$SECONDS total
+  total="$(limit fp8-error 540)"
+  for m in ${FP8_ERROR_MODELS:-full-flux}; do
+    var="FP8_ERROR_${m^^}_ARGS"; var="${var//-/_}"
+    case "$m" in
+      full-flux) args="--steps 28 --variants bf16,fp8-row,fp8-row+cudnn-fp8" ;;
+      full-wan) args="--frames 21 --steps 2 --variants bf16,fp8-row,fp8-row+cudnn-fp8" ;;
+      full-nucleusmoe) args="--steps 4 --variants bf16,fp8-row,fp8-tensor" ;;
+      *) args="" ;;
+    esac
+    left=$(( total - (SECONDS - start) ))
+    [ "$left" -gt 30 ] || { echo "[device.sh] fp8-error: no time left for $m"; return 1; }
+    echo "[device.sh] fp8-error $m: ${!var:-$args} (${left} s)"
+    # shellcheck disable=SC2086
+    timeout -k 10 "$left" "$py" benchmarks/bench_fp8_error.py --model "$m" --seeds 4 ${!var:-$args} \
+      --time-budget-s "$(( left - 15 ))" --out-dir "$1" --tag "1xgpu-$XSTAGE_GIT_COMMIT" 2>&1 | grep -v -i "warn"
+  done
+}
+
 step_cudnn_binding() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit cudnn-binding 120)" "$py" benchmarks/bench_cudnn_fp8_binding.py --out-dir "$1" --tag gpu \
@@ -312,7 +360,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant cudnn-binding compile-variants batch-invariance fp8-attention lora)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant fp8-e2e fp8-error cudnn-binding compile-variants batch-invariance fp8-attention lora)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"
