@@ -315,6 +315,9 @@ def test_the_nonfinite_watch_sees_a_nan_output_and_only_that():
     module(torch.tensor([1.0, float("nan")]))
     module(torch.ones(3))  # a later finite output does not clear it
     assert watch.seen()
+    watch.reset()  # the warm-up's outputs are forgotten
+    module(torch.ones(3))
+    assert not watch.seen()
     watch.remove()
     assert not module._forward_hooks
 

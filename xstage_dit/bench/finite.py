@@ -39,6 +39,10 @@ class NonFiniteWatch:
         bad = ~torch.isfinite(out).all()
         self._flag = bad if self._flag is None else self._flag | bad
 
+    def reset(self) -> None:
+        """Forget the outputs so far (the warm-up's)."""
+        self._flag = None
+
     def seen(self) -> bool:
         """True when any output since the hook went in held a NaN or an infinity (a host sync, once)."""
         return bool(self._flag) if self._flag is not None else False

@@ -242,6 +242,8 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(b.device)
         timer = TransformerTimer(contender.timed_module(b), b.device)
+        # after the timer's hooks (outside its spans), and before the warm-up: the same hooks then as when timed
+        watch = NonFiniteWatch(contender.timed_module(b))
         stages = StageTimers(b.pipe, b.device)
         warmup_steps = min(b.args.warmup_steps, b.steps)
         t0 = time.perf_counter()
@@ -257,7 +259,7 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         latencies, step_times, forwards, stage_times = [], [], [], []
         first_output = None
         pauses, packs0 = GcPauses().install(), _fp8_attention_packs()
-        watch = NonFiniteWatch(contender.timed_module(b))  # after the timer's hooks: outside its spans
+        watch.reset()  # the timed runs' outputs only
         for i, prompt in enumerate(b.prompts):
             for repeat in range(b.args.repeats):
                 latency, output = stopwatch.time(lambda: contender.call(b, b.call_kwargs(prompt, b.steps)))
