@@ -10,17 +10,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _first_tensor(output) -> torch.Tensor | None:
-    """The tensor a transformer forward returns: itself, ``.sample`` of a diffusers output, or a tuple's first."""
-    if isinstance(output, torch.Tensor):
-        return output
-    sample = getattr(output, "sample", None)
-    if isinstance(sample, torch.Tensor):
-        return sample
-    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-        return output[0]
-    return None
+from xstage_dit.features.cfg_parallel import _sample
 
 
 class NonFiniteWatch:
@@ -33,8 +23,11 @@ class NonFiniteWatch:
         self._handle = module.register_forward_hook(self._after)
 
     def _after(self, module, args, output):
-        out = _first_tensor(output)
-        if out is None or not out.is_floating_point():
+        try:
+            out = _sample(output)  # a transformer's output: the tensor, a tuple's first, or ``.sample``
+        except (AttributeError, IndexError):  # no transformer output: nothing to watch
+            return
+        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
             return
         bad = ~torch.isfinite(out).all()
         self._flag = bad if self._flag is None else self._flag | bad

@@ -241,9 +241,10 @@ def measure_round(b: Bench, contender: Contender) -> tuple[RoundResult | None, d
         if b.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(b.device)
-        timer = TransformerTimer(contender.timed_module(b), b.device)
+        timed = contender.timed_module(b)
+        timer = TransformerTimer(timed, b.device)
         # after the timer's hooks (outside its spans), and before the warm-up: the same hooks then as when timed
-        watch = NonFiniteWatch(contender.timed_module(b))
+        watch = NonFiniteWatch(timed)
         stages = StageTimers(b.pipe, b.device)
         warmup_steps = min(b.args.warmup_steps, b.steps)
         t0 = time.perf_counter()

@@ -220,7 +220,7 @@ def _fp8_ratios(rows: list[dict]) -> dict:
     those of a setting."""
     ok = [r for r in rows if r.get("status") == "ok"]
     median = {r["name"]: r["median_s"] for r in ok if r.get("transformer_output_finite", True)}
-    nonfinite = [r["name"] for r in ok if r.get("transformer_output_finite") is False]
+    nonfinite = [r for r in ok if r.get("transformer_output_finite") is False]
     families = ("xstage-fp8", "xstage-fp8-served", "xstage-fp8-attn", "xstage-fp8-attn-served")
     suffixes = {r["name"][len(r["family"]):] for r in ok if r["family"] in families}
     out = {}
@@ -239,8 +239,8 @@ def _fp8_ratios(rows: list[dict]) -> dict:
             pairs = [(median.get(f"xstage-fp8-attn{kind}" + suffix), median.get(f"xstage-fp8{kind}" + suffix))
                      for kind in ("-served", "")]
             entry["fp8_attn_over_fp8"] = next((a / b for a, b in pairs if a and b), None)
-        left_out = [name for name in nonfinite if name.endswith(suffix) and name[:len(name) - len(suffix)] in
-                    ("diffusers-fp8", "xstage-served", "xstage-calibrated") + families]
+        left_out = [r["name"] for r in nonfinite if r["name"][len(r["family"]):] == suffix
+                    and r["family"] in ("diffusers-fp8", "xstage-served", "xstage-calibrated") + families]
         if left_out:
             entry["nonfinite_rows"] = left_out
         out[suffix or "eager"] = entry
