@@ -1018,3 +1018,30 @@ def test_the_peer_fp8_recipe_converts_every_linear_and_its_undo_gives_the_bf16_w
     for name, m in linears.items():
         assert type(m.weight) is torch.nn.Parameter and m.weight.dtype == torch.bfloat16, name
         assert torch.equal(m.weight, before[name]), name
+
+
+def test_the_compiled_diffusers_rows_take_the_nucleusmoe_compile_fix_and_say_so(monkeypatch):
+    # Plain diffusers' NucleusMoE fails torch.compile (features.compile_fixes); its compiled baselines, the peers'
+    # FP8 row included, take the one-function fix and name it; eager rows and restore leave diffusers' own method.
+    moe = pytest.importorskip("diffusers.models.transformers.transformer_nucleusmoe_image")
+    layer = moe.NucleusMoELayer(hidden_size=64, moe_intermediate_dim=32, num_experts=4, capacity_factor=1.0,
+                                use_sigmoid=False, route_scale=2.5, use_grouped_mm=True)
+    b = _fake_bench()
+    b.pipe.transformer = torch.nn.Sequential(layer)
+    monkeypatch.setattr(type(b), "compile_transformer", lambda self, **kw: "regional: 1 block", raising=False)
+    monkeypatch.setattr(type(b), "uncompile", lambda self: None, raising=False)
+    eager = contenders.PlainDiffusers(False)
+    eager.apply(b)
+    assert "_run_experts_grouped_mm" not in vars(layer.experts) and "compile_fix" not in eager.info
+    assert issubclass(fp8_contenders.PlainDiffusersFp8, contenders.PlainDiffusers)  # the peers' FP8 row too
+    for compiled in (contenders.PlainDiffusers(True), contenders.PlainDiffusersRepeat(True)):
+        compiled.apply(b)
+        assert "_run_experts_grouped_mm" in vars(layer.experts)
+        assert compiled.info["compile_mode"] == "regional: 1 block; " + compiled.info["compile_fix"]
+        assert "fixed in 1 SwiGLUExperts" in compiled.info["compile_fix"]
+        compiled.restore(b)
+        assert "_run_experts_grouped_mm" not in vars(layer.experts)
+    plain = contenders.PlainDiffusers(True)  # no MoE layer: nothing fixed, nothing said
+    b.pipe.transformer = torch.nn.Linear(4, 4)
+    plain.apply(b)
+    assert plain.info == {"compile_mode": "regional: 1 block"}

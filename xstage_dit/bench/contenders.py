@@ -19,6 +19,7 @@ from xstage_dit.bench.session import Bench, error_text
 from xstage_dit.families.registry import record
 from xstage_dit.engine import Engine, EngineConfig
 from xstage_dit.features.compile import CompileConfig, parse_extras
+from xstage_dit.features.compile_fixes import fix_grouped_mm_offsets
 from xstage_dit.features.config import ParallelConfig, cfg_batch_of
 from xstage_dit.jsonable import to_jsonable
 from xstage_dit.features.step_cache import cache_request
@@ -42,6 +43,26 @@ class PlainDiffusers(Contender):
 
     family = "diffusers"
     compile_vae = False  # what a diffusers user compiles: the transformer's repeated blocks alone
+
+    def apply(self, b: Bench) -> None:
+        # Plain diffusers' NucleusMoE does not compile (Inductor drops the dtype of its experts' offsets cumsum:
+        # `features.compile_fixes`). The compiled baseline takes that one-function fix, as a user who compiles it
+        # must, and the row says so: a failed row is no figure to compare with.
+        self._unfix = None
+        if self.compile:
+            self._unfix, fixed = fix_grouped_mm_offsets(b.pipe.transformer)
+            if fixed:
+                self.info["compile_fix"] = (f"diffusers' grouped_mm offsets fixed in {fixed} SwiGLUExperts "
+                                            "(plain diffusers does not compile them: pytorch/pytorch#189518)")
+        super().apply(b)
+        if self.info.get("compile_fix"):
+            self.info["compile_mode"] = f"{self.info['compile_mode']}; {self.info['compile_fix']}"
+
+    def restore(self, b: Bench) -> None:
+        super().restore(b)
+        unfix, self._unfix = getattr(self, "_unfix", None), None
+        if unfix is not None:
+            unfix()
 
 
 class PlainDiffusersRepeat(PlainDiffusers):
