@@ -1045,3 +1045,30 @@ def test_the_compiled_diffusers_rows_take_the_nucleusmoe_compile_fix_and_say_so(
     b.pipe.transformer = torch.nn.Linear(4, 4)
     plain.apply(b)
     assert plain.info == {"compile_mode": "regional: 1 block"}
+
+
+def test_the_peer_fp8_recipe_and_our_feature_leave_the_layers_torch_refuses_in_bf16(monkeypatch):
+    """NucleusMoE's timestep embedder's second layer (one row, 8192 -> 2048 at full size) made torch's row-wise
+    FP8 GEMM raise CUBLAS_STATUS_NOT_SUPPORTED on the H100 in both recipes: the family record names it, the peers'
+    recipe and our row-wise feature keep it in bf16 (ours says why), every other eligible linear converts; tensor-wise
+    FP8 is not row-wise and keeps nothing for it."""
+    import torchao.quantization.quant_api as quant_api
+
+    from xstage_dit.families.nucleusmoe import build_transformer
+    from xstage_dit.features.fp8 import fp8_layers
+
+    monkeypatch.setattr(quant_api, "is_sm_at_least_89", lambda: True)
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    transformer = build_transformer("tiny", dtype=torch.bfloat16, device="cpu")
+    refused = "time_text_embed.timestep_embedder.linear_2"
+    assert fp8_contenders.peer_refused_layers(transformer) == [refused]
+    chosen, kept = fp8_layers(transformer, "row")
+    assert refused not in [p for p, _ in chosen]
+    assert dict(kept)[refused].startswith("torch's row-wise FP8 GEMM refuses it")
+    assert refused in [p for p, _ in fp8_layers(transformer, "tensor")[0]]
+    linears = {name: m for name, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    undo = fp8_contenders.peer_fp8(transformer)
+    converted = {name for name, m in linears.items() if type(m.weight).__name__ == "Float8Tensor"}
+    undo()
+    takes = {name for name, m in linears.items() if m.in_features % 16 == 0 and m.out_features % 16 == 0}
+    assert converted == takes - {refused}  # torchao leaves the tiny router (4 experts wide) on its own

@@ -4,10 +4,13 @@ bare and served."""
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 
 from xstage_dit.bench.contenders import PlainDiffusers, XStage, XStageServed, fp8_refusal
 from xstage_dit.bench.session import Bench
+from xstage_dit.families.registry import record_for_transformer
 
 
 class PlainDiffusersFp8(PlainDiffusers):
@@ -26,6 +29,9 @@ class PlainDiffusersFp8(PlainDiffusers):
         return fp8_refusal(b)
 
     def apply(self, b: Bench) -> None:
+        kept = peer_refused_layers(b.pipe.transformer)
+        if kept:
+            self.info["fp8_kept_bf16"] = kept
         self._undo = peer_fp8(b.pipe.transformer)
         super().apply(b)
 
@@ -38,7 +44,7 @@ class PlainDiffusersFp8(PlainDiffusers):
 
 def peer_fp8(transformer: torch.nn.Module):
     """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
-    (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
+    torch's row-wise FP8 GEMM takes (all but `peer_refused_layers`) (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
     activation_value_lb=2**-15))``), torchao's defaults as users run them but for the one knob a user must set: they
     also turn on Inductor's coordinate-descent tuning for the process, so the peer's compiled kernels are tuned at
     their first launch. The knob, torchao's own floor on a dynamic scale's amax (the one our FP8 feature sets,
@@ -51,11 +57,14 @@ def peer_fp8(transformer: torch.nn.Module):
     from xstage_dit._torch_private import inductor_config_restorer
     from xstage_dit.features.fp8 import ACTIVATION_AMAX_FLOOR
 
-    linears = [m for m in transformer.modules() if isinstance(m, torch.nn.Linear)]
+    refused = peer_refused_layers(transformer)
+    linears = [m for path, m in transformer.named_modules() if isinstance(m, torch.nn.Linear) and path not in refused]
     weights = [(m, m.weight.device, m.weight.detach().to("cpu", copy=True)) for m in linears]
+    wanted = {id(m) for m in linears}
     restore_inductor_config = inductor_config_restorer()
     quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
-                                                                     activation_value_lb=ACTIVATION_AMAX_FLOOR))
+                                                                     activation_value_lb=ACTIVATION_AMAX_FLOOR),
+              filter_fn=lambda module, _fqn: id(module) in wanted)
 
     def undo() -> None:
         for module, device, weight in weights:
@@ -63,6 +72,16 @@ def peer_fp8(transformer: torch.nn.Module):
         restore_inductor_config()
 
     return undo
+
+
+def peer_refused_layers(transformer: torch.nn.Module) -> list[str]:
+    """The linear layers of `transformer` the peers' recipe leaves in bf16: those torch's row-wise FP8 GEMM refuses
+    (the family record's ``fp8_row_refused``, which our feature keeps too). Without them NucleusMoE's peer row does
+    not run at all; a user of the recipe must leave them out the same way."""
+    record = record_for_transformer(transformer)
+    patterns = record.facts.fp8_row_refused if record is not None else ()
+    return [path for path, m in transformer.named_modules()
+            if isinstance(m, torch.nn.Linear) and any(fnmatch.fnmatchcase(path, p) for p in patterns)]
 
 
 class XStageFp8(XStage):

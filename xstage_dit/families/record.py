@@ -241,6 +241,9 @@ class FeatureFacts:
     video_vae: the video VAE of the family's pipelines (`VideoVAEFacts`), None for others.
     fp8_skip: module-path patterns (fnmatch, relative to the transformer) of linear layers the `fp8` feature keeps
         in their dtype (e.g. the final projection to latents); every other eligible nn.Linear goes to float8.
+    fp8_row_refused: module-path patterns of linear layers torch's row-wise FP8 GEMM refuses on the GPUs measured
+        (cuBLASLt finds no algorithm for the shape: "CUBLAS_STATUS_NOT_SUPPORTED"); the row-wise `fp8` feature and
+        the peers' FP8 recipe in the benchmark keep them in their dtype, and say so.
     fp8_expert_classes: grouped-GEMM expert modules the `fp8` feature runs on the grouped FP8 GEMM
         (`features.fp8_experts`: ``gate_up_proj`` (E, hidden, 2 inter), ``down_proj`` (E, inter, hidden), a grouped
         path ``_run_experts_grouped_mm(x, num_tokens_per_expert)``).
@@ -255,6 +258,7 @@ class FeatureFacts:
     grouped_mm_expert_classes: tuple[str, ...] = ()
     video_vae: VideoVAEFacts | None = None
     fp8_skip: tuple[str, ...] = ()
+    fp8_row_refused: tuple[str, ...] = ()
     fp8_expert_classes: tuple[str, ...] = ()
 
 

@@ -22,7 +22,8 @@ Granularity (`GRANULARITIES`):
 
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
-GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise). MoE expert weights stored
+GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise; row-wise, the layers
+``FeatureFacts.fp8_row_refused`` names, where cuBLASLt finds no algorithm). MoE expert weights stored
 as 3-D tensors (grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
 (``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities other than "weight",
 row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
@@ -139,13 +140,18 @@ def fp8_layers(transformer: torch.nn.Module, granularity: str = "row"
     multiple = _BLOCK if granularity == "block" else 16
     record = record_for_transformer(transformer)
     skip = record.facts.fp8_skip if record is not None else ()
+    refused = record.facts.fp8_row_refused if record is not None and granularity == "row" else ()
     chosen, kept = [], []
     for path, module in transformer.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         pattern = next((p for p in skip if fnmatch.fnmatchcase(path, p)), None)
+        refusal = next((p for p in refused if fnmatch.fnmatchcase(path, p)), None)
         if pattern is not None:
             kept.append((path, f"the family record's fp8_skip {pattern!r}"))
+        elif refusal is not None:
+            kept.append((path, f"torch's row-wise FP8 GEMM refuses it (the family record's fp8_row_refused "
+                               f"{refusal!r})"))
         elif module.in_features % multiple or module.out_features % multiple:
             kept.append((path, f"{module.in_features} -> {module.out_features} features: not multiples of "
                                f"{multiple}"))

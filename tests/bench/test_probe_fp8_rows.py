@@ -1,0 +1,27 @@
+"""benchmarks/probe_fp8_rows.py: the linear shapes it tries (each family record's fp8_row_refused among them, by
+path) and its refusal of a machine without a GPU (what it probes is torch's FP8 GEMM)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_shapes_group_the_layers_and_find_the_refused_one():
+    from benchmarks.probe_fp8_rows import shapes
+
+    by_shape, refused = shapes("tiny-nucleusmoe")
+    assert refused == ("time_text_embed.timestep_embedder.linear_2",)
+    paths = [p for ps in by_shape.values() for p in ps]
+    assert len(paths) == len(set(paths)) and refused[0] in paths
+    (k, n, bias), = [s for s, ps in by_shape.items() if refused[0] in ps]
+    assert k == 4 * n and bias  # the one-row layer whose contraction is 4x its output
+    assert shapes("tiny-flux")[1] == ()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_refuses_a_machine_without_a_gpu():
+    from benchmarks import probe_fp8_rows
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        probe_fp8_rows.main(["--models", "tiny-flux"])
