@@ -20,6 +20,7 @@ A variant ``fp8-<granularity>+<kernel>`` adds an 8-bit attention kernel (``cudnn
     python benchmarks/bench_fp8_error.py --model full-flux --seeds 4 --steps 28 --variants bf16,fp8-row,fp8-tensor
     python benchmarks/bench_fp8_error.py --model full-wan --frames 21 --seeds 4 --steps 2 --time-budget-s 500
     python benchmarks/bench_fp8_error.py --attention --attention-shapes flux,wan,nucleus   # kernels alone
+    python benchmarks/bench_fp8_error.py probe-rows --out-dir DIR   # which shapes row-wise FP8 GEMMs refuse
 
 Writes <out-dir>/fp8-error-<model>-<tag>.{json,md} after every seed (a run killed mid-way keeps the seeds it
 finished; the summary says how many of those asked for, and why a run stopped early); with --time-budget-s, a seed
@@ -254,6 +255,10 @@ def run(args) -> tuple[list[dict], str | None]:
 
 
 def main(argv=None) -> int:
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["probe-rows"]:  # `benchmarks/_fp8_rows_probe.py`
+        from benchmarks._fp8_rows_probe import main as probe_rows
+
+        return probe_rows((sys.argv[1:] if argv is None else argv)[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-flux")
     p.add_argument("--seeds", type=int, default=4)

@@ -56,6 +56,8 @@
 #   fp8-error    bench_fp8_error.py per model in FP8_ERROR_MODELS (default "full-flux"): latents vs an fp32 run,
 #                4 seeds, written after every seed (FP8_ERROR_<MODEL>_ARGS override the options, with - as _ in the name;
 #                FP8_ERROR_S (540) the whole step's budget, shared out in order)
+#   fp8-probe    bench_fp8_error.py probe-rows: every linear shape of the FP8 models through torchao's row-wise FP8 linear at 1, 2,
+#                16 and 4096 rows: which torch's FP8 GEMM refuses (carry [".whl-fp8attn"]; ~1 min)
 #   cudnn-binding  bench_cudnn_fp8_binding.py: the host time of one cuDNN FP8 attention call by how its operands are
 #                bound (tensor-keyed, by address, uid -> tensor, ordered), at FLUX's shape (carry [".whl-fp8attn"] with
 #                WHEEL_DIRS=.whl-fp8attn; CUDNN_BINDING_ARGS adds options; ~1 min)
@@ -337,6 +339,10 @@ step_fp8_error() {
   done
 }
 
+step_fp8_probe() {
+  timeout -k 10 "$(limit fp8-probe 120)" "$py" benchmarks/bench_fp8_error.py probe-rows --out-dir "$1" --tag "1xgpu-$XSTAGE_GIT_COMMIT"
+}
+
 step_cudnn_binding() {
   # shellcheck disable=SC2086
   timeout -k 10 "$(limit cudnn-binding 120)" "$py" benchmarks/bench_cudnn_fp8_binding.py --out-dir "$1" --tag gpu \
@@ -360,7 +366,7 @@ status=0
 for step in "$@"; do
   fn="step_${step//-/_}"
   if ! declare -F "$fn" >/dev/null; then
-    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant fp8-e2e fp8-error cudnn-binding compile-variants batch-invariance fp8-attention lora)" >&2
+    echo "[device.sh] unknown step '$step' (env tests calibration attention fa4-stash fa4-install window moe moe-world1 parallelize flux-step regime e2e serving load served-path transport png sync-points vae-decode row-quant fp8-e2e fp8-error fp8-probe cudnn-binding compile-variants batch-invariance fp8-attention lora)" >&2
     exit 2
   fi
   dir="$OUT/$step"; mkdir -p "$dir"

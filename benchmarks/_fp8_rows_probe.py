@@ -6,7 +6,7 @@ full-size transformers of `--models` (built on the meta device for their shapes)
 float8 linear (the recipe both use) at each of `--rows`, on fresh random bf16 data, and records which raise: the
 evidence behind the family records' ``fp8_row_refused``, and a check that each named layer still needs it.
 
-    python benchmarks/probe_fp8_rows.py --out-dir benchmarks/results/fp8 --tag 1xh100-<commit>
+    python benchmarks/bench_fp8_error.py probe-rows --out-dir benchmarks/results/fp8 --tag 1xh100-<commit>
 """
 
 from __future__ import annotations
@@ -14,20 +14,18 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from benchmarks._common import write_results  # noqa: E402
-from xstage_dit.families import load_transformer  # noqa: E402
-from xstage_dit.families.registry import record_for_transformer  # noqa: E402
+from benchmarks._common import write_results
+from xstage_dit.families import load_transformer
+from xstage_dit.families.registry import record_for_transformer
 
 
-def shapes(model: str) -> dict[tuple[int, int, bool], list[str]]:
-    """(in, out, bias) -> the module paths of `model`'s transformer with that linear shape."""
+def shapes(model: str) -> tuple[dict[tuple[int, int, bool], list[str]], tuple[str, ...]]:
+    """((in, out, bias) -> the module paths of `model`'s transformer with that linear shape, the family record's
+    ``fp8_row_refused`` patterns)."""
     transformer = load_transformer(model, dtype=torch.bfloat16, device="meta")
     out: dict[tuple[int, int, bool], list[str]] = {}
     for path, m in transformer.named_modules():
@@ -57,14 +55,14 @@ def run_shape(k: int, n: int, bias: bool, rows: int) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="bench_fp8_error.py probe-rows", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="full-nucleusmoe,full-flux,full-wan")
     p.add_argument("--rows", default="1,2,16,4096", help="row counts (M) to try each shape at")
     p.add_argument("--out-dir", default=".")
     p.add_argument("--tag", default="gpu")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("probe_fp8_rows needs a CUDA GPU (row-wise FP8 GEMMs), found none")
+        raise SystemExit("probe-rows needs a CUDA GPU (row-wise FP8 GEMMs), found none")
     rows = [int(r) for r in args.rows.split(",")]
     results, started = [], time.perf_counter()
     for model in args.models.split(","):
@@ -87,13 +85,9 @@ def main(argv: list[str] | None = None) -> int:
               "layers": r["layers"], "e.g.": r["example"], "record refuses": ", ".join(r["refused_by_record"]),
               **{f"M={m}": "ok" if r["errors"][m] is None else "FAILS: " + r["errors"][m][:80] for m in rows}}
              for r in results]
-    base = os.path.join(args.out_dir, f"probe-fp8-rows-{args.tag}")
-    write_results(base, "probe_fp8_rows", results, summary, table_rows=table,
+    base = os.path.join(args.out_dir, f"fp8-rows-probe-{args.tag}")
+    write_results(base, "fp8-rows-probe", results, summary, table_rows=table,
                   notes="torchao row-wise float8 linear (the peers' recipe and ours), random bf16 data, by shape "
                         "and row count M; FAILS quotes the error's first line.")
     print(f"[probe] wrote {base}.json / .md")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""benchmarks/probe_fp8_rows.py: the linear shapes it tries (each family record's fp8_row_refused among them, by
+"""benchmarks/_fp8_rows_probe.py (`bench_fp8_error.py probe-rows`): the linear shapes it tries (each family record's fp8_row_refused among them, by
 path) and its refusal of a machine without a GPU (what it probes is torch's FP8 GEMM)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 
 def test_shapes_group_the_layers_and_find_the_refused_one():
-    from benchmarks.probe_fp8_rows import shapes
+    from benchmarks._fp8_rows_probe import shapes
 
     by_shape, refused = shapes("tiny-nucleusmoe")
     assert refused == ("time_text_embed.timestep_embedder.linear_2",)
@@ -21,7 +21,7 @@ def test_shapes_group_the_layers_and_find_the_refused_one():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_refuses_a_machine_without_a_gpu():
-    from benchmarks import probe_fp8_rows
+    from benchmarks import bench_fp8_error
 
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        probe_fp8_rows.main(["--models", "tiny-flux"])
+    with pytest.raises(SystemExit, match="probe-rows needs a CUDA GPU"):
+        bench_fp8_error.main(["probe-rows", "--models", "tiny-flux"])
