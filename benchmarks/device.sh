@@ -57,7 +57,7 @@
 #                4 seeds, written after every seed (FP8_ERROR_<MODEL>_ARGS override the options, with - as _ in the name;
 #                FP8_ERROR_S (540) the whole step's budget, shared out in order)
 #   fp8-probe    bench_fp8_error.py probe-rows: every linear shape of the FP8 models through torchao's row-wise FP8 linear at 1, 2,
-#                16 and 4096 rows: which torch's FP8 GEMM refuses (carry [".whl-fp8attn"]; ~1 min)
+#                16 and 4096 rows: which torch's FP8 GEMM refuses (carry [".whl-fp8attn"]; ~1 min; FP8_PROBE_MODELS)
 #   cudnn-binding  bench_cudnn_fp8_binding.py: the host time of one cuDNN FP8 attention call by how its operands are
 #                bound (tensor-keyed, by address, uid -> tensor, ordered), at FLUX's shape (carry [".whl-fp8attn"] with
 #                WHEEL_DIRS=.whl-fp8attn; CUDNN_BINDING_ARGS adds options; ~1 min)
@@ -339,8 +339,13 @@ step_fp8_error() {
   done
 }
 
+# The three FP8 models, and the families whose one-row layers (timestep, pooled text, output modulation) also
+# contract more than they output, as NucleusMoE's refused layer does (a meta-device scan of every full-size model).
+FP8_PROBE_DEFAULT="full-nucleusmoe,full-flux,full-wan,full-cogvideox,full-hunyuanvideo,full-hunyuanvideo15"
+FP8_PROBE_DEFAULT="$FP8_PROBE_DEFAULT,full-lumina2,full-z-image"
 step_fp8_probe() {
-  timeout -k 10 "$(limit fp8-probe 120)" "$py" benchmarks/bench_fp8_error.py probe-rows --out-dir "$1" --tag "1xgpu-$XSTAGE_GIT_COMMIT"
+  timeout -k 10 "$(limit fp8-probe 120)" "$py" benchmarks/bench_fp8_error.py probe-rows --out-dir "$1" --tag "1xgpu-$XSTAGE_GIT_COMMIT" \
+    --models "${FP8_PROBE_MODELS:-$FP8_PROBE_DEFAULT}"
 }
 
 step_cudnn_binding() {
