@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo, when run as a script
 
 from benchmarks._common import environment, write_results  # noqa: E402
+from benchmarks._fp8_routing import agreement, recorded_picks  # noqa: E402
 from xstage_dit.engine import Engine, EngineConfig  # noqa: E402
 from xstage_dit.families import load_pipeline, model_spec  # noqa: E402
 from xstage_dit.features.compile import CompileConfig  # noqa: E402
@@ -187,6 +188,10 @@ def summarize(rows: list[dict], args, stopped: str | None) -> dict:
         values = [r["rel_l2_vs_fp32"] for r in rows if r["variant"] == variant]
         if values:
             variants[variant] = {"mean": statistics.fmean(values), "max": max(values), "seeds": len(values)}
+            routed = [r["routing_agreement_vs_fp32"] for r in rows
+                      if r["variant"] == variant and r.get("routing_agreement_vs_fp32") is not None]
+            if routed:  # expert-choice MoE models: the share of expert picks the fp32 run made too
+                variants[variant]["routing_agreement"] = statistics.fmean(routed)
     bf16 = variants.get("bf16", {}).get("mean")
     for stats in variants.values():
         stats["over_bf16"] = stats["mean"] / bf16 if bf16 else None
@@ -203,8 +208,12 @@ def write_table(args, rows: list[dict], stopped: str | None, env: dict) -> Path:
              f"proxy, not a trained model's error. Command: python benchmarks/bench_fp8_error.py {args.command}")
     stem = Path(args.out_dir) / f"fp8-error-{Path(args.model).name}-{args.tag}"
     table = [{"variant": v, **s} for v, s in summary["variants"].items()]
-    write_results(stem, "fp8-error", rows, summary, ["variant", "mean", "max", "seeds", "over_bf16"], notes=notes,
-                  env=env, table_rows=table)
+    columns = ["variant", "mean", "max", "seeds", "over_bf16"]
+    if any("routing_agreement" in s for s in summary["variants"].values()):
+        columns.append("routing_agreement")
+        notes += (" routing_agreement: the share of the MoE layers' (expert, token) picks that the fp32 run made too, "
+                  "over every layer call.")
+    write_results(stem, "fp8-error", rows, summary, columns, notes=notes, env=env, table_rows=table)
     return stem
 
 
@@ -228,7 +237,7 @@ def run(args) -> tuple[list[dict], str | None]:
                 print(f"[fp8-error] no more seeds: {stopped}", flush=True)
                 break
             t_seed = time.perf_counter()
-            with float32_transformer(transformer, args.reference):
+            with float32_transformer(transformer, args.reference), recorded_picks(transformer) as picks_fp32:
                 reference = latents(pipe, spec, seed, args)
             for variant in args.variants:
                 engine = None
@@ -236,12 +245,16 @@ def run(args) -> tuple[list[dict], str | None]:
                     engine = Engine(engine_config(variant, device))
                     engine.apply(pipe, kind=spec.kind)
                 try:
-                    out = latents(pipe, spec, seed, args)
+                    with recorded_picks(transformer) as picks:
+                        out = latents(pipe, spec, seed, args)
                 finally:
                     if engine is not None:
                         engine.restore()
-                rows.append({"variant": variant, "seed": seed, "rel_l2_vs_fp32": rel_l2(out, reference)})
-                print(f"[fp8-error] seed {seed} {variant}: {rows[-1]['rel_l2_vs_fp32']:.5f}", flush=True)
+                rows.append({"variant": variant, "seed": seed, "rel_l2_vs_fp32": rel_l2(out, reference),
+                             "routing_agreement_vs_fp32": agreement(picks, picks_fp32)})
+                routed = rows[-1]["routing_agreement_vs_fp32"]
+                print(f"[fp8-error] seed {seed} {variant}: {rows[-1]['rel_l2_vs_fp32']:.5f}"
+                      + (f" (expert picks as fp32's: {routed:.4f})" if routed is not None else ""), flush=True)
             seed_s = time.perf_counter() - t_seed
             unfinished = f"not finished: written after seed {seed} (a run killed or failed here leaves this)"
             stem = write_table(args, rows, unfinished if seed + 1 < args.seeds else None, env)

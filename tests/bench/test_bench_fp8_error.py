@@ -39,6 +39,21 @@ def test_fp8_error_rows_and_summary(tmp_path):
         assert stats[variant]["mean"] == pytest.approx(sum(values) / 2) and stats[variant]["seeds"] == 2
     assert stats["fp8-weight"]["over_bf16"] == pytest.approx(stats["fp8-weight"]["mean"] / stats["bf16"]["mean"])
     assert "2 of 2 seeds finished" in (tmp_path / "fp8-error-tiny-flux-cpu.md").read_text()
+    # FLUX has no expert-choice layers: no routing figure, no column
+    assert all(r["routing_agreement_vs_fp32"] is None for r in rows) and "routing_agreement" not in stats["bf16"]
+
+
+def test_an_expert_choice_model_reports_how_many_expert_picks_match_fp32(tmp_path):
+    from benchmarks import bench_fp8_error
+
+    args = ["--model", "tiny-nucleusmoe", "--steps", "2", "--variants", "bf16", "--device", "cpu", "--tag", "cpu",
+            "--seeds", "1", "--out-dir", str(tmp_path)]
+    assert bench_fp8_error.main(args) == 0
+    record = json.loads((tmp_path / "fp8-error-tiny-nucleusmoe-cpu.json").read_text())
+    (row,) = record["rows"]
+    assert 0 < row["routing_agreement_vs_fp32"] <= 1  # the share of (expert, token) picks fp32 made too
+    assert record["summary"]["variants"]["bf16"]["routing_agreement"] == row["routing_agreement_vs_fp32"]
+    assert "| routing_agreement |" in (tmp_path / "fp8-error-tiny-nucleusmoe-cpu.md").read_text()
 
 
 def test_a_run_failing_in_its_second_seed_leaves_the_first_on_disk(tmp_path, monkeypatch):
