@@ -12,7 +12,6 @@ evidence behind the family records' ``fp8_row_refused``, and a check that each n
 from __future__ import annotations
 
 import argparse
-import fnmatch
 import os
 import time
 
@@ -20,26 +19,23 @@ import torch
 
 from benchmarks._common import write_results
 from xstage_dit.families import load_transformer
-from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.features.fp8 import ACTIVATION_AMAX_FLOOR, row_refused_layers
 
 
-def shapes(model: str) -> tuple[dict[tuple[int, int, bool], list[str]], tuple[str, ...]]:
-    """((in, out, bias) -> the module paths of `model`'s transformer with that linear shape, the family record's
-    ``fp8_row_refused`` patterns)."""
+def shapes(model: str) -> tuple[dict[tuple[int, int, bool], list[str]], dict[str, str]]:
+    """((in, out, bias) -> the module paths of `model`'s transformer with that linear shape, the paths its family
+    record's ``fp8_row_refused`` names -> the pattern: `features.fp8.row_refused_layers`)."""
     transformer = load_transformer(model, dtype=torch.bfloat16, device="meta")
     out: dict[tuple[int, int, bool], list[str]] = {}
     for path, m in transformer.named_modules():
         if isinstance(m, torch.nn.Linear):
             out.setdefault((m.in_features, m.out_features, m.bias is not None), []).append(path)
-    record = record_for_transformer(transformer)
-    return out, (record.facts.fp8_row_refused if record is not None else ())
+    return out, row_refused_layers(transformer)
 
 
 def run_shape(k: int, n: int, bias: bool, rows: int) -> str | None:
     """None where torchao's row-wise FP8 linear (k -> n) runs on `rows` rows, else the error's first line."""
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
-
-    from xstage_dit.features.fp8 import ACTIVATION_AMAX_FLOOR
 
     layer = torch.nn.Linear(k, n, bias=bias, device="cuda", dtype=torch.bfloat16)
     quantize_(layer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
@@ -71,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             if k % 16 or n % 16:
                 continue  # torchao leaves such layers alone
             errors = {r: run_shape(k, n, bias, r) for r in rows}
-            named = sorted({p for p in paths for pat in refused if fnmatch.fnmatchcase(p, pat)})
+            named = sorted(p for p in paths if p in refused)
             results.append({"model": model, "in": k, "out": n, "bias": bias, "layers": len(paths),
                             "example": paths[0], "refused_by_record": named, "errors": errors})
             bad = {r: e for r, e in errors.items() if e}

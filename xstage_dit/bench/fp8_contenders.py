@@ -4,13 +4,10 @@ bare and served."""
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 
 from xstage_dit.bench.contenders import PlainDiffusers, XStage, XStageServed, fp8_refusal
 from xstage_dit.bench.session import Bench
-from xstage_dit.families.registry import record_for_transformer
 
 
 class PlainDiffusersFp8(PlainDiffusers):
@@ -76,12 +73,11 @@ def peer_fp8(transformer: torch.nn.Module):
 
 def peer_refused_layers(transformer: torch.nn.Module) -> list[str]:
     """The linear layers of `transformer` the peers' recipe leaves in bf16: those torch's row-wise FP8 GEMM refuses
-    (the family record's ``fp8_row_refused``, which our feature keeps too). Without them NucleusMoE's peer row does
-    not run at all; a user of the recipe must leave them out the same way."""
-    record = record_for_transformer(transformer)
-    patterns = record.facts.fp8_row_refused if record is not None else ()
-    return [path for path, m in transformer.named_modules()
-            if isinstance(m, torch.nn.Linear) and any(fnmatch.fnmatchcase(path, p) for p in patterns)]
+    (`features.fp8.row_refused_layers`, which our feature keeps too). Without them NucleusMoE's peer row does not run
+    at all; a user of the recipe must leave them out the same way."""
+    from xstage_dit.features.fp8 import row_refused_layers
+
+    return list(row_refused_layers(transformer))
 
 
 class XStageFp8(XStage):

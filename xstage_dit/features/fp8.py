@@ -52,7 +52,7 @@ from xstage_dit.features.fp8_fused import fuse_rows
 from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 
 __all__ = ["ACTIVATION_AMAX_FLOOR", "FP8_ATTENTION", "GRANULARITIES", "Fp8Config", "Fp8Handle", "apply", "fp8_layers",
-           "refuse_fp8_with_lora", "require_fp8_device"]
+           "refuse_fp8_with_lora", "require_fp8_device", "row_refused_layers"]
 
 GRANULARITIES = ("row", "tensor", "block", "weight")
 _BLOCK = 128  # block-wise: 1 x 128 activation blocks, 128 x 128 weight blocks
@@ -133,6 +133,20 @@ def refuse_fp8_with_lora(quantize: str, lora: bool) -> None:
                          "linear layers is not supported, got quantize 'fp8'")
 
 
+def row_refused_layers(transformer: torch.nn.Module) -> dict[str, str]:
+    """Path -> the family record's ``fp8_row_refused`` pattern it matches, for each linear layer of `transformer`
+    torch's row-wise FP8 GEMM refuses: what row-wise FP8 keeps in its dtype here and in the benchmark's peer
+    recipe (`bench.fp8_contenders.peer_fp8`)."""
+    record = record_for_transformer(transformer)
+    patterns = record.facts.fp8_row_refused if record is not None else ()
+    out = {}
+    for path, module in transformer.named_modules():
+        pattern = next((p for p in patterns if fnmatch.fnmatchcase(path, p)), None)
+        if isinstance(module, torch.nn.Linear) and pattern is not None:
+            out[path] = pattern
+    return out
+
+
 def fp8_layers(transformer: torch.nn.Module, granularity: str = "row"
                ) -> tuple[list[tuple[str, torch.nn.Linear]], list[tuple[str, str]]]:
     """The (path, layer) pairs FP8 of `granularity` converts in `transformer`, and the (path, why) pairs it leaves
@@ -140,13 +154,13 @@ def fp8_layers(transformer: torch.nn.Module, granularity: str = "row"
     multiple = _BLOCK if granularity == "block" else 16
     record = record_for_transformer(transformer)
     skip = record.facts.fp8_skip if record is not None else ()
-    refused = record.facts.fp8_row_refused if record is not None and granularity == "row" else ()
+    refused = row_refused_layers(transformer) if granularity == "row" else {}
     chosen, kept = [], []
     for path, module in transformer.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
         pattern = next((p for p in skip if fnmatch.fnmatchcase(path, p)), None)
-        refusal = next((p for p in refused if fnmatch.fnmatchcase(path, p)), None)
+        refusal = refused.get(path)
         if pattern is not None:
             kept.append((path, f"the family record's fp8_skip {pattern!r}"))
         elif refusal is not None:
