@@ -4,7 +4,11 @@ NucleusMoE's FP8 rows failed on the H100 with CUBLAS_STATUS_NOT_SUPPORTED in its
 (one row, 8192 -> 2048), for the peers' torchao recipe and ours alike. This runs every distinct linear shape of the
 full-size transformers of `--models` (built on the meta device for their shapes) through torchao's row-wise
 float8 linear (the recipe both use) at each of `--rows`, on fresh random bf16 data, and records which raise: the
-evidence behind the family records' ``fp8_row_refused``, and a check that each named layer still needs it.
+evidence behind the family records' ``fp8_row_refused``, and a check that each named layer still needs it. For a
+shape that fails at some row count it also finds the least row count that runs (bisecting between a failing and a
+running count: a layer that sees fewer rows in some request would fail there), and whether the same shape without
+its bias runs at the failing count (the 76e676a run: every failing shape had a bias and K >= 8192, and no
+bias-free shape failed, up to 10240 -> 3840).
 
     python benchmarks/bench_fp8_error.py probe-rows --out-dir benchmarks/results/fp8 --tag 1xh100-<commit>
 """
@@ -50,6 +54,29 @@ def run_shape(k: int, n: int, bias: bool, rows: int) -> str | None:
         return str(exc).splitlines()[0][:200]
 
 
+def least_running_rows(k: int, n: int, bias: bool, failing: int, running: int) -> int:
+    """The least row count in (failing, running] at which the k -> n row-wise FP8 linear runs, by bisection
+    (assumes one threshold between the two, which the bisection's own points check only where it lands)."""
+    while running - failing > 1:
+        mid = (failing + running) // 2
+        if run_shape(k, n, bias, mid) is None:
+            running = mid
+        else:
+            failing = mid
+    return running
+
+
+def failure_facts(k: int, n: int, bias: bool, errors: dict[int, str | None]) -> dict:
+    """For a shape that failed at some of its row counts: the least row count that runs (None when none did) and
+    the bias-free shape's result at the largest failing count (None = ran; only for shapes with a bias)."""
+    failing = max(r for r, e in errors.items() if e)
+    running = [r for r, e in errors.items() if e is None and r > failing]
+    facts = {"runs_from_rows": least_running_rows(k, n, bias, failing, min(running)) if running else None}
+    if bias:
+        facts[f"without_bias_at_{failing}_rows"] = run_shape(k, n, False, failing)
+    return facts
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench_fp8_error.py probe-rows", description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="full-nucleusmoe,full-flux,full-wan")
@@ -68,18 +95,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue  # torchao leaves such layers alone
             errors = {r: run_shape(k, n, bias, r) for r in rows}
             named = sorted(p for p in paths if p in refused)
-            results.append({"model": model, "in": k, "out": n, "bias": bias, "layers": len(paths),
-                            "example": paths[0], "refused_by_record": named, "errors": errors})
             bad = {r: e for r, e in errors.items() if e}
+            facts = failure_facts(k, n, bias, errors) if bad else {}
+            results.append({"model": model, "in": k, "out": n, "bias": bias, "layers": len(paths),
+                            "example": paths[0], "refused_by_record": named, "errors": errors, **facts})
             print(f"[probe] {model} {k}->{n} bias={bias} ({len(paths)} layers, e.g. {paths[0]}): "
-                  f"{'ok' if not bad else bad}{' (record refuses ' + ', '.join(named) + ')' if named else ''}")
+                  f"{'ok' if not bad else {r: e[:60] for r, e in bad.items()}} {facts or ''}"
+                  f"{' (record refuses ' + ', '.join(named) + ')' if named else ''}")
     failing = [f"{r['model']} {r['in']}->{r['out']}" for r in results if any(r["errors"].values())]
     unneeded = [name for r in results for name in r["refused_by_record"] if not any(r["errors"].values())]
     summary = {"rows_tried": rows, "shapes": len(results), "failing_shapes": failing,
                "record_refuses_but_ran": unneeded, "seconds": round(time.perf_counter() - started, 1)}
     table = [{"model": r["model"], "in -> out": f"{r['in']} -> {r['out']}", "bias": r["bias"],
               "layers": r["layers"], "e.g.": r["example"], "record refuses": ", ".join(r["refused_by_record"]),
-              **{f"M={m}": "ok" if r["errors"][m] is None else "FAILS: " + r["errors"][m][:80] for m in rows}}
+              **{f"M={m}": "ok" if r["errors"][m] is None else "FAILS: " + r["errors"][m][:60] for m in rows},
+              "runs from M": r.get("runs_from_rows", ""),
+              "without bias": next(("ran" if v is None else "FAILS" for key, v in r.items()
+                                    if key.startswith("without_bias")), "")}
              for r in results]
     base = os.path.join(args.out_dir, f"fp8-rows-probe-{args.tag}")
     write_results(base, "fp8-rows-probe", results, summary, table_rows=table,
