@@ -84,6 +84,9 @@ INDUCTOR_EXTRAS = {"tuned": TUNED, "gemmtuned": GEMM_TUNED, "multikernel": MULTI
 COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_call_s", "frames", "compile_s",
            "speedup_vs_eager", "max_abs_diff_vs_eager", "note")
 # variant part -> Fp8Config granularity
+# NucleusMoE's text tokens in the e2e bench's call: "a red fox" in the pipeline's chat template, through the in-code
+# tokenizer (176; CFG's "" pads to it in the batched pair). The image's 4096 tokens dominate the step.
+NUCLEUS_TEXT = 176
 FP8_EXTRAS = {"fp8": "row", "fp8u": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}
 # variant part -> Fp8Config attention
 _FP8_ATTENTION = {"fp8attn": "auto", "cudnnfp8": "cudnn-fp8"}
@@ -200,6 +203,8 @@ def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, f
         t = build_transformer(size, dtype=dtype, device=device)
         return t, transformer_inputs(t.config, height=height, width=width, text_tokens=512, dtype=dtype,
                                      device=device, seed=0)
+    if model == "nucleusmoe":
+        return _nucleusmoe_and_inputs(size, height=height, width=width, dtype=dtype, device=device)
     from xstage_dit.families.wan import build_transformer
 
     t = build_transformer(size, dtype=dtype, device=device)
@@ -210,6 +215,24 @@ def _transformer_and_inputs(model: str, size: str, *, height: int, width: int, f
     text = torch.randn((1, 512, cfg.text_dim), generator=gen)
     return t, {"hidden_states": hidden.to(device, dtype), "encoder_hidden_states": text.to(device, dtype),
                "timestep": torch.tensor([500], device=device)}
+
+
+def _nucleusmoe_and_inputs(size: str, *, height: int, width: int, dtype, device, text_tokens: int = NUCLEUS_TEXT):
+    """NucleusMoE's transformer and one forward's inputs as the served call makes them: CFG's two passes as one
+    batch of 2 (``--cfg-batch auto``, the default), latents packed 2 x 2 ((height/16) * (width/16) tokens), the
+    text's hidden states of `text_tokens` tokens, every one attended."""
+    from xstage_dit.families.nucleusmoe import build_transformer
+
+    t = build_transformer(size, dtype=dtype, device=device)
+    cfg = t.config
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    h, w = height // 16, width // 16
+    hidden = torch.randn((2, h * w, cfg.in_channels), generator=gen)
+    text = torch.randn((2, text_tokens, cfg.joint_attention_dim), generator=gen)
+    return t, {"hidden_states": hidden.to(device, dtype), "img_shapes": [(1, h, w)] * 2,
+               "encoder_hidden_states": text.to(device, dtype),
+               "encoder_hidden_states_mask": torch.ones(2, text_tokens, dtype=torch.bool, device=device),
+               "timestep": torch.tensor([0.5, 0.5], device=device, dtype=dtype)}
 
 
 def measure_transformer(args, variants: list[str], device, dtype, rows: list[dict], save) -> list[dict]:
@@ -382,15 +405,15 @@ def measure_vae(args, device, dtype, rows: list[dict], save) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="flux", choices=("flux", "wan"))
+    p.add_argument("--model", default="flux", choices=("flux", "wan", "nucleusmoe"))
     p.add_argument("--size", default="full", choices=("tiny", "full"))
     p.add_argument("--variants", default="eager,regional,full,regional+tuned,regional+qkv,full+tuned")
     p.add_argument("--vae", action="store_true", help="also time the FLUX VAE decode variants")
     p.add_argument("--vae-variants", default="eager,channels_last,compiled,compiled+channels_last",
                    help="with --vae: any of eager, channels_last, compiled, compiled+channels_last, cudnn_benchmark, "
                         "channels_last+cudnn_benchmark, compiled_decoder, compiled_decoder+cudnn_benchmark")
-    p.add_argument("--height", type=int, default=None, help="default: 1024 (flux), 480 (wan)")
-    p.add_argument("--width", type=int, default=None, help="default: 1024 (flux), 832 (wan)")
+    p.add_argument("--height", type=int, default=None, help="default: 1024 (flux, nucleusmoe), 480 (wan)")
+    p.add_argument("--width", type=int, default=None, help="default: 1024 (flux, nucleusmoe), 832 (wan)")
     p.add_argument("--frames", type=int, default=81, help="wan: video frames (default: %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -411,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                  "channels_last+cudnn_benchmark", "compiled_decoder", "compiled_decoder+cudnn_benchmark"}
     if set(args.vae_variants) - vae_known:
         p.error(f"expected --vae-variants from {sorted(vae_known)}, got {sorted(set(args.vae_variants) - vae_known)}")
-    args.height = args.height or (1024 if args.model == "flux" else 480)
-    args.width = args.width or (1024 if args.model == "flux" else 832)
+    args.height = args.height or (480 if args.model == "wan" else 1024)
+    args.width = args.width or (832 if args.model == "wan" else 1024)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     env = environment()
     out = Path(args.out_dir) / f"compile-variants-{args.model}"

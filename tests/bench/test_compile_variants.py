@@ -61,6 +61,27 @@ def test_a_cpu_run_records_each_first_calls_frames_and_compile_phases(tmp_path):
     assert 0 < rows["regional+fp8w"]["max_abs_diff_vs_eager"] < 1  # float8 weights: close, not equal
 
 
+def test_nucleusmoe_runs_as_the_served_call_batches_it(tmp_path, monkeypatch):
+    """Tiny NucleusMoE on the CPU (bf16: the grouped GEMM's CPU dtype), eager and regional: one forward on CFG's pair
+    as one batch of 2 (the served default), with the e2e call's text length; the compiled row equals the eager one."""
+    import json
+
+    import benchmarks.bench_compile_variants as cv
+
+    seen = []
+    real = cv._nucleusmoe_and_inputs
+    monkeypatch.setattr(cv, "_nucleusmoe_and_inputs", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    assert cv.main(["--model", "nucleusmoe", "--size", "tiny", "--device", "cpu", "--dtype", "bfloat16",
+                    "--height", "64", "--width", "64", "--variants", "eager,regional", "--backend", "eager",
+                    "--warmup", "0", "--reps", "1", "--out-dir", str(tmp_path)]) == 0
+    (_, inputs), = seen
+    assert inputs["hidden_states"].shape[:2] == (2, 16) and inputs["img_shapes"] == [(1, 4, 4)] * 2
+    assert inputs["encoder_hidden_states"].shape[:2] == (2, cv.NUCLEUS_TEXT)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "compile-variants-nucleusmoe.json").read_text())["rows"]}
+    assert rows["eager"]["median_ms"] > 0 and rows["regional"]["frames"] >= 1, rows
+    assert rows["regional"]["max_abs_diff_vs_eager"] == 0  # the eager backend runs the same ops
+
+
 def test_profile_first_call_names_where_the_first_call_spends_its_time(tmp_path):
     """--profile-first-call on the CPU (tiny FLUX, regional on the eager backend): the row keeps the first call's own
     time by package, Dynamo's share among them, and its costliest functions; the full listing is written beside."""
