@@ -23,7 +23,9 @@ Granularity (`GRANULARITIES`):
 Which layers: every ``nn.Linear`` of each transformer, except those the family record names in
 ``FeatureFacts.fp8_skip`` (module-path patterns, e.g. the final projection) and those whose shapes the FP8
 GEMM cannot take (input or output features not a multiple of 16; of 128 block-wise; row-wise, the layers
-``FeatureFacts.fp8_row_refused`` names, where cuBLASLt finds no algorithm). MoE expert weights stored
+``FeatureFacts.fp8_row_refused`` names, where cuBLASLt finds no algorithm). Row-wise, a biased layer with a long
+contraction adds its bias after the GEMM on inputs of few rows, where cuBLASLt refuses the bias epilogue
+(`features.fp8_few_rows`). MoE expert weights stored
 as 3-D tensors (grouped GEMMs: NucleusMoE) run on torch's grouped FP8 GEMM where the family record names their class
 (``FeatureFacts.fp8_expert_classes``, `features.fp8_experts`; Hopper and newer, granularities other than "weight",
 row-wise either way); HiDream's experts are nn.Linear modules and convert as linear layers.
@@ -48,6 +50,7 @@ from typing import Callable
 import torch
 
 from xstage_dit.families.registry import record_for_transformer
+from xstage_dit.features.fp8_few_rows import FEW_ROWS, add_bias_apart_on_few_rows
 from xstage_dit.features.fp8_fused import fuse_rows
 from xstage_dit.schedule.attention_kernel import FP8_ATTENTION
 
@@ -192,11 +195,13 @@ class Fp8Handle:
 
         from xstage_dit.features.fp8_experts import Fp8ExpertsHandle, expert_modules
 
-        self.experts, self.fused, self._unfuse = None, [], None
+        self.experts, self.fused, self._unfuse, self.bias_apart, self._join_bias = None, [], None, 0, None
         try:
             quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
             if config.granularity != "weight" and expert_modules(transformer):
                 self.experts = Fp8ExpertsHandle(transformer, config.keep)
+            if config.granularity == "row":
+                self.bias_apart, self._join_bias = add_bias_apart_on_few_rows(layer for _, layer in chosen)
             if config.granularity == "row" and config.fuse_rows:
                 self.fused, self._unfuse = fuse_rows(transformer)
         except Exception:
@@ -207,6 +212,9 @@ class Fp8Handle:
         unfuse, self._unfuse, self.fused = getattr(self, "_unfuse", None), None, []
         if unfuse is not None:
             unfuse()
+        join_bias, self._join_bias, self.bias_apart = getattr(self, "_join_bias", None), None, 0
+        if join_bias is not None:
+            join_bias()
         experts, self.experts = getattr(self, "experts", None), None
         if experts is not None:
             experts.restore()
@@ -221,6 +229,7 @@ class Fp8Handle:
         out = {"granularity": self.config.granularity, "layers": len(self.paths), "kept": len(self.kept)}
         if self.config.granularity == "row":
             out["fused_row_quantization"] = len(self.fused)
+            out["bias_apart_under_rows"] = {"layers": self.bias_apart, "rows": FEW_ROWS}
         if self.experts is not None:
             out.update(self.experts.describe())
         return out

@@ -28,6 +28,7 @@ from typing import Callable
 import torch
 
 from xstage_dit._torch_private import scaled_mm
+from xstage_dit.features.fp8_few_rows import bias_apart
 from xstage_dit.features.instance_attr import set_on_instance
 from xstage_dit.ops.fp8_rows import MAX_ROW_WIDTH, quantize_rows
 
@@ -59,8 +60,11 @@ def fused_linear(layer: torch.nn.Linear, a: torch.Tensor | None, b: torch.Tensor
     weight = layer.weight
     floor = weight.act_quant_kwargs.hp_value_lb
     q, scale = quantize_rows(_rows(a), _rows(b), gelu_b, approx=first.is_cuda, amax_floor=floor or 0.0)
-    out = scaled_mm(q, weight.qdata.t(), scale, weight.scale.t(), bias=layer.bias, out_dtype=first.dtype,
-                    use_fast_accum=weight.mm_config.use_fast_accum)
+    apart = bias_apart(layer, q.shape[0])  # cuBLASLt refuses some biased GEMMs of few rows (`fp8_few_rows`)
+    out = scaled_mm(q, weight.qdata.t(), scale, weight.scale.t(), bias=None if apart else layer.bias,
+                    out_dtype=first.dtype, use_fast_accum=weight.mm_config.use_fast_accum)
+    if apart:
+        out = out + layer.bias
     return out.reshape(*lead, out.shape[-1])
 
 
