@@ -20,6 +20,8 @@ in turn, restoring between them:
                           `bench.fp8_contenders.peer_fp8`)
     +fp8u                 row-wise FP8 without the fused activation quantization (`features.fp8_fused`): torchao's
                           layers quantize every input themselves, as before it
+    +fp8x                 row-wise FP8 with grouped-GEMM experts left in bf16 (``Fp8Config(experts=False)``): what
+                          NucleusMoE's grouped FP8 expert GEMM adds or costs
     +fp8attn              also the 8-bit attention kernels as candidates of the kernel sweep (needs @auto)
     +cudnnfp8             cuDNN's FP8 attention wherever it takes the shape, unswept (needs @auto; at world 1
                           compiled: its casts in the compiled blocks, ``ops.attention.fp8_traced``)
@@ -87,7 +89,7 @@ COLUMNS = ("what", "variant", "median_ms", "p20_ms", "p80_ms", "reps", "first_ca
 # NucleusMoE's text tokens in the e2e bench's call: "a red fox" in the pipeline's chat template, through the in-code
 # tokenizer (176; CFG's "" pads to it in the batched pair). The image's 4096 tokens dominate the step.
 NUCLEUS_TEXT = 176
-FP8_EXTRAS = {"fp8": "row", "fp8u": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}
+FP8_EXTRAS = {"fp8": "row", "fp8u": "row", "fp8x": "row", "fp8t": "tensor", "fp8b": "block", "fp8w": "weight"}
 # variant part -> Fp8Config attention
 _FP8_ATTENTION = {"fp8attn": "auto", "cudnnfp8": "cudnn-fp8"}
 
@@ -104,6 +106,7 @@ class Variant:
     fp8: str | None = None
     fp8_attention: str | None = None  # "auto" (+fp8attn) or a kernel by name (+cudnnfp8)
     fp8_fuse: bool = True  # +fp8u: row-wise without the fused activation quantization (Fp8Config.fuse_rows)
+    fp8_experts: bool = True  # +fp8x: row-wise with the grouped-GEMM experts in bf16 (Fp8Config.experts)
 
 
 def file_part(name: str) -> str:
@@ -129,14 +132,14 @@ def parse_variant(name: str) -> Variant:
             schedule not in ("", "auto", "serial", "none") or \
             (mode == "eager" and any(e in extras for e in INDUCTOR_EXTRAS)) or \
             len(fp8) > 1 or len(attention) > 1 or (attention and (schedule != "auto" or fp8 in ([], ["weight"]))) or \
-            (schedule == "none" and (fp8 not in ([], ["row"]) or "fp8u" in extras)):
+            (schedule == "none" and (fp8 not in ([], ["row"]) or "fp8u" in extras or "fp8x" in extras)):
         raise ValueError("expected a variant like eager, regional, full+tuned+qkv, full+graphs, eager@auto, "
                          "regional+fp8t, regional+fp8+fp8attn@auto (fp8attn or cudnnfp8: with fp8, fp8t or fp8b, at "
                          "@auto; at @none, "
                          f"the peers' recipe, FP8 is +fp8 only); got {name!r}")
     options = {k: v for extra, opts in INDUCTOR_EXTRAS.items() if extra in extras for k, v in opts.items()}
     return Variant(mode, options or None, "qkv" in extras, schedule or "serial", fp8[0] if fp8 else None,
-                   attention[0] if attention else None, "fp8u" not in extras)
+                   attention[0] if attention else None, "fp8u" not in extras, "fp8x" not in extras)
 
 
 _PACKAGES = ("triton", "torch/_inductor", "torch/_dynamo", "torch/_functorch", "torchao", "diffusers", "xstage_dit",
@@ -185,7 +188,7 @@ def _apply_fp8(transformer, handle, variant: Variant):
     require_fp8_device(next(transformer.parameters()).device, variant.fp8)
     attention_undo = (handle.attention_kernels.use_fp8_attention(variant.fp8_attention) if variant.fp8_attention
                       else None)
-    fp8 = Fp8Handle(transformer, Fp8Config(variant.fp8, fuse_rows=variant.fp8_fuse))
+    fp8 = Fp8Handle(transformer, Fp8Config(variant.fp8, fuse_rows=variant.fp8_fuse, experts=variant.fp8_experts))
 
     def undo() -> None:
         fp8.restore()

@@ -19,6 +19,7 @@ def test_variant_names_give_their_mode_options_and_schedule():
     assert parse_variant("regional+gemmtuned+fp8") == Variant("regional", GEMM_TUNED, fp8="row")
     assert parse_variant("regional+multikernel+fp8") == Variant("regional", MULTI_KERNEL, fp8="row")
     assert parse_variant("regional+fp8u") == Variant("regional", fp8="row", fp8_fuse=False)
+    assert parse_variant("regional+fp8x") == Variant("regional", fp8="row", fp8_experts=False)
     assert file_part("regional+fp8+cudnnfp8@auto") == "regional_fp8_cudnnfp8_auto"
     assert GEMM_TUNED["max_autotune_gemm"] and "ATEN" in GEMM_TUNED["max_autotune_gemm_backends"]
     assert parse_variant("regional+fp8@none") == Variant("regional", schedule="none", fp8="row")
@@ -33,7 +34,8 @@ def test_variant_names_give_their_mode_options_and_schedule():
                                  "regional+fp8+fp8t", "regional+fp8+fp8attn", "regional+fp8attn@auto",
                                  "regional+fp8w+fp8attn@auto", "regional+fp8t@none", "regional+fp8+cudnnfp8",
                                  "regional+fp8+fp8attn+cudnnfp8@auto", "regional+graphs+fp8",
-                                 "regional+fp8u@none", "regional+fp8+fp8u"])
+                                 "regional+fp8u@none", "regional+fp8+fp8u", "regional+fp8x@none",
+                                 "regional+fp8+fp8x"])
 def test_a_bad_variant_is_named(bad):
     """Each malformed name raises, quoting it."""
     with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):

@@ -41,6 +41,8 @@ def test_config_errors_name_the_bad_value():
         Fp8Config("col")
     with pytest.raises(ValueError, match="expected fp8 keep 'cpu' or 'device', got 'disk'"):
         Fp8Config(keep="disk")
+    with pytest.raises(ValueError, match="expected fp8 experts True or False, got 'no'"):
+        Fp8Config(experts="no")
     with pytest.raises(ValueError, match="expected quantize in none, fp8, got 'int8'"):
         EngineConfig(quantize="int8")
     with pytest.raises(ValueError, match="expected fp8_granularity in row, tensor, block, weight, got 'col'"):
@@ -49,6 +51,23 @@ def test_config_errors_name_the_bad_value():
         EngineConfig(quantize="fp8", lora_dir="/adapters")
     assert EngineConfig(quantize="fp8").stack_config("image").fp8 == Fp8Config("row")
     assert EngineConfig().stack_config("image").fp8 is None
+
+
+def test_experts_off_leaves_the_grouped_gemm_experts_alone(monkeypatch):
+    """Fp8Config(experts=False) (for measuring what the grouped FP8 expert GEMM adds): NucleusMoE's linear layers
+    convert, its SwiGLU experts are not looked at; with experts on (the default) they are (on a CPU: kept, why
+    said)."""
+    import torchao.quantization.quant_api as quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)  # row-wise on the CPU
+    transformer = load_pipeline("tiny-nucleusmoe", dtype=torch.bfloat16, device="cpu", seed=0).transformer
+    handle = fp8.Fp8Handle(transformer, Fp8Config("row", experts=False))
+    assert handle.paths and handle.experts is None and "experts_fp8" not in handle.describe()
+    handle.restore()
+    handle = fp8.Fp8Handle(transformer, Fp8Config("row"))
+    described = handle.describe()
+    assert handle.experts is not None and described["experts_fp8"] + described["experts_kept"] > 0, described
+    handle.restore()
 
 
 def test_fp8_gemms_are_refused_on_a_cpu_naming_the_device():

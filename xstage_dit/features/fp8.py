@@ -76,12 +76,16 @@ class Fp8Config:
     attention kernel sweep) or an 8-bit kernel's name ("cudnn-fp8", "sage": that kernel wherever it takes the shape).
     fuse_rows: row-wise only: the tanh-GELU feed-forwards and FLUX's single blocks quantize their widest activations
     in one pass (`features.fp8_fused`); False: torchao's layers quantize every input themselves (for measuring).
+    experts: the grouped-GEMM experts the family record names (``FeatureFacts.fp8_expert_classes``) run the grouped
+    FP8 GEMM too; False: they stay in their dtype (for measuring what they add: NucleusMoE's grouped FP8 GEMM was
+    only 1.19x bf16's on an H100, fp8/NOTES.md).
     """
 
     granularity: str = "row"
     keep: str = "cpu"
     attention: str = "off"
     fuse_rows: bool = True
+    experts: bool = True
 
     def __post_init__(self) -> None:
         if self.granularity not in GRANULARITIES:
@@ -90,8 +94,9 @@ class Fp8Config:
             raise ValueError(f"expected fp8 attention in {', '.join(FP8_ATTENTION)}, got {self.attention!r}")
         if self.keep not in ("cpu", "device"):
             raise ValueError(f"expected fp8 keep 'cpu' or 'device', got {self.keep!r}")
-        if not isinstance(self.fuse_rows, bool):
-            raise ValueError(f"expected fp8 fuse_rows True or False, got {self.fuse_rows!r}")
+        for name in ("fuse_rows", "experts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"expected fp8 {name} True or False, got {getattr(self, name)!r}")
 
     def torchao_config(self):
         """The torchao config of this granularity (torchao imported here: only FP8 runs need it)."""
@@ -198,7 +203,7 @@ class Fp8Handle:
         self.experts, self.fused, self._unfuse, self.bias_apart, self._join_bias = None, [], None, 0, None
         try:
             quantize_(transformer, config.torchao_config(), filter_fn=lambda module, _fqn: id(module) in wanted)
-            if config.granularity != "weight" and expert_modules(transformer):
+            if config.granularity != "weight" and config.experts and expert_modules(transformer):
                 self.experts = Fp8ExpertsHandle(transformer, config.keep)
             if config.granularity == "row":
                 self.bias_apart, self._join_bias = add_bias_apart_on_few_rows(layer for _, layer in chosen)
