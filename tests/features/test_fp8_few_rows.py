@@ -1,6 +1,7 @@
 """Row-wise FP8's biased long layers on few rows (`xstage_dit.features.fp8_few_rows`): which layers take the few-rows
-forward, that under `FEW_ROWS` rows their GEMM runs without the bias (which cuBLASLt refuses there, fp8/NOTES.md) and
-adds it after, that more rows run torchao's own layer unchanged, the same in the fused feed-forward, and the undo.
+class, that under `FEW_ROWS` rows their GEMM runs without the bias (which cuBLASLt refuses there, fp8/NOTES.md) and
+adds it after, that more rows run torchao's own layer unchanged, the same in the fused feed-forward and under batch
+invariance's linear rule, and the undo.
 On the CPU (torchao's hardware check patched, as in test_fp8_fused.py: the CPU's ``torch._scaled_mm`` runs row-wise
 scales); on a GPU the shapes the H100 refused run."""
 
@@ -11,7 +12,7 @@ import torch
 
 from xstage_dit.features import fp8_few_rows, fp8_fused
 from xstage_dit.features.fp8 import Fp8Config, Fp8Handle
-from xstage_dit.features.fp8_few_rows import FEW_ROWS, LONGEST_RUNNING
+from xstage_dit.features.fp8_few_rows import FEW_ROWS, LONGEST_RUNNING, Fp8FewRowsLinear
 
 torchao = pytest.importorskip("torchao", reason="torchao is a pinned dependency: the FP8 feature needs it")
 LONG = LONGEST_RUNNING + 16  # the least multiple of 16 past the longest biased contraction measured to run
@@ -46,16 +47,18 @@ def _model():
     }).to(torch.bfloat16)
 
 
-def test_only_biased_layers_past_the_measured_length_take_the_few_rows_forward(fp8_on_the_cpu):
+def test_only_biased_layers_past_the_measured_length_take_the_few_rows_class(fp8_on_the_cpu):
     model = _model()
     handle = Fp8Handle(model, Fp8Config("row"))
     assert handle.describe()["bias_apart_under_rows"] == {"layers": 1, "rows": FEW_ROWS}
-    assert [name for name, m in model.items() if "forward" in vars(m)] == ["long"]
+    assert {name: type(m) for name, m in model.items()} == {
+        "long": Fp8FewRowsLinear, "long_unbiased": torch.nn.Linear, "short": torch.nn.Linear}
+    assert all("forward" not in vars(m) for m in model.values())  # a class: one Dynamo guard for every block
     handle.restore()
-    assert all("forward" not in vars(m) for m in model.values()) and handle.describe()["bias_apart_under_rows"] == {
-        "layers": 0, "rows": FEW_ROWS}
+    assert all(type(m) is torch.nn.Linear and not hasattr(m, "fp8_bias_apart") for m in model.values())
+    assert handle.describe()["bias_apart_under_rows"] == {"layers": 0, "rows": FEW_ROWS}
     handle = Fp8Handle(model, Fp8Config("weight"))  # no FP8 GEMM: nothing to move
-    assert "bias_apart_under_rows" not in handle.describe() and "forward" not in vars(model["long"])
+    assert "bias_apart_under_rows" not in handle.describe() and type(model["long"]) is torch.nn.Linear
     handle.restore()
 
 
@@ -79,7 +82,7 @@ def test_many_rows_and_shorter_layers_run_torchaos_layer_as_it_was(fp8_on_the_cp
     Fp8Handle(model, Fp8Config("row"))
     with torch.inference_mode():
         many, short = model["long"](x_many), model["short"](x_short)
-        own = type(model["long"]).forward(model["long"], x_many)  # the class's forward: torchao's dispatch
+        own = torch.nn.Linear.forward(model["long"], x_many)  # nn.Linear's forward: torchao's dispatch
     assert [b is not None for b in biases_seen] == [True, True, True]
     assert torch.equal(many, own) and short.shape == (1, 32)
 
@@ -102,12 +105,35 @@ def test_the_fused_feed_forward_moves_the_bias_the_same_way(fp8_on_the_cpu, monk
     handle.restore()
 
 
-def test_bias_apart_is_the_rule_the_module_states():
-    long, short = torch.nn.Linear(LONG, 8), torch.nn.Linear(LONGEST_RUNNING, 8)
-    assert fp8_few_rows.bias_apart(long, 1) and fp8_few_rows.bias_apart(long, FEW_ROWS - 1)
-    assert not fp8_few_rows.bias_apart(long, FEW_ROWS)
-    assert not fp8_few_rows.bias_apart(short, 1)
-    assert not fp8_few_rows.bias_apart(torch.nn.Linear(LONG, 8, bias=False), 1)
+def test_only_marked_layers_move_their_bias_and_only_under_few_rows():
+    layers = [torch.nn.Linear(LONG, 8), torch.nn.Linear(LONGEST_RUNNING, 8), torch.nn.Linear(LONG, 8, bias=False)]
+    assert not fp8_few_rows.bias_apart(layers[0], 1)  # not marked: a bf16 layer keeps its own GEMM
+    count, undo = fp8_few_rows.add_bias_apart_on_few_rows(layers)
+    assert count == 1 and [type(m) for m in layers] == [Fp8FewRowsLinear, torch.nn.Linear, torch.nn.Linear]
+    assert fp8_few_rows.bias_apart(layers[0], 1) and fp8_few_rows.bias_apart(layers[0], FEW_ROWS - 1)
+    assert not fp8_few_rows.bias_apart(layers[0], FEW_ROWS)
+    assert not fp8_few_rows.bias_apart(layers[1], 1) and not fp8_few_rows.bias_apart(layers[2], 1)
+    undo()
+    assert type(layers[0]) is torch.nn.Linear and not fp8_few_rows.bias_apart(layers[0], 1)
+
+
+def test_batch_invariances_linear_rule_keeps_the_bias_apart(fp8_on_the_cpu, biases_seen):
+    """Batch invariance after FP8 (the stack's order) swaps the few-rows class for its own and pads few-row inputs
+    to its SMALL_ROWS: still under FEW_ROWS, so the GEMM still runs without the bias; its restore gives the few-rows
+    class back, FP8's then nn.Linear."""
+    from xstage_dit.features import batch_invariance
+
+    model = _model()
+    handle = Fp8Handle(model, Fp8Config("row"))
+    layer = model["long"]
+    batch_invariance.make_invariant(layer)
+    assert type(layer) is batch_invariance.InvariantLinear
+    with torch.inference_mode():
+        out = layer(torch.randn(3, LONG).to(torch.bfloat16))
+    assert out.shape == (3, 32) and biases_seen == [None]
+    layer.__class__ = Fp8FewRowsLinear  # what batch invariance's restore does (it swapped from this class)
+    handle.restore()
+    assert type(layer) is torch.nn.Linear
 
 
 @pytest.mark.gpu

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from xstage_dit.families.registry import record_for_transformer
 from xstage_dit.families.spec import TEXT_ENCODER_COMPONENTS
+from xstage_dit.features import fp8_few_rows
 from xstage_dit.features.instance_attr import set_on_instance
 
 __all__ = ["SMALL_ROWS", "SPLIT_ROWS", "NARROW_FEATURES", "BatchInvarianceHandle", "InvariantLinear",
@@ -111,10 +112,10 @@ def _padded_linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         # each sample through the few-row rule below too, as its single-image call goes
         return _one_sample_at_a_time(functools.partial(_padded_linear, module), x)
     if not 0 < rows < SMALL_ROWS:
-        return F.linear(x, module.weight, module.bias)
+        return fp8_few_rows.linear(module, x)  # F.linear, but a marked FP8 layer's bias apart on few rows
     flat = x.reshape(rows, module.in_features)
     padded = F.pad(flat, (0, 0, 0, SMALL_ROWS - rows))
-    return F.linear(padded, module.weight, module.bias)[:rows].reshape(*x.shape[:-1], module.out_features)
+    return fp8_few_rows.linear(module, padded)[:rows].reshape(*x.shape[:-1], module.out_features)
 
 
 class InvariantLinear(torch.nn.Linear):
@@ -130,7 +131,8 @@ class InvariantLinear(torch.nn.Linear):
 
 def make_invariant(module: torch.nn.Module) -> None:
     """Give a plain Linear `module` this feature's rule (`InvariantLinear`); other modules are left as they are."""
-    if type(module) is torch.nn.Linear and "forward" not in vars(module):
+    # FP8's few-rows class (`fp8_few_rows`) too: `_padded_linear` keeps its rule; restore puts that class back
+    if type(module) in (torch.nn.Linear, fp8_few_rows.Fp8FewRowsLinear) and "forward" not in vars(module):
         module.__class__ = InvariantLinear
 
 
@@ -158,8 +160,9 @@ def _invariant_conv(base: type) -> type:
 
 
 InvariantConv1d, InvariantConv2d, InvariantConv3d = (_invariant_conv(c) for c in _CONVS)
-_INVARIANT = {torch.nn.Linear: InvariantLinear, torch.nn.Conv1d: InvariantConv1d, torch.nn.Conv2d: InvariantConv2d,
-              torch.nn.Conv3d: InvariantConv3d}
+# FP8's few-rows class (`fp8_few_rows`) takes the linear rule too: `_padded_linear` keeps its bias apart on few rows
+_INVARIANT = {torch.nn.Linear: InvariantLinear, fp8_few_rows.Fp8FewRowsLinear: InvariantLinear,
+              torch.nn.Conv1d: InvariantConv1d, torch.nn.Conv2d: InvariantConv2d, torch.nn.Conv3d: InvariantConv3d}
 
 
 class _TrimmedTextAttention:

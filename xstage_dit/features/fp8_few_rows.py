@@ -12,9 +12,14 @@ each biased row-wise FP8 layer with more input features than that takes inputs o
 microseconds either way). Other inputs run as torchao made the layer, bias in the epilogue: under torch.compile the
 row count is static, so a compiled graph of many rows is the one it was before, and so are the shorter layers.
 
+How: such a layer is marked (``fp8_bias_apart``) and its class swapped to `Fp8FewRowsLinear`, whose forward is
+`linear`; `fp8_fused.fused_linear` and batch invariance's linear rule read the same mark (`bias_apart`). A class, not
+an instance ``forward``, for the reason `batch_invariance.InvariantLinear` gives (Dynamo guards an instance forward
+per object: one graph per block instance).
+
     count, undo = add_bias_apart_on_few_rows(layers)   # layers: the row-wise FP8 nn.Linear modules
     ...
-    undo()                                             # their own forwards back
+    undo()                                             # their classes back, unmarked
 """
 
 from __future__ import annotations
@@ -24,42 +29,55 @@ from typing import Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from xstage_dit.features.instance_attr import set_on_instance
-
-__all__ = ["FEW_ROWS", "LONGEST_RUNNING", "add_bias_apart_on_few_rows", "bias_apart"]
+__all__ = ["FEW_ROWS", "LONGEST_RUNNING", "Fp8FewRowsLinear", "add_bias_apart_on_few_rows", "bias_apart", "linear"]
 
 FEW_ROWS = 256
 LONGEST_RUNNING = 5120  # the most input features of a biased layer measured to run at one row (Wan's 5120 -> *)
+MARK = "fp8_bias_apart"
 
 
-def _long(layer: torch.nn.Linear) -> bool:
-    return layer.bias is not None and layer.in_features > LONGEST_RUNNING
+def bias_apart(layer: torch.nn.Module, rows: int) -> bool:
+    """Whether `layer`'s row-wise FP8 GEMM on `rows` rows adds the bias after itself rather than in its epilogue:
+    a layer `add_bias_apart_on_few_rows` marked, under `FEW_ROWS` rows."""
+    return rows < FEW_ROWS and getattr(layer, MARK, False)
 
 
-def bias_apart(layer: torch.nn.Linear, rows: int) -> bool:
-    """Whether `layer`'s row-wise FP8 GEMM on `rows` rows adds the bias after itself rather than in its epilogue."""
-    return rows < FEW_ROWS and _long(layer)
+def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, layer.weight, layer.bias)``, the bias added after the GEMM where `bias_apart` says so.
+    x (..., in_features) -> (..., out_features)."""
+    if bias_apart(layer, x.numel() // max(x.shape[-1], 1)):
+        return F.linear(x, layer.weight, None) + layer.bias
+    return F.linear(x, layer.weight, layer.bias)
 
 
-def _forward(layer: torch.nn.Linear) -> Callable[[torch.Tensor], torch.Tensor]:
-    own = layer.forward  # what ran before (the class's, or a wrapper of the instance's own): many rows still go there
+class Fp8FewRowsLinear(torch.nn.Linear):
+    """A marked row-wise FP8 Linear layer, run by `linear` (module docstring)."""
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        """x (..., in_features) -> (..., out_features), as ``nn.Linear.forward``."""
-        if bias_apart(layer, x.numel() // max(x.shape[-1], 1)):
-            return F.linear(x, layer.weight, None) + layer.bias
-        return own(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(self, x)
 
-    return forward
+
+def _takes_it(layer: torch.nn.Module) -> bool:
+    return (type(layer) is torch.nn.Linear and "forward" not in vars(layer) and layer.bias is not None
+            and layer.in_features > LONGEST_RUNNING)
+
+
+def _unmark(layer: torch.nn.Linear) -> None:
+    if type(layer) is Fp8FewRowsLinear:  # another feature's class swapped over it puts ours back on its restore
+        layer.__class__ = torch.nn.Linear
+    vars(layer).pop(MARK, None)
 
 
 def add_bias_apart_on_few_rows(layers: Iterable[torch.nn.Linear]) -> tuple[int, Callable[[], None]]:
-    """Give each of `layers` with a bias and over `LONGEST_RUNNING` input features the few-rows forward (module
-    docstring) -> (how many, the undo)."""
-    undos = [set_on_instance(layer, "forward", _forward(layer)) for layer in layers if _long(layer)]
+    """Mark each plain nn.Linear of `layers` with a bias and over `LONGEST_RUNNING` input features and give it the
+    `Fp8FewRowsLinear` class -> (how many, the undo)."""
+    taken = [layer for layer in layers if _takes_it(layer)]
+    for layer in taken:
+        setattr(layer, MARK, True)
+        layer.__class__ = Fp8FewRowsLinear
 
     def undo() -> None:
-        for one in reversed(undos):
-            one()
+        for layer in taken:
+            _unmark(layer)
 
-    return len(undos), undo
+    return len(taken), undo
