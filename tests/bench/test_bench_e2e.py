@@ -433,6 +433,12 @@ def test_measure_records_the_timed_runs_gc_pauses_and_cudnn_fp8_bindings(monkeyp
     record, _ = measure.measure(b, contenders.PlainDiffusers(False), None)
     assert "cudnn_fp8_calls_timed" not in record and record["gc_pause_s_timed"] >= 0
 
+    class AskingForFp8Attention(contenders.PlainDiffusers):  # asked for FP8 attention, made no call (NucleusMoE)
+        fp8_attention = "auto"
+
+    record, _ = measure.measure(b, AskingForFp8Attention(False), None)
+    assert record["cudnn_fp8_calls_timed"] == {"uid": 0, "tensor": 0}
+
 
 def test_repeats_time_each_prompt_back_to_back_and_cost_their_runs():
     b = _fake_bench(prompts=["a", "b"])

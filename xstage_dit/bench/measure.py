@@ -329,7 +329,9 @@ def rounds_row(contender: Contender, results: list[RoundResult], reference: np.n
         **stage_fields(results, steps),
     )
     packs = [r.fp8_attention_packs_timed for r in results if r.fp8_attention_packs_timed]
-    if packs:
+    # a contender that asked for FP8 attention records its count even at zero: NucleusMoE's FP8-attention rows made
+    # no call (its masked attention goes to SDPA), which an absent field did not say (fp8/NOTES.md)
+    if packs or getattr(contender, "fp8_attention", "off") != "off":
         row["cudnn_fp8_calls_timed"] = {k: sum(p.get(k, 0) for p in packs) for k in ("uid", "tensor")}
     first = results[0].first_output
     if reference is not None and first is not None and first.shape == reference.shape:

@@ -110,7 +110,8 @@ def notes_text(settings: dict) -> str:
         "time goes, CUDA events around the text encoders', the transformer's and the VAE decoder's forwards and the "
         "rest of the call (medians over the runs). gc_pause_s_timed / cudnn_fp8_calls_timed (JSON): the garbage "
         "collector's pauses during the timed runs, and cuDNN FP8 attention's calls there by how they bound their "
-        "operands (uid: by address; tensor: the slow first-call form). transformer_output_finite (JSON): every "
+        "operands (uid: by address; tensor: the slow first-call form; zeros: asked for, never ran). "
+        "transformer_output_finite (JSON): every "
         "timed transformer output was finite; a row where one was not is marked NON-FINITE and left out of FP8's "
         "ratios (on NaN operands the GPU draws less power and runs faster). " + rounds_text(s),
         "",
