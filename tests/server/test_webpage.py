@@ -91,7 +91,7 @@ def test_page_generates_an_image_with_a_moving_progress_bar():
         page.fill("#steps", "30")
         page.fill("#seed", "5")
         page.click("#generate")
-        page.wait_for_selector("#output", timeout=60_000)
+        _wait_for_output(page)
         _assert_bar_moved(page, 30)  # per step, not only at the end
         page.wait_for_function("document.getElementById('output').naturalWidth === 128")
         assert page.eval_on_selector("#progress", "p => p.value === p.max && p.max === 30")
@@ -126,6 +126,19 @@ def test_page_generates_a_video():
     print(f"\nweb page (video) screenshot: {shot}")
 
 
+def _wait_for_output(page, timeout_ms: int = 60_000) -> None:
+    """Wait for the page's #output; on a timeout, fail saying what the page showed (its status and model lines),
+    which a bare Playwright timeout does not (one CI run, 2026-12-07, timed out here with nothing to read)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_selector("#output", timeout=timeout_ms)
+    except PlaywrightTimeout:
+        status, model = page.text_content("#status"), page.text_content("#model")
+        shot = _shot(page, "webpage-timeout.png")
+        pytest.fail(f"no #output within {timeout_ms / 1000:.0f} s: status {status!r}, model {model!r} ({shot})")
+
+
 def _shot(page, name: str) -> Path:
     shot = ROOT / "out" / name
     shot.parent.mkdir(exist_ok=True)
@@ -149,7 +162,7 @@ def test_page_with_an_api_key_asks_for_it_shows_the_401_then_works():
         page.wait_for_function("document.getElementById('model').textContent.includes('refused')")
         page.fill("#apikey", "page-key")
         page.click("#generate")
-        page.wait_for_selector("#output", timeout=60_000)
+        _wait_for_output(page)
         assert page.text_content("#model").startswith("model tiny-flux") and "done in" in page.text_content("#status")
 
 
@@ -163,7 +176,7 @@ def test_page_error_after_an_image_clears_it_and_empty_steps_mean_the_default():
         page.fill("#height", "64")
         page.fill("#steps", "")  # left empty: the model's default, not 0
         page.click("#generate")
-        page.wait_for_selector("#output", timeout=60_000)
+        _wait_for_output(page)
         assert page.eval_on_selector("#progress", f"p => p.max === {default_steps} && p.value === p.max")
         page.fill("#width", "4096")  # past the server's max_size: refused by the server, not the browser
         page.click("#generate")
@@ -210,7 +223,7 @@ def test_page_edits_an_uploaded_image_and_shows_it_beside_the_output(tmp_path):
         page.fill("#steps", "2")
         page.fill("#seed", "5")
         page.click("#generate")
-        page.wait_for_selector("#output", timeout=60_000)
+        _wait_for_output(page)
         page.wait_for_function("document.getElementById('output').naturalWidth === 96")
         page.wait_for_function("document.getElementById('input-preview').naturalWidth === 96")
         captions = page.eval_on_selector_all("#result figcaption", "els => els.map(e => e.textContent)")
