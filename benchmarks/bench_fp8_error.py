@@ -268,10 +268,11 @@ def run(args) -> tuple[list[dict], str | None]:
 
 
 def main(argv=None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["probe-rows"]:  # `benchmarks/_fp8_rows_probe.py`
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["probe-rows"]:  # `benchmarks/_fp8_rows_probe.py`
         from benchmarks._fp8_rows_probe import main as probe_rows
 
-        return probe_rows((sys.argv[1:] if argv is None else argv)[1:])
+        return probe_rows(argv[1:])
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="tiny-flux")
     p.add_argument("--seeds", type=int, default=4)

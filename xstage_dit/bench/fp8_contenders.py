@@ -41,8 +41,8 @@ class PlainDiffusersFp8(PlainDiffusers):
 
 def peer_fp8(transformer: torch.nn.Module):
     """The peers' FP8 recipe on `transformer`: torchao's float8 row-wise dynamic quantization of every linear layer
-    torch's row-wise FP8 GEMM takes (all but `peer_refused_layers`) (``quantize_(transformer, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(),
-    activation_value_lb=2**-15))``), torchao's defaults as users run them but for the one knob a user must set: they
+    torch's row-wise FP8 GEMM takes (all but `peer_refused_layers`) (``quantize_(transformer,
+    Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), activation_value_lb=2**-15))``), torchao's defaults as users run them but for the one knob a user must set: they
     also turn on Inductor's coordinate-descent tuning for the process, so the peer's compiled kernels are tuned at
     their first launch. The knob, torchao's own floor on a dynamic scale's amax (the one our FP8 feature sets,
     `features.fp8.ACTIVATION_AMAX_FLOOR`): without it a row of zeros quantizes to 0/0, and Wan's zero-padded text

@@ -14,8 +14,8 @@ row count is static, so a compiled graph of many rows is the one it was before, 
 
 How: such a layer is marked (``fp8_bias_apart``) and its class swapped to `Fp8FewRowsLinear`, whose forward is
 `linear`; `fp8_fused.fused_linear` and batch invariance's linear rule read the same mark (`bias_apart`). A class, not
-an instance ``forward``, for the reason `batch_invariance.InvariantLinear` gives (Dynamo guards an instance forward
-per object: one graph per block instance).
+an instance ``forward``: batch invariance swaps the class of plain Linear layers (this one's too) and leaves any
+layer with a ``forward`` of its own out of its rule.
 
     count, undo = add_bias_apart_on_few_rows(layers)   # layers: the row-wise FP8 nn.Linear modules
     ...
