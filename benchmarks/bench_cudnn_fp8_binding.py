@@ -69,7 +69,7 @@ def measure(args) -> list[dict]:
     out = torch.empty_like(x.q)
     for _ in range(2):  # the first call builds, tunes and learns the uids; the second runs by uid
         attn.run(x, scale, out)
-    entry = attn._graph(tuple(x.q.shape), tuple(x.k.shape), float(scale), device)
+    entry = attn._graph(tuple(x.q.shape), tuple(x.k.shape), float(scale), device, False)
     graph, workspace, handle = entry[0], entry[2], entry[3]
     if not entry[6]:
         raise SystemExit("the graph's uids were not known after two calls: the address bindings cannot be built")

@@ -25,12 +25,13 @@ class Recorder:
     handed in, then runs the real path."""
 
     def __init__(self, real):
-        self.real, self.calls = real, []
+        self.real, self.calls, self.masked = real, [], 0
 
-    def __call__(self, q, k, v, scale=None, amax_bounds=None):
+    def __call__(self, q, k, v, scale=None, amax_bounds=None, key_mask=None):
         bounds = None if amax_bounds is None else tuple(float(b) for b in amax_bounds)
         self.calls.append((float(q.float().abs().amax()), float(k.float().abs().amax()), bounds))
-        return self.real(q, k, v, scale=scale, amax_bounds=amax_bounds)
+        self.masked += key_mask is not None
+        return self.real(q, k, v, scale=scale, amax_bounds=amax_bounds, key_mask=key_mask)
 
 
 @pytest.fixture
@@ -66,7 +67,7 @@ def _step(pipe, spec):
         return pipe(**{**kwargs, "output_type": "latent"})
 
 
-@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-hidream"])
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-wan", "tiny-qwenimage", "tiny-hidream", "tiny-nucleusmoe"])
 def test_every_call_gets_bounds_at_or_above_the_true_amax(fp8_path, monkeypatch, model):
     pipe, spec = load_pipeline(model, dtype=torch.bfloat16, device="cpu", seed=0), model_spec(model)
     _spread_norm_weights(pipe.transformer, torch.Generator().manual_seed(1))

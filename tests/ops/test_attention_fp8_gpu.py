@@ -188,3 +188,41 @@ def test_the_ulysses_op_runs_the_kernel_named_in_the_schedule_eager_and_compiled
         assert torch.equal(compiled(q, k, v), eager)  # the same kernel behind the custom op
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch, seq_q, seq_k, kept, scattered", [
+    (2, 4096, 4272, (4272, 4150), False),  # NucleusMoE 1024^2: image queries over image + text keys, one text padded
+    (2, 4096, 4272, (4272, 4272), False),  # every key kept: the padded graph on a full mask
+    (1, 1000, 1100, (1037,), True),        # a scattered mask (the kept keys moved first), odd lengths
+])
+def test_world1_cudnn_fp8_takes_a_key_padding_mask(batch, seq_q, seq_k, kept, scattered):
+    """`fp8_traced` with a key mask (cuDNN's padding mask over the kept keys, per-sample lengths), eager and compiled,
+    against the fp32 masked reference within cudnn-fp8's bound and its masked emulation's error."""
+    from xstage_dit.ops.attention.fp8_reference import cudnn_fp8_emulation
+    from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
+
+    heads, head_dim = 16, 128
+    _kernel_or_skip("cudnn-fp8", 1, batch, seq_q, heads, head_dim, torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(batch, seq_q, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(batch, seq_k, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+            for _ in range(2))
+    mask = torch.arange(seq_k, device="cuda")[None, :] < torch.tensor(kept, device="cuda")[:, None]
+    if scattered:
+        mask = torch.rand(batch, seq_k, device="cuda", generator=gen) < 0.9
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+        attn_mask=mask[:, None, None, :]).transpose(1, 2)
+    out = cudnn_fp8_attention(q, k, v, key_mask=mask)
+    err, emulated = rel_err(out, exact), rel_err(cudnn_fp8_emulation(q, k, v, key_mask=mask), exact)
+    print(f"cudnn-fp8 masked {tuple(q.shape)} keys {seq_k} kept {kept}: rel L2 vs fp32 {err:.4f} "
+          f"(emulation {emulated:.4f})")
+    assert not torch.isnan(out).any()
+    assert err < TOL.cudnn_fp8_attention and err < TOL.fp8_over_emulation * emulated + TOL.bf16_kernel, (err, emulated)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(cudnn_fp8_attention, fullgraph=True, dynamic=False)(q, k, v, key_mask=mask)
+    finally:
+        torch._dynamo.reset()
+    assert rel_err(compiled, out) < 1e-2  # Inductor's casts: the same values but for fp32 rounding order

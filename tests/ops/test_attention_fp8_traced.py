@@ -23,11 +23,15 @@ class EmulatedCudnnFp8:
     def __init__(self):
         self.calls = []
 
-    def run(self, x, attn_scale):
+    def run(self, x, attn_scale, kv_lengths=None):
         self.calls.append((tuple(x.q.shape), x.scales.data_ptr() % 16, x.q.is_contiguous()))
         qf, kf, vf = ((t.float().transpose(1, 2) * x.slot(s)) for t, s in ((x.q, DESCALE_Q), (x.k, DESCALE_K),
                                                                             (x.v, DESCALE_V)))
         s = (qf @ kf.transpose(-1, -2)) * attn_scale
+        if kv_lengths is not None:  # cuDNN's padding mask: batch element b attends its first kv_lengths[b] keys
+            assert kv_lengths.dtype == torch.int32 and kv_lengths.shape == (x.q.shape[0],)
+            past = torch.arange(x.k.shape[1])[None, :] >= kv_lengths[:, None].long()
+            s = s.masked_fill(past[:, None, None, :], float("-inf"))
         p = torch.exp(s - s.amax(dim=-1, keepdim=True))
         o = ((p * ref8.P_SCALE).to(ref8.E4M3).float() / ref8.P_SCALE @ vf) / p.sum(dim=-1, keepdim=True)
         return (o * x.slot(SCALE_O)).to(ref8.E4M3).transpose(1, 2).contiguous()
@@ -179,3 +183,47 @@ def test_the_in_block_cases_compile_and_compute_the_same_attention(emulated, bou
     assert fp8.shape == bf16.shape == q.shape and len(emulated.calls) == 1
     assert ref8.rel_l2(fp8, want) < 1e-3, ref8.rel_l2(fp8, want)  # bit for bit on the CPU (0.0)
     assert ref8.rel_l2(fp8, bf16) < 0.1  # FP8 attention's own error (~0.06) against the 16-bit block
+
+
+def _key_mask(batch, seq_k, kept, kind):
+    """bool (batch, seq_k): the first ``kept[b]`` keys (right padding, NucleusMoE's text) or every key but a
+    scattered few (``kind`` "scattered")."""
+    mask = torch.arange(seq_k)[None, :] < torch.tensor(kept)[:, None]
+    if kind == "scattered":
+        mask = torch.ones(batch, seq_k, dtype=torch.bool)
+        mask[0, 3::7] = False
+        mask[-1, 1:5] = False
+    return mask
+
+
+@pytest.mark.parametrize("kind, mask_shape", [("right", (2, 1, 1, 45)), ("scattered", (2, 45)), ("one", (1, 45))])
+def test_a_key_padding_mask_is_attended_as_masked_softmax_eager_and_compiled(emulated, kind, mask_shape):
+    """A key-padding mask becomes per-sample key lengths over the kept keys moved first: the emulated kernel (cuDNN's
+    padding mask) equals the masked emulation (fp32 sums in another order: within one e4m3 step of O), and the mask
+    matters (far from the unmasked output)."""
+    gen = torch.Generator().manual_seed(7)
+    q = (torch.randn(2, 19, 2, 64, generator=gen) * 3).to(torch.bfloat16)
+    k, v = ((torch.randn(2, 45, 2, 64, generator=gen) * s).to(torch.bfloat16) for s in (0.5, 20.0))
+    mask = _key_mask(2, 45, [40, 33], kind)[: mask_shape[0]].reshape(mask_shape)
+    want = ref8.cudnn_fp8_emulation(q, k, v, key_mask=mask)
+    unmasked = ref8.cudnn_fp8_emulation(q, k, v)
+    for fn in (cudnn_fp8_attention, torch.compile(cudnn_fp8_attention, fullgraph=True, dynamic=False)):
+        got = fn(q, k, v, key_mask=mask)
+        assert got.shape == q.shape and ref8.rel_l2(got, want) < 2e-3, ref8.rel_l2(got, want)
+        assert ref8.rel_l2(got, unmasked) > 0.05
+    assert len(emulated.calls) == 2
+
+
+def test_kept_keys_first_moves_the_kept_keys_first_in_order_and_counts_them():
+    from xstage_dit.ops.attention.fp8_traced import kept_keys_first
+
+    k = torch.arange(2 * 6 * 1 * 2, dtype=torch.float32).reshape(2, 6, 1, 2)
+    mask = torch.tensor([[True, False, True, True, False, True], [False] * 5 + [True]])
+    k2, v2, lengths = kept_keys_first(k, -k, mask)
+    assert lengths.tolist() == [4, 1] and lengths.dtype == torch.int32
+    assert k2[0, :, 0, 0].tolist() == [0, 4, 6, 10, 2, 8] and k2[1, 0, 0, 0] == k[1, 5, 0, 0]
+    assert torch.equal(v2, -k2)
+    for bad in (mask.float(), mask[:, :5], mask.reshape(2, 1, 6), torch.ones(3, 6, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=r"expected a bool key mask \(B \| 1, Skv\) or \(B \| 1, 1, 1, Skv\) "
+                                             r"with B=2, Skv=6, got"):
+            kept_keys_first(k, k, bad)

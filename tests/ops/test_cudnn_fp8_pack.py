@@ -48,6 +48,33 @@ def test_the_address_pack_binds_what_the_tensor_pack_binds():
             assert len(by_address) == len(NAMES) + amax_outputs
 
 
+def test_a_padded_graph_binds_its_query_lengths_once_and_its_key_lengths_per_call():
+    """With per-sample key lengths (a key-padding mask): the query lengths' address is fixed for the graph's life,
+    the key lengths are an operand like q; a padded graph's call without them, or a plain one's with them, is refused
+    (a wrong binding would read garbage lengths)."""
+    import pytest
+
+    t = graph_tensors()
+    t.update(seq_len_q=GraphTensor(501), seq_len_kv=GraphTensor(502))
+    p_scales, amax = (torch.ones(1), torch.ones(1)), torch.zeros(2, 4)
+    q_lengths = torch.full((1, 1, 1, 1), 33, dtype=torch.int32)
+    uids = pack_uids(t, p_scales, amax, (q_lengths, torch.ones(1, 1, 1, 1, dtype=torch.int32)))
+    assert uids.kv_lengths == 502 and uids.fixed[501] == q_lengths.data_ptr()
+    for seed in range(3):
+        x, out = call(seed)
+        kv_lengths = torch.full((1, 1, 1, 1), 10 + seed, dtype=torch.int32)
+        by_tensor = tensor_pack(t, x, out, p_scales, amax, (q_lengths, kv_lengths))
+        by_address = variant_pack(uids, x, out, kv_lengths)
+        assert by_address == {key.uid: value.data_ptr() for key, value in by_tensor.items()}
+        assert len(by_address) == len(NAMES) + 2 + 2
+    with pytest.raises(ValueError, match=r"expected a padded graph \(key lengths\)'s call, got kv_lengths=None"):
+        variant_pack(uids, x, out)
+    with pytest.raises(ValueError, match=r"expected a plain graph \(no key lengths\)'s call, got kv_lengths=a tensor"):
+        variant_pack(pack_uids(graph_tensors(), p_scales, amax), x, out, kv_lengths)
+    t["seq_len_kv"] = GraphTensor(t["q"].uid)  # two operands on one uid
+    assert pack_uids(t, p_scales, amax, (q_lengths, kv_lengths)) is None
+
+
 def test_a_strided_scale_buffer_gives_each_slot_its_row():
     t = graph_tensors()
     p_scales, amax = (torch.ones(1), torch.ones(1)), torch.zeros(2, 4)

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import xstage_dit.ops.attention as attention_ops
 from xstage_dit.ops.attention import takes_traced_fp8, ulysses_attention
 from xstage_dit.families import sharding
 from xstage_dit.features.attention_schedules import AttentionSchedules
@@ -114,6 +115,38 @@ def _replicated_head(ctx: AttentionContext, seq_q: int, seq_k: int) -> int:
         raise ValueError(f"attention {ctx.name}: expected keys = {head} replicated + the queries' {seq_q} sharded, "
                          f"got {seq_k} keys")
     return head
+
+
+def _key_padding(mask: torch.Tensor | None) -> bool:
+    """Whether a normalised mask (`_attention_mask`) is a boolean key-padding mask, (B | 1, 1, 1, S_k)."""
+    return mask is not None and mask.dtype == torch.bool and mask.shape[1] == 1 and mask.shape[2] == 1
+
+
+def _world_one(ctx: AttentionContext, query, key, value, mask, scale) -> torch.Tensor | None:
+    """A world-1 call through the op, or None for diffusers' own SDPA call.
+
+    Self-attention without a mask takes the op where its schedule is not "serial" (the kernel sweep's choice). A
+    call with more keys than queries or a key-padding mask (NucleusMoE's image queries over image + padded text keys)
+    takes only the compiled cudnn-fp8 path, where FP8 attention was asked for: cuDNN's FP8 kernel takes both
+    (``fp8_traced``: per-sample key lengths); no 16-bit kernel of the op's takes either, and torch's SDPA is
+    theirs at this shape. It goes by the schedule of its queries' self-attention shape."""
+    seq_q, seq_k = query.shape[1], key.shape[1]
+    plain = mask is None and seq_q == seq_k
+    fp8_only = (not plain and ctx.schedules.kernels.fp8_attention != "off" and torch.compiler.is_compiling()
+                and seq_q <= seq_k and (mask is None or _key_padding(mask)))
+    if not (plain or fp8_only):
+        return None
+    schedule = _schedule_for(ctx, query, seq_q)
+    traced = takes_traced_fp8(schedule, ctx.world)
+    if schedule == "serial" or (fp8_only and not traced):
+        return None
+    ctx.schedules.note_path("ulysses", ctx.name)
+    # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
+    bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms and traced else None
+    if fp8_only:
+        return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds, key_mask=mask)
+    return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
+                             fp8_amax_bounds=bounds)
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -203,15 +236,10 @@ def xstage_attention(
     sharded_keys = ctx is not None and ctx.world > 1 and ctx.kv_layout == "sharded"
     mask = None if attn_mask is None else _attention_mask(attn_mask, batch, key.shape[1], sharded_keys=sharded_keys)
     if ctx is None or ctx.world == 1 or ctx.kv_layout == "replicated":
-        if mask is None and ctx is not None and ctx.world == 1 and seq_q == key.shape[1]:
-            schedule = _schedule_for(ctx, query, seq_q)
-            if schedule != "serial":
-                ctx.schedules.note_path("ulysses", ctx.name)
-                # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
-                traced = ctx.qk_norms and takes_traced_fp8(schedule, ctx.world)
-                bounds = amax_bounds(ctx.qk_norms, query.device) if traced else None
-                return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
-                                         fp8_amax_bounds=bounds)
+        if ctx is not None and ctx.world == 1:
+            out = _world_one(ctx, query, key, value, mask, scale)
+            if out is not None:
+                return out
             # World 1, serial: exactly diffusers' own SDPA call (no custom-op hop, no .contiguous() copy
             # of the output), so parallelize at world 1 costs nothing over plain diffusers.
         if ctx is not None:

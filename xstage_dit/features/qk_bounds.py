@@ -38,6 +38,9 @@ PROCESSOR_NORMS = {
     "WanAttnProcessor2_0": (("norm_q",), ("norm_k",)),
     "QwenDoubleStreamAttnProcessor2_0": (("norm_q", "norm_added_q"), ("norm_k", "norm_added_k")),
     "HiDreamAttnProcessor": (("q_rms_norm", "q_rms_norm_t"), ("k_rms_norm", "k_rms_norm_t")),
+    # image queries only; keys: the image's (norm_k) then the text's (norm_added_k, also what diffusers' text KV
+    # cache hook applies to the keys it hands in as cached_txt_key)
+    "NucleusMoEAttnProcessor2_0": (("norm_q",), ("norm_k", "norm_added_k")),
 }
 _ABSENT = object()
 

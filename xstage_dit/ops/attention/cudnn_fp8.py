@@ -6,7 +6,12 @@ e4m3 at ``scale_o`` (on Hopper cuDNN writes no bf16 O from FP8 inputs: that need
 the frontend's support checks), (B, Sq, H, D) contiguous; the caller dequantizes it where it belongs
 (`fp8_quant.store_rows`). The semantics: ``fp8_reference.cudnn_fp8_emulation``.
 
-One graph per (shapes, scale, device), built on first use and cached, its execution plans timed on the first real
+With ``kv_lengths`` (int32 (B,) on the device: the count of keys each batch element attends, its first ones) the
+graph takes cuDNN's padding mask (``use_padding_mask``, ``seq_len_q`` every query row, ``seq_len_kv`` these): keys at or
+past a length are never attended. This is a key-padding mask once the kept keys are moved first
+(``fp8_traced.cudnn_fp8_attention``'s ``key_mask``).
+
+One graph per (shapes, scale, device, padded or not), built on first use and cached, its execution plans timed on the first real
 call (`cudnn_fe.CudnnWindowKernel._autotune`, as for the bf16 window kernel). Graphs that ask for Amax_S are
 declined by some cuDNN engines and required by others: the graph is built without it first, then with it.
 """
@@ -67,6 +72,7 @@ class CudnnFp8Attention:
         self._graphs: dict[tuple, list] = {}
         self._handle = DeviceHandles()
         self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._q_lengths_by_shape: dict[tuple, torch.Tensor] = {}
         # calls bound by uid and address (`variant_pack`) and by tensor (`tensor_pack`, ~270 us of host time a call
         # on an H100's host): what a host-bound step reads first (the e2e bench records the timed runs' counts)
         self.calls_by_pack = {"uid": 0, "tensor": 0}
@@ -79,7 +85,16 @@ class CudnnFp8Attention:
                                  torch.full((1,), 1.0 / P_SCALE, dtype=torch.float32, device=device))
         return self._consts[key]
 
-    def _build(self, q_shape, kv_shape, attn_scale: float, device: torch.device, with_amax_s: bool) -> list:
+    def _q_lengths(self, batch: int, seq_q: int, device: torch.device) -> torch.Tensor:
+        """int32 (batch, 1, 1, 1) of seq_q on ``device``, one per (batch, seq_q, device): a padded graph's query lengths (every
+        query row is real), at an address fixed for the graph's life."""
+        key = (batch, seq_q, str(device))
+        if key not in self._q_lengths_by_shape:
+            self._q_lengths_by_shape[key] = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32, device=device)
+        return self._q_lengths_by_shape[key]
+
+    def _build(self, q_shape, kv_shape, attn_scale: float, device: torch.device, with_amax_s: bool,
+               padded: bool) -> list:
         cudnn = _cudnn()
         fp8, flt = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         handle = self._handle(device)
@@ -96,6 +111,11 @@ class CudnnFp8Attention:
         names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
         scal = {name: scalar(name) for name in names}
         kwargs = dict(q=tq, k=tk, v=tv, attn_scale=attn_scale, use_causal_mask=False, name="sdpa_fp8", **scal)
+        lengths = {}
+        if padded:  # one int32 a batch element each side, (B, 1, 1, 1) as cuDNN's samples declare them
+            lengths = {name: graph.tensor(name=name, dim=[q_shape[0], 1, 1, 1], stride=[1, 1, 1, 1],
+                                          data_type=cudnn.data_type.INT32) for name in ("seq_len_q", "seq_len_kv")}
+            kwargs.update(use_padding_mask=True, **lengths)
         try:
             o, _, amax_s, amax_o = graph.sdpa_fp8(generate_stats=False, **kwargs)
         except TypeError:  # frontends before generate_stats
@@ -107,81 +127,104 @@ class CudnnFp8Attention:
             t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(flt)
         sizes, workspace = build_plans(graph, cudnn, device)
         amax = torch.empty((len(outputs), 4), dtype=torch.float32, device=device)
-        tensors = {"q": tq, "k": tk, "v": tv, "o": o, **scal, "amax": outputs}
+        tensors = {"q": tq, "k": tk, "v": tv, "o": o, **scal, **lengths, "amax": outputs}
         # [6]: the operands' uids, once the first call has run (`pack_uids`; False: none); [-1]: the tuned plan
         return [graph, tensors, workspace, handle, sizes, amax, None, None]
 
-    def _graph(self, q_shape, kv_shape, attn_scale: float, device: torch.device) -> list:
-        key = (q_shape, kv_shape, attn_scale, str(device))
+    def _graph(self, q_shape, kv_shape, attn_scale: float, device: torch.device, padded: bool) -> list:
+        key = (q_shape, kv_shape, attn_scale, str(device), padded)
         hit = self._graphs.get(key)
         if hit is None:
             errors = []
             for with_amax_s in (False, True):
                 try:
-                    hit = self._build(q_shape, kv_shape, attn_scale, device, with_amax_s)
+                    hit = self._build(q_shape, kv_shape, attn_scale, device, with_amax_s, padded)
                     break
                 except Exception as exc:  # noqa: BLE001 - the other form is tried; both failing is raised
                     errors.append(f"{'with' if with_amax_s else 'without'} Amax_S: {type(exc).__name__}: {exc}")
             if hit is None:
-                raise RuntimeError(f"cuDNN built no FP8 SDPA graph for q {q_shape}, k/v {kv_shape}: "
+                raise RuntimeError(f"cuDNN built no FP8 SDPA graph for q {q_shape}, k/v {kv_shape}"
+                                   f"{' with per-sample key lengths' if padded else ''}: "
                                    + "; ".join(errors))
             self._graphs[key] = hit
         return hit
 
-    def run(self, x: Fp8QKV, attn_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, x: Fp8QKV, attn_scale: float, out: torch.Tensor | None = None,
+            kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """x: `Fp8QKV` (q (B, Sq, H, D), k, v (B, Skv, H, D) e4m3 contiguous, their scales) -> O (B, Sq, H, D) e4m3
-        at x's SCALE_O (``out`` when given: contiguous, e4m3, q's shape)."""
+        at x's SCALE_O (``out`` when given: contiguous, e4m3, q's shape). kv_lengths: int32 (B,) contiguous on q's
+        device, each in [1, Skv] (not checked: a host read), or None for every key: batch element b attends its
+        first kv_lengths[b] keys only."""
         q = x.q
         if out is None:
             out = torch.empty_like(q)
         elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
             raise ValueError(f"expected out of shape {tuple(q.shape)}, e4m3, contiguous, got {tuple(out.shape)} "
                              f"{out.dtype}")
-        entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device)
+        lengths = None
+        if kv_lengths is not None:
+            if (kv_lengths.dtype != torch.int32 or kv_lengths.numel() != q.shape[0] or not kv_lengths.is_contiguous()
+                    or kv_lengths.device != q.device):
+                raise ValueError(f"expected kv_lengths int32 of {q.shape[0]} contiguous on {q.device}, got "
+                                 f"{kv_lengths.dtype} {tuple(kv_lengths.shape)} on {kv_lengths.device}")
+            kv_lengths = kv_lengths.view(-1, 1, 1, 1)  # as the graph declares it
+            lengths = (self._q_lengths(q.shape[0], q.shape[1], q.device), kv_lengths)
+        entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device, lengths is not None)
         graph, t, workspace, handle, sizes, amax, uids, tuned = entry
         # A graph's first call binds its tensors by the graph's own objects (the frontend may lower it, and give
         # uids, only then); later calls by uid and address (`variant_pack`), where every uid is known
-        pack = variant_pack(uids, x, out) if uids else tensor_pack(t, x, out, self._p_scales(q.device), amax)
+        pack = (variant_pack(uids, x, out, kv_lengths) if uids
+                else tensor_pack(t, x, out, self._p_scales(q.device), amax, lengths))
         self.calls_by_pack["uid" if uids else "tensor"] += 1
         _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
         if tuned is None and not torch.cuda.is_current_stream_capturing():
             entry[-1] = CudnnWindowKernel._autotune(graph, [pack], workspace, handle, sizes)
         graph.execute(pack, workspace, handle=handle)
         if uids is None:
-            entry[6] = pack_uids(t, self._p_scales(q.device), amax) or False
+            entry[6] = pack_uids(t, self._p_scales(q.device), amax, lengths) or False
         return out
 
 
 def tensor_pack(t: dict, x: Fp8QKV, out: torch.Tensor, p_scales: tuple[torch.Tensor, torch.Tensor],
-                amax: torch.Tensor) -> dict:
+                amax: torch.Tensor, lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict:
     """The variant pack keyed by the graph's tensors (`t`: name -> graph tensor, "amax": a list of them), valued by
-    torch tensors: what the frontend inspects each call."""
+    torch tensors: what the frontend inspects each call. lengths: a padded graph's (query lengths, key lengths)."""
     scale_s, descale_s = p_scales
     pack = {t["q"]: x.q, t["k"]: x.k, t["v"]: x.v, t["o"]: out, t["descale_q"]: x.slot(DESCALE_Q),
             t["descale_k"]: x.slot(DESCALE_K), t["descale_v"]: x.slot(DESCALE_V), t["descale_s"]: descale_s,
             t["scale_s"]: scale_s, t["scale_o"]: x.slot(SCALE_O)}
     pack.update({tensor: amax[i, :1] for i, tensor in enumerate(t["amax"])})
+    if lengths is not None:
+        pack.update({t["seq_len_q"]: lengths[0], t["seq_len_kv"]: lengths[1]})
     return pack
 
 
-def pack_uids(t: dict, p_scales: tuple[torch.Tensor, torch.Tensor], amax: torch.Tensor) -> PackUids | None:
-    """A graph's uids of its operands and the addresses fixed for its life (P's scales, the amax outputs); None
-    where a tensor has no uid yet (0: the frontend assigns them as it lowers the graph)."""
+def pack_uids(t: dict, p_scales: tuple[torch.Tensor, torch.Tensor], amax: torch.Tensor,
+              lengths: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackUids | None:
+    """A graph's uids of its operands and the addresses fixed for its life (P's scales, the amax outputs, a padded
+    graph's query lengths); None where a tensor has no uid yet (0: the frontend assigns them as it lowers the
+    graph)."""
     scale_s, descale_s = p_scales
     fixed = {_uid(t["descale_s"]): descale_s.data_ptr(), _uid(t["scale_s"]): scale_s.data_ptr()}
     fixed.update({_uid(tensor): amax[i, :1].data_ptr() for i, tensor in enumerate(t["amax"])})
+    kv_lengths = None
+    if lengths is not None:
+        fixed[_uid(t["seq_len_q"])] = lengths[0].data_ptr()
+        kv_lengths = _uid(t["seq_len_kv"])
     slots = {_uid(t[name]): row for name, row in _SLOTS.items()}
     operands = [_uid(t[name]) for name in ("q", "k", "v", "o")]
-    every = [*operands, *slots, *fixed]  # a uid two tensors share collapses in a dict: the count says so
-    if not all(every) or len(set(every)) != len(operands) + len(_SLOTS) + 2 + len(t["amax"]):
+    every = [*operands, *slots, *fixed, *([kv_lengths] if lengths is not None else [])]
+    # a uid two tensors share collapses in a dict: the count of every uid asked says so
+    expected = len(operands) + len(_SLOTS) + 2 + len(t["amax"]) + (2 if lengths is not None else 0)
+    if not all(every) or len(set(every)) != expected:
         return None  # an unassigned uid, or two operands sharing one
-    return PackUids(*operands, slots, fixed)
+    return PackUids(*operands, slots, fixed, kv_lengths)
 
 
 @dataclass(frozen=True)
 class PackUids:
-    """A graph's uids of q, k, v, o, its four per-call scales (uid -> their row of `Fp8QKV.scales`), and its fixed
-    uid -> address entries."""
+    """A graph's uids of q, k, v, o, its four per-call scales (uid -> their row of `Fp8QKV.scales`), its fixed
+    uid -> address entries, and a padded graph's per-call key lengths (None: not padded)."""
 
     q: int
     k: int
@@ -189,6 +232,7 @@ class PackUids:
     o: int
     slots: dict
     fixed: dict
+    kv_lengths: int | None = None
 
 
 def _uid(tensor) -> int:
@@ -197,7 +241,8 @@ def _uid(tensor) -> int:
     return uid if isinstance(uid, int) else tensor.get_uid()
 
 
-def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor) -> dict[int, int]:
+def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor, kv_lengths: torch.Tensor | None = None
+                 ) -> dict[int, int]:
     """uid -> device address of every operand of one call. Addresses, not tensors: cudnn-frontend 1.32 reads a
     bare address as the graph declared the tensor, where a tensor is inspected each call (shape, strides, device),
     and the H100 profile at f54244c had 272 us of host time a call in this op, a 100 ms FLUX step waiting 48 ms on
@@ -206,6 +251,11 @@ def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor) -> dict[int, int]
     pack = {uids.q: x.q.data_ptr(), uids.k: x.k.data_ptr(), uids.v: x.v.data_ptr(), uids.o: out.data_ptr(),
             **{uid: base + slot * row for uid, slot in uids.slots.items()}}
     pack.update(uids.fixed)
+    if (uids.kv_lengths is None) != (kv_lengths is None):
+        kind = "a padded graph (key lengths)" if uids.kv_lengths is not None else "a plain graph (no key lengths)"
+        raise ValueError(f"expected {kind}'s call, got kv_lengths={'None' if kv_lengths is None else 'a tensor'}")
+    if kv_lengths is not None:
+        pack[uids.kv_lengths] = kv_lengths.data_ptr()
     return pack
 
 

@@ -66,16 +66,19 @@ def _heads_first(t: torch.Tensor) -> torch.Tensor:
 
 
 def cudnn_fp8_emulation(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        quantize_out: bool = True) -> torch.Tensor:
+                        quantize_out: bool = True, key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """cuDNN's FP8 forward (module docstring), emulated in fp32 from the unquantized q, k, v.
 
     q: (B, Sq, H, D); k, v: (B, Skv, H, D) -> (B, Sq, H, D) in q's dtype. quantize_out=False keeps O unrounded
-    (what a kernel writing bf16 O would give).
+    (what a kernel writing bf16 O would give). key_mask: bool (B | 1, Skv) or (B | 1, 1, 1, Skv), True for a key
+    attended (cuDNN's padding mask over the kept keys); the scales still come from every key.
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     (q8, dq), (k8, dk), (v8, dv) = (quantize_reference(t) for t in (q, k, v))
     qf, kf, vf = _heads_first(q8) * dq, _heads_first(k8) * dk, _heads_first(v8) * dv
     s = (qf @ kf.transpose(-1, -2)) * scale
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask.reshape(key_mask.shape[0], 1, 1, k.shape[1]), float("-inf"))
     p = torch.exp(s - s.amax(dim=-1, keepdim=True))
     o = (_e4m3_round(p, P_SCALE) @ vf) / p.sum(dim=-1, keepdim=True)
     if quantize_out:

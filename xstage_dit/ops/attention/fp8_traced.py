@@ -30,7 +30,7 @@ from xstage_dit.ops.attention.fp8_quant import (AMAX_K, AMAX_Q, AMAX_V, DESCALE_
 from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX, po2_scale, quantize_reference
 from xstage_dit.ops.registry import NAMESPACE
 
-__all__ = ["cudnn_fp8_attention", "quantize_scaled"]
+__all__ = ["cudnn_fp8_attention", "kept_keys_first", "quantize_scaled"]
 
 # cuDNN reads each scale through a 16-byte-aligned pointer (the eager path's buffer: one fp32 per 16-byte row).
 _ALIGN = 16
@@ -38,9 +38,10 @@ _ALIGN = 16
 
 @torch.library.custom_op(f"{NAMESPACE}::cudnn_fp8_sdpa", mutates_args=())
 def _cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, kv_lengths: torch.Tensor | None = None) -> torch.Tensor:
     # q8 (B, Sq, H, D), k8, v8 (B, Skv, H, D) e4m3; scales fp32 (8, 4), slot i at [i, 0] (``fp8_quant``'s
-    # slots) -> O (B, Sq, H, D) e4m3 at scales[SCALE_O].
+    # slots); kv_lengths int32 (B,): batch element b attends its first kv_lengths[b] keys (None: all)
+    # -> O (B, Sq, H, D) e4m3 at scales[SCALE_O].
     from xstage_dit.ops.attention.cudnn_fp8 import shared_attention, unavailable_cached
 
     reason = unavailable_cached(str(q8.device), q8.shape[-1])
@@ -49,11 +50,13 @@ def _cudnn_fp8_sdpa(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, scales
     if scales.data_ptr() % _ALIGN or not scales.is_contiguous():
         scales = scales.clone(memory_format=torch.contiguous_format)  # a fresh allocation is aligned
     x = Fp8QKV(q8.contiguous(), k8.contiguous(), v8.contiguous(), scales)
-    return shared_attention().run(x, scale)
+    if kv_lengths is None:
+        return shared_attention().run(x, scale)
+    return shared_attention().run(x, scale, kv_lengths=kv_lengths.contiguous())
 
 
 @_cudnn_fp8_sdpa.register_fake
-def _(q8, k8, v8, scales, scale):
+def _(q8, k8, v8, scales, scale, kv_lengths=None):
     return torch.empty_like(q8, memory_format=torch.contiguous_format)
 
 
@@ -69,22 +72,48 @@ def quantize_scaled(x: torch.Tensor, amax_bound: torch.Tensor | None = None) -> 
     return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale
 
 
+def kept_keys_first(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k, v (B, Skv, H, D) and a key-padding mask (bool, True keeps: (B | 1, Skv) or (B | 1, 1, 1, Skv)) ->
+    (k, v with each batch element's kept keys first, in their order, then the others; int32 (B,) kept counts).
+
+    Attention is the same over any order of its keys, so attending the first count keys of the reordered k, v is
+    attending the kept keys: cuDNN's padding mask (per-sample key lengths) then takes any key-padding mask, not only
+    right-padded ones, with no host read. The gather is a load through an index that Inductor folds into the e4m3
+    casts that read k and v anyway."""
+    b, skv = k.shape[:2]
+    if (key_mask.dtype != torch.bool or key_mask.dim() not in (2, 4) or key_mask.shape[-1] != skv
+            or key_mask.shape[0] not in (1, b) or (key_mask.dim() == 4 and key_mask.shape[1:3] != (1, 1))):
+        raise ValueError(f"expected a bool key mask (B | 1, Skv) or (B | 1, 1, 1, Skv) with B={b}, Skv={skv}, got "
+                         f"{key_mask.dtype} {tuple(key_mask.shape)}")
+    keep = key_mask.reshape(key_mask.shape[0], skv).expand(b, skv)
+    order = torch.argsort(keep.logical_not().to(torch.int8), dim=1, stable=True)  # kept (0) first, stable
+    index = order[:, :, None, None].expand(k.shape)
+    return k.gather(1, index), v.gather(1, index), keep.sum(dim=1, dtype=torch.int32)
+
+
 def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        amax_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                        amax_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale) v through cuDNN's FP8 forward, quantization and dequantization in torch.
 
     q: (B, Sq, H, D), k, v: (B, Skv, H, D), bf16 or fp16, on one CUDA device -> (B, Sq, H, D) in q's dtype,
     contiguous. scale: default 1/sqrt(D). amax_bounds: (bound on |q|, bound on |k|), fp32 0-dim tensors known
     before the call (``features.qk_bounds``): q's and k's scales from them, so their casts need no pass of their own.
+    key_mask: bool (B | 1, Skv) or (B | 1, 1, 1, Skv), True for a key attended (a text's padding masked out), at
+    least one a batch element (`kept_keys_first`; k's and v's scales still cover every key).
     Values: ``fp8_reference.cudnn_fp8_emulation`` (per-tensor power-of-two scales, O rounded to e4m3 at half of V's
     scale), with q's and k's scales those of the bounds where given.
     """
     check_qkv_shapes(q, k, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    kv_lengths = None
+    if key_mask is not None:
+        k, v, kv_lengths = kept_keys_first(k, v, key_mask)
     bq, bk = (None, None) if amax_bounds is None else amax_bounds
     (q8, sq), (k8, sk), (v8, sv) = quantize_scaled(q, bq), quantize_scaled(k, bk), quantize_scaled(v)
     slots = {AMAX_Q: sq, AMAX_K: sk, AMAX_V: sv, DESCALE_Q: 1.0 / sq, DESCALE_K: 1.0 / sk, DESCALE_V: 1.0 / sv,
              SCALE_O: sv * 0.5, DESCALE_O: 2.0 / sv}  # the amax slots hold the scales: cuDNN reads none of them
     scales = torch.nn.functional.pad(torch.stack([slots[i] for i in range(len(slots))]).reshape(-1, 1), (0, 3))
-    o8 = torch.ops.xstage_dit.cudnn_fp8_sdpa(q8, k8, v8, scales, scale)
+    o8 = torch.ops.xstage_dit.cudnn_fp8_sdpa(q8, k8, v8, scales, scale, kv_lengths)
     return (o8.float() * slots[DESCALE_O]).to(q.dtype)
