@@ -14,6 +14,7 @@ from xstage_dit.features.attention_backend import AttentionContext, xstage_atten
 from xstage_dit.features.attention_schedules import AttentionSchedules
 from xstage_dit.ops.attention import cudnn_fp8
 from xstage_dit.ops.attention import fp8_reference as ref8
+from xstage_dit.schedule.attention_kernel import AttentionDecision
 from xstage_dit.schedule.facts import DeviceFacts
 
 from tests.features.test_fp8_attention import FakeRefusals, _chooser
@@ -28,10 +29,15 @@ def emulated(monkeypatch):
     return kernel
 
 
-def _context(fp8_mode: str, schedule: str, monkeypatch) -> AttentionContext:
+def _context(fp8_mode: str, schedule: str, fp8_ms: float | None = None) -> AttentionContext:
+    """A world-1 context whose queries' self-attention shape (2, 16, 2, 64) was decided as ``schedule``, the sweep
+    having timed torch SDPA at 1.0 ms and cudnn-fp8 at ``fp8_ms`` (None: not timed)."""
     chooser = _chooser(1, {"sdpa": 1.0}, FakeRefusals("sdpa"), fp8_mode)
     book = AttentionSchedules("auto", world=1, facts=DeviceFacts.from_device("cpu"), kernels=chooser)
-    monkeypatch.setattr(book, "for_shape", lambda *shape: schedule)  # the sweep's pick for this shape
+    timings = {"sdpa": 1.0, "cudnn": 0.8, **({} if fp8_ms is None else {"cudnn-fp8": fp8_ms})}
+    kernel = schedule.partition(":")[2] or None
+    book.choices[(2, 16, 2, 64, torch.bfloat16, 1)] = AttentionDecision(schedule, "test", kernel, "test", timings,
+                                                                         {}, 1.0)
     return AttentionContext(group=None, rank=0, world=1, schedules=book, name="test.attn")
 
 
@@ -49,11 +55,16 @@ def _sdpa(q, k, v, mask):
                                           attn_mask=m).transpose(1, 2)
 
 
-@pytest.mark.parametrize("masked", [True, False])
-def test_compiled_with_fp8_attention_a_masked_or_cross_call_takes_cudnn_fp8(emulated, monkeypatch, masked):
+@pytest.mark.parametrize("masked, schedule, fp8_ms", [
+    (True, "fused:cudnn-fp8", 0.5),
+    (False, "fused:cudnn-fp8", 0.5),  # more keys than queries, no mask
+    (True, "fused:cudnn", 0.9),       # a 16-bit kernel chosen, but cudnn-fp8 measured under torch SDPA (1.0)
+])
+def test_compiled_with_fp8_attention_a_masked_or_cross_call_takes_cudnn_fp8(emulated, monkeypatch, masked, schedule,
+                                                                           fp8_ms):
     q, k, v, mask = _inputs()
     mask = mask if masked else None
-    ctx = _context("auto", "fused:cudnn-fp8", monkeypatch)
+    ctx = _context("auto", schedule, fp8_ms)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     got = xstage_attention(q, k, v, attn_mask=mask, _parallel_config=ctx)
     monkeypatch.undo()
@@ -63,19 +74,20 @@ def test_compiled_with_fp8_attention_a_masked_or_cross_call_takes_cudnn_fp8(emul
     assert ref8.rel_l2(got, _sdpa(q, k, v, mask)) < 0.1  # FP8 attention's own error (~0.06), masked alike
 
 
-@pytest.mark.parametrize("fp8_mode, schedule, compiling, float_mask", [
-    ("off", "fused:cudnn-fp8", True, False),    # FP8 attention not asked for
-    ("auto", "fused:cudnn-fp8", False, False),  # eager: the op's eager FP8 path takes no mask
-    ("auto", "fused:cudnn", True, False),       # the sweep picked a 16-bit kernel: none of the op's takes a mask
-    ("auto", "serial", True, False),
-    ("auto", "fused:cudnn-fp8", True, True),    # an additive mask (LTX's -10000 bias) is not a key padding
+@pytest.mark.parametrize("fp8_mode, schedule, fp8_ms, compiling, float_mask", [
+    ("off", "fused:cudnn-fp8", 0.5, True, False),    # FP8 attention not asked for
+    ("auto", "fused:cudnn-fp8", 0.5, False, False),  # eager: the op's eager FP8 path takes no mask
+    ("auto", "fused:cudnn", 1.2, True, False),       # cudnn-fp8 measured slower than torch SDPA
+    ("auto", "fused:cudnn", None, True, False),      # cudnn-fp8 not timed (refused)
+    ("auto", "serial", None, True, False),
+    ("auto", "fused:cudnn-fp8", 0.5, True, True),    # an additive mask (LTX's -10000 bias) is not a key padding
 ])
-def test_every_other_masked_call_stays_diffusers_sdpa(emulated, monkeypatch, fp8_mode, schedule, compiling,
+def test_every_other_masked_call_stays_diffusers_sdpa(emulated, monkeypatch, fp8_mode, schedule, fp8_ms, compiling,
                                                       float_mask):
     q, k, v, mask = _inputs(1)
     if float_mask:
         mask = torch.where(mask, 0.0, -10000.0).to(torch.bfloat16)
-    ctx = _context(fp8_mode, schedule, monkeypatch)
+    ctx = _context(fp8_mode, schedule, fp8_ms)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
     got = xstage_attention(q, k, v, attn_mask=mask, _parallel_config=ctx)
     monkeypatch.undo()

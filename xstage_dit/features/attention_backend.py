@@ -127,26 +127,28 @@ def _world_one(ctx: AttentionContext, query, key, value, mask, scale) -> torch.T
 
     Self-attention without a mask takes the op where its schedule is not "serial" (the kernel sweep's choice). A
     call with more keys than queries or a key-padding mask (NucleusMoE's image queries over image + padded text keys)
-    takes only the compiled cudnn-fp8 path, where FP8 attention was asked for: cuDNN's FP8 kernel takes both
-    (``fp8_traced``: per-sample key lengths); no 16-bit kernel of the op's takes either, and torch's SDPA is
-    theirs at this shape. It goes by the schedule of its queries' self-attention shape."""
+    takes only the compiled cudnn-fp8 path (``fp8_traced``: per-sample key lengths), where FP8 attention was asked
+    for and measured at or under torch SDPA's time at its queries' self-attention shape
+    (`AttentionSchedules.masked_takes_fp8`): no 16-bit kernel of the op's takes either, torch's SDPA is theirs."""
     seq_q, seq_k = query.shape[1], key.shape[1]
-    plain = mask is None and seq_q == seq_k
-    fp8_only = (not plain and ctx.schedules.kernels.fp8_attention != "off" and torch.compiler.is_compiling()
-                and seq_q <= seq_k and (mask is None or _key_padding(mask)))
-    if not (plain or fp8_only):
+    if mask is None and seq_q == seq_k:
+        schedule = _schedule_for(ctx, query, seq_q)
+        if schedule == "serial":
+            return None
+        ctx.schedules.note_path("ulysses", ctx.name)
+        # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
+        traced = takes_traced_fp8(schedule, ctx.world)
+        bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms and traced else None
+        return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
+                                 fp8_amax_bounds=bounds)
+    if (ctx.schedules.kernels.fp8_attention == "off" or not torch.compiler.is_compiling() or seq_q > seq_k
+            or not (mask is None or _key_padding(mask))):
         return None
-    schedule = _schedule_for(ctx, query, seq_q)
-    traced = takes_traced_fp8(schedule, ctx.world)
-    if schedule == "serial" or (fp8_only and not traced):
+    batch, _, heads, head_dim = query.shape
+    if not ctx.schedules.masked_takes_fp8(batch, seq_q, heads, head_dim, query.dtype, query.device):
         return None
-    ctx.schedules.note_path("ulysses", ctx.name)
-    # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
-    bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms and traced else None
-    if fp8_only:
-        return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds, key_mask=mask)
-    return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
-                             fp8_amax_bounds=bounds)
+    bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms else None
+    return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds, key_mask=mask)
 
 
 def _sdpa(q, k, v, mask, scale):

@@ -58,8 +58,12 @@ class AttentionSchedules:
         def note_once(path, module):
             return self._note(path, module)
 
+        def masked_once(*shape):
+            return self._masked_fp8(*shape)
+
         self._decide_once = torch.compiler.assume_constant_result(decide_once)
         self._note_once = torch.compiler.assume_constant_result(note_once)
+        self._masked_once = torch.compiler.assume_constant_result(masked_once)
 
     def for_shape(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device) -> str:
@@ -68,6 +72,26 @@ class AttentionSchedules:
         if self.schedule != "auto":
             return self.schedule
         return self._decide_once(int(batch), int(seq_len), int(heads), int(head_dim), dtype, device)
+
+    def masked_takes_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+                         device: torch.device) -> bool:
+        """Whether a world-1 call of queries (batch, seq_len, heads, head_dim) with a key-padding mask or more keys
+        than queries takes cudnn-fp8 (of the op's kernels the only one that takes either; the alternative is torch's
+        SDPA): where the self-attention shape's schedule is cudnn-fp8, or where the sweep there measured cudnn-fp8
+        at or under torch SDPA's time (a 16-bit kernel chosen over both takes no mask). "auto" only."""
+        if self.schedule != "auto":
+            return False
+        return self._masked_once(int(batch), int(seq_len), int(heads), int(head_dim), dtype, device)
+
+    def _masked_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> bool:
+        from xstage_dit.ops.attention import FP8_TRACED_SCHEDULE
+
+        if self._decide(batch, seq_len, heads, head_dim, dtype, device) == FP8_TRACED_SCHEDULE:
+            return True
+        decision = self.choices[(batch, seq_len, heads, head_dim, dtype, self.world)]
+        fp8_ms = decision.timings_ms.get(FP8_TRACED_SCHEDULE.partition(":")[2])
+        return fp8_ms is not None and decision.baseline_ms is not None and fp8_ms <= decision.baseline_ms
 
     def note_path(self, path: str, module: str) -> bool:
         """Record (once, with a log line) that an attention module took ``path``.
