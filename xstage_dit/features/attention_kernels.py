@@ -39,8 +39,9 @@ import torch.distributed as dist
 from xstage_dit.calibration import kernel_sweep as ks
 from xstage_dit.ops.attention.kernels import kernel_versions
 from xstage_dit.ops.attention.window_path import problem_family, problem_refusals, sweep_cases
-from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, FP8_ATTENTION, FP8_KERNELS, WORLD1_ORDER, BASELINE,
-                                                  KernelChoice, as_compiled, choose_attention_kernel, with_fp8)
+from xstage_dit.schedule.attention_kernel import (DEFAULT_ORDER, FP8_ATTENTION, FP8_KERNELS, MASKED_KERNELS,
+                                                  WORLD1_ORDER, BASELINE, KernelChoice, as_compiled,
+                                                  choose_attention_kernel, with_fp8)
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,12 @@ class KernelChooser:
         return self.world > 1 and self.group is not None and dist.is_initialized()
 
     def choose(self, *, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
-               device: torch.device) -> KernelChoice:
+               device: torch.device, masked: bool = False) -> KernelChoice:
         """The kernel for q of (batch, seq_len / world, heads, head_dim) per rank (collective at world > 1:
-        every rank of the group calls it for the same shape, in the same order)."""
+        every rank of the group calls it for the same shape, in the same order). masked: for world-1 calls with a
+        key-padding mask, compiled (`_choose_masked`)."""
         problem = dict(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim, world_size=self.world,
-                       dtype=dtype, device=torch.device(device))
+                       dtype=dtype, device=torch.device(device), masked=bool(masked))
         if not self.collective:
             return self._choose_here(problem)
         payload: list[Any] = [None]
@@ -161,6 +163,8 @@ class KernelChooser:
             # (the server batches only where a batched image is byte-identical to its single run), and a kernel
             # picked per batch size would break that. The one-image shape is timed and decides for all.
             problem = {**problem, "batch": 1}
+        if problem.get("masked"):
+            return self._choose_masked(problem)
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
         fp8 = self.fp8_attention != "off" and problem["dtype"] in FP8_INPUT_DTYPES
         refusals = (self._refusals or problem_refusals)(**args, device=problem["device"], **({"fp8": True} if fp8
@@ -183,6 +187,30 @@ class KernelChooser:
             timings = as_compiled(timings) if self.compiled else timings
         order, baseline = (WORLD1_ORDER, BASELINE) if self.world == 1 else (DEFAULT_ORDER, None)
         return choose_attention_kernel(timings, refusals, with_fp8(order) if fp8 else order, baseline=baseline)
+
+    def _choose_masked(self, problem: dict) -> KernelChoice:
+        """World 1, compiled, a key-padding mask: torch SDPA with the mask ("sdpa") or cuDNN's FP8 kernel with key
+        lengths ("cudnn-fp8"), by the "-masked" family's timings (`masked_sweep`) where FP8 attention is "auto";
+        "cudnn-fp8" by name: taken wherever it takes the shape; any other mode: "sdpa"."""
+        args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
+        fp8 = MASKED_KERNELS[1]
+        if self.world != 1 or self.fp8_attention not in ("auto", fp8) or problem["dtype"] not in FP8_INPUT_DTYPES:
+            return KernelChoice(BASELINE, f"a masked call: only torch SDPA takes it with fp8 attention "
+                                          f"{self.fp8_attention!r} at world {self.world}", {}, {})
+        offered = (self._refusals or problem_refusals)(**args, device=problem["device"], fp8=True)
+        refusals = {k: offered.get(k, "not offered") for k in MASKED_KERNELS}
+        refusals = {k: self.capture_refusals.get(k) if r is None else r for k, r in refusals.items()}
+        if self.fp8_attention == fp8 and refusals[fp8] is None:
+            return KernelChoice(fp8, f"asked for by fp8 attention {fp8!r} (a masked call)", {},
+                                {k: r for k, r in refusals.items() if r}, forced=True)
+        timings = None
+        if refusals[fp8] is None:
+            bounded = bool(self.qk_bounded)
+            family = problem_family(**args, fp8=True, qk_bounded=bounded, masked=True)
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            timings = as_compiled(self._timings({**problem, "fp8": True, "qk_bounded": bounded}, family,
+                                                self.allow_measure and not capturing))
+        return choose_attention_kernel(timings, refusals, MASKED_KERNELS, baseline=BASELINE)
 
     def _timings(self, problem: dict, family: str, measure: bool) -> dict | None:
         if family in self._sweeps:

@@ -50,6 +50,7 @@ class AttentionSchedules:
         self.kernels = kernels if kernels is not None else KernelChooser(world=world, sweep=lambda *a: None)
         self.choices = {} if choices is None else choices
         self.paths = {} if paths is None else paths
+        self.masked_choices: dict = {}  # (batch, seq_len, heads, head_dim, dtype) -> KernelChoice (`masked_takes_fp8`)
         # Closures over this instance (a bound method cannot carry Dynamo's mark): Dynamo then calls the
         # decision at trace time with plain values only.
         def decide_once(*shape):
@@ -75,23 +76,24 @@ class AttentionSchedules:
 
     def masked_takes_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
                          device: torch.device) -> bool:
-        """Whether a world-1 call of queries (batch, seq_len, heads, head_dim) with a key-padding mask or more keys
-        than queries takes cudnn-fp8 (of the op's kernels the only one that takes either; the alternative is torch's
-        SDPA): where the self-attention shape's schedule is cudnn-fp8, or where the sweep there measured cudnn-fp8
-        at or under torch SDPA's time (a 16-bit kernel chosen over both takes no mask). "auto" only."""
+        """Whether a compiled world-1 call of queries (batch, seq_len, heads, head_dim) with a key-padding mask or
+        more keys than queries takes cudnn-fp8 (of the op's kernels the only one that takes either) rather than
+        torch's SDPA: the `KernelChooser`'s masked choice, timed on masked inputs (`masked_sweep`), decided once per
+        shape and logged. "auto" only."""
         if self.schedule != "auto":
             return False
         return self._masked_once(int(batch), int(seq_len), int(heads), int(head_dim), dtype, device)
 
     def _masked_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
                     device: torch.device) -> bool:
-        from xstage_dit.ops.attention import FP8_TRACED_SCHEDULE
-
-        if self._decide(batch, seq_len, heads, head_dim, dtype, device) == FP8_TRACED_SCHEDULE:
-            return True
-        decision = self.choices[(batch, seq_len, heads, head_dim, dtype, self.world)]
-        fp8_ms = decision.timings_ms.get(FP8_TRACED_SCHEDULE.partition(":")[2])
-        return fp8_ms is not None and decision.baseline_ms is not None and fp8_ms <= decision.baseline_ms
+        key = (batch, seq_len, heads, head_dim, dtype)
+        if key not in self.masked_choices:
+            choice = self.kernels.choose(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
+                                         device=device, masked=True)
+            log.info("masked attention for batch=%d seq=%d heads=%d head_dim=%d %s: %s (%s)", batch, seq_len, heads,
+                     head_dim, str(dtype).replace("torch.", ""), choice.name, choice.reason)
+            self.masked_choices[key] = choice
+        return self.masked_choices[key].name == "cudnn-fp8"
 
     def note_path(self, path: str, module: str) -> bool:
         """Record (once, with a log line) that an attention module took ``path``.

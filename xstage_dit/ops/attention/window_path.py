@@ -262,16 +262,17 @@ def _qk_bounded(prob: dict) -> bool:
 
 
 def problem_family(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int,
-                   dtype: torch.dtype, fp8: bool = False, qk_bounded: bool = False) -> str:
+                   dtype: torch.dtype, fp8: bool = False, qk_bounded: bool = False, masked: bool = False) -> str:
     """The sweep's family of one rank's problem (``schedule.attention_kernel.shape_family`` at the heads of the
     last rank, the launch ``sweep_cases`` times): the one rule the sweep and the chooser share. ``fp8``: the family
-    that also times the 8-bit kernels; ``qk_bounded``: of layers whose q and k bounds are known in advance."""
+    that also times the 8-bit kernels; ``qk_bounded``: of layers whose q and k bounds are known in advance;
+    ``masked``: of world-1 calls with a key-padding mask (`masked_cases`)."""
     from xstage_dit.schedule.attention_kernel import shape_family
 
     heads_local = heads if world_size == 1 else head_ranges(heads, world_size)[-1][1]
     return shape_family(batch=batch, seq_len=seq_len, heads_local=heads_local, head_dim=head_dim,
                         world_size=world_size, dtype_name=str(dtype).removeprefix("torch."), fp8=fp8,
-                        qk_bounded=qk_bounded)
+                        qk_bounded=qk_bounded, masked=masked)
 
 
 def problem_refusals(*, batch: int, seq_len: int, heads: int, head_dim: int, world_size: int, dtype: torch.dtype,
@@ -381,7 +382,7 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     A problem with ``fp8`` true also times the 8-bit kernels (``FP8_KERNELS``), in its own family.
 
     problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype), device and optionally
-    fp8.
+    fp8, qk_bounded and masked (world 1 with fp8: `masked_sweep.masked_cases` instead, its own family).
     The closures hold their windows and tensors; dropping the dict releases them.
     """
     from xstage_dit.ops.attention.kernels import make_kernel
@@ -391,11 +392,17 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     for prob in problems:
         b, s, h, d, p, dtype, device, fp8 = _problem(prob)
         bounded = _qk_bounded(prob)
+        masked = bool(fp8 and p == 1 and prob.get("masked", False))
         family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8,
-                                qk_bounded=bounded)
+                                qk_bounded=bounded, masked=masked)
         if family in cases:
             continue
         names = with_fp8(kernel_names) if fp8 else tuple(kernel_names)
+        if masked:
+            from xstage_dit.ops.attention.masked_sweep import masked_cases
+
+            cases[family] = masked_cases(b, s, h, d, dtype, device, bounded)
+            continue
         if p == 1:
             cases[family] = _world1_cases(b, s, h, d, dtype, device, names, bounded)
             continue
