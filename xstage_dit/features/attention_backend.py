@@ -128,8 +128,8 @@ def _world_one(ctx: AttentionContext, query, key, value, mask, scale) -> torch.T
     Self-attention without a mask takes the op where its schedule is not "serial" (the kernel sweep's choice). A
     call with more keys than queries or a key-padding mask (NucleusMoE's image queries over image + padded text keys)
     takes only the compiled cudnn-fp8 path (``fp8_traced``: per-sample key lengths), where FP8 attention was asked
-    for and measured at or under torch SDPA's time at its queries' self-attention shape
-    (`AttentionSchedules.masked_takes_fp8`): no 16-bit kernel of the op's takes either, torch's SDPA is theirs."""
+    for and the masked choice picks it (`AttentionSchedules.masked_takes_fp8`: timed against torch SDPA with a mask,
+    on masked inputs); no 16-bit kernel of the op's takes either, so torch's SDPA is theirs otherwise."""
     seq_q, seq_k = query.shape[1], key.shape[1]
     if mask is None and seq_q == seq_k:
         schedule = _schedule_for(ctx, query, seq_q)
