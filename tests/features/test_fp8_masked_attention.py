@@ -18,15 +18,7 @@ from xstage_dit.ops.attention import fp8_reference as ref8
 from xstage_dit.schedule.facts import DeviceFacts
 
 from tests.features.test_fp8_attention import FakeRefusals, _chooser
-from tests.ops.test_attention_fp8_traced import EmulatedCudnnFp8
-
-
-@pytest.fixture
-def emulated(monkeypatch):
-    kernel = EmulatedCudnnFp8()
-    monkeypatch.setattr(cudnn_fp8, "shared_attention", lambda: kernel)
-    monkeypatch.setattr(cudnn_fp8, "unavailable_cached", lambda device, head_dim: None)
-    return kernel
+from tests.ops.test_attention_fp8_traced import EmulatedCudnnFp8, emulated  # noqa: F401 - the fixture
 
 
 def _context(fp8_mode: str, timings: dict | None, refuse=()) -> AttentionContext:
