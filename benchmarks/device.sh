@@ -292,7 +292,7 @@ step_compile_variants() {
 step_fp8_attention() {
   OUT="$1" timeout -k 10 "${FP8_ATTN_TESTS_S:-360}" bash scripts/gpu_tests.sh -s tests/ops/test_attention_fp8_gpu.py \
     tests/features/test_fp8_sp_gpu.py tests/features/test_fp8.py tests/features/test_fp8_fused.py \
-    tests/features/test_fp8_few_rows.py \
+    tests/features/test_fp8_few_rows.py tests/ops/test_attention_padded_gpu.py \
     tests/ops/test_fp8_rows_gpu.py tests/ops/test_moe_fp8.py tests/calibration/test_kernel_sweep_gpu.py
   local rc_tests=$?
   timeout -k 10 "${FP8_ATTN_BENCH_S:-150}" "$py" benchmarks/bench_fp8_error.py --attention \

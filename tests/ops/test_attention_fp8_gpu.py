@@ -227,21 +227,3 @@ def test_world1_cudnn_fp8_takes_a_key_padding_mask(batch, seq_q, seq_k, kept, sc
         torch._dynamo.reset()
     assert rel_err(compiled, out) < 1e-2  # Inductor's casts: the same values but for fp32 rounding order
 
-
-@pytest.mark.gpu
-def test_the_masked_sweep_family_times_both_takers_at_nucleusmoes_shape():
-    """`masked_sweep.masked_cases` on the GPU at NucleusMoE's query shape: torch SDPA with a key mask and the compiled
-    padded cudnn-fp8 path both run; their times printed (what the masked choice compares)."""
-    from xstage_dit.calibration.kernel_sweep import cuda_event_ms
-    from xstage_dit.ops.attention.masked_sweep import masked_cases
-
-    _kernel_or_skip("cudnn-fp8", 1, 1, 4096, 16, 128, torch.bfloat16)
-    torch._dynamo.reset()
-    try:
-        fns = masked_cases(1, 4096, 16, 128, torch.bfloat16, "cuda", qk_bounded=True)
-        assert set(fns) == {"sdpa", "cudnn-fp8+compiled"}
-        times = {name: cuda_event_ms(fn) for name, fn in fns.items()}
-    finally:
-        torch._dynamo.reset()
-    print(f"masked (1, 4096, 16, 128): {times}")
-    assert all(t > 0 for t in times.values())

@@ -215,7 +215,7 @@ def test_a_key_padding_mask_is_attended_as_masked_softmax_eager_and_compiled(emu
 
 
 def test_kept_keys_first_moves_the_kept_keys_first_in_order_and_counts_them():
-    from xstage_dit.ops.attention.fp8_traced import kept_keys_first
+    from xstage_dit.ops.attention.key_padding import kept_keys_first
 
     k = torch.arange(2 * 6 * 1 * 2, dtype=torch.float32).reshape(2, 6, 1, 2)
     mask = torch.tensor([[True, False, True, True, False, True], [False] * 5 + [True]])

@@ -147,6 +147,8 @@ class XStage(Contender):
             return
         # The attention schedule per distinct layer shape, filled as the shapes were first seen.
         self.info["schedules"] = to_jsonable(engine.stack.schedule_choices)
+        if engine.stack.masked_choices:  # world-1 calls with a key-padding mask: their kernel per query shape
+            self.info["masked_attention"] = to_jsonable(engine.stack.masked_choices)
         engine.restore()
 
 

@@ -123,32 +123,39 @@ def _key_padding(mask: torch.Tensor | None) -> bool:
 
 
 def _world_one(ctx: AttentionContext, query, key, value, mask, scale) -> torch.Tensor | None:
-    """A world-1 call through the op, or None for diffusers' own SDPA call.
+    """A world-1 call through one of our kernels, or None for diffusers' own SDPA call.
 
-    Self-attention without a mask takes the op where its schedule is not "serial" (the kernel sweep's choice). A
-    call with more keys than queries or a key-padding mask (NucleusMoE's image queries over image + padded text keys)
-    takes only the compiled cudnn-fp8 path (``fp8_traced``: per-sample key lengths), where FP8 attention was asked
-    for and the masked choice picks it (`AttentionSchedules.masked_takes_fp8`: timed against torch SDPA with a mask,
-    on masked inputs); no 16-bit kernel of the op's takes either, so torch's SDPA is theirs otherwise."""
+    Without a mask, self-attention takes the op where its schedule is not "serial" (the kernel sweep's choice), and
+    a call with more keys than queries (NucleusMoE's image queries over image + text keys) takes the compiled
+    cudnn-fp8 path where its queries' self-attention shape chose cudnn-fp8. With a key-padding mask the masked choice
+    decides (`AttentionSchedules.masked_kernel`: timed against torch SDPA with the mask, on masked inputs): cuDNN's
+    padding mask over per-sample key lengths in 16 bits (``cudnn_padded``) or, compiled, in FP8 (``fp8_traced``).
+    Other masks (additive, per query) and more queries than keys stay torch's SDPA."""
     seq_q, seq_k = query.shape[1], key.shape[1]
-    if mask is None and seq_q == seq_k:
+    if seq_q > seq_k or not (mask is None or _key_padding(mask)):
+        return None
+    if mask is None:
+        if seq_q != seq_k and (ctx.schedules.kernels.fp8_attention == "off" or not torch.compiler.is_compiling()):
+            return None  # only the compiled cudnn-fp8 path takes more keys than queries: decide nothing else
         schedule = _schedule_for(ctx, query, seq_q)
-        if schedule == "serial":
+        traced = takes_traced_fp8(schedule, ctx.world)
+        if schedule == "serial" or (seq_q != seq_k and not traced):
             return None
         ctx.schedules.note_path("ulysses", ctx.name)
         # cudnn-fp8 compiled: q's and k's scales from their norms' weights, no pass over q and k first
-        traced = takes_traced_fp8(schedule, ctx.world)
         bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms and traced else None
+        if seq_q != seq_k:
+            return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds)
         return ulysses_attention(query, key, value, group=ctx.group, schedule=schedule, scale=scale,
                                  fp8_amax_bounds=bounds)
-    if (ctx.schedules.kernels.fp8_attention == "off" or not torch.compiler.is_compiling() or seq_q > seq_k
-            or not (mask is None or _key_padding(mask))):
-        return None
     batch, _, heads, head_dim = query.shape
-    if not ctx.schedules.masked_takes_fp8(batch, seq_q, heads, head_dim, query.dtype, query.device):
-        return None
-    bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms else None
-    return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds, key_mask=mask)
+    kernel = ctx.schedules.masked_kernel(batch, seq_q, heads, head_dim, query.dtype, query.device)
+    if kernel == "cudnn-padded":
+        return attention_ops.cudnn_padded_attention(query, key, value, mask, scale=scale)
+    if kernel == "cudnn-fp8" and torch.compiler.is_compiling():
+        bounds = amax_bounds(ctx.qk_norms, query.device) if ctx.qk_norms else None
+        return attention_ops.cudnn_fp8_attention(query, key, value, scale=scale, amax_bounds=bounds, key_mask=mask)
+    return None
 
 
 def _sdpa(q, k, v, mask, scale):

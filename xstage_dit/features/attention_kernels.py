@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 CAPTURE_UNSAFE = {"cudnn": "cudnn-frontend's graphs failed inside CUDA-graph captures on the H200 (b3a1445) and "
                            "the H100 (c5f5f69): not under --compile graphs"}
 # cudnn-fp8 runs cudnn-frontend's graphs at every world size (at world 1 too: torch has no FP8 SDPA backend).
-CAPTURE_UNSAFE_ANY_WORLD = {"cudnn-fp8": "cudnn-frontend's graphs failed inside CUDA-graph captures (see cudnn): "
-                                         "not under --compile graphs"}
+CAPTURE_UNSAFE_ANY_WORLD = {name: "cudnn-frontend's graphs failed inside CUDA-graph captures (see cudnn): not under "
+                                  "--compile graphs" for name in ("cudnn-fp8", "cudnn-padded")}
 # The 16-bit dtypes the 8-bit kernels quantize from.
 FP8_INPUT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -189,28 +189,35 @@ class KernelChooser:
         return choose_attention_kernel(timings, refusals, with_fp8(order) if fp8 else order, baseline=baseline)
 
     def _choose_masked(self, problem: dict) -> KernelChoice:
-        """World 1, compiled, a key-padding mask: torch SDPA with the mask ("sdpa") or cuDNN's FP8 kernel with key
-        lengths ("cudnn-fp8"), by the "-masked" family's timings (`masked_sweep`) where FP8 attention is "auto";
-        "cudnn-fp8" by name: taken wherever it takes the shape; any other mode: "sdpa"."""
+        """World 1, a key-padding mask: torch SDPA with the mask ("sdpa"), cuDNN's 16-bit kernel with per-sample key
+        lengths ("cudnn-padded") or, with FP8 attention "auto" (compiled calls only), its FP8 kernel with them
+        ("cudnn-fp8"), by the "-masked" family's timings (`masked_sweep`); "cudnn-fp8" by name wherever it takes
+        the shape."""
+        from xstage_dit.ops.attention.masked_sweep import padded_refusal
+
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
-        fp8 = MASKED_KERNELS[1]
-        if self.world != 1 or self.fp8_attention not in ("auto", fp8) or problem["dtype"] not in FP8_INPUT_DTYPES:
-            return KernelChoice(BASELINE, f"a masked call: only torch SDPA takes it with fp8 attention "
-                                          f"{self.fp8_attention!r} at world {self.world}", {}, {})
-        offered = (self._refusals or problem_refusals)(**args, device=problem["device"], fp8=True)
-        refusals = {k: offered.get(k, "not offered") for k in MASKED_KERNELS}
+        if self.world != 1:
+            return KernelChoice(BASELINE, f"a masked call at world {self.world}: the gather-KV path", {}, {})
+        fp8_kernel = MASKED_KERNELS[2]
+        fp8 = self.fp8_attention in ("auto", fp8_kernel) and problem["dtype"] in FP8_INPUT_DTYPES
+        refusals = {BASELINE: None, MASKED_KERNELS[1]: padded_refusal(args["head_dim"], args["dtype"],
+                                                                      problem["device"])}
+        if fp8:
+            offered = (self._refusals or problem_refusals)(**args, device=problem["device"], fp8=True)
+            refusals[fp8_kernel] = offered.get(fp8_kernel, "not offered")
         refusals = {k: self.capture_refusals.get(k) if r is None else r for k, r in refusals.items()}
-        if self.fp8_attention == fp8 and refusals[fp8] is None:
-            return KernelChoice(fp8, f"asked for by fp8 attention {fp8!r} (a masked call)", {},
+        if self.fp8_attention == fp8_kernel and refusals.get(fp8_kernel, "not offered") is None:
+            return KernelChoice(fp8_kernel, f"asked for by fp8 attention {fp8_kernel!r} (a masked call)", {},
                                 {k: r for k, r in refusals.items() if r}, forced=True)
         timings = None
-        if refusals[fp8] is None:
-            bounded = bool(self.qk_bounded)
-            family = problem_family(**args, fp8=True, qk_bounded=bounded, masked=True)
+        if sum(r is None for r in refusals.values()) >= 2:  # as `_choose_here`: something to compare
+            bounded = fp8 and bool(self.qk_bounded)
+            family = problem_family(**args, fp8=fp8, qk_bounded=bounded, masked=True)
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            timings = as_compiled(self._timings({**problem, "fp8": True, "qk_bounded": bounded}, family,
+            timings = as_compiled(self._timings({**problem, "fp8": fp8, "qk_bounded": bounded}, family,
                                                 self.allow_measure and not capturing))
-        return choose_attention_kernel(timings, refusals, MASKED_KERNELS, baseline=BASELINE)
+        return choose_attention_kernel(timings, refusals, tuple(k for k in MASKED_KERNELS if k in refusals),
+                                       baseline=BASELINE)
 
     def _timings(self, problem: dict, family: str, measure: bool) -> dict | None:
         if family in self._sweeps:

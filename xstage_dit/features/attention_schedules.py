@@ -38,11 +38,12 @@ class AttentionSchedules:
     down by ``parallelize`` and where they came from (``ChosenParams.params`` / ``.source``). world: the sp
     degree. facts: the device's facts. kernels: the kernel per shape (None = a chooser that measures nothing
     and reads no cache). choices: {(batch, seq_len, heads, head_dim, dtype, world): AttentionDecision}, filled
-    once per shape. paths: {path: first module that took it}."""
+    once per shape. paths: {path: first module that took it}. masked_choices: {(batch, seq_len, heads, head_dim,
+    dtype): KernelChoice} of world-1 calls with a key-padding mask (`masked_kernel`)."""
 
     def __init__(self, schedule: str, *, world: int, facts: DeviceFacts, xparams=None, source: str = "",
                  kernels: KernelChooser | None = None, choices: dict | None = None,
-                 paths: dict | None = None) -> None:
+                 paths: dict | None = None, masked_choices: dict | None = None) -> None:
         if schedule not in ("auto", "fused", "serial"):
             raise ValueError(f"expected schedule 'auto', 'fused' or 'serial', got {schedule!r}")
         self.schedule, self.world, self.facts = schedule, world, facts
@@ -50,7 +51,8 @@ class AttentionSchedules:
         self.kernels = kernels if kernels is not None else KernelChooser(world=world, sweep=lambda *a: None)
         self.choices = {} if choices is None else choices
         self.paths = {} if paths is None else paths
-        self.masked_choices: dict = {}  # (batch, seq_len, heads, head_dim, dtype) -> KernelChoice (`masked_takes_fp8`)
+        # (batch, seq_len, heads, head_dim, dtype) -> KernelChoice (`masked_kernel`), filled once per shape
+        self.masked_choices = {} if masked_choices is None else masked_choices
         # Closures over this instance (a bound method cannot carry Dynamo's mark): Dynamo then calls the
         # decision at trace time with plain values only.
         def decide_once(*shape):
@@ -60,7 +62,7 @@ class AttentionSchedules:
             return self._note(path, module)
 
         def masked_once(*shape):
-            return self._masked_fp8(*shape)
+            return self._masked(*shape)
 
         self._decide_once = torch.compiler.assume_constant_result(decide_once)
         self._note_once = torch.compiler.assume_constant_result(note_once)
@@ -74,18 +76,18 @@ class AttentionSchedules:
             return self.schedule
         return self._decide_once(int(batch), int(seq_len), int(heads), int(head_dim), dtype, device)
 
-    def masked_takes_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
-                         device: torch.device) -> bool:
-        """Whether a compiled world-1 call of queries (batch, seq_len, heads, head_dim) with a key-padding mask or
-        more keys than queries takes cudnn-fp8 (of the op's kernels the only one that takes either) rather than
-        torch's SDPA: the `KernelChooser`'s masked choice, timed on masked inputs (`masked_sweep`), decided once per
-        shape and logged. "auto" only."""
+    def masked_kernel(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+                      device: torch.device) -> str:
+        """The kernel of a world-1 call of queries (batch, seq_len, heads, head_dim) with a key-padding mask: "sdpa"
+        (torch's, with the mask), "cudnn-padded" or "cudnn-fp8" (cuDNN's padding mask over per-sample key lengths;
+        the FP8 one for compiled calls only): the `KernelChooser`'s masked choice, timed on masked inputs
+        (`masked_sweep`), decided once per shape and logged. "sdpa" unless the schedule is "auto"."""
         if self.schedule != "auto":
-            return False
+            return "sdpa"
         return self._masked_once(int(batch), int(seq_len), int(heads), int(head_dim), dtype, device)
 
-    def _masked_fp8(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
-                    device: torch.device) -> bool:
+    def _masked(self, batch: int, seq_len: int, heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> str:
         key = (batch, seq_len, heads, head_dim, dtype)
         if key not in self.masked_choices:
             choice = self.kernels.choose(batch=batch, seq_len=seq_len, heads=heads, head_dim=head_dim, dtype=dtype,
@@ -93,7 +95,7 @@ class AttentionSchedules:
             log.info("masked attention for batch=%d seq=%d heads=%d head_dim=%d %s: %s (%s)", batch, seq_len, heads,
                      head_dim, str(dtype).replace("torch.", ""), choice.name, choice.reason)
             self.masked_choices[key] = choice
-        return self.masked_choices[key].name == "cudnn-fp8"
+        return self.masked_choices[key].name or "sdpa"
 
     def note_path(self, path: str, module: str) -> bool:
         """Record (once, with a log line) that an attention module took ``path``.
@@ -143,5 +145,5 @@ def apply(pipe, config: ParallelConfig, ctx: FeatureContext) -> None:
     ctx.schedules = AttentionSchedules(config.schedule, world=config.sp, facts=DeviceFacts.from_device(groups.device),
                                        xparams=chosen.params if chosen else None, source=chosen.source if chosen else "",
                                        kernels=ctx.attention_kernels, choices=ctx.schedule_choices,
-                                       paths=ctx.attention_paths)
+                                       paths=ctx.attention_paths, masked_choices=ctx.masked_choices)
     return None

@@ -101,6 +101,7 @@ class FeatureContext:
     schedules: Any = None
     attention_kernels: Any = None
     schedule_choices: dict = field(default_factory=dict)
+    masked_choices: dict = field(default_factory=dict)
     attention_paths: dict = field(default_factory=dict)
     num_moe_layers: int = 0
     cfg_hooks: list = field(default_factory=list)

@@ -149,7 +149,8 @@ class StackConfig:
 
 
 # What the stack's own attributes read from its context (the public handle of `parallelize`).
-_FROM_CONTEXT = ("groups", "calibration", "schedule_choices", "attention_kernels", "attention_paths", "num_moe_layers",
+_FROM_CONTEXT = ("groups", "calibration", "schedule_choices", "masked_choices", "attention_kernels", "attention_paths",
+                 "num_moe_layers",
                  "cfg_hooks", "prompt_cache", "text_layers_skipped", "cfg_batch_reason", "vae_convs_2d",
                  "one_frame_decode", "batch_invariance", "compiled", "transformers", "fp8", "lora", "step_cache")
 
@@ -162,7 +163,9 @@ class FeatureStack:
     the schedule). schedule_choices: the ``AttentionDecision`` per distinct shape ``(batch, seq_len, heads,
     head_dim, dtype, sp)`` (``.name``: "fused:<kernel>" | "serial", ``.reason``, ``.kernel``,
     ``.kernel_reason``, the timings it rests on), filled once per shape at its first call (eager or under
-    torch.compile). attention_kernels: the ``KernelChooser`` (its ``report()``). attention_paths: the attention
+    torch.compile). masked_choices: the ``KernelChoice`` per query shape ``(batch, seq_len, heads, head_dim, dtype)``
+    of world-1 calls with a key-padding mask ("sdpa", "cudnn-padded" or "cudnn-fp8"). attention_kernels: the
+    ``KernelChooser`` (its ``report()``). attention_paths: the attention
     paths taken ("ulysses", "local", "gather_kv") and the first module that took each. prompt_cache: the empty
     prompt's embedding kept across calls (None for a pipeline that encodes its negative prompt with the positive
     one). text_layers_skipped: `text_depth` applies. cfg_batch_reason: whether and why CFG batching runs.

@@ -40,10 +40,11 @@ FP8_KERNELS = ("cudnn-fp8", "sage")
 # What ``Fp8Config.attention`` takes: "off", "auto" (the 8-bit kernels join the sweep) or one kernel by name
 # (that kernel wherever it takes the shape: the error benchmark and tests force each).
 FP8_ATTENTION = ("off", "auto") + FP8_KERNELS
-# World 1, compiled, FP8 attention on: calls with a key-padding mask (or more keys than queries) have two takers,
-# torch SDPA with the mask and cuDNN's FP8 kernel with per-sample key lengths (``ops.attention.fp8_traced``); their
-# own sweep family ("-masked") times the two on masked inputs.
-MASKED_KERNELS = (BASELINE, "cudnn-fp8")
+# World 1: calls with a key-padding mask have their own takers, timed on masked inputs in their own sweep family
+# ("-masked", ``ops.attention.masked_sweep``): torch SDPA with the mask, cuDNN's 16-bit kernel with per-sample key
+# lengths (``ops.attention.cudnn_padded``) and, compiled with FP8 attention on, cuDNN's FP8 kernel with them
+# (``ops.attention.fp8_traced``).
+MASKED_KERNELS = (BASELINE, "cudnn-padded", "cudnn-fp8")
 
 
 # A kernel timed in its compiled form too carries a second entry, "<kernel>+compiled" (world 1's cudnn-fp8, whose
@@ -94,15 +95,15 @@ def shape_family(*, batch: int, seq_len: int, heads_local: int, head_dim: int, w
     divides by P (kernels refuse differently with padding rows); ``fp8``: the family whose sweep also times the
     8-bit kernels (suffix "-fp8"); ``qk_bounded`` (with fp8): the layers' q and k come with bounds known in advance
     (``features.qk_bounds``), so world 1's compiled cudnn-fp8 is timed without a pass over q and k (suffix "-qkb");
-    ``masked`` (with fp8): calls with a key-padding mask, torch SDPA masked against cudnn-fp8 padded (suffix
-    "-masked", world 1's `MASKED_KERNELS`)."""
+    ``masked``: world-1 calls with a key-padding mask, torch SDPA masked against the padded kernels (suffix
+    "-masked", `MASKED_KERNELS`)."""
     for name, value in (("batch", batch), ("seq_len", seq_len), ("heads_local", heads_local),
                         ("head_dim", head_dim), ("world_size", world_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"expected {name} to be a positive int, got {value!r}")
     pad = "-pad" if seq_len % world_size else ""
     return (f"{dtype_name}-d{head_dim}-b{batch}-s{_seq_bucket(seq_len)}-hr{heads_local}-p{world_size}{pad}"
-            f"{'-fp8' if fp8 else ''}{'-qkb' if fp8 and qk_bounded else ''}{'-masked' if fp8 and masked else ''}")
+            f"{'-fp8' if fp8 else ''}{'-qkb' if fp8 and qk_bounded else ''}{'-masked' if masked else ''}")
 
 
 @dataclass(frozen=True)

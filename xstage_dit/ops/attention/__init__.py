@@ -30,6 +30,7 @@ import torch
 from xstage_dit.comm.distributed import world_of
 from xstage_dit.ops.attention.auto import resolve_attention_schedule
 from xstage_dit.ops.attention.checks import check_inputs
+from xstage_dit.ops.attention.cudnn_padded import cudnn_padded_attention
 from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
 from xstage_dit.ops.attention.partition import head_split, shard_bounds
 from xstage_dit.ops.attention.reference import attention_reference, ulysses_attention_reference

@@ -28,9 +28,10 @@ import torch
 from xstage_dit.ops.attention.fp8_quant import (AMAX_K, AMAX_Q, AMAX_V, DESCALE_K, DESCALE_O, DESCALE_Q, DESCALE_V,
                                                 SCALE_O, Fp8QKV, check_qkv_shapes)
 from xstage_dit.ops.attention.fp8_reference import E4M3, E4M3_MAX, po2_scale, quantize_reference
+from xstage_dit.ops.attention.key_padding import kept_keys_first
 from xstage_dit.ops.registry import NAMESPACE
 
-__all__ = ["cudnn_fp8_attention", "kept_keys_first", "quantize_scaled"]
+__all__ = ["cudnn_fp8_attention", "quantize_scaled"]
 
 # cuDNN reads each scale through a 16-byte-aligned pointer (the eager path's buffer: one fp32 per 16-byte row).
 _ALIGN = 16
@@ -70,26 +71,6 @@ def quantize_scaled(x: torch.Tensor, amax_bound: torch.Tensor | None = None) -> 
         return x8, 1.0 / descale.reshape(())  # powers of two: the reciprocal is exact
     scale = po2_scale(amax_bound)
     return (x.float() * scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), scale
-
-
-def kept_keys_first(k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k, v (B, Skv, H, D) and a key-padding mask (bool, True keeps: (B | 1, Skv) or (B | 1, 1, 1, Skv)) ->
-    (k, v with each batch element's kept keys first, in their order, then the others; int32 (B,) kept counts).
-
-    Attention is the same over any order of its keys, so attending the first count keys of the reordered k, v is
-    attending the kept keys: cuDNN's padding mask (per-sample key lengths) then takes any key-padding mask, not only
-    right-padded ones, with no host read. The gather is a load through an index that Inductor folds into the e4m3
-    casts that read k and v anyway."""
-    b, skv = k.shape[:2]
-    if (key_mask.dtype != torch.bool or key_mask.dim() not in (2, 4) or key_mask.shape[-1] != skv
-            or key_mask.shape[0] not in (1, b) or (key_mask.dim() == 4 and key_mask.shape[1:3] != (1, 1))):
-        raise ValueError(f"expected a bool key mask (B | 1, Skv) or (B | 1, 1, 1, Skv) with B={b}, Skv={skv}, got "
-                         f"{key_mask.dtype} {tuple(key_mask.shape)}")
-    keep = key_mask.reshape(key_mask.shape[0], skv).expand(b, skv)
-    order = torch.argsort(keep.logical_not().to(torch.int8), dim=1, stable=True)  # kept (0) first, stable
-    index = order[:, :, None, None].expand(k.shape)
-    return k.gather(1, index), v.gather(1, index), keep.sum(dim=1, dtype=torch.int32)
 
 
 def cudnn_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,

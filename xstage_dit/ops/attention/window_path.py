@@ -382,7 +382,7 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     A problem with ``fp8`` true also times the 8-bit kernels (``FP8_KERNELS``), in its own family.
 
     problems: dicts with batch, seq_len, heads, head_dim, world_size, dtype (a torch dtype), device and optionally
-    fp8, qk_bounded and masked (world 1 with fp8: `masked_sweep.masked_cases` instead, its own family).
+    fp8, qk_bounded and masked (world 1: `masked_sweep.masked_cases` instead, its own family).
     The closures hold their windows and tensors; dropping the dict releases them.
     """
     from xstage_dit.ops.attention.kernels import make_kernel
@@ -392,7 +392,7 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
     for prob in problems:
         b, s, h, d, p, dtype, device, fp8 = _problem(prob)
         bounded = _qk_bounded(prob)
-        masked = bool(fp8 and p == 1 and prob.get("masked", False))
+        masked = bool(p == 1 and prob.get("masked", False))
         family = problem_family(batch=b, seq_len=s, heads=h, head_dim=d, world_size=p, dtype=dtype, fp8=fp8,
                                 qk_bounded=bounded, masked=masked)
         if family in cases:
@@ -401,7 +401,7 @@ def sweep_cases(problems, kernel_names=DEFAULT_ORDER) -> dict:
         if masked:
             from xstage_dit.ops.attention.masked_sweep import masked_cases
 
-            cases[family] = masked_cases(b, s, h, d, dtype, device, bounded)
+            cases[family] = masked_cases(b, s, h, d, dtype, device, fp8=fp8, qk_bounded=bounded)
             continue
         if p == 1:
             cases[family] = _world1_cases(b, s, h, d, dtype, device, names, bounded)
