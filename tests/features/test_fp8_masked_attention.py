@@ -189,3 +189,18 @@ def test_the_masked_family_times_masked_sdpa_and_the_padded_kernels(monkeypatch)
     finally:
         torch._dynamo.reset()
     assert len(fp8.calls) == 1 and padded16.calls == [(1, 64, 2, 64)]
+
+
+def test_the_calibration_report_shows_the_masked_choice_per_query_shape():
+    """/v1/calibration's kernel section (`server.startup.kernel_report`) lists the masked choices with the reason."""
+    from types import SimpleNamespace
+
+    from xstage_dit.server.startup import kernel_report
+
+    q, k, v, mask = _inputs(3)
+    ctx = _context("off", {"sdpa": 1.0, "cudnn-padded": 0.1})
+    xstage_attention(q, k, v, attn_mask=mask, _parallel_config=ctx)
+    handle = SimpleNamespace(attention_kernels=ctx.schedules.kernels, masked_choices=ctx.schedules.masked_choices)
+    (shape, shown), = kernel_report(handle)["masked_choices"].items()
+    assert "16" in shape and shown["name"] == "sdpa" and "CUDA" in shown["refused"]["cudnn-padded"]
+    assert "masked_choices" not in kernel_report(SimpleNamespace(attention_kernels=ctx.schedules.kernels))

@@ -63,12 +63,14 @@ def schedule_report(handle: Any) -> Any:
 def kernel_report(handle: Any) -> dict:
     """The attention kernel sweep behind the "auto" schedules (``handle.attention_kernels.report()``): the
     shape families timed or read from the cache, their timings and the cache file; per shape, the kernel
-    chosen and why is in the schedules report."""
+    chosen and why is in the schedules report, and for world-1 calls with a key-padding mask ("masked_choices":
+    torch SDPA with the mask or cuDNN's padded kernels) here."""
     chooser = getattr(handle, "attention_kernels", None)
     if chooser is None:
         return {"note": "no automatic attention schedule (fixed by the user, or no parallelize handle): no kernel "
                         "sweep"}
-    return to_jsonable(chooser.report())
+    masked = getattr(handle, "masked_choices", None)
+    return to_jsonable({**chooser.report(), **({"masked_choices": masked} if masked else {})})
 
 
 def model_loader(model: str, parallel: ParallelConfig, *, dtype: torch.dtype | None = None,
