@@ -45,7 +45,7 @@ def packs(entry, attn, x, out) -> dict:
 
     graph, t, workspace, handle, sizes, amax, uids, tuned = entry
     by_tensor = cf.tensor_pack(t, x, out, attn._p_scales(x.q.device), amax)
-    by_uid = {cf._uid(key): value for key, value in by_tensor.items()}
+    by_uid = {cf.tensor_uid(key): value for key, value in by_tensor.items()}
     order = sorted(by_uid)
     return {"tensor": (by_tensor, None), "address": (cf.variant_pack(uids, x, out), None),
             "uid_tensor": (by_uid, None), "ordered_tensor": ([by_uid[u] for u in order], order),

@@ -193,15 +193,15 @@ class KernelChooser:
         lengths ("cudnn-padded") or, with FP8 attention "auto" (compiled calls only), its FP8 kernel with them
         ("cudnn-fp8"), by the "-masked" family's timings (`masked_sweep`); "cudnn-fp8" by name wherever it takes
         the shape."""
-        from xstage_dit.ops.attention.masked_sweep import padded_refusal
+        from xstage_dit.ops.attention import cudnn_padded
 
         args = {k: problem[k] for k in ("batch", "seq_len", "heads", "head_dim", "world_size", "dtype")}
         if self.world != 1:
             return KernelChoice(BASELINE, f"a masked call at world {self.world}: the gather-KV path", {}, {})
         fp8_kernel = MASKED_KERNELS[2]
         fp8 = self.fp8_attention in ("auto", fp8_kernel) and problem["dtype"] in FP8_INPUT_DTYPES
-        refusals = {BASELINE: None, MASKED_KERNELS[1]: padded_refusal(args["head_dim"], args["dtype"],
-                                                                      problem["device"])}
+        refusals = {BASELINE: None, MASKED_KERNELS[1]: cudnn_padded.unavailable(problem["device"], args["head_dim"],
+                                                                                args["dtype"])}
         if fp8:
             offered = (self._refusals or problem_refusals)(**args, device=problem["device"], fp8=True)
             refusals[fp8_kernel] = offered.get(fp8_kernel, "not offered")

@@ -64,6 +64,34 @@ def backend_version() -> int | None:
     return int(_cudnn().backend_version())
 
 
+def bshd_layout(shape) -> tuple[list[int], list[int]]:
+    """(dim, stride) of a contiguous torch (B, S, H, D) tensor in cuDNN's logical (B, H, S, D) order."""
+    b, s, h, d = shape
+    return [b, h, s, d], [s * h * d, d, h * d, 1]
+
+
+def padding_lengths(graph, batch: int) -> dict:
+    """A graph's per-sample query and key lengths, the keywords of its padding mask: {"seq_len_q", "seq_len_kv"}, each
+    int32 (batch, 1, 1, 1) as cuDNN's samples declare them."""
+    int32 = _cudnn().data_type.INT32
+    return {name: graph.tensor(name=name, dim=[batch, 1, 1, 1], stride=[1, 1, 1, 1], data_type=int32)
+            for name in ("seq_len_q", "seq_len_kv")}
+
+
+def tensor_uid(tensor) -> int:
+    """A graph tensor's uid (0 until the frontend lowers the graph)."""
+    # cudnn-frontend 1.32's Python graph tensors carry ``uid``; the pybind tensors of earlier frontends get_uid()
+    uid = getattr(tensor, "uid", None)
+    return uid if isinstance(uid, int) else tensor.get_uid()
+
+
+@functools.cache
+def full_lengths(batch: int, seq: int, device: str) -> torch.Tensor:
+    """int32 (batch, 1, 1, 1) of ``seq`` on ``device``: a padded graph's query lengths where every query row is real,
+    one tensor per (batch, seq, device), so its address stays fixed for the graphs bound to it."""
+    return torch.full((batch, 1, 1, 1), seq, dtype=torch.int32, device=device)
+
+
 class DeviceHandles:
     """``handles(device)``: this owner's cuDNN handle on ``device``, created on first use on that device."""
 
@@ -119,12 +147,8 @@ class CudnnWindowKernel:
         tv = graph.tensor(name="v", dim=list(k_shape), stride=list(k_strides), data_type=io)
         extra, seq = {}, {}
         if padded:
-            bq = q_shape[0]
-            seq["q"] = graph.tensor(name="seq_q", dim=[bq, 1, 1, 1], stride=[1, 1, 1, 1],
-                                    data_type=cudnn.data_type.INT32)
-            seq["kv"] = graph.tensor(name="seq_kv", dim=[bq, 1, 1, 1], stride=[1, 1, 1, 1],
-                                     data_type=cudnn.data_type.INT32)
-            extra = {"use_padding_mask": True, "seq_len_q": seq["q"], "seq_len_kv": seq["kv"]}
+            seq = padding_lengths(graph, q_shape[0])
+            extra = {"use_padding_mask": True, **seq}
         try:
             to, _ = graph.sdpa(name="sdpa", q=tq, k=tk, v=tv, generate_stats=False, attn_scale=scale, **extra)
         except TypeError:  # frontends before generate_stats
@@ -184,7 +208,8 @@ class CudnnWindowKernel:
         cudnn.set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
         pack_seq = {}
         if padded:
-            pack_seq = {seq["q"]: self._seq_tensor(geom, q.device, "q"), seq["kv"]: self._seq_tensor(geom, q.device, "kv")}
+            pack_seq = {seq["seq_len_q"]: self._seq_tensor(geom, q.device, "q"),
+                        seq["seq_len_kv"]: self._seq_tensor(geom, q.device, "kv")}
         packs = []
         for b in range(batch):
             qb = q.as_strided(q_shape, q_strides, q.storage_offset() + b * q.stride(0))

@@ -7,11 +7,12 @@ the frontend's support checks), (B, Sq, H, D) contiguous; the caller dequantizes
 (`fp8_quant.store_rows`). The semantics: ``fp8_reference.cudnn_fp8_emulation``.
 
 With ``kv_lengths`` (int32 (B,) on the device: the count of keys each batch element attends, its first ones) the
-graph takes cuDNN's padding mask (``use_padding_mask``, ``seq_len_q`` every query row, ``seq_len_kv`` these): keys at or
-past a length are never attended. This is a key-padding mask once the kept keys are moved first
+graph takes cuDNN's padding mask (``use_padding_mask``, ``seq_len_q`` every query row, ``seq_len_kv`` these): keys at
+or past a length are never attended. This is a key-padding mask once the kept keys are moved first
 (``fp8_traced.cudnn_fp8_attention``'s ``key_mask``).
 
-One graph per (shapes, scale, device, padded or not), built on first use and cached, its execution plans timed on the first real
+One graph per (shapes, scale, device, padded or not), built on first use and cached, its execution plans timed on
+the first real
 call (`cudnn_fe.CudnnWindowKernel._autotune`, as for the bf16 window kernel). Graphs that ask for Amax_S are
 declined by some cuDNN engines and required by others: the graph is built without it first, then with it.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from xstage_dit.ops.attention.cudnn_fe import (CudnnWindowKernel, DeviceHandles, _cudnn, available, backend_version,
-                                              build_plans)
+                                              bshd_layout, build_plans, full_lengths, padding_lengths, tensor_uid)
 from xstage_dit.ops.attention.fp8_quant import DESCALE_K, DESCALE_Q, DESCALE_V, SCALE_O, Fp8QKV
 from xstage_dit.ops.attention.fp8_reference import P_SCALE
 from xstage_dit.ops.capability import capability_refusal
@@ -72,7 +73,6 @@ class CudnnFp8Attention:
         self._graphs: dict[tuple, list] = {}
         self._handle = DeviceHandles()
         self._consts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._q_lengths_by_shape: dict[tuple, torch.Tensor] = {}
         # calls bound by uid and address (`variant_pack`) and by tensor (`tensor_pack`, ~270 us of host time a call
         # on an H100's host): what a host-bound step reads first (the e2e bench records the timed runs' counts)
         self.calls_by_pack = {"uid": 0, "tensor": 0}
@@ -85,14 +85,6 @@ class CudnnFp8Attention:
                                  torch.full((1,), 1.0 / P_SCALE, dtype=torch.float32, device=device))
         return self._consts[key]
 
-    def _q_lengths(self, batch: int, seq_q: int, device: torch.device) -> torch.Tensor:
-        """int32 (batch, 1, 1, 1) of seq_q on ``device``, one per (batch, seq_q, device): a padded graph's query lengths (every
-        query row is real), at an address fixed for the graph's life."""
-        key = (batch, seq_q, str(device))
-        if key not in self._q_lengths_by_shape:
-            self._q_lengths_by_shape[key] = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32, device=device)
-        return self._q_lengths_by_shape[key]
-
     def _build(self, q_shape, kv_shape, attn_scale: float, device: torch.device, with_amax_s: bool,
                padded: bool) -> list:
         cudnn = _cudnn()
@@ -100,9 +92,9 @@ class CudnnFp8Attention:
         handle = self._handle(device)
         graph = cudnn.pygraph(io_data_type=fp8, intermediate_data_type=flt, compute_data_type=flt, handle=handle)
 
-        def bshd(name, shape, dtype=fp8):
-            b, s, h, d = shape  # cuDNN's logical order is (B, H, S, D); the strides say BSHD
-            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=dtype)
+        def bshd(name, shape):
+            dim, stride = bshd_layout(shape)
+            return graph.tensor(name=name, dim=dim, stride=stride, data_type=fp8)
 
         def scalar(name):
             return graph.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=flt)
@@ -111,17 +103,15 @@ class CudnnFp8Attention:
         names = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
         scal = {name: scalar(name) for name in names}
         kwargs = dict(q=tq, k=tk, v=tv, attn_scale=attn_scale, use_causal_mask=False, name="sdpa_fp8", **scal)
-        lengths = {}
-        if padded:  # one int32 a batch element each side, (B, 1, 1, 1) as cuDNN's samples declare them
-            lengths = {name: graph.tensor(name=name, dim=[q_shape[0], 1, 1, 1], stride=[1, 1, 1, 1],
-                                          data_type=cudnn.data_type.INT32) for name in ("seq_len_q", "seq_len_kv")}
+        lengths = padding_lengths(graph, q_shape[0]) if padded else {}
+        if padded:
             kwargs.update(use_padding_mask=True, **lengths)
         try:
             o, _, amax_s, amax_o = graph.sdpa_fp8(generate_stats=False, **kwargs)
         except TypeError:  # frontends before generate_stats
             o, _, amax_s, amax_o = graph.sdpa_fp8(is_inference=True, **kwargs)
-        b, s, h, d = q_shape
-        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(fp8)
+        dim, stride = bshd_layout(q_shape)
+        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(fp8)
         outputs = [amax_o] + ([amax_s] if with_amax_s else [])
         for t in outputs:
             t.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(flt)
@@ -168,7 +158,7 @@ class CudnnFp8Attention:
                 raise ValueError(f"expected kv_lengths int32 of {q.shape[0]} contiguous on {q.device}, got "
                                  f"{kv_lengths.dtype} {tuple(kv_lengths.shape)} on {kv_lengths.device}")
             kv_lengths = kv_lengths.view(-1, 1, 1, 1)  # as the graph declares it
-            lengths = (self._q_lengths(q.shape[0], q.shape[1], q.device), kv_lengths)
+            lengths = (full_lengths(q.shape[0], q.shape[1], str(q.device)), kv_lengths)
         entry = self._graph(tuple(q.shape), tuple(x.k.shape), float(attn_scale), q.device, lengths is not None)
         graph, t, workspace, handle, sizes, amax, uids, tuned = entry
         # A graph's first call binds its tensors by the graph's own objects (the frontend may lower it, and give
@@ -205,14 +195,14 @@ def pack_uids(t: dict, p_scales: tuple[torch.Tensor, torch.Tensor], amax: torch.
     graph's query lengths); None where a tensor has no uid yet (0: the frontend assigns them as it lowers the
     graph)."""
     scale_s, descale_s = p_scales
-    fixed = {_uid(t["descale_s"]): descale_s.data_ptr(), _uid(t["scale_s"]): scale_s.data_ptr()}
-    fixed.update({_uid(tensor): amax[i, :1].data_ptr() for i, tensor in enumerate(t["amax"])})
+    fixed = {tensor_uid(t["descale_s"]): descale_s.data_ptr(), tensor_uid(t["scale_s"]): scale_s.data_ptr()}
+    fixed.update({tensor_uid(tensor): amax[i, :1].data_ptr() for i, tensor in enumerate(t["amax"])})
     kv_lengths = None
     if lengths is not None:
-        fixed[_uid(t["seq_len_q"])] = lengths[0].data_ptr()
-        kv_lengths = _uid(t["seq_len_kv"])
-    slots = {_uid(t[name]): row for name, row in _SLOTS.items()}
-    operands = [_uid(t[name]) for name in ("q", "k", "v", "o")]
+        fixed[tensor_uid(t["seq_len_q"])] = lengths[0].data_ptr()
+        kv_lengths = tensor_uid(t["seq_len_kv"])
+    slots = {tensor_uid(t[name]): row for name, row in _SLOTS.items()}
+    operands = [tensor_uid(t[name]) for name in ("q", "k", "v", "o")]
     every = [*operands, *slots, *fixed, *([kv_lengths] if lengths is not None else [])]
     # a uid two tensors share collapses in a dict: the count of every uid asked says so
     expected = len(operands) + len(_SLOTS) + 2 + len(t["amax"]) + (2 if lengths is not None else 0)
@@ -234,11 +224,6 @@ class PackUids:
     fixed: dict
     kv_lengths: int | None = None
 
-
-def _uid(tensor) -> int:
-    # cudnn-frontend 1.32's Python graph tensors carry ``uid``; the pybind tensors of earlier frontends get_uid()
-    uid = getattr(tensor, "uid", None)
-    return uid if isinstance(uid, int) else tensor.get_uid()
 
 
 def variant_pack(uids: PackUids, x: Fp8QKV, out: torch.Tensor, kv_lengths: torch.Tensor | None = None

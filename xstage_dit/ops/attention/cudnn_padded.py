@@ -21,7 +21,7 @@ import functools
 import torch
 
 from xstage_dit.ops.attention.cudnn_fe import (DTYPES, HEAD_DIMS, CudnnWindowKernel, DeviceHandles, _cudnn, available,
-                                              build_plans)
+                                              bshd_layout, build_plans, full_lengths, padding_lengths, tensor_uid)
 from xstage_dit.ops.attention.fp8_quant import check_qkv_shapes
 from xstage_dit.ops.attention.key_padding import kept_keys_first
 from xstage_dit.ops.capability import capability_refusal
@@ -50,7 +50,6 @@ class CudnnPaddedAttention:
     def __init__(self):
         self._graphs: dict[tuple, list] = {}
         self._handle = DeviceHandles()
-        self._q_lengths: dict[tuple, torch.Tensor] = {}
 
     def _build(self, q_shape, kv_shape, dtype: torch.dtype, scale: float, device: torch.device) -> list:
         cudnn = _cudnn()
@@ -60,31 +59,23 @@ class CudnnPaddedAttention:
                               compute_data_type=cudnn.data_type.FLOAT, handle=handle)
 
         def bshd(name, shape):
-            b, s, h, d = shape  # cuDNN's logical order is (B, H, S, D); the strides say BSHD
-            return graph.tensor(name=name, dim=[b, h, s, d], stride=[s * h * d, d, h * d, 1], data_type=io)
+            dim, stride = bshd_layout(shape)
+            return graph.tensor(name=name, dim=dim, stride=stride, data_type=io)
 
-        t = {"q": bshd("q", q_shape), "k": bshd("k", kv_shape), "v": bshd("v", kv_shape)}
-        for name in ("seq_len_q", "seq_len_kv"):
-            t[name] = graph.tensor(name=name, dim=[q_shape[0], 1, 1, 1], stride=[1, 1, 1, 1],
-                                   data_type=cudnn.data_type.INT32)
+        t = {"q": bshd("q", q_shape), "k": bshd("k", kv_shape), "v": bshd("v", kv_shape),
+             **padding_lengths(graph, q_shape[0])}
         kwargs = dict(name="sdpa", q=t["q"], k=t["k"], v=t["v"], attn_scale=scale, use_padding_mask=True,
                       seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"])
         try:
             o, _ = graph.sdpa(generate_stats=False, **kwargs)
         except TypeError:  # frontends before generate_stats
             o, _ = graph.sdpa(is_inference=True, **kwargs)
-        b, s, h, d = q_shape
-        o.set_output(True).set_dim([b, h, s, d]).set_stride([s * h * d, d, h * d, 1]).set_data_type(io)
+        dim, stride = bshd_layout(q_shape)
+        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(io)
         t["o"] = o
         sizes, workspace = build_plans(graph, cudnn, device)
         # [4]: {uid: name} of the operands once the first call has lowered the graph (False: none); [-1]: the plan
         return [graph, t, workspace, handle, None, sizes, None]
-
-    def _query_lengths(self, batch: int, seq_q: int, device: torch.device) -> torch.Tensor:
-        key = (batch, seq_q, str(device))
-        if key not in self._q_lengths:
-            self._q_lengths[key] = torch.full((batch, 1, 1, 1), seq_q, dtype=torch.int32, device=device)
-        return self._q_lengths[key]
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor, scale: float
             ) -> torch.Tensor:
@@ -104,7 +95,7 @@ class CudnnPaddedAttention:
         graph, t, workspace, handle, uids, sizes, tuned = entry
         out = torch.empty_like(q)
         values = {"q": q, "k": k, "v": v, "o": out, "seq_len_kv": kv_lengths.contiguous().view(-1, 1, 1, 1),
-                  "seq_len_q": self._query_lengths(q.shape[0], q.shape[1], q.device)}
+                  "seq_len_q": full_lengths(q.shape[0], q.shape[1], str(q.device))}
         pack = ({uid: values[name].data_ptr() for uid, name in uids.items()} if uids
                 else {t[name]: value for name, value in values.items()})
         _cudnn().set_stream(handle=handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
@@ -118,13 +109,9 @@ class CudnnPaddedAttention:
 
 def _operand_uids(t: dict) -> dict[int, str] | None:
     """{uid: operand name} of a lowered graph's tensors, or None where one has no uid yet or two share one. The
-    query lengths' tensor is bound by address too (a fixed tensor per shape, `_query_lengths`)."""
+    query lengths' tensor is bound by address too (a fixed tensor per shape, `cudnn_fe.full_lengths`)."""
     names = (*_OPERANDS, "seq_len_q")
-    uids = {}
-    for name in names:
-        uid = getattr(t[name], "uid", None)
-        uid = uid if isinstance(uid, int) else t[name].get_uid()
-        uids[uid] = name
+    uids = {tensor_uid(t[name]): name for name in names}
     return uids if all(uids) and len(uids) == len(names) else None
 
 

@@ -24,16 +24,9 @@ import torch
 
 from xstage_dit.schedule.attention_kernel import COMPILED_SUFFIX
 
-__all__ = ["MASKED_DIVISOR", "masked_cases", "padded_refusal"]
+__all__ = ["MASKED_DIVISOR", "masked_cases"]
 
 MASKED_DIVISOR = 32
-
-
-def padded_refusal(head_dim: int, dtype: torch.dtype, device: torch.device) -> str | None:
-    """Why "cudnn-padded" cannot take a masked call at ``head_dim`` and ``dtype`` on ``device``, or None."""
-    from xstage_dit.ops.attention.cudnn_padded import unavailable
-
-    return unavailable(torch.device(device), head_dim, dtype)
 
 
 def masked_cases(b: int, s: int, h: int, d: int, dtype: torch.dtype, device, *, fp8: bool = False,
@@ -43,8 +36,8 @@ def masked_cases(b: int, s: int, h: int, d: int, dtype: torch.dtype, device, *, 
     k's bounds handed to the FP8 path, as layers with ``features.qk_bounds`` run it."""
     import torch.nn.functional as F
 
+    from xstage_dit.ops.attention import cudnn_padded
     from xstage_dit.ops.attention.cudnn_fp8 import unavailable as fp8_unavailable
-    from xstage_dit.ops.attention.cudnn_padded import cudnn_padded_attention
     from xstage_dit.ops.attention.fp8_traced import cudnn_fp8_attention
 
     q, k, v = (torch.randn((b, s, h, d), dtype=dtype, device=device) for _ in range(3))
@@ -56,8 +49,8 @@ def masked_cases(b: int, s: int, h: int, d: int, dtype: torch.dtype, device, *, 
                                        scale=scale)
 
     fns = {"sdpa": sdpa}
-    if padded_refusal(d, dtype, device) is None:
-        fns["cudnn-padded"] = lambda: cudnn_padded_attention(q, k, v, mask, scale=scale)
+    if cudnn_padded.unavailable(torch.device(device), d, dtype) is None:
+        fns["cudnn-padded"] = lambda: cudnn_padded.cudnn_padded_attention(q, k, v, mask, scale=scale)
     if fp8 and fp8_unavailable(torch.device(device), d) is None:
         bounds = (q.abs().amax().float(), k.abs().amax().float()) if qk_bounded else None
         compiled = torch.compile(functools.partial(cudnn_fp8_attention, scale=scale), fullgraph=True, dynamic=False)
